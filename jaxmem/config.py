@@ -1,0 +1,133 @@
+"""Model configuration: a frozen dataclass with Llama's fields, named presets, and validation.
+
+The full-size presets carry the published shapes, so `jax.eval_shape` on them reproduces the
+published parameter counts without allocating a byte (see `tests/test_model.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+# Byte-level tokenizer ids (see jaxmem.data): bytes are 0..255, then the special tokens.
+PAD_TOKEN_ID = 256
+BOS_TOKEN_ID = 257
+EOS_TOKEN_ID = 258
+BYTE_VOCAB_SIZE = 259
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes of a Llama-style decoder.
+
+    `head_dim` defaults to `hidden_size // num_heads` (None); Llama 3.2 3B is the one preset
+    where the published head dim is set explicitly (128 with 24 heads of a 3072 width).
+    """
+
+    vocab_size: int = BYTE_VOCAB_SIZE
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = None
+    max_position_embeddings: int = 512
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim <= 0):
+            raise ConfigError(f"ModelConfig.head_dim must be a positive integer, got {self.head_dim!r}")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ConfigError(
+                f"ModelConfig.num_heads={self.num_heads} does not divide "
+                f"hidden_size={self.hidden_size} (set head_dim explicitly to allow this)")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"ModelConfig.num_kv_heads={self.num_kv_heads} does not divide "
+                              f"num_heads={self.num_heads}")
+        if self.resolved_head_dim % 2:
+            raise ConfigError(f"ModelConfig.head_dim={self.resolved_head_dim} must be even for RoPE")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+        if not self.rms_norm_eps > 0:
+            raise ConfigError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    def replace(self, **overrides) -> "ModelConfig":
+        """A copy with some fields changed; unknown fields raise ConfigError naming them."""
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ConfigError(f"unknown ModelConfig field(s): {', '.join(unknown)}")
+        return dataclasses.replace(self, **overrides)
+
+    def num_params(self) -> int:
+        """Closed-form parameter count (checked against jax.eval_shape in the tests)."""
+        d, f, h = self.hidden_size, self.intermediate_size, self.resolved_head_dim
+        attn = d * h * (2 * self.num_heads + 2 * self.num_kv_heads)
+        per_layer = attn + 3 * d * f + 2 * d
+        embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return self.num_layers * per_layer + embed + d
+
+
+_LLAMA3_VOCAB = 128256
+
+PRESETS: dict[str, ModelConfig] = {
+    # CPU smoke model: trains on the built-in corpus in a few minutes on 2 cores.
+    "tiny": ModelConfig(),
+    # ~25M parameters with the byte-level vocabulary.
+    "small": ModelConfig(hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
+                         num_kv_heads=4, max_position_embeddings=2048),
+    "llama-3.2-1b": ModelConfig(vocab_size=_LLAMA3_VOCAB, hidden_size=2048, intermediate_size=8192,
+                                num_layers=16, num_heads=32, num_kv_heads=8,
+                                max_position_embeddings=131072, rope_theta=500000.0,
+                                tie_embeddings=True),
+    "llama-3.2-3b": ModelConfig(vocab_size=_LLAMA3_VOCAB, hidden_size=3072, intermediate_size=8192,
+                                num_layers=28, num_heads=24, num_kv_heads=8, head_dim=128,
+                                max_position_embeddings=131072, rope_theta=500000.0,
+                                tie_embeddings=True),
+    "llama-3-8b": ModelConfig(vocab_size=_LLAMA3_VOCAB, hidden_size=4096, intermediate_size=14336,
+                              num_layers=32, num_heads=32, num_kv_heads=8,
+                              max_position_embeddings=8192, rope_theta=500000.0),
+    "llama-2-7b": ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                              num_layers=32, num_heads=32, num_kv_heads=32,
+                              max_position_embeddings=4096, rope_theta=10000.0),
+}
+
+
+def get_preset(name: str, **overrides) -> ModelConfig:
+    """The named preset with field overrides (`None` overrides are ignored)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name].replace(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def add_model_args(parser) -> None:
+    """Flags shared by every CLI that builds a model: a preset plus size overrides."""
+    g = parser.add_argument_group("model")
+    g.add_argument("--preset", default="tiny", choices=list(PRESETS), metavar="NAME",
+                   help=f"model shape preset: {', '.join(PRESETS)} (default: tiny)")
+    for flag, field in [("--num-layers", "num_layers"), ("--hidden-size", "hidden_size"),
+                        ("--intermediate-size", "intermediate_size"), ("--num-heads", "num_heads"),
+                        ("--num-kv-heads", "num_kv_heads"), ("--head-dim", "head_dim"),
+                        ("--vocab-size", "vocab_size")]:
+        g.add_argument(flag, dest=field, type=int, default=None,
+                       help=f"override the preset's {field}")
+
+
+def model_config_from_args(args) -> ModelConfig:
+    return get_preset(args.preset, **{f: getattr(args, f) for f in (
+        "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+        "vocab_size")})

@@ -1,0 +1,147 @@
+"""Model properties: param counts, causality, padding, RoPE, GQA, config validation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmem.config import PRESETS, ConfigError, ModelConfig, get_preset
+from jaxmem.model import Llama, abstract_params, apply_rope, count_params, init_params, rope_tables
+
+PUBLISHED = {
+    "llama-3.2-1b": 1_235_814_400,
+    "llama-3.2-3b": 3_212_749_824,
+    "llama-3-8b": 8_030_261_248,
+    "llama-2-7b": 6_738_415_616,
+}
+
+CFG = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                  max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CFG, jax.random.PRNGKey(0))
+
+
+def tokens(seed, shape=(2, 16)):
+    return jax.random.randint(jax.random.PRNGKey(seed), shape, 0, CFG.vocab_size)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_param_counts_without_allocation(name):
+    abstract = abstract_params(PRESETS[name])
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(abstract))
+    assert count_params(abstract) == PUBLISHED[name]
+    assert PRESETS[name].num_params() == PUBLISHED[name]
+
+
+def test_small_preset_is_about_25m():
+    assert 24e6 < count_params(abstract_params(PRESETS["small"])) < 27e6
+
+
+def test_logits_shape_and_dtype(params):
+    logits = Llama(CFG).apply({"params": params}, tokens(1))
+    assert logits.shape == (2, 16, CFG.vocab_size) and logits.dtype == jnp.float32
+    bf16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params)
+    assert Llama(CFG).apply({"params": bf16}, tokens(1)).dtype == jnp.float32
+
+
+def test_causality(params):
+    """Changing token t never changes logits at positions < t."""
+    x = tokens(2)
+    base = Llama(CFG).apply({"params": params}, x)
+    for t in (5, 11, 15):
+        changed = x.at[:, t].set((x[:, t] + 7) % CFG.vocab_size)
+        out = Llama(CFG).apply({"params": params}, changed)
+        np.testing.assert_array_equal(np.asarray(out[:, :t]), np.asarray(base[:, :t]))
+        assert not np.allclose(out[:, t:], base[:, t:])
+
+
+def test_padding_does_not_affect_real_tokens(params):
+    """Right padding: any content in padded slots leaves real positions' logits unchanged."""
+    x = tokens(3)
+    mask = jnp.broadcast_to(jnp.arange(16) < 10, (2, 16))
+    a = Llama(CFG).apply({"params": params}, x, padding_mask=mask)
+    garbage = jnp.where(mask, x, (x * 13 + 5) % CFG.vocab_size)
+    b = Llama(CFG).apply({"params": params}, garbage, padding_mask=mask)
+    np.testing.assert_allclose(a[:, :10], b[:, :10], rtol=0, atol=1e-6)
+    # Without the mask, causal-only logits of the real prefix are the same as well.
+    c = Llama(CFG).apply({"params": params}, x)
+    np.testing.assert_allclose(a[:, :10], c[:, :10], rtol=0, atol=1e-5)
+    assert np.isfinite(np.asarray(b)).all()
+
+
+def test_left_padding_masks_keys(params):
+    """Left padding: real tokens never attend to padded keys, whatever those hold."""
+    x = tokens(4)
+    mask = jnp.broadcast_to(jnp.arange(16) >= 4, (2, 16))
+    pos = jnp.broadcast_to(jnp.maximum(jnp.arange(16) - 4, 0), (2, 16))
+    a = Llama(CFG).apply({"params": params}, x, padding_mask=mask, positions=pos)
+    b = Llama(CFG).apply({"params": params}, x.at[:, :4].set(1), padding_mask=mask, positions=pos)
+    np.testing.assert_allclose(a[:, 4:], b[:, 4:], rtol=0, atol=1e-6)
+    # and equals the unpadded sequence run on its own
+    c = Llama(CFG).apply({"params": params}, x[:, 4:])
+    np.testing.assert_allclose(a[:, 4:], c, rtol=0, atol=1e-5)
+    assert np.isfinite(np.asarray(a)).all()
+
+
+def test_rope_relative_position():
+    """<rope(q, m), rope(k, n)> depends only on m - n."""
+    H = 32
+    q = jax.random.normal(jax.random.PRNGKey(0), (1, 1, 1, H))
+    k = jax.random.normal(jax.random.PRNGKey(1), (1, 1, 1, H))
+
+    def score(m, n):
+        cq, sq = rope_tables(jnp.array([[m]]), H, 10000.0)
+        ck, sk = rope_tables(jnp.array([[n]]), H, 10000.0)
+        return float(jnp.sum(apply_rope(q, cq, sq) * apply_rope(k, ck, sk)))
+
+    ref = score(7, 3)
+    for m, n in [(4, 0), (10, 6), (104, 100)]:
+        np.testing.assert_allclose(score(m, n), ref, rtol=1e-4)
+    assert abs(score(7, 0) - ref) > 1e-3
+    # position 0 is the identity
+    c, s = rope_tables(jnp.zeros((1, 1), jnp.int32), H, 10000.0)
+    np.testing.assert_array_equal(apply_rope(q, c, s), q)
+
+
+def test_gqa_equals_mha_with_repeated_kv_heads(params):
+    """A GQA model equals an MHA model whose k/v heads are the GQA heads repeated."""
+    mha_cfg = CFG.replace(num_kv_heads=CFG.num_heads)
+    rep = CFG.num_heads // CFG.num_kv_heads
+    mha = jax.tree_util.tree_map(lambda x: x, params)
+    attn = dict(mha["layers"]["self_attn"])
+    for name in ("k_proj", "v_proj"):  # [L, D, K, H] -> [L, D, N, H], head k -> heads k*rep..
+        attn[name] = jnp.repeat(attn[name], rep, axis=2)
+    mha["layers"] = {**mha["layers"], "self_attn": attn}
+    x = tokens(5)
+    np.testing.assert_allclose(Llama(mha_cfg).apply({"params": mha}, x),
+                               Llama(CFG).apply({"params": params}, x), rtol=1e-5, atol=1e-5)
+
+
+def test_tied_embeddings_have_no_lm_head():
+    p = abstract_params(CFG.replace(tie_embeddings=True))
+    assert "lm_head" not in p
+    assert "lm_head" in abstract_params(CFG)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(hidden_size=0), "hidden_size"),
+    (dict(num_layers=-1), "num_layers"),
+    (dict(vocab_size=0), "vocab_size"),
+    (dict(hidden_size=100, num_heads=3), "num_heads"),
+    (dict(num_heads=4, num_kv_heads=3), "num_kv_heads"),
+    (dict(head_dim=0), "head_dim"),
+    (dict(rms_norm_eps=0.0), "rms_norm_eps"),
+])
+def test_invalid_config_names_field(overrides, field):
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig(**{**dict(hidden_size=64, num_heads=4, num_kv_heads=2), **overrides})
+
+
+def test_unknown_preset_and_field():
+    with pytest.raises(ConfigError, match="unknown preset 'nope'.*tiny"):
+        get_preset("nope")
+    with pytest.raises(ConfigError, match="hiden_size"):
+        get_preset("tiny", hiden_size=3)
