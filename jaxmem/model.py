@@ -35,6 +35,14 @@ def default_einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum(subscripts, x, w.astype(x.dtype))
 
 
+def _cpu_lacks(dtype) -> bool:
+    """XLA:CPU has no fp16 x fp16 -> fp32 dot (attention, LM head); there we upcast operands.
+
+    Only the CPU backend takes this path, where fp16 is emulated anyway and makes no memory claim.
+    """
+    return jnp.dtype(dtype) == jnp.float16 and jax.default_backend() == "cpu"
+
+
 def _init(fan_in: int):
     return nn.initializers.normal(stddev=fan_in ** -0.5)
 
@@ -86,11 +94,12 @@ class Attention(nn.Module):
         v = checkpoint_name(v, "value")
         # GQA natively: N query heads share K kv heads. cuDNN flash attention on GPUs that
         # support it, XLA elsewhere; the XLA path computes logits and softmax in fp32.
+        qkv = [t.astype(jnp.float32) for t in (q, k, v)] if _cpu_lacks(q.dtype) else (q, k, v)
         if mask is None:
-            ctx = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [B, T, N, H]
+            ctx = jax.nn.dot_product_attention(*qkv, is_causal=True)  # [B, T, N, H]
         else:
-            ctx = jax.nn.dot_product_attention(q, k, v, mask=mask)  # [B, T, N, H]
-        ctx = checkpoint_name(ctx, "attn_context")
+            ctx = jax.nn.dot_product_attention(*qkv, mask=mask)  # [B, T, N, H]
+        ctx = checkpoint_name(ctx.astype(q.dtype), "attn_context")
         return self.einsum("BTNH,NHD->BTD", ctx, wo)  # [B, T, D]
 
 
@@ -177,6 +186,8 @@ class Llama(nn.Module):
             head = self.param("lm_head", _init(c.hidden_size), (c.hidden_size, c.vocab_size),
                               jnp.float32)
         # fp32 accumulation and fp32 logits whatever the compute dtype.
+        if _cpu_lacks(dtype):
+            x, dtype = x.astype(jnp.float32), jnp.float32
         return jnp.einsum("BTD,DV->BTV", x, head.astype(dtype), preferred_element_type=jnp.float32)
 
 

@@ -1,0 +1,82 @@
+"""AdamW with linear warmup + cosine decay, clipping by global norm, and which params decay.
+
+Clipping is the first link of the chain, so it sees the *unscaled* gradients: the train step
+unscales before calling the optimizer (as `scaler.unscale_(opt)` before `clip_grad_norm_`).
+Skipping a non-finite step happens outside the optimizer (jaxmem.step), which keeps every leaf of
+the optimizer state, the Adam count and so the schedule position, bitwise as it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW and schedule settings (the train CLI's flags of the same names).
+
+    lr: peak learning rate, reached after `warmup_steps`.
+    min_lr: floor of the cosine decay, reached at `total_steps`.
+    decay_embeddings: also apply weight decay to the embedding (norms never decay).
+    mu_dtype: dtype of Adam's first moment (None: the params' dtype).
+    clip: max global gradient norm (0 disables clipping).
+    """
+
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 50
+    total_steps: int = 1000
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    decay_embeddings: bool = False
+    clip: float = 1.0
+    mu_dtype: str | None = None
+
+    def __post_init__(self):
+        checks = [("lr", self.lr >= 0), ("min_lr", 0 <= self.min_lr),
+                  ("warmup_steps", self.warmup_steps >= 0), ("total_steps", self.total_steps > 0),
+                  ("weight_decay", self.weight_decay >= 0), ("clip", self.clip >= 0),
+                  ("b1", 0 <= self.b1 < 1), ("b2", 0 <= self.b2 < 1), ("eps", self.eps > 0)]
+        for name, ok in checks:
+            value = getattr(self, name)
+            if not ok or value != value:  # value != value: NaN
+                raise ValueError(f"optimizer {name}={value!r} is invalid")
+        if self.mu_dtype not in (None, "fp32", "bf16", "float32", "bfloat16"):
+            raise ValueError(f"--mu-dtype {self.mu_dtype!r} is invalid; choose fp32 or bf16")
+
+
+def schedule(cfg: OptimConfig) -> optax.Schedule:
+    """Linear warmup from 0 to `lr`, then cosine decay to `min_lr` at `total_steps`."""
+    warmup = min(cfg.warmup_steps, cfg.total_steps - 1)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
+        decay_steps=max(cfg.total_steps, warmup + 1), end_value=min(cfg.min_lr, cfg.lr))
+
+
+def decay_mask(params, decay_embeddings: bool = False):
+    """True for weights that decay: every matrix except norm scales (and embeddings unless asked)."""
+    def decays(path, x):
+        keys = [getattr(k, "key", None) for k in path]
+        if "scale" in keys:
+            return False
+        if "embed_tokens" in keys:
+            return decay_embeddings
+        return x.ndim >= 2
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    mu_dtype = {None: None, "fp32": jnp.float32, "float32": jnp.float32,
+                "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16}[cfg.mu_dtype]
+    adamw = optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, mu_dtype=mu_dtype,
+                        weight_decay=cfg.weight_decay,
+                        mask=lambda p: decay_mask(p, cfg.decay_embeddings))
+    if cfg.clip > 0:
+        return optax.chain(optax.clip_by_global_norm(cfg.clip), adamw)
+    return adamw

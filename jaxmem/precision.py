@@ -1,0 +1,77 @@
+"""Precision modes: where parameters live, what the matmuls compute in, and the default loss scale.
+
+    mode       params + optimizer state   forward/backward   loss scale default
+    fp32       fp32                       fp32               none
+    bf16       bf16 (pure bf16)           bf16               none
+    amp-bf16   fp32 master                bf16               none
+    amp-fp16   fp32 master                fp16               dynamic
+    fp8        fp32 master                bf16, fp8 matmuls  none   (jaxmem.fp8)
+
+In the amp modes the train state holds fp32 params; the loss casts them to the compute dtype
+*inside* the differentiated function, so the gradients come back in fp32 for the fp32 master copy.
+Norm weights are never cast: RMSNorm computes in fp32 (as PyTorch autocast leaves them). Norm
+statistics, softmax, logits and the loss are fp32 in every mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+
+class PrecisionError(ValueError):
+    """An unknown precision mode."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A precision mode.
+
+    name: the `--precision` value.
+    param_dtype: dtype of the stored params, gradients and optimizer state.
+    compute_dtype: dtype the forward and backward matmuls run in.
+    loss_scale: the default `--loss-scale` for the mode.
+    fp8: route the attention and MLP projections through fp8 matmuls.
+    """
+
+    name: str
+    param_dtype: jnp.dtype
+    compute_dtype: jnp.dtype
+    loss_scale: str = "none"
+    fp8: bool = False
+
+
+PRECISIONS: dict[str, Precision] = {
+    "fp32": Precision("fp32", jnp.float32, jnp.float32),
+    "bf16": Precision("bf16", jnp.bfloat16, jnp.bfloat16),
+    "amp-bf16": Precision("amp-bf16", jnp.float32, jnp.bfloat16),
+    "amp-fp16": Precision("amp-fp16", jnp.float32, jnp.float16, loss_scale="dynamic"),
+    "fp8": Precision("fp8", jnp.float32, jnp.bfloat16, fp8=True),
+}
+
+
+def get_precision(name: str) -> Precision:
+    if name not in PRECISIONS:
+        raise PrecisionError(f"unknown precision {name!r}; choose one of: {', '.join(PRECISIONS)}")
+    return PRECISIONS[name]
+
+
+def _is_norm(path) -> bool:
+    return any(getattr(k, "key", None) == "scale" for k in path)
+
+
+def cast_params(params, dtype, keep_norms_fp32: bool = True):
+    """Cast floating params to `dtype`; norm scales stay as they are when `keep_norms_fp32`."""
+    def cast(path, x):
+        if not jnp.issubdtype(x.dtype, jnp.floating) or (keep_norms_fp32 and _is_norm(path)):
+            return x
+        return x.astype(dtype)
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def cast_floating(tree, dtype):
+    """Cast every floating leaf of `tree` to `dtype`."""
+    return jax.tree_util.tree_map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)

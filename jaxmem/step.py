@@ -1,0 +1,157 @@
+"""The train state and the one jitted, donated train step.
+
+    train_step(state, batch) -> (state, metrics)
+
+batch: dict of int32 arrays [K, B, T] (K = grad-accumulation micro-batches). Per step:
+
+    for each micro-batch (a scan when K > 1):
+        loss_k = sum of token losses / tokens in the whole step   (fp32)
+        g += grad(scale(loss_k)) w.r.t. the stored params        (params cast to the compute
+                                                                    dtype inside the loss)
+    g = unscale(g); finite = all_finite(g); grad_norm = |g|
+    if finite: clip, AdamW update                                 (jaxmem.optim)
+    else:      params and every optimizer leaf stay bitwise as they were (lax.cond)
+    loss_scale = loss_scale.adjust(finite)                        (once per optimizer step)
+
+Dividing every micro-batch by the token count of the whole step makes K micro-batches of B give
+the same gradient as one batch of K*B.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from jaxmem.config import ModelConfig
+from jaxmem.loss import cross_entropy
+from jaxmem.loss_scale import LossScale, NoOpLossScale, all_finite
+from jaxmem.model import Llama, default_einsum, init_params
+from jaxmem.optim import OptimConfig, make_optimizer, schedule
+from jaxmem.precision import Precision, cast_floating, cast_params
+from jaxmem.remat import RematPolicy
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a run needs to continue exactly; all leaves are arrays.
+
+    step: train steps taken, skipped ones included (int32).
+    applied: optimizer updates applied, i.e. the schedule position (int32).
+    skips_in_a_row: non-finite steps since the last applied one (int32).
+    data_position: batches consumed from the data stream (int32).
+    rng: raw key data (uint32) for stochastic layers and sampling.
+    """
+
+    step: jax.Array
+    applied: jax.Array
+    skips_in_a_row: jax.Array
+    data_position: jax.Array
+    rng: jax.Array
+    params: Any
+    opt_state: Any
+    loss_scale: LossScale
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """What the train step is built from (all static)."""
+
+    model: ModelConfig
+    precision: Precision
+    remat: RematPolicy = RematPolicy()
+    optim: OptimConfig = OptimConfig()
+    grad_accum: int = 1
+    # Right padding only (what jaxmem.data produces): the causal mask already hides padded keys
+    # from every real query, so attention runs causal-only (cuDNN flash attention on GPU) and
+    # padding is removed by the loss mask alone. Set True for left-padded batches.
+    attention_padding: bool = False
+
+    def build_model(self) -> Llama:
+        einsum = default_einsum
+        if self.precision.fp8:
+            from jaxmem.fp8 import fp8_einsum
+            einsum = fp8_einsum
+        return Llama(self.model, self.remat, einsum)
+
+
+def create_train_state(cfg: StepConfig, loss_scale: LossScale | None = None,
+                       seed: int = 0) -> TrainState:
+    """Fresh params in the mode's storage dtype, optimizer state, loss scale, counters."""
+    key = jax.random.PRNGKey(seed)
+    init_key, state_key = jax.random.split(key)
+    params = cast_floating(init_params(cfg.model, init_key), cfg.precision.param_dtype)
+    def zero():  # separate buffers: the state is donated, and one buffer cannot be donated twice
+        return jnp.zeros((), jnp.int32)
+
+    return TrainState(step=zero(), applied=zero(), skips_in_a_row=zero(), data_position=zero(),
+                      rng=jax.random.key_data(state_key) if hasattr(jax.random, "key_data")
+                      else state_key,
+                      params=params, opt_state=make_optimizer(cfg.optim).init(params),
+                      loss_scale=loss_scale if loss_scale is not None else NoOpLossScale())
+
+
+def make_train_step(cfg: StepConfig):
+    """The pure train step for `cfg` (un-jitted; see `jit_train_step`)."""
+    model = cfg.build_model()
+    optimizer = make_optimizer(cfg.optim)
+    lr_at = schedule(cfg.optim)
+    compute_dtype = cfg.precision.compute_dtype
+
+    def train_step(state: TrainState, batch):
+        total_tokens = jnp.maximum(jnp.sum(batch["mask"]).astype(jnp.float32), 1.0)
+
+        def micro_loss(params, mb):
+            p = cast_params(params, compute_dtype)  # inside grad: fp32 grads for fp32 masters
+            pad = mb["mask"] if cfg.attention_padding else None
+            logits = model.apply({"params": p}, mb["inputs"], padding_mask=pad)  # [B, T, V] fp32
+            total, _ = cross_entropy(logits, mb["targets"], mb["mask"])
+            loss = total / total_tokens
+            return state.loss_scale.scale(loss), loss
+
+        grad_fn = jax.grad(micro_loss, has_aux=True)
+
+        def accumulate(carry, mb):
+            g_sum, loss_sum = carry
+            g, loss = grad_fn(state.params, mb)
+            return (jax.tree_util.tree_map(jnp.add, g_sum, g), loss_sum + loss), None
+
+        if cfg.grad_accum == 1:
+            grads, loss = grad_fn(state.params, jax.tree_util.tree_map(lambda x: x[0], batch))
+        else:
+            zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
+            (grads, loss), _ = jax.lax.scan(accumulate, (zeros, jnp.zeros((), jnp.float32)), batch)
+
+        grads = state.loss_scale.unscale(grads)
+        finite = all_finite(grads)
+        grad_norm = optax.global_norm(grads)
+
+        def apply(_):
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            return optax.apply_updates(state.params, updates), opt_state
+
+        def skip(_):
+            return state.params, state.opt_state
+
+        params, opt_state = jax.lax.cond(finite, apply, skip, None)
+        new_state = state.replace(
+            step=state.step + 1,
+            applied=state.applied + finite.astype(jnp.int32),
+            skips_in_a_row=jnp.where(finite, 0, state.skips_in_a_row + 1),
+            data_position=state.data_position + cfg.grad_accum,
+            params=params, opt_state=opt_state,
+            loss_scale=state.loss_scale.adjust(finite))
+        metrics = {"loss": loss, "grad_norm": grad_norm, "loss_scale": state.loss_scale.loss_scale,
+                   "skipped": ~finite, "lr": lr_at(state.applied), "tokens": total_tokens}
+        return new_state, metrics
+
+    return train_step
+
+
+def jit_train_step(cfg: StepConfig):
+    """`make_train_step` under jit with the state donated (updated in place)."""
+    return jax.jit(make_train_step(cfg), donate_argnums=0)
