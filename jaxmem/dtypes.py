@@ -130,7 +130,7 @@ def format_table() -> list[dict]:
 
 
 def _cell(value) -> str:
-    """Shortest exact text for a value; powers of two also as 2^k, the way people reason about them."""
+    """Shortest exact text for a value; powers of two also as 2^k, as people reason about them."""
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
