@@ -128,7 +128,7 @@ def make_train_step(cfg: StepConfig):
 
         grads = state.loss_scale.unscale(grads)
         finite = all_finite(grads)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads)
 
         def apply(_):
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
