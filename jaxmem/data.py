@@ -382,6 +382,8 @@ class Batcher:
                  pad_id: int = PAD_TOKEN_ID):
         if batch_size < 1 or seq_len < 1:
             raise DataError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
+        if int(seed) < 0:
+            raise DataError(f"seed must be >= 0, got {seed}")
         tokens = np.asarray(tokens)
         if tokens.ndim != 1 or tokens.size < 2:
             raise DataError(f"need a 1-D token stream of at least 2 tokens, got shape "

@@ -1,6 +1,7 @@
 """Checkpoints: bitwise round trips of a realistic train state, atomic saves, corruption errors."""
 
 import dataclasses
+import functools
 import gc
 import logging
 import os
@@ -36,7 +37,7 @@ def quiet_asyncio():
     level = logger.level
     logger.setLevel(logging.CRITICAL)
     yield
-    gc.collect()
+    gc.collect()  # reap the orphaned coroutines here, under the warning filter above
     logger.setLevel(level)
 
 
@@ -59,6 +60,7 @@ class State:
     data_position: jax.Array
 
 
+@functools.lru_cache(maxsize=None)  # jax arrays are immutable: sharing them is safe
 def make_state(seed=0):
     k = jax.random.split(jax.random.key(seed), 4)
     special = jnp.array([np.nan, -0.0, np.inf, -np.inf, 1e-45, 3.4e38, -1.5, 0.1], jnp.float32)
@@ -71,8 +73,9 @@ def make_state(seed=0):
                      optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100)))
     opt_state = tx.init(params)
     grads = jax.tree.map(lambda p: jnp.nan_to_num(p * 0.5, posinf=1.0, neginf=-1.0), params)
+    update = jax.jit(tx.update)
     for _ in range(3):  # non-zero moments and counts
-        _, opt_state = tx.update(grads, opt_state, params)
+        _, opt_state = update(grads, opt_state, params)
     return State(step=jnp.int32(3), params=params, opt_state=opt_state,
                  loss_scale=LossScale(jnp.float32(2.0 ** 15), jnp.int32(1999), period=123),
                  rng=jax.random.key_data(k[3]), data_position=jnp.int32(2 ** 31 - 1))
@@ -149,7 +152,7 @@ def test_keep_wait_and_errors(tmp_path):
 # ----------------------------------------------------------------------------- corruption
 
 
-def _corrupt_and_restore(directory, state, corrupt):
+def _corrupt_and_restore(directory, state, corrupt, check_step_1=True):
     step_dir = directory / "2"
     corrupt(step_dir)
     ck = Checkpointer(directory, keep=3)
@@ -162,12 +165,12 @@ def _corrupt_and_restore(directory, state, corrupt):
             msg = str(e)
             assert "\n" not in msg
             assert msg.startswith(f"checkpoint step 2 at {step_dir} "), msg
-            assert_bitwise_equal(ck.restore(1, make_state(1))[0], make_state(1))  # still fine
+            if check_step_1:  # the older step is untouched and still restores
+                assert_bitwise_equal(ck.restore(1, make_state(1))[0], make_state(1))
             return "error", msg
         return "restored", (restored, meta)
     finally:
         ck.close()
-        gc.collect()  # reap Orbax's orphaned read coroutines here, under the filter above
 
 
 def _files(step_dir):
@@ -217,7 +220,7 @@ def test_any_single_file_removed_or_truncated_never_gives_wrong_state(saved, tmp
                 f = step_dir / rel
                 f.unlink() if action == "remove" else os.truncate(f, f.stat().st_size // 2)
 
-            outcome, value = _corrupt_and_restore(directory, state, corrupt)
+            outcome, value = _corrupt_and_restore(directory, state, corrupt, check_step_1=False)
             if outcome == "restored":
                 assert_bitwise_equal(value[0], state)
                 assert value[1] == META

@@ -312,5 +312,7 @@ def test_bad_batcher_arguments():
         Batcher(STREAM, 0, 16)
     with pytest.raises(DataError, match="at least 2 tokens"):
         Batcher(STREAM[:1], 2, 16)
+    with pytest.raises(DataError, match="seed must be >= 0, got -1"):
+        Batcher(STREAM, 2, 16, seed=-1)
     with pytest.raises(DataError, match="position must be >= 0"):
         Batcher(STREAM, 2, 16).batch_at(-1)
