@@ -191,7 +191,9 @@ def test_default_corpus():
     assert stats["source"] == "default:stdlib"
     assert stats["bytes"] > 1_000_000 and stats["files"] > 50
     assert train.dtype == np.int32 and train.ndim == 1 and train.max() < V
-    assert stats["tokens"] == train.size + ev.size == stats["bytes"] + 2 * stats["documents"]
+    assert stats["tokens"] == train.size + ev.size
+    if stats["invalid_utf8_replacements"] == 0:  # else U+FFFD changes the byte count
+        assert stats["tokens"] == stats["bytes"] + 2 * stats["documents"]
     assert len(stats["tokens_sha256"]) == 64 and stats["python_version"]
     assert "def " in TOK.decode(train[:20000])
     # deterministic, and the cap is honoured
