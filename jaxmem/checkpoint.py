@@ -1,0 +1,181 @@
+"""Orbax checkpoints of the whole train state plus a JSON metadata dict.
+
+One step directory holds two items, written by one `ocp.CheckpointManager`:
+
+    <directory>/<step>/state   the train-state pytree (StandardSave: params, optimizer state,
+                               loss scale, step, RNG key data, data position ...)
+    <directory>/<step>/meta    a JSON dict (JsonSave: config, data stats, git hash ...)
+
+Atomicity (checked in orbax-checkpoint 0.12.8, `_src/path/atomicity.py` and
+`_src/path/atomicity_defaults.py`): on a local filesystem the manager uses
+`AtomicRenameTemporaryPath`: a step is written into `<step>.orbax-checkpoint-tmp...`, a
+`commit_success.txt` is written last, and only then is the directory renamed to `<step>`.
+Listing (`StepNameFormat.find_all`) ignores the tmp directories, so `latest_step()` and
+`restore()` only ever see steps Orbax committed; a process killed mid-save leaves an ignored tmp
+directory that `cleanup_tmp_directories=True` removes the next time a manager is opened. (On GCS
+Orbax uses `CommitFileTemporaryPath` instead: no rename, the step counts once
+`commit_success.txt` exists.) Nothing here unpickles anything: Orbax stores arrays with
+TensorStore and metadata as JSON.
+
+State leaves should be arrays: jax arrays (any dtype, bf16 and int32 scalars included) or numpy
+arrays. Keep the RNG as `jax.random.key_data(key)` (uint32) and the step and data position as
+int32 jax scalars. Pytree nodes (dicts, NamedTuples such as optax states, registered
+dataclasses) come back as the same node types because the structure is taken from the abstract
+state given to `restore`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+_STATE, _META = "state", "meta"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or restored; the one-line message names the step and path."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    line = text.splitlines()[0] if text else ""
+    if len(line) > 300:
+        line = line[:300] + "..."
+    return f"{type(e).__name__}: {line}" if line else type(e).__name__
+
+
+def abstract_state(tree):
+    """The restore target of `tree`: arrays become `jax.ShapeDtypeStruct`s (keeping a jax
+    array's sharding), `ShapeDtypeStruct`s and other leaves stay as they are.
+
+    A `ShapeDtypeStruct` without a sharding (e.g. from `jax.eval_shape`) restores with the
+    sharding recorded in the checkpoint (a single device here); give one to place it elsewhere.
+    """
+    def leaf(x):
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        if isinstance(x, (np.ndarray, np.generic)):
+            return jax.ShapeDtypeStruct(np.shape(x), x.dtype)  # restores as a numpy array
+        return x
+    return jax.tree.map(leaf, tree)
+
+
+class Checkpointer:
+    """Saves and restores (state pytree, meta dict) per step; keeps the newest `keep` steps.
+
+        ckpt = Checkpointer("runs/x/ckpt", keep=3)
+        ckpt.save(step, state, {"config": ..., "data": stats})
+        step = ckpt.latest_step()                 # None when nothing was committed
+        state, meta = ckpt.restore(step, jax.eval_shape(lambda: state))
+        ckpt.close()
+    """
+
+    def __init__(self, directory, keep: int = 3):
+        if not isinstance(keep, int) or keep < 1:
+            raise CheckpointError(f"keep must be a positive integer, got {keep!r}")
+        self.directory = Path(directory).absolute()
+        try:
+            self._manager = ocp.CheckpointManager(
+                self.directory,
+                item_names=(_STATE, _META),
+                options=ocp.CheckpointManagerOptions(
+                    max_to_keep=keep, create=True, cleanup_tmp_directories=True),
+            )
+        except Exception as e:
+            raise CheckpointError(
+                f"cannot open checkpoint directory {self.directory}: {_first_line(e)}") from e
+
+    def _step_path(self, step: int) -> Path:
+        return self.directory / str(step)
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        return sorted(int(s) for s in self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None (in-flight and killed saves are never listed)."""
+        return self._manager.latest_step()
+
+    def save(self, step: int, state, meta: dict[str, Any], wait: bool = True) -> None:
+        """Save `state` (a pytree of arrays) and `meta` (a JSON-able dict) as `step`.
+
+        With wait=False the write continues in a background thread and the next `save`,
+        `wait()` or `close()` waits for it. Whether Orbax has copied the arrays to the host
+        before returning depends on its version and options, so this module does not promise
+        it: call `wait()` before donating or deleting the saved buffers.
+        """
+        step = int(step)
+        path = self._step_path(step)
+        try:
+            json.dumps(meta, allow_nan=True)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"checkpoint step {step} meta is not JSON-serializable "
+                                  f"({_first_line(e)}); path {path}") from e
+        if step in self._manager.all_steps():
+            raise CheckpointError(f"checkpoint step {step} already exists at {path}")
+        try:
+            saved = self._manager.save(step, args=ocp.args.Composite(**{
+                _STATE: ocp.args.StandardSave(state),
+                _META: ocp.args.JsonSave(meta),
+            }))
+            if wait:
+                self._manager.wait_until_finished()
+        except Exception as e:
+            raise CheckpointError(f"cannot save checkpoint step {step} to {path}: "
+                                  f"{_first_line(e)}") from e
+        if not saved:
+            raise CheckpointError(f"Orbax declined to save checkpoint step {step} to {path}")
+
+    def wait(self) -> None:
+        """Block until a background save has committed."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            raise CheckpointError(f"background checkpoint save in {self.directory} failed: "
+                                  f"{_first_line(e)}") from e
+
+    def restore(self, step: int, abstract) -> tuple[Any, dict[str, Any]]:
+        """(state, meta) of committed `step`. `abstract` is a pytree with the state's structure
+        whose leaves are `jax.ShapeDtypeStruct`s or arrays (see `abstract_state`); dtypes,
+        shapes, shardings and node types come from it.
+
+        Raises CheckpointError naming the step and path when the step was never committed or its
+        files are missing, truncated or do not match `abstract`.
+        """
+        step = int(step)
+        path = self._step_path(step)
+        committed = self.all_steps()
+        if step not in committed:
+            raise CheckpointError(f"no committed checkpoint step {step} at {path} "
+                                  f"(committed steps: {committed or 'none'})")
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(**{
+                _STATE: ocp.args.StandardRestore(abstract_state(abstract)),
+                _META: ocp.args.JsonRestore(),
+            }))
+            state, meta = restored[_STATE], restored[_META]
+        except Exception as e:
+            raise CheckpointError(f"checkpoint step {step} at {path} is corrupted, incomplete or "
+                                  f"does not match the expected state: {_first_line(e)}") from e
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"checkpoint step {step} at {path} has no metadata dict "
+                                  f"(got {type(meta).__name__})")
+        return state, meta
+
+    def close(self) -> None:
+        """Wait for any background save, then release Orbax's threads."""
+        try:
+            self._manager.wait_until_finished()
+        finally:
+            self._manager.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

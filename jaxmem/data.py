@@ -1,0 +1,443 @@
+"""Tokenizers, corpus loading and packed, resumable batches.
+
+The pipeline, top to bottom:
+
+    load_tokenizer(path | None)              -> ByteTokenizer (default) or HFTokenizer
+    load_corpus(data | None, tok, vocab)     -> (train_tokens, eval_tokens, stats)
+    Batcher(train_tokens, B, T, seed).batch_at(position)  -> {"inputs", "targets", "mask"}
+    eval_batches(eval_tokens, B, T, max_batches)           -> [batch, ...]
+
+A batch is a dict of int32 numpy arrays [B, T] (see `jaxmem.loss`): `inputs`, `targets` and
+`mask` (1 for a real target, 0 for padding).
+
+Sources (`data`, the `--data` flag): a file, a directory (read recursively, files sorted by
+path, hidden files and directories skipped), or a glob pattern (`**` allowed); several of these
+may be joined with commas. Each file is one of:
+
+  * text (any other suffix): read as UTF-8; bytes that are not valid UTF-8 are decoded with
+    errors='replace' and counted in `stats["invalid_utf8_replacements"]` (one per replaced
+    run, Python's rule), never an error. A text file is one document: BOS + tokens + EOS.
+  * `*.bin`: raw token ids, native byte order, uint16; a name ending in `.u32.bin` is uint32.
+    The file is taken verbatim as a token stream (no BOS/EOS added: pre-tokenized files keep
+    their own document separators).
+  * `*.npy`: a 1-D integer array, loaded with `np.load(path, mmap_mode='r',
+    allow_pickle=False)` (no pickle, ever) and also taken verbatim.
+
+`data=None` is the built-in corpus: the `*.py` files directly in the Python standard library
+directory, in name order, capped at `default_corpus_bytes`. It needs no download and loads in
+well under a second, but it differs slightly between Python versions, so `stats` records the
+Python version, its size in bytes and the sha256 of the token stream.
+
+Batches are a pure function of (tokens, seed, batch_size, seq_len, position): the stream is cut
+into windows of T + 1 tokens with stride T (window j starts at token j*T; the last window is
+right-padded with PAD when the stream does not fill it), each epoch visits every window once in
+the order of a permutation drawn from `np.random.Generator(np.random.PCG64([seed, epoch]))`, and
+batch `position` holds samples position*B ... position*B + B - 1 of that endless sequence.
+Resuming from a saved position therefore yields exactly the batches an uninterrupted run sees.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import math
+import os
+import sys
+import sysconfig
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from jaxmem.config import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID
+
+DEFAULT_CORPUS_BYTES = 8_000_000
+DEFAULT_EVAL_FRACTION = 0.05
+_REPLACEMENT = "\ufffd"
+_GLOB_CHARS = set("*?[")
+
+
+class DataError(ValueError):
+    """Data cannot be loaded; the one-line message names the file or value at fault."""
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; PAD, BOS, EOS follow (ids from `jaxmem.config`)."""
+
+    name = "bytes"
+    vocab_size = BYTE_VOCAB_SIZE
+    pad_id = PAD_TOKEN_ID
+    bos_id = BOS_TOKEN_ID
+    eos_id = EOS_TOKEN_ID
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """`encode` as an int32 array, without a Python list (fast for megabytes of text)."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def decode(self, ids) -> str:
+        """Bytes to text; special ids (>= 256) are skipped, invalid UTF-8 becomes U+FFFD."""
+        arr = np.asarray(ids, dtype=np.int64).ravel()
+        return arr[(arr >= 0) & (arr < 256)].astype(np.uint8).tobytes().decode("utf-8", "replace")
+
+
+_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>")
+_EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|endoftext|>", "<|eot_id|>")
+_PAD_NAMES = ("<pad>", "[PAD]", "<|pad|>", "<|finetune_right_pad_id|>")
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` JSON file (`tokenizer.json`).
+
+    `tokenizers` is an optional package, imported only here. BOS/EOS are found among the usual
+    special-token names (Llama 3, Llama 2, GPT-2 ...) unless given; PAD falls back to EOS (padded
+    targets are masked out, so the id only has to be valid).
+    """
+
+    name = "hf"
+
+    def __init__(self, path, bos_token: str | None = None, eos_token: str | None = None,
+                 pad_token: str | None = None):
+        self.path = str(path)
+        if not os.path.isfile(self.path):
+            raise DataError(f"tokenizer file not found: {self.path}")
+        try:
+            import tokenizers  # noqa: PLC0415 (optional dependency)
+        except ImportError:
+            raise DataError(f"cannot load tokenizer {self.path}: the optional 'tokenizers' "
+                            "package is not installed (pip install tokenizers)") from None
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(self.path)
+        except Exception as e:  # the Rust side raises plain Exception subclasses
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DataError(f"invalid tokenizer file {self.path}: {first}") from None
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        self.bos_id = self._special(bos_token, _BOS_NAMES, "BOS")
+        self.eos_id = self._special(eos_token, _EOS_NAMES, "EOS")
+        try:
+            self.pad_id = self._special(pad_token, _PAD_NAMES, "PAD")
+        except DataError:
+            if pad_token is not None:
+                raise
+            self.pad_id = self.eos_id
+
+    def _special(self, given, candidates, what) -> int:
+        for name in ([given] if given is not None else candidates):
+            idx = self._tok.token_to_id(name)
+            if idx is not None:
+                return int(idx)
+        tried = given if given is not None else ", ".join(candidates)
+        raise DataError(f"tokenizer {self.path} has no {what} token (tried: {tried})")
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), dtype=np.int32)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in np.asarray(ids).ravel()],
+                                skip_special_tokens=True)
+
+
+def load_tokenizer(path=None):
+    """`ByteTokenizer()` for None, else `HFTokenizer(path)`."""
+    return ByteTokenizer() if path is None else HFTokenizer(path)
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def resolve_sources(data: str) -> list[Path]:
+    """The files named by `data`: a file, a directory (recursive, sorted, hidden entries
+    skipped), a glob, or a comma-separated list of these. Raises DataError naming what matched
+    nothing."""
+    if not data or not str(data).strip():
+        raise DataError("--data is empty")
+    parts = [str(data)] if os.path.exists(data) else [p.strip() for p in str(data).split(",")]
+    files: list[Path] = []
+    for part in parts:
+        if not part:
+            continue
+        p = Path(part)
+        if p.is_dir():
+            found = sorted(
+                f for f in p.rglob("*")
+                if f.is_file() and not any(s.startswith(".") for s in f.relative_to(p).parts))
+            if not found:
+                raise DataError(f"data directory has no files: {p}")
+            files.extend(found)
+        elif p.exists():
+            files.append(p)
+        elif _GLOB_CHARS & set(part):
+            found = sorted(Path(f) for f in glob.glob(part, recursive=True) if os.path.isfile(f))
+            if not found:
+                raise DataError(f"data glob matched no files: {part}")
+            files.extend(found)
+        else:
+            raise DataError(f"data file not found: {part}")
+    return files
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read data file {path}: {e.strerror or e}") from None
+    if not raw:
+        raise DataError(f"data file is empty: {path}")
+    return raw
+
+
+def decode_utf8(raw: bytes) -> tuple[str, int]:
+    """(text, number of U+FFFD replacements made for invalid UTF-8)."""
+    text = raw.decode("utf-8", errors="replace")
+    # Each replacement inserts one U+FFFD; genuine U+FFFD characters are exactly the valid
+    # EF BF BD sequences in the input, so the difference counts the replacements exactly.
+    return text, text.count(_REPLACEMENT) - raw.count(_REPLACEMENT.encode("utf-8"))
+
+
+def load_token_file(path, vocab_size: int) -> np.ndarray:
+    """The token ids of a `.bin` / `.u32.bin` / `.npy` file as a (memory-mapped) 1-D array.
+
+    Raises DataError naming the file when it is missing, empty, malformed, or holds an id
+    outside [0, vocab_size).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"token file not found: {path}")
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            raise DataError(f"token file is empty: {path}")
+        if path.suffix == ".npy":
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        else:
+            dtype = np.dtype(np.uint32 if path.name.endswith(".u32.bin") else np.uint16)
+            if size % dtype.itemsize:
+                raise DataError(f"token file {path} has {size} bytes, not a multiple of "
+                                f"{dtype.itemsize} ({dtype.name})")
+            arr = np.memmap(path, dtype=dtype, mode="r")
+    except DataError:
+        raise
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot read token file {path}: {str(e).splitlines()[0]}") from None
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise DataError(f"token file {path} must hold a 1-D integer array, got "
+                        f"{arr.dtype} with shape {arr.shape}")
+    if arr.size == 0:
+        raise DataError(f"token file is empty: {path}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if hi >= vocab_size:
+        raise DataError(f"token file {path} has token id {hi} >= vocab size {vocab_size}")
+    if lo < 0:
+        raise DataError(f"token file {path} has negative token id {lo}")
+    return arr
+
+
+def _is_token_file(path: Path) -> bool:
+    return path.suffix in (".bin", ".npy")
+
+
+def default_corpus_files(max_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
+    """The built-in corpus: stdlib `*.py` files (top level only) in name order, as many as fit
+    in `max_bytes` (stops at the first file that would overflow it)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files, total = [], 0
+    for f in sorted(p for p in stdlib.glob("*.py") if p.is_file()):
+        size = f.stat().st_size
+        if total + size > max_bytes:
+            break
+        files.append(f)
+        total += size
+    if not files:
+        raise DataError(f"no *.py files within {max_bytes} bytes in the stdlib directory {stdlib}")
+    return files
+
+
+# ----------------------------------------------------------------------------- corpus
+
+
+def load_corpus(data: str | None, tokenizer, vocab_size: int, *,
+                eval_fraction: float = DEFAULT_EVAL_FRACTION, seq_len: int = 512,
+                default_corpus_bytes: int = DEFAULT_CORPUS_BYTES):
+    """(train_tokens, eval_tokens, stats): int32 1-D arrays and a JSON-able dict.
+
+    Documents are concatenated in file order. Eval is the tail of the stream: the last
+    `eval_fraction` of it, at least one window (seq_len + 1 tokens) but never more than half
+    the stream; `eval_fraction=0` gives an empty eval split.
+    """
+    if not 0.0 <= eval_fraction < 1.0:
+        raise DataError(f"eval_fraction must be in [0, 1), got {eval_fraction!r}")
+    if seq_len < 1:
+        raise DataError(f"seq_len must be >= 1, got {seq_len!r}")
+    if tokenizer.vocab_size > vocab_size:
+        raise DataError(f"tokenizer {getattr(tokenizer, 'path', tokenizer.name)} has "
+                        f"{tokenizer.vocab_size} ids but the model vocab size is {vocab_size}")
+    files = default_corpus_files(default_corpus_bytes) if data is None else resolve_sources(data)
+
+    pieces: list[np.ndarray] = []
+    bos = np.asarray([tokenizer.bos_id], np.int32)
+    eos = np.asarray([tokenizer.eos_id], np.int32)
+    n_bytes = n_docs = n_bad = 0
+    bad_files: list[str] = []
+    for f in files:
+        if _is_token_file(f):
+            arr = load_token_file(f, vocab_size)
+            n_bytes += arr.nbytes
+            pieces.append(np.asarray(arr, dtype=np.int32))
+            continue
+        raw = _read_bytes(f)
+        text, bad = decode_utf8(raw)
+        if bad:
+            n_bad += bad
+            bad_files.append(str(f))
+        ids = tokenizer.encode_array(text)
+        if ids.size and int(ids.max()) >= vocab_size:
+            raise DataError(f"tokenizing {f} gave token id {int(ids.max())} >= vocab size "
+                            f"{vocab_size}")
+        n_bytes += len(raw)
+        n_docs += 1
+        pieces.extend([bos, ids, eos])
+    stream = np.concatenate(pieces).astype(np.int32, copy=False)
+    n = stream.size
+    if n < 2:
+        raise DataError(f"corpus {data!r} has {n} token(s); at least 2 are needed")
+
+    n_eval = 0
+    if eval_fraction > 0:
+        n_eval = min(max(math.ceil(eval_fraction * n), seq_len + 1), n // 2)
+    train, evals = stream[:n - n_eval], stream[n - n_eval:]
+
+    stats = {
+        "source": "default:stdlib" if data is None else str(data),
+        "files": len(files),
+        "documents": n_docs,
+        "bytes": n_bytes,
+        "tokens": int(n),
+        "train_tokens": int(train.size),
+        "eval_tokens": int(evals.size),
+        "invalid_utf8_replacements": n_bad,
+        "files_with_invalid_utf8": bad_files[:20],
+        "tokens_sha256": hashlib.sha256(stream.tobytes()).hexdigest(),
+        "tokenizer": getattr(tokenizer, "path", tokenizer.name),
+        "vocab_size": int(vocab_size),
+    }
+    if data is None:
+        stats["python_version"] = ".".join(map(str, sys.version_info[:3]))
+        stats["stdlib_dir"] = str(files[0].parent)
+        stats["default_corpus_bytes"] = int(default_corpus_bytes)
+    return train, evals, stats
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def num_windows(n_tokens: int, seq_len: int) -> int:
+    """Windows of seq_len + 1 tokens with stride seq_len that cover n_tokens (the last may be
+    partial and padded); at least 1."""
+    return max(1, math.ceil((n_tokens - 1) / seq_len))
+
+
+def window(tokens: np.ndarray, index: int, seq_len: int, pad_id: int = PAD_TOKEN_ID):
+    """(inputs, targets, mask) of window `index`, each int32 [seq_len]."""
+    start = index * seq_len
+    w = np.asarray(tokens[start:start + seq_len + 1], dtype=np.int32)
+    n_real = w.size
+    if n_real < seq_len + 1:
+        w = np.concatenate([w, np.full(seq_len + 1 - n_real, pad_id, np.int32)])
+    mask = (np.arange(seq_len) < n_real - 1).astype(np.int32)  # 0 wherever the target is PAD
+    return w[:-1], w[1:], mask
+
+
+def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The window order of `epoch`: a fixed function of (seed, epoch, n)."""
+    return np.random.Generator(np.random.PCG64([int(seed), int(epoch)])).permutation(n)
+
+
+def _stack(rows):
+    inputs, targets, mask = zip(*rows)
+    return {"inputs": np.stack(inputs), "targets": np.stack(targets), "mask": np.stack(mask)}
+
+
+def batch_at(tokens: np.ndarray, seed: int, batch_size: int, seq_len: int, position: int,
+             pad_id: int = PAD_TOKEN_ID) -> dict:
+    """Batch number `position` (a pure function of its arguments; see the module docstring)."""
+    return Batcher(tokens, batch_size, seq_len, seed, pad_id).batch_at(position)
+
+
+class Batcher:
+    """Packed training batches of shape [batch_size, seq_len] from a token stream.
+
+    `batch_at(position)` is pure; the class only caches epoch permutations. Save `position + 1`
+    (the index of the next batch) in the checkpoint and resume with `batch_at` from there.
+    """
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int = 0,
+                 pad_id: int = PAD_TOKEN_ID):
+        if batch_size < 1 or seq_len < 1:
+            raise DataError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
+        if int(seed) < 0:
+            raise DataError(f"seed must be >= 0, got {seed}")
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or tokens.size < 2:
+            raise DataError(f"need a 1-D token stream of at least 2 tokens, got shape "
+                            f"{tokens.shape}")
+        self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
+        self.seed, self.pad_id = int(seed), pad_id
+        self.num_windows = num_windows(tokens.size, seq_len)
+        self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            self._perms[epoch] = epoch_permutation(self.seed, epoch, self.num_windows)
+            while len(self._perms) > 4:
+                self._perms.popitem(last=False)
+        return self._perms[epoch]
+
+    def epoch(self, position: int) -> float:
+        """Epochs completed (fractional) before batch `position`."""
+        return position * self.batch_size / self.num_windows
+
+    def batch_at(self, position: int) -> dict:
+        if position < 0:
+            raise DataError(f"batch position must be >= 0, got {position}")
+        rows = []
+        for k in range(position * self.batch_size, (position + 1) * self.batch_size):
+            epoch, i = divmod(k, self.num_windows)
+            rows.append(window(self.tokens, int(self._perm(epoch)[i]), self.seq_len, self.pad_id))
+        return _stack(rows)
+
+    def iterate(self, start: int = 0):
+        """Batches start, start + 1, ... forever."""
+        position = start
+        while True:
+            yield self.batch_at(position)
+            position += 1
+
+
+def eval_batches(eval_tokens: np.ndarray, batch_size: int, seq_len: int,
+                 max_batches: int | None = None, pad_id: int = PAD_TOKEN_ID) -> list[dict]:
+    """Deterministic eval batches: the windows in stream order, no shuffling. The last batch is
+    filled up with all-PAD rows (mask 0) so every batch has the same shape [B, T]. Empty for an
+    empty (or 1-token) eval split."""
+    eval_tokens = np.asarray(eval_tokens)
+    if eval_tokens.size < 2:
+        return []
+    n = num_windows(eval_tokens.size, seq_len)
+    n_batches = math.ceil(n / batch_size)
+    if max_batches is not None:
+        n_batches = min(n_batches, max_batches)
+    empty = (np.full(seq_len, pad_id, np.int32), np.full(seq_len, pad_id, np.int32),
+             np.zeros(seq_len, np.int32))
+    out = []
+    for b in range(n_batches):
+        rows = [window(eval_tokens, j, seq_len, pad_id) if j < n else empty
+                for j in range(b * batch_size, (b + 1) * batch_size)]
+        out.append(_stack(rows))
+    return out
