@@ -164,7 +164,9 @@ class Llama(nn.Module):
         """
         c = self.config
         B, T = tokens.shape
-        embed = self.param("embed_tokens", _init(1), (c.vocab_size, c.hidden_size), jnp.float32)
+        # std D^-0.5: with tied embeddings the head then gives unit-variance logits at init.
+        embed = self.param("embed_tokens", _init(c.hidden_size), (c.vocab_size, c.hidden_size),
+                           jnp.float32)
         dtype = embed.dtype
         x = jnp.take(embed, tokens, axis=0)  # [B, T, D]
         if positions is None:
@@ -194,7 +196,7 @@ class Llama(nn.Module):
 def init_params(config: ModelConfig, rng: jax.Array, seq_len: int = 8):
     """fp32 parameters for `config` (allocates them)."""
     tokens = jnp.zeros((1, min(seq_len, config.max_position_embeddings)), jnp.int32)
-    return Llama(config).init(rng, tokens)["params"]
+    return jax.jit(lambda key: Llama(config).init(key, tokens)["params"])(rng)
 
 
 def abstract_params(config: ModelConfig):
