@@ -1,9 +1,19 @@
 import importlib.util
+import os
+import tempfile
 
 import jax
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# Many tests compile the same small train step; XLA's persistent cache (keyed on the program)
+# turns the repeats into cache hits. Subprocesses inherit it through the environment.
+_CACHE = os.path.join(tempfile.gettempdir(), "jaxmem-test-xla-cache")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def pytest_collection_modifyitems(config, items):

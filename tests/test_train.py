@@ -1,0 +1,188 @@
+"""`python -m jaxmem.train` end to end: a short run, exact resume, signals, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxmem.train import main
+
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--intermediate-size", "128",
+         "--batch-size", "4", "--seq-len", "32", "--sample-tokens", "0", "--no-progress",
+         "--log-every", "1", "--eval-batches", "2"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small text corpus (fast to load) with one invalid UTF-8 byte."""
+    d = tmp_path_factory.mktemp("corpus")
+    src = Path(np.__file__).read_text()[:60000]
+    (d / "a.txt").write_text(src[:30000])
+    (d / "b.txt").write_bytes(src[30000:].encode() + b"\xff tail")
+    return str(d)
+
+
+def losses(run):
+    return [(r["step"], r["loss"], r["grad_norm"], r["loss_scale"], r["skipped"])
+            for r in map(json.loads, (Path(run) / "metrics.jsonl").read_text().splitlines())]
+
+
+def params_of(run):
+    from jaxmem.generate import load_run
+    _, _, params, _, step = load_run(Path(run))
+    import jax
+    return step, [np.asarray(x) for x in jax.tree_util.tree_leaves(params)]
+
+
+def test_short_run_end_to_end(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    assert main([*SMALL, "--data", corpus, "--out", str(out), "--steps", "6", "--eval-every", "3",
+                 "--sample-tokens", "8"]) == 0
+    printed = capsys.readouterr().out
+    assert "done: step 6" in printed and "sample:" in printed
+    recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
+    for key in ("loss", "lr", "grad_norm", "loss_scale", "skipped", "tokens_per_sec"):
+        assert key in recs[0]
+    assert "eval_loss" in recs[2] and "eval_loss" in recs[5] and "eval_loss" not in recs[0]
+    assert recs[-1]["loss"] < recs[0]["loss"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["steps"] == 6 and config["model"]["num_layers"] == 2
+    assert config["data_stats"]["invalid_utf8_replacements"] >= 1
+    assert sorted(os.listdir(out / "checkpoints")) == ["6"]
+
+
+def test_resume_is_bitwise_exact_even_after_a_skipped_step(tmp_path, corpus):
+    # A scale of 2**40 overflows fp16: the first steps are skipped until the scale has backed
+    # off, so the interruption at step 2 lands right after a skipped step. (fp32 resume is
+    # checked by the SIGTERM test.)
+    precision = "amp-fp16"
+    args = [*SMALL, "--data", corpus, "--steps", "8", "--precision", precision,
+            "--loss-scale-init", str(2.0**40)]
+    assert main([*args, "--out", str(tmp_path / "straight")]) == 0
+    assert main([*args, "--out", str(tmp_path / "split"), "--stop-at", "2"]) == 0
+    assert main([*args, "--out", str(tmp_path / "split"), "--resume"]) == 0
+    straight, split = losses(tmp_path / "straight"), losses(tmp_path / "split")
+    assert straight == split  # exact floats: per-step loss, grad norm, scale, skipped
+    if precision == "amp-fp16":
+        assert straight[1][4] is True  # step 2 was skipped
+    s1, p1 = params_of(tmp_path / "straight")
+    s2, p2 = params_of(tmp_path / "split")
+    assert s1 == s2 == 8
+    for a, b in zip(p1, p2):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_sigterm_saves_and_resume_matches(tmp_path, corpus):
+    args = [*SMALL, "--data", corpus, "--steps", "40"]
+    straight = tmp_path / "straight"
+    assert main([*args, "--out", str(straight)]) == 0
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "jaxmem.train", *args, "--out", str(run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert "SIGTERM: saved step" in stdout
+    saved = int(stdout.split("saved step ")[1].split()[0])
+    assert 3 <= saved < 40 and (run / "checkpoints" / str(saved)).is_dir()
+    assert main([*args, "--out", str(run), "--resume"]) == 0
+    assert losses(run) == losses(straight)
+
+
+def test_too_many_consecutive_skips_stops_with_error(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    code = main([*SMALL, "--data", corpus, "--out", str(out), "--steps", "20",
+                 "--precision", "amp-fp16", "--loss-scale", "static:1e30",
+                 "--max-consecutive-skips", "3"])
+    assert code == 1
+    # the check reads each step's metrics while the next step runs, so it stops 1 step late at most
+    err = capsys.readouterr().err
+    assert "non-finite steps in a row (more than --max-consecutive-skips 3)" in err
+    assert int(err.split("error: ")[1].split()[0]) in (4, 5)
+    assert not (out / "checkpoints").exists() or not os.listdir(out / "checkpoints")
+
+
+def run_cli(*argv):
+    return subprocess.run([sys.executable, "-m", "jaxmem.train", *argv], capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    (d / "empty.txt").write_text("")
+    (d / "emptydir").mkdir()
+    np.save(d / "big_ids.npy", np.array([1, 2, 300], np.int32))
+    (d / "file").write_text("x")
+    return d
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+    (["--steps", "0"], "argument --steps: expected a positive integer, got 0"),
+    (["--batch-size", "-2"], "argument --batch-size"),
+    (["--seq-len", "0"], "argument --seq-len"),
+    (["--lr", "nan"], "argument --lr: expected a finite number >= 0, got 'nan'"),
+    (["--lr", "-1e-3"], "argument --lr"),
+    (["--seq-len", "4096"], "--seq-len 4096 exceeds the model's max_position_embeddings 512"),
+    (["--precision", "fp7"], "argument --precision: invalid choice: 'fp7'"),
+    (["--remat", "most"], "unknown remat policy 'most'"),
+    (["--num-heads", "3"], "num_heads=3 does not divide"),
+    (["--loss-scale", "static:-4"], "static:VALUE"),
+    (["--data", "{d}/missing.txt"], "missing.txt"),
+    (["--data", "{d}/empty.txt"], "empty.txt"),
+    (["--data", "{d}/emptydir"], "emptydir"),
+    (["--data", "{d}/big_ids.npy"], "big_ids.npy"),
+    (["--out", "{d}/file/run"], "--out"),
+    (["--resume", "--out", "{d}/nothing_here"], "no run config"),
+])
+def test_bad_input_exits_2_without_touching_anything(argv, needle, bad_files, capsys):
+    before = sorted(p.name for p in bad_files.iterdir())
+    argv = [a.replace("{d}", str(bad_files)) for a in argv]
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--no-progress"] + ([] if "--out" in argv else ["--out", str(bad_files / "run")]))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert needle in err[-1], err[-1]
+    assert sorted(p.name for p in bad_files.iterdir()) == before  # nothing created
+
+
+def test_unknown_flag_exits_2_in_a_subprocess(tmp_path):
+    p = run_cli("--steps", "-1", "--out", str(tmp_path / "x"))
+    assert p.returncode == 2 and "--steps" in p.stderr.splitlines()[-1]
+    assert not (tmp_path / "x").exists()
+
+
+def test_resume_refuses_changed_shapes_and_corrupt_checkpoints(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    args = [*SMALL, "--data", corpus, "--out", str(out), "--steps", "2"]
+    assert main(args) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--resume", "--precision", "bf16", "--hidden-size", "32"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "hidden_size: 64 -> 32" in err and "precision: 'fp32' -> 'bf16'" in err
+    # corrupt the committed step: delete the array data of the state item
+    step_dir = out / "checkpoints" / "2"
+    victims = [p for p in (step_dir / "state").rglob("*") if p.is_file() and "manifest" in p.name
+               or p.is_file() and p.suffix == "" and "ocdbt" in str(p)]
+    for p in victims or [p for p in (step_dir / "state").rglob("*") if p.is_file()]:
+        p.write_bytes(b"garbage")
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--resume", "--steps", "4"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "step 2" in err and str(out / "checkpoints") in err
