@@ -170,8 +170,32 @@ def main(argv: list[str] | None = None) -> int:
         description="Floating-point formats from ml_dtypes.finfo: range, precision, inf/NaN.",
     )
     parser.add_argument("--format", choices=FORMATS, default="text", help="output format")
+    parser.add_argument("--gradients", metavar="RUN_DIR", default=None,
+                        help="instead: cast one batch of a run's real gradients into each format "
+                             "and report overflow / underflow / precision loss (jaxmem.gradcast)")
     args = parser.parse_args(argv)
-    print(render(format_table(), args.format))
+    if args.gradients is None:
+        print(render(format_table(), args.format))
+        return 0
+    from jaxmem.gradcast import gradient_report
+    try:
+        report = gradient_report(args.gradients, [(n, dt) for n, dt in available_dtypes()
+                                                  if n != "fp64"])
+    except (ValueError, RuntimeError) as e:  # RunError, CheckpointError, DataError
+        parser.error(f"--gradients {args.gradients}: {str(e).splitlines()[0]}")
+    if args.format == "json":
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{report['run']} ({report['precision']}): {report['values']:,} gradient values, "
+          f"|g| from {report['abs_min']:.3g} to {report['abs_max']:.3g} (median "
+          f"{report['abs_median']:.3g}); run's loss scale {report['run_loss_scale']:g}")
+    cols = [("format", "format"), ("scale", "scale"), ("overflow", "overflow"),
+            ("underflow", "underflow to 0"), ("precision_lost", "< half precision")]
+    body = [[r["format"], f"{r['scale']:g}"] + [f"{100 * r[k]:.3f}%" for k, _ in cols[2:]]
+            for r in report["rows"]]
+    widths = [max(len(x) for x in col) for col in zip([t for _, t in cols], *body)]
+    for cells in [[t for _, t in cols]] + body:
+        print("  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip())
     return 0
 
 

@@ -65,7 +65,7 @@ def generate_text(config, params, tokenizer, prompt: str, max_new_tokens: int = 
 
 
 def load_run(run_dir: Path):
-    """(ModelConfig, StepConfig, params, tokenizer, step) from the newest committed checkpoint."""
+    """(ModelConfig, StepConfig, TrainState, tokenizer, run config) of the newest committed step."""
     from jaxmem.checkpoint import Checkpointer
     from jaxmem.data import load_tokenizer
     from jaxmem.run import RunError, abstract_train_state, build_step_config, read_config
@@ -78,7 +78,7 @@ def load_run(run_dir: Path):
         raise RunError(f"--run {run_dir}: no committed checkpoint in {Path(run_dir) / 'checkpoints'}")
     state, _ = ckpt.restore(step, abstract_train_state(step_cfg, loss_scale, config["seed"]))
     ckpt.close()
-    return model_cfg, step_cfg, state.params, load_tokenizer(config.get("tokenizer")), step
+    return model_cfg, step_cfg, state, load_tokenizer(config.get("tokenizer")), config
 
 
 def main(argv=None) -> int:
@@ -100,10 +100,10 @@ def main(argv=None) -> int:
     if args.top_k < 0 or not args.temperature >= 0:
         p.error("--top-k and --temperature must be >= 0")
     try:
-        model_cfg, step_cfg, params, tokenizer, step = load_run(Path(args.run))
+        model_cfg, step_cfg, state, tokenizer, _ = load_run(Path(args.run))
     except (RunError, CheckpointError, DataError, ValueError) as e:
         p.error(str(e).splitlines()[0])
-    text = generate_text(model_cfg, params, tokenizer, args.prompt, args.max_new_tokens,
+    text = generate_text(model_cfg, state.params, tokenizer, args.prompt, args.max_new_tokens,
                          args.temperature, args.top_k, args.seed, step_cfg.precision.compute_dtype)
     print(text)
     return 0

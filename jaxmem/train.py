@@ -355,7 +355,7 @@ def train(args, parser) -> int:
     mfu = tps * fpt / peak if peak and tps else None
     print(f"done: step {step}, train loss {last.get('loss', float('nan')):.4f}, "
           f"eval loss {eval_loss if eval_loss is None else round(eval_loss, 4)}, "
-          f"{tps:,.0f} tokens/s, MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, "
+          f"{f'{tps:,.0f}' if tps else 'n/a'} tokens/s, MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, "
           f"peak memory {_fmt_bytes(mem and mem['peak_bytes_in_use'])}, "
           f"wall {time.perf_counter() - t_start:.0f} s")
     if args.sample_tokens:

@@ -35,9 +35,9 @@ def losses(run):
 
 def params_of(run):
     from jaxmem.generate import load_run
-    _, _, params, _, step = load_run(Path(run))
     import jax
-    return step, [np.asarray(x) for x in jax.tree_util.tree_leaves(params)]
+    _, _, state, _, _ = load_run(Path(run))
+    return int(state.step), [np.asarray(x) for x in jax.tree_util.tree_leaves(state.params)]
 
 
 def test_short_run_end_to_end(tmp_path, corpus, capsys):

@@ -1,0 +1,83 @@
+"""What casting a run's real gradients into each format does to them.
+
+    python -m jaxmem.dtypes --gradients RUN_DIR
+
+takes the newest checkpoint of a jaxmem run, computes the fp32 gradients of one held-out batch
+(fp32 compute, no remat, whatever the run's precision: the true values), and reports for each
+format the fraction of non-zero gradient values that, when cast,
+
+    overflow        become inf or NaN, or saturate at the format's max (|g| > max)
+    underflow       flush to zero
+    lose precision  keep less than half their significand bits: relative rounding error
+                    above 2**-((mantissa_bits + 1) / 2)  (normal values err by at most
+                    2**-(mantissa_bits + 1); subnormals lose bits as they shrink)
+
+at scale 1 and at the run's loss scale (and at torch's default 2**16 when the run has no
+scale), which shows on real numbers why fp16 needs loss scaling and bf16 does not.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+
+MAX_VALUES = 4_000_000  # a fixed, evenly strided sample of the gradient beyond this
+
+
+def cast_stats(values: np.ndarray, dtype) -> dict:
+    """Fractions of the non-zero `values` (fp32) that overflow, underflow or lose precision."""
+    x = np.asarray(values, np.float32)
+    x = x[x != 0]
+    fi = ml_dtypes.finfo(dtype)
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        q = x.astype(dtype).astype(np.float64)
+    x64 = x.astype(np.float64)
+    overflow = ~np.isfinite(q) | (np.abs(x64) > float(fi.max))
+    if float(fi.min) >= 0:  # unsigned formats (e8m0fnu) cannot hold negative values at all
+        overflow |= x64 < 0
+    underflow = ~overflow & (q == 0)
+    ok = ~overflow & ~underflow
+    rel = np.abs(q[ok] - x64[ok]) / np.abs(x64[ok])
+    lost = int(np.sum(rel > 2.0 ** (-(int(fi.nmant) + 1) / 2)))
+    n = max(x.size, 1)
+    return {"overflow": float(overflow.sum()) / n, "underflow": float(underflow.sum()) / n,
+            "precision_lost": lost / n, "nonzero_values": int(x.size)}
+
+
+def run_gradients(run_dir: Path) -> tuple[np.ndarray, float, dict]:
+    """(flat fp32 gradient sample, the run's loss scale, the run's config)."""
+    from jaxmem.data import eval_batches, load_corpus
+    from jaxmem.generate import load_run
+    from jaxmem.loss import lm_loss
+    from jaxmem.model import Llama
+    from jaxmem.precision import cast_floating
+
+    model_cfg, _, state, tokenizer, config = load_run(Path(run_dir))
+    _, eval_tokens, _ = load_corpus(config.get("data"), tokenizer, model_cfg.vocab_size,
+                                    seq_len=config["seq_len"])
+    batch = eval_batches(eval_tokens, config["batch_size"], config["seq_len"], 1)[0]
+    params = cast_floating(state.params, np.float32)
+    grads = jax.jit(jax.grad(lambda p, b: lm_loss(Llama(model_cfg), p, b)))(params, batch)
+    flat = np.concatenate([np.asarray(g, np.float32).ravel() for g in jax.tree_util.tree_leaves(grads)])
+    if flat.size > MAX_VALUES:
+        flat = flat[:: flat.size // MAX_VALUES + 1]
+    return flat, float(state.loss_scale.loss_scale), config
+
+
+def gradient_report(run_dir: Path, formats) -> dict:
+    """Per format and scale: the cast statistics of the run's gradients."""
+    grads, run_scale, config = run_gradients(run_dir)
+    scales = sorted({1.0, run_scale} | ({2.0**16} if run_scale == 1.0 else set()))
+    rows = []
+    for scale in scales:
+        for name, dt in formats:
+            rows.append({"format": name, "scale": scale, **cast_stats(grads * scale, dt)})
+    absg = np.abs(grads[grads != 0])
+    return {"run": str(run_dir), "precision": config["precision"], "run_loss_scale": run_scale,
+            "values": int(grads.size), "abs_min": float(absg.min()), "abs_median": float(np.median(absg)),
+            "abs_max": float(absg.max()), "rows": rows}
