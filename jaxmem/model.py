@@ -73,6 +73,24 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
+def _attention(q, k, v, mask):
+    """Causal attention; cuDNN's fused flash attention where it applies, XLA's otherwise.
+
+    `jax.nn.dot_product_attention(implementation=None)` always takes the XLA path (jax 0.10), so
+    the cuDNN kernel is asked for explicitly: on a GPU, for bf16/fp16 inputs with the causal mask
+    only. Shapes cuDNN rejects at trace time fall back to XLA. The XLA path computes logits and
+    softmax in fp32.
+    """
+    if mask is None and jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+        try:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        except Exception:  # unsupported head dim / GPU generation / cuDNN version
+            pass
+    if mask is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask)
+
+
 class Attention(nn.Module):
     config: ModelConfig
     einsum: Einsum = default_einsum
@@ -92,13 +110,9 @@ class Attention(nn.Module):
         q = checkpoint_name(apply_rope(q, cos, sin), "query")
         k = checkpoint_name(apply_rope(k, cos, sin), "key")
         v = checkpoint_name(v, "value")
-        # GQA natively: N query heads share K kv heads. cuDNN flash attention on GPUs that
-        # support it, XLA elsewhere; the XLA path computes logits and softmax in fp32.
+        # GQA natively: N query heads share K kv heads.
         qkv = [t.astype(jnp.float32) for t in (q, k, v)] if _cpu_lacks(q.dtype) else (q, k, v)
-        if mask is None:
-            ctx = jax.nn.dot_product_attention(*qkv, is_causal=True)  # [B, T, N, H]
-        else:
-            ctx = jax.nn.dot_product_attention(*qkv, mask=mask)  # [B, T, N, H]
+        ctx = _attention(*qkv, mask)  # [B, T, N, H]
         ctx = checkpoint_name(ctx.astype(q.dtype), "attn_context")
         return self.einsum("BTNH,NHD->BTD", ctx, wo)  # [B, T, D]
 
