@@ -180,11 +180,11 @@ def format_report(r: dict) -> str:
     lines = []
     if "analytic" in r:
         a = r["analytic"]
-        lines += ["", f"analytic (attention: {a['attention']})",
-                  f"  {'component':<34}{'dtype':<10}{'MiB':>14}"]
-        lines += [f"  {x['name']:<34}{x['dtype']:<10}{x['bytes'] / 2**20:>14,.1f}"
-                  for x in a["components"] if x["bytes"]]
-        lines += [f"  {'total':<44}{a['total_bytes'] / 2**20:>14,.1f}"]
+        lines += ["", f"analytic (attention: {a['attention']}; peak in the {a['peak_phase']} phase;"
+                  f" * = live at the peak)", f"  {'component':<34}{'dtype':<16}{'MiB':>12}"]
+        lines += [f"{'*' if x['in_peak'] else ' '} {x['name']:<34}{x['dtype']:<16}"
+                  f"{x['bytes'] / 2**20:>12,.1f}" for x in a["components"] if x["bytes"]]
+        lines += [f"  {'total (the peak phase)':<50}{a['total_bytes'] / 2**20:>12,.1f}"]
     lines += ["", "compiled (XLA memory_analysis, full train step)" if "analytic" in r else
               "compiled (XLA memory_analysis, gradient of the loss)"]
     lines += [f"  {k:<44}{_mb(c[k + '_bytes']):>18}"

@@ -18,6 +18,10 @@ The analytic model of the peak (what is live when the backward starts):
            [B, T, V] fp32) or one layer's backward (its recomputed activations plus the
            gradient of the attention probabilities), whichever is larger
 
+or, if larger, what is live during the optimizer update: state + batch + gradients + one
+params-sized update buffer (activations are freed by then; at full size with remat this phase
+sets the peak: 5 x 4 B/param in fp32).
+
 Sizes are in bytes. Axis letters follow DESIGN.md.
 """
 
@@ -230,20 +234,25 @@ def analytic_breakdown(spec: StepSpec) -> dict:
     transient = max(logits_group, layer_bwd)
 
     pd, cdn, md = _dname(p.param_dtype), _dname(p.compute_dtype), _dname(_mu_dtype(spec))
-    comps = [
-        ("params (master)", P * pb, pd),
-        ("params (compute copy)", compute_copy, cdn),
-        ("gradients", P * pb, pd),
-        ("grad accumulator", P * pb if K > 1 else 0, pd),
-        ("adam mu", P * mb, md),
-        ("adam nu", P * pb, pd),
-        ("loss scale", loss_scale, "float32"),
-        ("batch (inputs, targets, mask)", 3 * K * B * T * 4, "int32"),
-        ("saved activations", saved, _mixed(per_layer + outside)),
-        ("logits + dlogits [B,T,V]" if transient == logits_group else "one layer's backward",
-         transient, "float32" if transient == logits_group else _mixed(per_layer + outside)),
-    ]
-    components = [{"name": n, "bytes": int(b), "dtype": d} for n, b, d in comps]
+    # Two phases; the peak is the larger (XLA reuses buffers, it does not sum them):
+    # backward: grads + compute copy + saved activations + the largest transient;
+    # optimizer: grads + one params-sized update buffer (activations freed by then).
+    phase_b = [("params (compute copy)", compute_copy, cdn),
+               ("gradients", P * pb, pd),
+               ("grad accumulator", P * pb if K > 1 else 0, pd),
+               ("saved activations", saved, _mixed(per_layer + outside)),
+               ("logits + dlogits [B,T,V]" if transient == logits_group else "one layer's backward",
+                transient, "float32" if transient == logits_group else _mixed(per_layer + outside))]
+    phase_o = [("gradients", P * pb, pd), ("optimizer update buffer", P * pb, pd)]
+    peak_phase = "backward" if _sum(phase_b) >= _sum(phase_o) else "optimizer"
+    persistent = [("params (master)", P * pb, pd), ("adam mu", P * mb, md),
+                  ("adam nu", P * pb, pd), ("loss scale", loss_scale, "float32"),
+                  ("batch (inputs, targets, mask)", 3 * K * B * T * 4, "int32")]
+    comps = [(n, b, d, "both") for n, b, d in persistent]
+    comps += [(n, b, d, "both" if n == "gradients" else "backward") for n, b, d in phase_b]
+    comps += [(n, b, d, "optimizer") for n, b, d in phase_o if n != "gradients"]
+    components = [{"name": n, "bytes": int(b), "dtype": d, "phase": ph,
+                   "in_peak": ph in ("both", peak_phase)} for n, b, d, ph in comps]
     return {
         "params": P,
         "attention": attention,
@@ -255,7 +264,8 @@ def analytic_breakdown(spec: StepSpec) -> dict:
             "total_bytes": saved,
         },
         "transients": {"logits_group_bytes": logits_group, "layer_backward_bytes": layer_bwd},
-        "total_bytes": int(sum(x["bytes"] for x in components)),
+        "peak_phase": peak_phase,
+        "total_bytes": int(sum(x["bytes"] for x in components if x["in_peak"])),
     }
 
 
