@@ -1,0 +1,376 @@
+"""Where every byte of a train step goes (analytic), what XLA plans for it (compiled), and a planner.
+
+    analytic_breakdown(spec)   bytes per component and dtype, from shapes alone (docs/memory.md)
+    compile_step(spec)         the full train step (optimizer included, state donated) compiled
+                               ahead of time from abstract shapes: XLA's memory_analysis()
+    rule_of_thumb(params)      the bytes-per-parameter numbers people quote
+    plan(...)                  candidates from fastest to most frugal; the first whose compiled
+                               peak fits the budget (never one that does not)
+
+The analytic model of the peak (what is live when the backward starts):
+
+    peak = state (params, Adam mu and nu, loss scale, counters) + batch
+         + gradients (+ the accumulator when grad_accum > 1)
+         + compute copy of the params (amp modes: saved by the loss for the backward)
+         + activations saved for the backward under the remat policy (per layer x L, plus the
+           few outside the layer stack)
+         + the largest transient: the logits group (logits, exp(logits - max), dlogits, all
+           [B, T, V] fp32) or one layer's backward (its recomputed activations plus the
+           gradient of the attention probabilities), whichever is larger
+
+or, if larger, what is live during the optimizer update: state + batch + gradients + one
+params-sized update buffer (activations are freed by then; at full size with remat this phase
+sets the peak: 5 x 4 B/param in fp32).
+
+Sizes are in bytes. Axis letters follow DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jaxmem.config import ModelConfig
+from jaxmem.loss import abstract_batch
+from jaxmem.optim import OptimConfig
+from jaxmem.precision import Precision
+from jaxmem.remat import TAGS, RematError, RematPolicy, check_offload_supported
+
+GiB = 2**30
+FP32 = 4
+
+# The selective policy the planner tries between dots_no_batch and full: keep the projections
+# that feed attention and the MLP's two wide inputs (docs/remat.md measures it).
+PLANNER_NAMES = "names:query,key,value,mlp_gate,mlp_up"
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One train-step configuration: everything the memory of a step depends on.
+
+    batch_size: micro-batch B (sequences per forward/backward).
+    grad_accum: micro-batches K per optimizer step (global batch = K * B).
+    mu_dtype: Adam first-moment dtype, "fp32" or "bf16" (None: the params' dtype).
+    attention: "xla" (softmax probabilities [B, N, T, S] are materialized and saved) or
+        "cudnn" (flash attention: only the output and the softmax statistics are saved);
+        None picks cudnn on GPU in bf16/fp16 compute and xla elsewhere.
+    """
+
+    model: ModelConfig
+    precision: Precision
+    remat: RematPolicy
+    batch_size: int
+    seq_len: int
+    grad_accum: int = 1
+    mu_dtype: str | None = None
+    attention: str | None = None
+
+    def step_config(self):
+        from jaxmem.step import StepConfig
+        return StepConfig(self.model, self.precision, self.remat,
+                          OptimConfig(mu_dtype=self.mu_dtype), self.grad_accum)
+
+    @property
+    def attention_path(self) -> str:
+        if self.attention:
+            return self.attention
+        gpu = jax.default_backend() == "gpu"
+        low = jnp.dtype(self.precision.compute_dtype).itemsize == 2
+        return "cudnn" if gpu and low else "xla"
+
+
+def _nbytes(dtype) -> int:
+    return jnp.dtype(dtype).itemsize
+
+
+def _dname(dtype) -> str:
+    return jnp.dtype(dtype).name
+
+
+def _mu_dtype(spec: StepSpec):
+    return {None: spec.precision.param_dtype, "fp32": jnp.float32, "float32": jnp.float32,
+            "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16}[spec.mu_dtype]
+
+
+def norm_params(c: ModelConfig) -> int:
+    """Parameters that are never cast to the compute dtype: the RMSNorm scales."""
+    return (2 * c.num_layers + 1) * c.hidden_size
+
+
+# --- activations saved for the backward, per layer --------------------------------------------
+
+def tag_shapes(c: ModelConfig, B: int, T: int) -> dict[str, int]:
+    """Elements of each tagged activation of one block (jaxmem.remat.TAGS)."""
+    D, F, N, K, H = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
+                     c.resolved_head_dim)
+    return {"attn_norm": B * T * D, "query": B * T * N * H, "key": B * T * K * H,
+            "value": B * T * K * H, "attn_context": B * T * N * H, "attn_out": B * T * D,
+            "mlp_norm": B * T * D, "mlp_gate": B * T * F, "mlp_up": B * T * F,
+            "mlp_hidden": B * T * F, "mlp_out": B * T * D}
+
+
+def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematPolicy,
+                    attention: str = "xla") -> list[tuple[str, int, str]]:
+    """(what, bytes, dtype) of the residuals one decoder block keeps for its backward.
+
+    Read off jaxmem.model.DecoderBlock (and checked against jax's saved residuals in the tests):
+
+    none: each RMSNorm keeps its fp32 input and normalized value [B, T, D] and two [B, T, 1]
+        statistics, and its output [B, T, D] in the compute dtype feeds the next matmul;
+        attention keeps q (after RoPE), k, v, the context [B, T, N, H] and, on the XLA path, the
+        fp32 softmax probabilities [B, N, T, S] plus their compute-dtype copy for the PV matmul
+        and two [B, N, T] statistics (cuDNN flash attention keeps only [B, N, T] statistics);
+        the SwiGLU MLP keeps six [B, T, F] tensors (gate, up, sigmoid(gate), silu(gate), the
+        product, and the product's input to down_proj).
+    full: only the block input [B, T, D] (the scan carry).
+    dots_no_batch: the block input, the q/k/v projections, the o_proj output (to rebuild the
+        residual stream) and gate/up [B, T, F].
+    dots: dots_no_batch plus attention's batched matmuls: QK^T [B, N, T, S] fp32 and PV.
+    names:a,b / offload:a,b: the block input plus the tagged tensors the backward reads
+        (`mlp_out` is only added to the residual stream, so it is never kept); offloaded
+        tensors live in host memory and count zero here.
+    """
+    D, F, N, H = c.hidden_size, c.intermediate_size, c.num_heads, c.resolved_head_dim
+    cb, cd = _nbytes(compute_dtype), _dname(compute_dtype)
+    tags = tag_shapes(c, B, T)
+    BTD, BNTS, BNT = B * T * D, B * N * T * T, B * N * T
+    block_input = ("block input [B,T,D]", BTD * cb, cd)
+    kind = remat.kind
+    if kind == "full":
+        return [block_input]
+    if kind == "none":
+        out = []
+        for norm in ("attn_norm", "mlp_norm"):
+            out += [(f"{norm}: fp32 input + normalized [B,T,D] x2", 2 * BTD * FP32, "float32"),
+                    (f"{norm}: statistics [B,T,1] x2", 2 * B * T * FP32, "float32"),
+                    (f"{norm}: output [B,T,D]", BTD * cb, cd)]
+        out += [("q, k, v after RoPE", (tags["query"] + tags["key"] + tags["value"]) * cb, cd),
+                ("attention context [B,T,N,H]", tags["attn_context"] * cb, cd)]
+        if attention == "xla":
+            out += [("softmax probabilities [B,N,T,S] fp32", BNTS * FP32, "float32"),
+                    ("softmax probabilities [B,N,T,S] compute copy", BNTS * cb, cd),
+                    ("softmax statistics [B,N,T] x2", 2 * BNT * FP32, "float32")]
+        else:
+            out += [("softmax statistics [B,N,T] x2", 2 * BNT * FP32, "float32")]
+        out += [("SwiGLU [B,T,F] x6", 6 * B * T * F * cb, cd)]
+        return out
+    if kind in ("dots", "dots_no_batch"):
+        out = [block_input, ("o_proj output [B,T,D]", BTD * cb, cd),
+               ("q, k, v projections", (tags["query"] + tags["key"] + tags["value"]) * cb, cd),
+               ("gate, up [B,T,F] x2", 2 * B * T * F * cb, cd)]
+        if kind == "dots" and attention == "xla":
+            out += [("QK^T logits [B,N,T,S] fp32", BNTS * FP32, "float32"),
+                    ("PV output [B,T,N,H]", tags["attn_context"] * cb, cd)]
+        return out
+    if kind == "names":
+        return [block_input] + [(f"tag {t}", tags[t] * cb, cd) for t in remat.names
+                                if t != "mlp_out"]
+    if kind == "offload":  # offloaded to pinned host memory: nothing extra on the device
+        return [block_input]
+    raise RematError(f"no activation formula for remat policy {remat}")
+
+
+def outside_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematPolicy,
+                      attention: str = "xla") -> list[tuple[str, int, str]]:
+    """Residuals kept outside the layer stack: RoPE tables, masks, final norm, loss."""
+    D, N, H, V = c.hidden_size, c.num_heads, c.resolved_head_dim, c.vocab_size
+    cb, cd = _nbytes(compute_dtype), _dname(compute_dtype)
+    out = []
+    if remat.kind == "none":
+        out += [("RoPE cos/sin broadcasts [B,T,1,H/2] x4", 4 * B * T * (H // 2) * FP32, "float32")]
+        if attention == "xla":  # the causal mask and its fill, hoisted out of the scan
+            out += [("causal mask [B,N,T,S] bool", B * N * T * T, "bool"),
+                    ("masked fill [B,N,T,S] fp32", B * N * T * T * FP32, "float32")]
+    else:
+        out += [("RoPE cos/sin [B,T,H/2] x2", 2 * B * T * (H // 2) * FP32, "float32")]
+    out += [("final norm: fp32 input + normalized [B,T,D] x2", 2 * B * T * D * FP32, "float32"),
+            ("final norm: output [B,T,D]", B * T * D * cb, cd),
+            ("final norm: statistics [B,T,1] x2", 2 * B * T * FP32, "float32"),
+            ("loss: exp(logits - max) [B,T,V] fp32", B * T * V * FP32, "float32"),
+            ("loss: weights, max, targets [B,T]", 4 * B * T * FP32 + B * T, "mixed")]
+    return out
+
+
+def _mixed(items) -> str:
+    """The one dtype of `items`, or their dtypes joined with '+'."""
+    names = sorted({d for _, b, d in items if b and d not in ("mixed", "bool")})
+    return "+".join(names) or "float32"
+
+
+def _sum(items) -> int:
+    return sum(b for _, b, _ in items)
+
+
+# --- the whole step ---------------------------------------------------------------------------
+
+def analytic_breakdown(spec: StepSpec) -> dict:
+    """Bytes per component (with dtype) and the modelled peak; see the module docstring."""
+    c, p = spec.model, spec.precision
+    B, T, K = spec.batch_size, spec.seq_len, spec.grad_accum
+    P, Pn = c.num_params(), norm_params(c)
+    pb, cb, mb = _nbytes(p.param_dtype), _nbytes(p.compute_dtype), _nbytes(_mu_dtype(spec))
+    amp = jnp.dtype(p.param_dtype) != jnp.dtype(p.compute_dtype)
+    attention = spec.attention_path
+    per_layer = layer_residuals(c, B, T, p.compute_dtype, spec.remat, attention)
+    outside = outside_residuals(c, B, T, p.compute_dtype, spec.remat, attention)
+    saved = c.num_layers * _sum(per_layer) + _sum(outside)
+    # amp: the loss casts the params to the compute dtype and the backward keeps the copies of
+    # the matrices it multiplies by; an untied embedding is only gathered, so its copy is not kept.
+    untied_embed = 0 if c.tie_embeddings else c.vocab_size * c.hidden_size
+    compute_copy = (P - Pn - untied_embed) * cb if amp else 0
+    loss_scale = {"none": 0, "static": 4, "dynamic": 12}[p.loss_scale.partition(":")[0]]
+
+    # Transients: the logits group, or one block's backward (the activations it recomputes,
+    # plus the gradient of its softmax probabilities and logits on the XLA path).
+    V, N = c.vocab_size, c.num_heads
+    logits_group = 2 * B * T * V * FP32  # logits and their gradient (exp(..) is counted as saved)
+    full_layer = _sum(layer_residuals(c, B, T, p.compute_dtype, RematPolicy("none"), attention))
+    layer_bwd = full_layer - _sum(per_layer)
+    if attention == "xla":
+        layer_bwd += 2 * B * N * T * T * FP32
+    transient = max(logits_group, layer_bwd)
+
+    pd, cdn, md = _dname(p.param_dtype), _dname(p.compute_dtype), _dname(_mu_dtype(spec))
+    # Two phases; the peak is the larger (XLA reuses buffers, it does not sum them):
+    # backward: grads + compute copy + saved activations + the largest transient;
+    # optimizer: grads + one params-sized update buffer (activations freed by then).
+    phase_b = [("params (compute copy)", compute_copy, cdn),
+               ("gradients", P * pb, pd),
+               ("grad accumulator", P * pb if K > 1 else 0, pd),
+               ("saved activations", saved, _mixed(per_layer + outside)),
+               ("logits + dlogits [B,T,V]" if transient == logits_group else "one layer's backward",
+                transient, "float32" if transient == logits_group else _mixed(per_layer + outside))]
+    phase_o = [("gradients", P * pb, pd), ("optimizer update buffer", P * pb, pd)]
+    peak_phase = "backward" if _sum(phase_b) >= _sum(phase_o) else "optimizer"
+    persistent = [("params (master)", P * pb, pd), ("adam mu", P * mb, md),
+                  ("adam nu", P * pb, pd), ("loss scale", loss_scale, "float32"),
+                  ("batch (inputs, targets, mask)", 3 * K * B * T * 4, "int32")]
+    comps = [(n, b, d, "both") for n, b, d in persistent]
+    comps += [(n, b, d, "both" if n == "gradients" else "backward") for n, b, d in phase_b]
+    comps += [(n, b, d, "optimizer") for n, b, d in phase_o if n != "gradients"]
+    components = [{"name": n, "bytes": int(b), "dtype": d, "phase": ph,
+                   "in_peak": ph in ("both", peak_phase)} for n, b, d, ph in comps]
+    return {
+        "params": P,
+        "attention": attention,
+        "components": components,
+        "saved_activations": {
+            "per_layer": [{"name": n, "bytes": int(b), "dtype": d} for n, b, d in per_layer],
+            "per_layer_bytes": _sum(per_layer),
+            "outside_layers": [{"name": n, "bytes": int(b), "dtype": d} for n, b, d in outside],
+            "total_bytes": saved,
+        },
+        "transients": {"logits_group_bytes": logits_group, "layer_backward_bytes": layer_bwd},
+        "peak_phase": peak_phase,
+        "total_bytes": int(sum(x["bytes"] for x in components if x["in_peak"])),
+    }
+
+
+def rule_of_thumb(num_params: int) -> dict[str, int]:
+    """The bytes-per-parameter numbers commonly quoted, for the same model."""
+    return {"fp32 weights (4 B/param)": 4 * num_params,
+            "fp16/bf16 weights (2 B/param)": 2 * num_params,
+            "int8 weights (1 B/param)": num_params,
+            "mixed-precision Adam (16 B/param)": 16 * num_params,
+            "6x fp32 weights (24 B/param)": 24 * num_params}
+
+
+# --- compiled ---------------------------------------------------------------------------------
+
+def abstract_state(spec: StepSpec):
+    """The train state as ShapeDtypeStructs (nothing allocated)."""
+    from jaxmem.loss_scale import parse_loss_scale
+    from jaxmem.step import create_train_state
+    cfg = spec.step_config()
+    return jax.eval_shape(lambda: create_train_state(
+        cfg, loss_scale=parse_loss_scale(spec.precision.loss_scale)))
+
+
+def abstract_step_batch(spec: StepSpec):
+    return {k: jax.ShapeDtypeStruct((spec.grad_accum,) + v.shape, v.dtype)
+            for k, v in abstract_batch(spec.batch_size, spec.seq_len).items()}
+
+
+def argument_bytes(spec: StepSpec) -> int:
+    """Exact bytes of the step's arguments; a lower bound of the compiled peak."""
+    leaves = jax.tree_util.tree_leaves((abstract_state(spec), abstract_step_batch(spec)))
+    return sum(int(x.size) * x.dtype.itemsize for x in leaves)
+
+
+def compile_step(spec: StepSpec) -> dict:
+    """Compile the full train step ahead of time; XLA's memory and FLOP numbers (no allocation)."""
+    from jaxmem.memory import compiled_stats
+    from jaxmem.step import make_train_step
+    if spec.remat.kind == "offload":
+        check_offload_supported()
+    step = jax.jit(make_train_step(spec.step_config()), donate_argnums=0)
+    compiled = step.lower(abstract_state(spec), abstract_step_batch(spec)).compile()
+    stats, flops = compiled_stats(compiled)
+    return {**stats, "flops": flops}
+
+
+# --- planner ----------------------------------------------------------------------------------
+
+def remat_candidates() -> list[str]:
+    """Least recompute first; offload only where the backend really offloads."""
+    out = ["none", "dots_no_batch", PLANNER_NAMES, "full"]
+    try:
+        check_offload_supported()
+        out.append("offload")
+    except RematError:
+        pass
+    return out
+
+
+def candidates(base: StepSpec, global_batch: int, mu_dtypes=("fp32", "bf16"),
+               max_micro: int | None = None) -> list[StepSpec]:
+    """Every configuration for `global_batch`, fastest first.
+
+    Order: micro-batch size (largest first: fewer, fuller steps, no accumulation loop), then
+    remat policy (fewest recomputed FLOPs first: none, dots_no_batch, names:..., full, offload),
+    then Adam mu dtype (fp32 first; bf16 costs no speed, only moment precision).
+    """
+    micros = [b for b in range(global_batch, 0, -1)
+              if global_batch % b == 0 and (max_micro is None or b <= max_micro)]
+    return [dataclasses.replace(base, batch_size=b, grad_accum=global_batch // b,
+                                remat=RematPolicy.parse(r), mu_dtype=m)
+            for b in micros for r in remat_candidates() for m in mu_dtypes]
+
+
+def plan(base: StepSpec, global_batch: int, budget_bytes: int, mu_dtypes=("fp32", "bf16"),
+         max_micro: int | None = None, compile_fn=compile_step, log=None) -> dict:
+    """Try candidates in order; return the first whose compiled peak <= budget, and the tries.
+
+    A candidate whose exact argument bytes (state + batch) already exceed the budget is
+    rejected without compiling: the compiled peak is never below its arguments.
+    """
+    tried = []
+    for spec in candidates(base, global_batch, mu_dtypes, max_micro):
+        entry = {"batch_size": spec.batch_size, "grad_accum": spec.grad_accum,
+                 "remat": str(spec.remat), "mu_dtype": spec.mu_dtype}
+        args = argument_bytes(spec)
+        if args > budget_bytes:
+            entry.update(fits=False, peak_bytes=None, reason=(
+                f"arguments alone {args / GiB:.3f} GiB > budget {budget_bytes / GiB:.3f} GiB "
+                f"(not compiled)"))
+        else:
+            try:
+                compiled = compile_fn(spec)
+            except Exception as e:  # a compile error rejects the candidate, with its message
+                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                entry.update(fits=False, peak_bytes=None, reason=f"compile error: {msg[:200]}")
+            else:
+                peak = int(compiled["peak_bytes"])
+                fits = peak <= budget_bytes
+                entry.update(fits=fits, peak_bytes=peak, compiled=compiled, reason=(
+                    f"compiled peak {peak / GiB:.3f} GiB {'<=' if fits else '>'} budget "
+                    f"{budget_bytes / GiB:.3f} GiB"))
+        tried.append(entry)
+        if log:
+            log(entry)
+        if entry["fits"]:
+            return {"chosen": entry, "spec": spec, "tried": tried}
+    return {"chosen": None, "spec": None, "tried": tried}
