@@ -6,6 +6,7 @@ published parameter counts without allocating a byte (see `tests/test_model.py`)
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass
 
@@ -112,6 +113,24 @@ def get_preset(name: str, **overrides) -> ModelConfig:
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
     return PRESETS[name].replace(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def _number_type(convert, ok, expected):
+    """An argparse `type=`: converts, checks, and names what it expected in the error."""
+    def parse(text):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        if not ok(value):  # NaN fails every comparison, so it lands here too
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+    return parse
+
+
+positive_int = _number_type(int, lambda v: v > 0, "a positive integer")
+nonneg_int = _number_type(int, lambda v: v >= 0, "an integer >= 0")
+nonneg_float = _number_type(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
 
 
 def add_model_args(parser) -> None:

@@ -84,7 +84,7 @@ def load_run(run_dir: Path):
 def main(argv=None) -> int:
     from jaxmem.checkpoint import CheckpointError
     from jaxmem.data import DataError
-    from jaxmem.run import RunError
+    from jaxmem.run import RunError, exit_after_failed_restore
 
     p = argparse.ArgumentParser(prog="python -m jaxmem.generate",
                                 description="Sample from the newest checkpoint of a jaxmem run.")
@@ -102,6 +102,8 @@ def main(argv=None) -> int:
     try:
         model_cfg, step_cfg, state, tokenizer, _ = load_run(Path(args.run))
     except (RunError, CheckpointError, DataError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            exit_after_failed_restore(p, str(e).splitlines()[0])
         p.error(str(e).splitlines()[0])
     text = generate_text(model_cfg, state.params, tokenizer, args.prompt, args.max_new_tokens,
                          args.temperature, args.top_k, args.seed, step_cfg.precision.compute_dtype)

@@ -35,7 +35,8 @@ import jax
 import os
 import subprocess
 
-from jaxmem.config import ConfigError, ModelConfig, add_model_args, model_config_from_args
+from jaxmem.config import (ConfigError, ModelConfig, add_model_args, model_config_from_args,
+                           positive_int)
 from jaxmem.loss import abstract_batch, lm_loss
 from jaxmem.model import Llama, abstract_params, count_params
 from jaxmem.precision import PRECISIONS, get_precision
@@ -214,16 +215,6 @@ def format_plan(result: dict, budget_gib: float) -> str:
 
 
 # --- command line ----------------------------------------------------------------------------
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
 
 def positive_gib(text: str) -> float:
     try:

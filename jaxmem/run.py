@@ -18,6 +18,23 @@ class RunError(ValueError):
     """Bad input to a run (flag, file or run directory); the message names it."""
 
 
+def exit_after_failed_restore(parser, message: str) -> None:
+    """argparse's error exit (usage, one line, status 2) without the interpreter's shutdown.
+
+    After a failed Orbax restore, TensorStore reads still in flight fail again while Python shuts
+    down and print tracebacks after the one-line error, from threads that no hook reliably
+    catches. Nothing is left to save at that point (no training has run), so exit at once.
+    """
+    import os
+    import sys
+
+    parser.print_usage(sys.stderr)
+    print(f"{parser.prog}: error: {message}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(2)
+
+
 def read_config(path: Path) -> dict:
     try:
         return json.loads(Path(path).read_text())

@@ -28,11 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem.config import ConfigError, add_model_args
+from jaxmem.config import ConfigError, add_model_args, nonneg_float, nonneg_int, positive_int
 from jaxmem.precision import PRECISIONS, PrecisionError
 from jaxmem.remat import VALID_POLICIES, RematError
 from jaxmem.run import (RunError, abstract_train_state, build_step_config, config_mismatch,
-                        device_memory, flops_per_token, make_eval_fn, peak_flops, read_config)
+                        device_memory, exit_after_failed_restore, flops_per_token, make_eval_fn,
+                        peak_flops, read_config)
 from jaxmem.step import create_train_state, jit_train_step
 
 CONFIG_FILE, METRICS_FILE, CKPT_DIR = "config.json", "metrics.jsonl", "checkpoints"
@@ -47,36 +48,6 @@ def state_fields(config: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- flags
-
-def _positive_int(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
-def _nonneg_int(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
-
-
-def _nonneg_float(text):
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    if not (v >= 0 and math.isfinite(v)):  # also rejects NaN
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return v
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -97,22 +68,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dynamic | static:VALUE | none (default: dynamic for amp-fp16, else none)")
     g.add_argument("--loss-scale-init", type=float, default=2.0**16,
                    help="initial dynamic loss scale (torch GradScaler's default)")
-    g.add_argument("--loss-scale-growth-interval", type=_positive_int, default=2000,
+    g.add_argument("--loss-scale-growth-interval", type=positive_int, default=2000,
                    help="finite steps before the dynamic scale doubles")
-    g.add_argument("--max-consecutive-skips", type=_positive_int, default=100,
+    g.add_argument("--max-consecutive-skips", type=positive_int, default=100,
                    help="stop with an error after this many non-finite steps in a row")
     g = p.add_argument_group("optimization")
-    g.add_argument("--batch-size", type=_positive_int, default=16, help="micro-batch size (sequences)")
-    g.add_argument("--seq-len", type=_positive_int, default=128, help="tokens per sequence")
-    g.add_argument("--grad-accum", type=_positive_int, default=1,
+    g.add_argument("--batch-size", type=positive_int, default=16, help="micro-batch size (sequences)")
+    g.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence")
+    g.add_argument("--grad-accum", type=positive_int, default=1,
                    help="micro-batches per optimizer step (global batch = batch-size x grad-accum)")
-    g.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps in total")
-    g.add_argument("--lr", type=_nonneg_float, default=3e-3, help="peak learning rate")
-    g.add_argument("--min-lr", type=_nonneg_float, default=3e-4, help="cosine decay floor")
-    g.add_argument("--warmup-steps", type=_nonneg_int, default=30, help="linear warmup steps")
-    g.add_argument("--weight-decay", type=_nonneg_float, default=0.1,
+    g.add_argument("--steps", type=positive_int, default=300, help="optimizer steps in total")
+    g.add_argument("--lr", type=nonneg_float, default=3e-3, help="peak learning rate")
+    g.add_argument("--min-lr", type=nonneg_float, default=3e-4, help="cosine decay floor")
+    g.add_argument("--warmup-steps", type=nonneg_int, default=30, help="linear warmup steps")
+    g.add_argument("--weight-decay", type=nonneg_float, default=0.1,
                    help="AdamW decoupled weight decay (not on norms or embeddings)")
-    g.add_argument("--clip", type=_nonneg_float, default=1.0,
+    g.add_argument("--clip", type=nonneg_float, default=1.0,
                    help="clip gradients to this global norm after unscaling (0: off)")
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None,
@@ -124,16 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", default="runs/default", help="run directory")
     g.add_argument("--resume", action="store_true",
                    help="continue from the newest committed checkpoint in --out")
-    g.add_argument("--stop-at", type=_positive_int, default=None, metavar="STEP",
+    g.add_argument("--stop-at", type=positive_int, default=None, metavar="STEP",
                    help="stop after STEP steps as if interrupted (save; continue later with "
                         "--resume), e.g. to fit a job's time limit; the schedule still spans --steps")
-    g.add_argument("--save-every", type=_nonneg_int, default=100, help="save every N steps (0: only at the end)")
-    g.add_argument("--keep", type=_positive_int, default=3, help="checkpoints to keep")
-    g.add_argument("--eval-every", type=_nonneg_int, default=100, help="evaluate every N steps (0: only at the end)")
-    g.add_argument("--eval-batches", type=_positive_int, default=8, help="batches per evaluation")
-    g.add_argument("--log-every", type=_positive_int, default=10, help="write metrics every N steps")
-    g.add_argument("--seed", type=_nonneg_int, default=0, help="init and data-order seed")
-    g.add_argument("--sample-tokens", type=_nonneg_int, default=200,
+    g.add_argument("--save-every", type=nonneg_int, default=100, help="save every N steps (0: only at the end)")
+    g.add_argument("--keep", type=positive_int, default=3, help="checkpoints to keep")
+    g.add_argument("--eval-every", type=nonneg_int, default=100, help="evaluate every N steps (0: only at the end)")
+    g.add_argument("--eval-batches", type=positive_int, default=8, help="batches per evaluation")
+    g.add_argument("--log-every", type=positive_int, default=10, help="write metrics every N steps")
+    g.add_argument("--seed", type=nonneg_int, default=0, help="init and data-order seed")
+    g.add_argument("--sample-tokens", type=nonneg_int, default=200,
                    help="tokens to generate at the end (0: none)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
     return p
@@ -189,6 +160,8 @@ def setup(args, parser):
             state = None
     except (ConfigError, RematError, PrecisionError, RunError, DataError, CheckpointError,
             ValueError) as e:
+        if isinstance(e, CheckpointError):
+            exit_after_failed_restore(parser, str(e).splitlines()[0])
         parser.error(str(e).splitlines()[0] if str(e) else repr(e))
     config["data_stats"] = stats
     config["data_sha256"] = stats["tokens_sha256"]
