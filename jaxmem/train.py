@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer", default=None,
                    help="a Hugging Face `tokenizers` JSON file (default: byte-level)")
     g = p.add_argument_group("run directory")
-    g.add_argument("--out", default="runs/default", help="run directory")
+    g.add_argument("--out", default=None,
+                   help="run directory (default: a new runs/<date>-<time>; required with --resume)")
     g.add_argument("--resume", action="store_true",
                    help="continue from the newest committed checkpoint in --out")
     g.add_argument("--stop-at", type=positive_int, default=None, metavar="STEP",
@@ -135,6 +136,9 @@ def setup(args, parser):
                            f"{model_cfg.max_position_embeddings}")
         out = Path(args.out)
         _check_writable(out)
+        if not args.resume and ((out / CONFIG_FILE).exists() or (out / CKPT_DIR).exists()):
+            raise RunError(f"--out {out} already holds a run; pass --resume to continue it or "
+                           f"choose another --out (nothing was changed)")
         tokenizer = load_tokenizer(args.tokenizer)
         if tokenizer.vocab_size > model_cfg.vocab_size:
             raise RunError(f"--tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size "
@@ -343,6 +347,10 @@ def train(args, parser) -> int:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.out is None:
+        if args.resume:
+            parser.error("--resume needs --out: the run directory to continue")
+        args.out = time.strftime("runs/%Y%m%d-%H%M%S")
     return train(args, parser)
 
 

@@ -170,6 +170,12 @@ def test_resume_refuses_changed_shapes_and_corrupt_checkpoints(tmp_path, corpus,
     args = [*SMALL, "--data", corpus, "--out", str(out), "--steps", "2"]
     assert main(args) == 0
     capsys.readouterr()
+    before = (out / "metrics.jsonl").read_text()
+    with pytest.raises(SystemExit) as e:  # same --out without --resume: refused, nothing touched
+        main(args)
+    assert e.value.code == 2
+    assert "already holds a run" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert (out / "metrics.jsonl").read_text() == before
     with pytest.raises(SystemExit) as e:
         main([*args, "--resume", "--precision", "bf16", "--hidden-size", "32"])
     assert e.value.code == 2
