@@ -233,7 +233,8 @@ def run_torch(spec: dict, compiled: bool) -> dict:
         model.compile()  # in place: state_dict names and the recipe are unchanged
     # torch.compile: AOTAutograd's compiled forward saves its tensors through the same hooks, so
     # this counts what the compiled graph keeps (its partitioner recomputes cheap ops).
-    saved = tt.saved_bytes_for_backward(model, batches[0], spec["mode"], exclude_param_copies=True)
+    saved = tt.saved_bytes_for_backward(model, batches[0], spec["mode"], exclude_param_copies=True,
+                                        count_selective=not compiled)
     o = optim_config(spec)
     recipe = tt.make_recipe(model, spec["mode"], o.total_steps, o.lr, o.warmup_steps, o.min_lr,
                             o.weight_decay, o.clip)
@@ -286,8 +287,12 @@ def run_in_subprocess(spec: dict, timeout: float) -> dict:
         return {"spec": spec, "error": f"timed out after {timeout:.0f} s"}
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode != 0 or not lines:
-        tail = (p.stderr or p.stdout).strip().splitlines()[-6:]
-        return {"spec": spec, "error": f"exit {p.returncode}: " + " | ".join(tail)[-800:]}
+        err = (p.stderr or p.stdout).strip().splitlines()
+        # the exception line ("torch._dynamo.exc.Unsupported: ...") says more than the tail
+        exc = [ln for ln in err if ln[:1].isalpha() and ("Error" in ln.split(":")[0]
+                                                         or "exc." in ln.split(":")[0])]
+        msg = " | ".join(exc[-2:] + err[-3:])
+        return {"spec": spec, "error": f"exit {p.returncode}: {msg}"[:1200]}
     return json.loads(lines[-1])
 
 
@@ -311,7 +316,8 @@ def _ratio(a, b):
 
 def add_ratios(results: list[dict]) -> list[dict]:
     """One row per (mode, remat): jax vs torch eager and torch.compile, with the target ratios."""
-    by = {(r["spec"]["framework"], r["spec"]["mode"], r["spec"]["remat"]): r for r in results}
+    by = {(r["spec"]["framework"], r["spec"]["mode"], r["spec"]["remat"]): r
+          for r in sorted(results, key=_order)}
     rows = []
     for (fw, mode, remat), j in by.items():
         if fw != "jax":
@@ -329,6 +335,17 @@ def add_ratios(results: list[dict]) -> list[dict]:
     return rows
 
 
+def remat_label(remat: str) -> str:
+    return "selective" if remat == SELECTIVE else remat
+
+
+def _order(r: dict):
+    s = r["spec"]
+    remats = ["none", "full", SELECTIVE]
+    return (MODES.index(s["mode"]), remats.index(s["remat"]) if s["remat"] in remats else 9,
+            s["remat"], FRAMEWORKS.index(s["framework"]))
+
+
 def _mib(x):
     return "-" if x is None else f"{x / 2**20:.2f}"
 
@@ -341,20 +358,19 @@ def format_table(results: list[dict], rows: list[dict], markdown: bool = False) 
     head = ["mode", "remat", "framework", "saved MiB", "peak est MiB", "peak MiB", "step ms",
             "tok/s", "loss", "MFU"]
     lines = []
-    for r in sorted(results, key=lambda r: (MODES.index(r["spec"]["mode"]),
-                                            r["spec"]["remat"], r["spec"]["framework"])):
+    for r in sorted(results, key=_order):
         s = r["spec"]
         if "error" in r:
-            lines.append([s["mode"], s["remat"], s["framework"], "error: " + r["error"][:60],
+            lines.append([s["mode"], remat_label(s["remat"]), s["framework"], "error (see JSON)",
                           "", "", "", "", "", ""])
             continue
-        lines.append([s["mode"], s["remat"], s["framework"], _mib(r["saved_bytes"]),
+        lines.append([s["mode"], remat_label(s["remat"]), s["framework"], _mib(r["saved_bytes"]),
                       _mib(r.get("peak_est_bytes")), _mib(r.get("peak_bytes")),
                       _f(r["step_ms"], ".1f"), _f(r["tokens_per_s"], ",.0f"), _f(r["loss"], ".4f"),
                       _f(r.get("mfu"), ".1%")])
     ratio_head = ["mode", "remat", "saved jax/torch (<=1)", "tok/s jax/eager (>=1)",
                   "tok/s jax/compile (>=1)", "peak jax/compile (<=1)", "loss jax-torch"]
-    ratio_lines = [[r["mode"], r["remat"], _f(r["saved_ratio"], ".3f"),
+    ratio_lines = [[r["mode"], remat_label(r["remat"]), _f(r["saved_ratio"], ".3f"),
                     _f(r["tps_ratio_eager"], ".3f"), _f(r["tps_ratio_compile"], ".3f"),
                     _f(r["peak_ratio_compile"], ".3f"), _f(r["loss_diff"], "+.2e")] for r in rows]
 
@@ -412,9 +428,9 @@ CHART_COLORS = [(31, 119, 180), (214, 39, 40), (31, 119, 180), (214, 39, 40), (2
 
 def write_chart(path: Path, results: list[dict]) -> None:
     by = {(r["spec"]["framework"], r["spec"]["mode"], r["spec"]["remat"]): r
-          for r in results if "error" not in r}
+          for r in sorted(results, key=_order) if "error" not in r}
     groups = []
-    for fw, mode, remat in sorted(by, key=lambda k: (MODES.index(k[1]), k[2])):
+    for fw, mode, remat in by:
         if fw != "jax":
             continue
         get = lambda f, k: by.get((f, mode, remat), {}).get(k)  # noqa: E731
@@ -507,7 +523,8 @@ def main(argv=None) -> int:
         if not args.json:
             msg = r.get("error") or (f"saved {_mib(r['saved_bytes'])} MiB, "
                                      f"{r['tokens_per_s']:,.0f} tok/s, loss {r['loss']:.4f}")
-            print(f"[{spec['framework']:>13s} {spec['mode']:>8s} {spec['remat'][:24]:>24s}] {msg}",
+            print(f"[{spec['framework']:>13s} {spec['mode']:>8s} {remat_label(spec['remat']):>9s}] "
+                  f"{msg}",
                   file=sys.stderr, flush=True)
     add_mfu(results)
     rows = add_ratios(results)

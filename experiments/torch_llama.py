@@ -21,8 +21,8 @@ self_attn.q_proj.weight`, ...), so its `state_dict` loads HF checkpoints directl
 
 Set `model.gradient_checkpointing = True` to wrap every decoder layer in
 `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`; also set
-`model.checkpoint_context_fn` (e.g. `experiments.torch_train.SelectiveCheckpoint()`) for
-selective activation checkpointing inside each layer.
+`model.checkpoint_context_fn` (e.g. via `experiments.torch_train.set_remat(model, "selective")`)
+for selective activation checkpointing inside each layer.
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import itertools
 import math
 from typing import Iterable
@@ -264,9 +265,11 @@ class SelectiveCheckpoint:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    def __call__(self):
+    def context_fn(self):
+        """checkpoint's context_fn: a functools.partial, which torch.compile can trace (a
+        callable object it cannot: "checkpoint not implemented for ... context_fn")."""
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
-        return create_selective_checkpoint_contexts(self.policy)
+        return functools.partial(create_selective_checkpoint_contexts, self.policy)
 
 
 def set_remat(model: LlamaForCausalLM, remat: str) -> None:
@@ -275,7 +278,9 @@ def set_remat(model: LlamaForCausalLM, remat: str) -> None:
     if remat not in ("none", "full", "selective"):
         raise ValueError(f"unknown torch remat {remat!r}; choose none, full or selective")
     model.gradient_checkpointing = remat != "none"
-    model.checkpoint_context_fn = SelectiveCheckpoint() if remat == "selective" else None
+    model.selective_checkpoint = SelectiveCheckpoint() if remat == "selective" else None
+    model.checkpoint_context_fn = (model.selective_checkpoint.context_fn()
+                                   if model.selective_checkpoint else None)
 
 
 _VIEW_OR_COPY = {"ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0",
@@ -302,7 +307,8 @@ def _is_param_copy(t: torch.Tensor) -> bool:
 
 def saved_bytes_for_backward(model: LlamaForCausalLM, batch: dict, mode: str,
                              include_params: bool = False,
-                             exclude_param_copies: bool = False) -> int:
+                             exclude_param_copies: bool = False,
+                             count_selective: bool = True) -> int:
     """Bytes of the tensors autograd keeps for backward during one forward + loss.
 
     Every tensor packed by autograd is seen by a `saved_tensors_hooks` pack hook; we sum the
@@ -311,7 +317,9 @@ def saved_bytes_for_backward(model: LlamaForCausalLM, batch: dict, mode: str,
     copies are not parameters and count unless exclude_param_copies. With non-reentrant
     checkpointing, the checkpoint keeps each layer's inputs (packed by our hook) and its own hook
     replaces ours inside the layer, so the recomputed activations are, rightly, not counted; what
-    a SelectiveCheckpoint policy keeps is added from its own count.
+    a SelectiveCheckpoint policy keeps is added from its own count (unless count_selective is
+    False: under torch.compile the compiled graph saves those tensors through the hooks itself,
+    and the policy runs at trace time only).
     """
     device = next(model.parameters()).device
     param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -324,7 +332,7 @@ def saved_bytes_for_backward(model: LlamaForCausalLM, batch: dict, mode: str,
             storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
         return t
 
-    sac = model.checkpoint_context_fn if model.gradient_checkpointing else None
+    sac = getattr(model, "selective_checkpoint", None) if model.gradient_checkpointing else None
     if isinstance(sac, SelectiveCheckpoint):
         sac.saved_bytes = 0
     inputs, targets, mask = (_as_long(batch.get(k), device) for k in ("inputs", "targets", "mask"))
@@ -334,7 +342,8 @@ def saved_bytes_for_backward(model: LlamaForCausalLM, batch: dict, mode: str,
             logits = model(inputs, padding_mask=mask)
         out = lm_loss(logits, targets, mask if mask is not None else torch.ones_like(targets))
     del out, logits  # drop the graph without a backward
-    return sum(storages.values()) + (sac.saved_bytes if isinstance(sac, SelectiveCheckpoint) else 0)
+    extra = sac.saved_bytes if count_selective and isinstance(sac, SelectiveCheckpoint) else 0
+    return sum(storages.values()) + extra
 
 
 def _as_long(x, device):
