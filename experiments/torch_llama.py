@@ -20,7 +20,9 @@ Module and parameter names are those of Hugging Face's `LlamaForCausalLM` (`mode
 self_attn.q_proj.weight`, ...), so its `state_dict` loads HF checkpoints directly.
 
 Set `model.gradient_checkpointing = True` to wrap every decoder layer in
-`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`.
+`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`; also set
+`model.checkpoint_context_fn` (e.g. via `experiments.torch_train.set_remat(model, "selective")`)
+for selective activation checkpointing inside each layer.
 """
 
 from __future__ import annotations
@@ -143,6 +145,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.gradient_checkpointing = gradient_checkpointing
+        self.checkpoint_context_fn = None  # torch.utils.checkpoint's context_fn (selective)
         self.model = LlamaModel(config)
         if not config.tie_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -174,7 +177,8 @@ class LlamaForCausalLM(nn.Module):
         mask = attention_mask(padding_mask, T)  # [B, 1, T, S] or None
         for layer in self.model.layers:
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+                kw = {"context_fn": self.checkpoint_context_fn} if self.checkpoint_context_fn else {}
+                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False, **kw)
             else:
                 x = layer(x, cos, sin, mask)
         x = self.model.norm(x)

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import itertools
 import math
 from typing import Iterable
@@ -229,16 +230,96 @@ def load_checkpoint(path, recipe: Recipe) -> None:
     recipe.load_state_dict(torch.load(path, weights_only=True, map_location="cpu"))
 
 
+class SelectiveCheckpoint:
+    """Selective activation checkpointing for `model.checkpoint_context_fn`: inside each
+    checkpointed layer keep the matmul outputs (q/k/v/o, gate/up/down projections) and the
+    attention output and its logsumexp; recompute everything else (RoPE, norms, SiLU, casts).
+
+    This is torch's counterpart of jaxmem's `names:query,key,value,attn_context,mlp_gate,mlp_up`
+    (which does not keep o_proj/down_proj outputs, [B, T, D] each). What the policy keeps lives
+    in the checkpoint's own cache, not in autograd's saved tensors, so `saved_tensors_hooks` never
+    sees it: `saved_bytes` adds up its size as the forward runs (reset it before a forward).
+    """
+
+    def __init__(self):
+        aten = torch.ops.aten
+        self.save_ops = {aten.mm.default, aten.addmm.default, aten.bmm.default}
+        self.attention_ops = {getattr(aten, n).default for n in (
+            "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+            if hasattr(aten, n)}
+        self.saved_bytes = 0
+
+    def _out_bytes(self, op, args) -> int:
+        if op in self.attention_ops:  # output [B, N, T, H] in q's dtype + fp32 logsumexp [B, N, T]
+            q = args[0]
+            return q.numel() * q.element_size() + q.numel() // q.shape[-1] * 4
+        a, b = args[-2], args[-1]  # mm(a, b), addmm(bias, a, b), bmm(a, b)
+        return a.numel() // a.shape[-1] * b.shape[-1] * a.element_size()
+
+    def policy(self, ctx, op, *args, **kwargs):
+        from torch.utils.checkpoint import CheckpointPolicy
+        if op in self.save_ops or op in self.attention_ops:
+            if not ctx.is_recompute:
+                self.saved_bytes += self._out_bytes(op, args)
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def context_fn(self):
+        """checkpoint's context_fn: a functools.partial, which torch.compile can trace (a
+        callable object it cannot: "checkpoint not implemented for ... context_fn")."""
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+        return functools.partial(create_selective_checkpoint_contexts, self.policy)
+
+
+def set_remat(model: LlamaForCausalLM, remat: str) -> None:
+    """none: no checkpointing; full: per-layer torch.utils.checkpoint; selective: per-layer
+    checkpoint with SelectiveCheckpoint's policy."""
+    if remat not in ("none", "full", "selective"):
+        raise ValueError(f"unknown torch remat {remat!r}; choose none, full or selective")
+    model.gradient_checkpointing = remat != "none"
+    model.selective_checkpoint = SelectiveCheckpoint() if remat == "selective" else None
+    model.checkpoint_context_fn = (model.selective_checkpoint.context_fn()
+                                   if model.selective_checkpoint else None)
+
+
+_VIEW_OR_COPY = {"ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0",
+                 "PermuteBackward0", "UnsafeViewBackward0", "ExpandBackward0", "AliasBackward0",
+                 "ReshapeAliasBackward0"}
+
+
+def _is_param_copy(t: torch.Tensor) -> bool:
+    """True for a cast copy (or a view of one) of a parameter, e.g. autocast's bf16 weights:
+    its autograd history is only casts and views back to a leaf (AccumulateGrad)."""
+    fn = t.grad_fn
+    for _ in range(6):
+        if fn is None:
+            return False
+        name = type(fn).__name__
+        if name == "AccumulateGrad":
+            return True
+        nxt = [f for f, _ in fn.next_functions if f is not None]
+        if name not in _VIEW_OR_COPY or len(nxt) != 1:
+            return False
+        fn = nxt[0]
+    return False
+
+
 def saved_bytes_for_backward(model: LlamaForCausalLM, batch: dict, mode: str,
-                             include_params: bool = False) -> int:
+                             include_params: bool = False,
+                             exclude_param_copies: bool = False,
+                             count_selective: bool = True) -> int:
     """Bytes of the tensors autograd keeps for backward during one forward + loss.
 
     Every tensor packed by autograd is seen by a `saved_tensors_hooks` pack hook; we sum the
     nbytes of their unique storages (by data_ptr: views and re-saves of one buffer count once).
-    Parameters' own storages are excluded unless include_params (autocast's low-precision weight
-    copies are not parameters and do count). With non-reentrant checkpointing, the checkpoint
-    keeps each layer's inputs (packed by our hook) and its own hook replaces ours inside the
-    layer, so the recomputed activations are, rightly, not counted.
+    Parameters' own storages are excluded unless include_params; autocast's low-precision weight
+    copies are not parameters and count unless exclude_param_copies. With non-reentrant
+    checkpointing, the checkpoint keeps each layer's inputs (packed by our hook) and its own hook
+    replaces ours inside the layer, so the recomputed activations are, rightly, not counted; what
+    a SelectiveCheckpoint policy keeps is added from its own count (unless count_selective is
+    False: under torch.compile the compiled graph saves those tensors through the hooks itself,
+    and the policy runs at trace time only).
     """
     device = next(model.parameters()).device
     param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -246,10 +327,14 @@ def saved_bytes_for_backward(model: LlamaForCausalLM, batch: dict, mode: str,
 
     def pack(t):
         s = t.untyped_storage()
-        if include_params or s.data_ptr() not in param_ptrs:
+        if include_params or not (s.data_ptr() in param_ptrs
+                                  or (exclude_param_copies and _is_param_copy(t))):
             storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
         return t
 
+    sac = getattr(model, "selective_checkpoint", None) if model.gradient_checkpointing else None
+    if isinstance(sac, SelectiveCheckpoint):
+        sac.saved_bytes = 0
     inputs, targets, mask = (_as_long(batch.get(k), device) for k in ("inputs", "targets", "mask"))
     model.train()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -257,7 +342,8 @@ def saved_bytes_for_backward(model: LlamaForCausalLM, batch: dict, mode: str,
             logits = model(inputs, padding_mask=mask)
         out = lm_loss(logits, targets, mask if mask is not None else torch.ones_like(targets))
     del out, logits  # drop the graph without a backward
-    return sum(storages.values())
+    extra = sac.saved_bytes if count_selective and isinstance(sac, SelectiveCheckpoint) else 0
+    return sum(storages.values()) + extra
 
 
 def _as_long(x, device):
