@@ -73,4 +73,6 @@ def test_gradients_bad_run_dir_exits_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         dtypes_main(["--gradients", str(tmp_path / "nope")])
     assert e.value.code == 2
-    assert "--gradients" in capsys.readouterr().err.splitlines()[-1]
+    errors = [l for l in capsys.readouterr().err.splitlines()
+              if l.startswith("python -m jaxmem.dtypes: error: ")]
+    assert len(errors) == 1 and "--gradients" in errors[0]

@@ -28,6 +28,14 @@ def corpus(tmp_path_factory):
     return str(d)
 
 
+def error_line(stderr: str) -> str:
+    """The CLI's one error line. Looked up by its prefix, not taken as the last line: Orbax's
+    background tasks from other tests may print to the same captured stderr late."""
+    lines = [l for l in stderr.splitlines() if l.startswith("python -m jaxmem.train: error: ")]
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
 def losses(run):
     return [(r["step"], r["loss"], r["grad_norm"], r["loss_scale"], r["skipped"])
             for r in map(json.loads, (Path(run) / "metrics.jsonl").read_text().splitlines())]
@@ -154,14 +162,14 @@ def test_bad_input_exits_2_without_touching_anything(argv, needle, bad_files, ca
     with pytest.raises(SystemExit) as e:
         main([*argv, "--no-progress"] + ([] if "--out" in argv else ["--out", str(bad_files / "run")]))
     assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert needle in err[-1], err[-1]
+    err = error_line(capsys.readouterr().err)
+    assert needle in err, err
     assert sorted(p.name for p in bad_files.iterdir()) == before  # nothing created
 
 
 def test_unknown_flag_exits_2_in_a_subprocess(tmp_path):
     p = run_cli("--steps", "-1", "--out", str(tmp_path / "x"))
-    assert p.returncode == 2 and "--steps" in p.stderr.splitlines()[-1]
+    assert p.returncode == 2 and "--steps" in error_line(p.stderr)
     assert not (tmp_path / "x").exists()
 
 
@@ -174,12 +182,12 @@ def test_resume_refuses_changed_shapes_and_corrupt_checkpoints(tmp_path, corpus,
     with pytest.raises(SystemExit) as e:  # same --out without --resume: refused, nothing touched
         main(args)
     assert e.value.code == 2
-    assert "already holds a run" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert "already holds a run" in error_line(capsys.readouterr().err)
     assert (out / "metrics.jsonl").read_text() == before
     with pytest.raises(SystemExit) as e:
         main([*args, "--resume", "--precision", "bf16", "--hidden-size", "32"])
     assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
+    err = error_line(capsys.readouterr().err)
     assert "hidden_size: 64 -> 32" in err and "precision: 'fp32' -> 'bf16'" in err
     # corrupt the committed step: delete the array data of the state item
     step_dir = out / "checkpoints" / "2"
@@ -190,7 +198,7 @@ def test_resume_refuses_changed_shapes_and_corrupt_checkpoints(tmp_path, corpus,
     # a subprocess: after a failed restore the CLI exits at once (os._exit), see run.py
     p = run_cli(*[a for a in args if a != "--no-progress"], "--resume", "--steps", "4")
     assert p.returncode == 2
-    err = p.stderr.strip().splitlines()
-    assert "step 2" in err[-1] and str(out / "checkpoints") in err[-1]
-    assert err[-1].startswith("python -m jaxmem.train: error: checkpoint step 2")
+    err = error_line(p.stderr)
+    assert "step 2" in err and str(out / "checkpoints") in err
+    assert err.startswith("python -m jaxmem.train: error: checkpoint step 2")
     assert sorted(os.listdir(out / "checkpoints")) == ["2"]  # nothing saved over it
