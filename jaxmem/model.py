@@ -93,7 +93,7 @@ def _xla_attention_recomputed(q, k, v, mask):
 
     A custom_vjp, not `jax.checkpoint(..., policy=nothing_saveable)`: nested inside a block's
     remat, an inner checkpoint's policy is overridden by the outer one, and `dots` then saved
-    QK^T and PV again (measured with saved_residuals). The backward below only ever sees the
+    QK^T again (measured with saved_residuals). The backward below only ever sees the
     residuals its forward returns, whatever the enclosing policy.
     """
     return _xla_attention(q, k, v, mask)
