@@ -29,12 +29,13 @@ padding, so both sides run causal-only attention). Per run it reports:
 Remat policies, by name: `none`, `full` (keep only each block's input), and `selective`:
 jaxmem `names:query,key,value,attn_context,mlp_gate,mlp_up` / torch per-layer checkpoint whose
 policy keeps the matmul and attention outputs (experiments.torch_train.SelectiveCheckpoint).
-Why that jaxmem policy: on the tiny preset at B=4, T=256 (fp32, CPU) it keeps 22.7 MiB for
-backward at 1.965 GFLOP per step, vs 94.0 MiB / 1.853 (none), 4.7 MiB / 2.300 (full, +24%),
-40.7 / 1.867 (dots), 22.7 / 2.000 (dots_no_batch): the bytes of dots_no_batch for three
-quarters of its recompute (it keeps q/k after RoPE, so RoPE is not recomputed), and it drops the T x T
-attention probabilities that XLA's attention keeps without remat. Any jaxmem policy string can
-be given instead (`--remats none "names:query,key"`); torch then runs `selective`.
+Why that jaxmem policy: on the tiny preset at B=4, T=256 (fp32, CPU) it keeps 22.9 MiB for
+backward at 1.965 GFLOP per step, vs 57.1 MiB / 1.926 (none), 4.9 MiB / 2.300 (full, +19%),
+24.9 / 1.932 (dots), 22.9 / 2.000 (dots_no_batch): the bytes of dots_no_batch for half of its
+recompute (it keeps q/k after RoPE, so RoPE is not recomputed); docs/results.md. (XLA attention
+recomputes its T x T probabilities in the backward under every policy, docs/remat.md.) Any jaxmem
+policy string can be given instead (`--remats none "names:query,key"`); torch then runs
+`selective`.
 
 `--json` prints only the JSON document; results go to experiments/results/compare-*.json and
 a bar chart (pure-python PNG) next to it.

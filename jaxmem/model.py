@@ -73,22 +73,60 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
+def _xla_attention(q, k, v, mask):
+    """XLA's attention: logits and softmax in fp32, the [B, N, T, S] probabilities materialized."""
+    if mask is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask)
+
+
+@jax.custom_vjp
+def _xla_attention_recomputed(q, k, v, mask):
+    """`_xla_attention` whose backward recomputes the probabilities instead of keeping them.
+
+    Flash attention (cuDNN, PyTorch's SDPA) keeps only its inputs and output for the backward;
+    this does the same on the XLA path: the residuals are q, k, v and the mask, nothing
+    [B, N, T, S]. Without it every remat policy but `full` keeps the fp32 probabilities (and
+    logits or their compute-dtype copy) of every layer: 512 MiB per layer for llama-3.2-1b at
+    seq 2048. The price is one more QK^T, softmax and PV per layer in the backward
+    (docs/remat.md measures both).
+
+    A custom_vjp, not `jax.checkpoint(..., policy=nothing_saveable)`: nested inside a block's
+    remat, an inner checkpoint's policy is overridden by the outer one, and `dots` then saved
+    QK^T again (measured with saved_residuals). The backward below only ever sees the
+    residuals its forward returns, whatever the enclosing policy.
+    """
+    return _xla_attention(q, k, v, mask)
+
+
+def _xla_attention_fwd(q, k, v, mask):
+    return _xla_attention(q, k, v, mask), (q, k, v, mask)
+
+
+def _xla_attention_bwd(res, d_ctx):
+    q, k, v, mask = res
+    _, vjp = jax.vjp(lambda q, k, v: _xla_attention(q, k, v, mask), q, k, v)
+    return (*vjp(d_ctx), None)  # the mask is boolean: no cotangent
+
+
+_xla_attention_recomputed.defvjp(_xla_attention_fwd, _xla_attention_bwd)
+
+
 def _attention(q, k, v, mask):
     """Causal attention; cuDNN's fused flash attention where it applies, XLA's otherwise.
 
     `jax.nn.dot_product_attention(implementation=None)` always takes the XLA path (jax 0.10), so
     the cuDNN kernel is asked for explicitly: on a GPU, for bf16/fp16 inputs with the causal mask
     only. Shapes cuDNN rejects at trace time fall back to XLA. The XLA path computes logits and
-    softmax in fp32.
+    softmax in fp32 and recomputes them in the backward pass (`_xla_attention_recomputed`); the
+    cuDNN kernel recomputes them itself.
     """
     if mask is None and jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
         try:
             return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
         except Exception:  # unsupported head dim / GPU generation / cuDNN version
             pass
-    if mask is None:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    return jax.nn.dot_product_attention(q, k, v, mask=mask)
+    return _xla_attention_recomputed(q, k, v, mask)
 
 
 class Attention(nn.Module):

@@ -15,8 +15,9 @@ The analytic model of the peak (what is live when the backward starts):
          + activations saved for the backward under the remat policy (per layer x L, plus the
            few outside the layer stack)
          + the largest transient: the logits group (logits, exp(logits - max), dlogits, all
-           [B, T, V] fp32) or one layer's backward (its recomputed activations plus the
-           gradient of the attention probabilities), whichever is larger
+           [B, T, V] fp32) or one layer's backward (its recomputed activations plus, on the XLA
+           attention path, the recomputed attention probabilities and their gradients),
+           whichever is larger
 
 or, if larger, what is live during the optimizer update: state + batch + gradients + one
 params-sized update buffer (activations are freed by then; at full size with remat this phase
@@ -54,7 +55,8 @@ class StepSpec:
     batch_size: micro-batch B (sequences per forward/backward).
     grad_accum: micro-batches K per optimizer step (global batch = K * B).
     mu_dtype: Adam first-moment dtype, "fp32" or "bf16" (None: the params' dtype).
-    attention: "xla" (softmax probabilities [B, N, T, S] are materialized and saved) or
+    attention: "xla" (softmax probabilities [B, N, T, S] are materialized in the forward and
+        recomputed in the backward, never saved: jaxmem.model._xla_attention_recomputed) or
         "cudnn" (flash attention: only the output and the softmax statistics are saved);
         None picks cudnn on GPU in bf16/fp16 compute and xla elsewhere.
     """
@@ -120,15 +122,16 @@ def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematP
 
     none: each RMSNorm keeps its fp32 input and normalized value [B, T, D] and two [B, T, 1]
         statistics, and its output [B, T, D] in the compute dtype feeds the next matmul;
-        attention keeps q (after RoPE), k, v, the context [B, T, N, H] and, on the XLA path, the
-        fp32 softmax probabilities [B, N, T, S] plus their compute-dtype copy for the PV matmul
-        and two [B, N, T] statistics (cuDNN flash attention keeps only [B, N, T] statistics);
+        attention keeps q (after RoPE), k, v and the context [B, T, N, H]; on the XLA path
+        nothing else (the probabilities are recomputed in the backward), cuDNN flash attention
+        also two [B, N, T] softmax statistics;
         the SwiGLU MLP keeps six [B, T, F] tensors (gate, up, sigmoid(gate), silu(gate), the
         product, and the product's input to down_proj).
     full: only the block input [B, T, D] (the scan carry).
     dots_no_batch: the block input, the q/k/v projections, the o_proj output (to rebuild the
         residual stream) and gate/up [B, T, F].
-    dots: dots_no_batch plus attention's batched matmuls: QK^T [B, N, T, S] fp32 and PV.
+    dots: dots_no_batch plus, on the XLA path, attention's PV output (QK^T is recomputed with
+        the probabilities: the custom VJP hides it from the policy).
     names:a,b / offload:a,b: the block input plus the tagged tensors the backward reads
         (`mlp_out` is only added to the residual stream, so it is never kept); offloaded
         tensors live in host memory and count zero here.
@@ -136,7 +139,7 @@ def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematP
     D, F, N, H = c.hidden_size, c.intermediate_size, c.num_heads, c.resolved_head_dim
     cb, cd = _nbytes(compute_dtype), _dname(compute_dtype)
     tags = tag_shapes(c, B, T)
-    BTD, BNTS, BNT = B * T * D, B * N * T * T, B * N * T
+    BTD, BNT = B * T * D, B * N * T
     block_input = ("block input [B,T,D]", BTD * cb, cd)
     kind = remat.kind
     if kind == "full":
@@ -149,11 +152,7 @@ def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematP
                     (f"{norm}: output [B,T,D]", BTD * cb, cd)]
         out += [("q, k, v after RoPE", (tags["query"] + tags["key"] + tags["value"]) * cb, cd),
                 ("attention context [B,T,N,H]", tags["attn_context"] * cb, cd)]
-        if attention == "xla":
-            out += [("softmax probabilities [B,N,T,S] fp32", BNTS * FP32, "float32"),
-                    ("softmax probabilities [B,N,T,S] compute copy", BNTS * cb, cd),
-                    ("softmax statistics [B,N,T] x2", 2 * BNT * FP32, "float32")]
-        else:
+        if attention != "xla":  # XLA: the probabilities are recomputed, nothing [B,N,T] kept
             out += [("softmax statistics [B,N,T] x2", 2 * BNT * FP32, "float32")]
         out += [("SwiGLU [B,T,F] x6", 6 * B * T * F * cb, cd)]
         return out
@@ -162,8 +161,7 @@ def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematP
                ("q, k, v projections", (tags["query"] + tags["key"] + tags["value"]) * cb, cd),
                ("gate, up [B,T,F] x2", 2 * B * T * F * cb, cd)]
         if kind == "dots" and attention == "xla":
-            out += [("QK^T logits [B,N,T,S] fp32", BNTS * FP32, "float32"),
-                    ("PV output [B,T,N,H]", tags["attn_context"] * cb, cd)]
+            out += [("PV output [B,T,N,H]", tags["attn_context"] * cb, cd)]
         return out
     if kind == "names":
         return [block_input] + [(f"tag {t}", tags[t] * cb, cd) for t in remat.names
@@ -175,15 +173,12 @@ def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematP
 
 def outside_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematPolicy,
                       attention: str = "xla") -> list[tuple[str, int, str]]:
-    """Residuals kept outside the layer stack: RoPE tables, masks, final norm, loss."""
-    D, N, H, V = c.hidden_size, c.num_heads, c.resolved_head_dim, c.vocab_size
+    """Residuals kept outside the layer stack: RoPE tables, final norm, loss (no padding mask)."""
+    D, H, V = c.hidden_size, c.resolved_head_dim, c.vocab_size
     cb, cd = _nbytes(compute_dtype), _dname(compute_dtype)
     out = []
     if remat.kind == "none":
         out += [("RoPE cos/sin broadcasts [B,T,1,H/2] x4", 4 * B * T * (H // 2) * FP32, "float32")]
-        if attention == "xla":  # the causal mask and its fill, hoisted out of the scan
-            out += [("causal mask [B,N,T,S] bool", B * N * T * T, "bool"),
-                    ("masked fill [B,N,T,S] fp32", B * N * T * T * FP32, "float32")]
     else:
         out += [("RoPE cos/sin [B,T,H/2] x2", 2 * B * T * (H // 2) * FP32, "float32")]
     out += [("final norm: fp32 input + normalized [B,T,D] x2", 2 * B * T * D * FP32, "float32"),
@@ -224,13 +219,14 @@ def analytic_breakdown(spec: StepSpec) -> dict:
     loss_scale = {"none": 0, "static": 4, "dynamic": 12}[p.loss_scale.partition(":")[0]]
 
     # Transients: the logits group, or one block's backward (the activations it recomputes,
-    # plus the gradient of its softmax probabilities and logits on the XLA path).
+    # plus on the XLA path the recomputed probabilities, fp32 and compute copy, and the
+    # gradients of the probabilities and logits).
     V, N = c.vocab_size, c.num_heads
     logits_group = 2 * B * T * V * FP32  # logits and their gradient (exp(..) is counted as saved)
     full_layer = _sum(layer_residuals(c, B, T, p.compute_dtype, RematPolicy("none"), attention))
     layer_bwd = full_layer - _sum(per_layer)
     if attention == "xla":
-        layer_bwd += 2 * B * N * T * T * FP32
+        layer_bwd += B * N * T * T * (3 * FP32 + cb)
     transient = max(logits_group, layer_bwd)
 
     pd, cdn, md = _dname(p.param_dtype), _dname(p.compute_dtype), _dname(_mu_dtype(spec))

@@ -37,6 +37,22 @@ def test_gradients_equal_without_remat(policy, setup):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("policy", ["none", "dots", "dots_no_batch", "names:" + ",".join(TAGS)])
+def test_attention_probabilities_are_not_saved(policy, setup):
+    """XLA attention recomputes its [B, N, T, S] probabilities in the backward (docs/remat.md).
+
+    No floating residual may have two axes of length T (32; no other axis of CFG is 32); the
+    boolean padding mask [B, 1, T, S] is the only T x T residual left.
+    """
+    from jax._src.ad_checkpoint import saved_residuals
+    params, batch = setup
+    model = Llama(CFG, RematPolicy.parse(policy))
+    T = batch["inputs"].shape[1]
+    res = saved_residuals(lambda p: lm_loss(model, p, batch), params)
+    square = [a.str_short() for a, _ in res if a.shape.count(T) >= 2 and a.dtype != bool]
+    assert square == [], square
+
+
 def test_parse_round_trip_and_errors():
     for spec in ["none", "full", "dots", "dots_no_batch", "offload", "names:query,mlp_up",
                  "offload:query"]:
