@@ -19,19 +19,24 @@ class RunError(ValueError):
 
 
 def exit_after_failed_restore(parser, message: str) -> None:
-    """argparse's error exit (usage, one line, status 2) without the interpreter's shutdown.
+    """argparse's error exit (usage, one line, status 2), and nothing printed after it.
 
-    After a failed Orbax restore, TensorStore reads still in flight fail again while Python shuts
-    down and print tracebacks after the one-line error, from threads that no hook reliably
-    catches. Nothing is left to save at that point (no training has run), so exit at once.
+    After a failed Orbax restore, TensorStore reads still in flight fail again on their own
+    threads and print tracebacks into stderr, before, between and after the lines of the error
+    (PyErr_Print from native threads: no Python hook reliably catches them). So stderr is
+    pointed at /dev/null first, the message goes to the real stderr, and the process exits at
+    once. Nothing is left to save at that point: no training has run.
     """
     import os
     import sys
 
-    parser.print_usage(sys.stderr)
-    print(f"{parser.prog}: error: {message}", file=sys.stderr)
+    text = f"{parser.format_usage()}{parser.prog}: error: {message}\n"
     sys.stdout.flush()
     sys.stderr.flush()
+    real_stderr = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.write(real_stderr, text.encode())
     os._exit(2)
 
 
