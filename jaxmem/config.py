@@ -133,20 +133,22 @@ nonneg_int = _number_type(int, lambda v: v >= 0, "an integer >= 0")
 nonneg_float = _number_type(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
 
 
+# ModelConfig fields a CLI can override on top of a preset (flag --num-layers for num_layers ...).
+OVERRIDE_FIELDS = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+                   "head_dim", "vocab_size")
+
+
 def add_model_args(parser) -> None:
     """Flags shared by every CLI that builds a model: a preset plus size overrides."""
     g = parser.add_argument_group("model")
     g.add_argument("--preset", default="tiny", choices=list(PRESETS), metavar="NAME",
                    help=f"model shape preset: {', '.join(PRESETS)} (default: tiny)")
-    for flag, field in [("--num-layers", "num_layers"), ("--hidden-size", "hidden_size"),
-                        ("--intermediate-size", "intermediate_size"), ("--num-heads", "num_heads"),
-                        ("--num-kv-heads", "num_kv_heads"), ("--head-dim", "head_dim"),
-                        ("--vocab-size", "vocab_size")]:
-        g.add_argument(flag, dest=field, type=int, default=None,
+    for field in OVERRIDE_FIELDS:
+        g.add_argument("--" + field.replace("_", "-"), dest=field, type=int, default=None,
                        help=f"override the preset's {field}")
 
 
 def model_config_from_args(args) -> ModelConfig:
-    return get_preset(args.preset, **{f: getattr(args, f) for f in (
-        "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
-        "vocab_size")})
+    """The preset with its overrides, from parsed flags (a Namespace or a dict like config.json)."""
+    flags = args if isinstance(args, dict) else vars(args)
+    return get_preset(flags["preset"], **{f: flags.get(f) for f in OVERRIDE_FIELDS})

@@ -279,10 +279,8 @@ def rule_of_thumb(num_params: int) -> dict[str, int]:
 def abstract_state(spec: StepSpec):
     """The train state as ShapeDtypeStructs (nothing allocated)."""
     from jaxmem.loss_scale import parse_loss_scale
-    from jaxmem.step import create_train_state
-    cfg = spec.step_config()
-    return jax.eval_shape(lambda: create_train_state(
-        cfg, loss_scale=parse_loss_scale(spec.precision.loss_scale)))
+    from jaxmem.run import abstract_train_state
+    return abstract_train_state(spec.step_config(), parse_loss_scale(spec.precision.loss_scale))
 
 
 def abstract_step_batch(spec: StepSpec):
@@ -299,10 +297,10 @@ def argument_bytes(spec: StepSpec) -> int:
 def compile_step(spec: StepSpec) -> dict:
     """Compile the full train step ahead of time; XLA's memory and FLOP numbers (no allocation)."""
     from jaxmem.memory import compiled_stats
-    from jaxmem.step import make_train_step
+    from jaxmem.step import jit_train_step
     if spec.remat.kind == "offload":
         check_offload_supported()
-    step = jax.jit(make_train_step(spec.step_config()), donate_argnums=0)
+    step = jit_train_step(spec.step_config())
     compiled = step.lower(abstract_state(spec), abstract_step_batch(spec)).compile()
     stats, flops = compiled_stats(compiled)
     return {**stats, "flops": flops}

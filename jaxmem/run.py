@@ -117,15 +117,13 @@ def build_step_config(flags: dict):
     One place that turns flags into the objects that fix the state's shapes, so a resumed run and
     `jaxmem.generate` rebuild exactly the state the run saved.
     """
-    from jaxmem.config import get_preset
+    from jaxmem.config import model_config_from_args
     from jaxmem.loss_scale import parse_loss_scale
     from jaxmem.optim import OptimConfig
     from jaxmem.precision import get_precision
     from jaxmem.remat import RematPolicy
 
-    model_cfg = get_preset(flags["preset"], **{f: flags.get(f) for f in (
-        "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
-        "vocab_size")})
+    model_cfg = model_config_from_args(flags)
     precision = get_precision(flags["precision"])
     optim = OptimConfig(lr=flags["lr"], min_lr=flags["min_lr"], warmup_steps=flags["warmup_steps"],
                         total_steps=flags["steps"], weight_decay=flags["weight_decay"],
