@@ -69,7 +69,7 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "A10
 
 
 def model_config(spec: dict):
-    from jaxmem.config import get_preset
+    from jaxmem.config.model import get_preset
     return get_preset(spec["preset"], num_layers=spec.get("num_layers"))
 
 
@@ -85,7 +85,7 @@ def make_batches(config, n: int, batch_size: int, seq_len: int, seed: int) -> li
 
 
 def optim_config(spec: dict):
-    from jaxmem.optim import OptimConfig
+    from jaxmem.train.optim import OptimConfig
     return OptimConfig(lr=spec["lr"], min_lr=spec["lr"] / 10, warmup_steps=spec["lr_warmup"],
                        total_steps=max(spec["steps"], 2), weight_decay=0.1, clip=1.0)
 
@@ -100,10 +100,10 @@ def flops_per_token(config, seq_len: int) -> float:
 def jax_params(spec: dict):
     """jaxmem's init for the spec (storage dtype of the mode): the weights both sides start from."""
     import jax
-    from jaxmem.loss_scale import parse_loss_scale
-    from jaxmem.precision import get_precision
-    from jaxmem.remat import RematPolicy
-    from jaxmem.step import StepConfig, create_train_state
+    from jaxmem.train.loss_scale import parse_loss_scale
+    from jaxmem.train.precision import get_precision
+    from jaxmem.model.remat import RematPolicy
+    from jaxmem.train.step import StepConfig, create_train_state
     remat = spec["remat"] if spec["framework"] == "jax" else "none"
     cfg = StepConfig(model_config(spec), get_precision(spec["mode"]), RematPolicy.parse(remat),
                      optim_config(spec))
@@ -113,10 +113,10 @@ def jax_params(spec: dict):
 
 def initial_params(spec: dict):
     """The params `jax_params` starts from, without building an optimizer state (the torch
-    process only needs the weights): the same key split as jaxmem.step.create_train_state."""
+    process only needs the weights): the same key split as jaxmem.train.step.create_train_state."""
     import jax
-    from jaxmem.model import init_params
-    from jaxmem.precision import cast_floating, get_precision
+    from jaxmem.model.llama import init_params
+    from jaxmem.train.precision import cast_floating, get_precision
     init_key, _ = jax.random.split(jax.random.PRNGKey(spec["seed"]))
     return cast_floating(init_params(model_config(spec), init_key),
                          get_precision(spec["mode"]).param_dtype)
@@ -144,7 +144,7 @@ def _saved_residuals():
 def jax_saved_bytes(model, abstract_compute_params, batch) -> tuple[int, int]:
     """(bytes, count) of the residuals of the loss w.r.t. the compute-dtype params, params excluded."""
     import numpy as np
-    from jaxmem.loss import cross_entropy
+    from jaxmem.train.loss import cross_entropy
 
     def loss_of(params, batch):
         logits = model.apply({"params": params}, batch["inputs"])  # causal only, as the step
@@ -166,9 +166,9 @@ def run_jax(spec: dict) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jaxmem.memory import compiled_stats
-    from jaxmem.precision import cast_params
-    from jaxmem.step import jit_train_step
+    from jaxmem.memory.report import compiled_stats
+    from jaxmem.train.precision import cast_params
+    from jaxmem.train.step import jit_train_step
 
     cfg, state = jax_params(spec)
     c, B, T = cfg.model, spec["batch_size"], spec["seq_len"]

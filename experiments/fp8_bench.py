@@ -4,7 +4,7 @@
     python -m experiments.fp8_bench --quick            # CPU smoke run: small sizes, few reps
 
 For each hidden size D it times forward + backward of an MLP-shaped projection
-x[B*T, D] @ w[D, 4D] through `jaxmem.fp8.fp8_einsum` and through a plain bf16 einsum (median of
+x[B*T, D] @ w[D, 4D] through `jaxmem.model.fp8.fp8_einsum` and through a plain bf16 einsum (median of
 `--reps` runs after warmup, `block_until_ready`), and reads the compiled HLO: an fp8 GEMM on
 Hopper appears as a cuBLASLt custom call whose operands are f8e4m3fn / f8e5m2
 (`__cublas$lt$matmul$f8`). Prints a table; writes experiments/results/fp8_bench_<date>.json with
@@ -26,7 +26,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxmem.fp8 import fp8_einsum
+from jaxmem.model.fp8 import fp8_einsum
 
 
 def _time(fn, *args, reps: int) -> float:

@@ -4,7 +4,7 @@
 
 For presets tiny, small, llama-3.2-1b, llama-3.2-3b, llama-3-8b in precision fp32, amp-bf16 and
 bf16, remat none and full, batch 1 x 2048 tokens, Adam mu in the params' dtype: the analytic
-peak (jaxmem.planner), the full train step compiled ahead of time on the current backend from
+peak (jaxmem.memory.planner), the full train step compiled ahead of time on the current backend from
 abstract shapes (each compile in its own process, killed after --timeout seconds: "timeout" in
 the table), the device's measured peak where the backend reports one (a GPU; one process per
 configuration), and the rule of thumb (4 B/param fp32 weights, 16 B/param mixed-precision Adam).
@@ -34,10 +34,10 @@ SEQ = 2048
 
 
 def spec_for(preset: str, precision: str, remat: str):
-    from jaxmem.config import get_preset
-    from jaxmem.planner import StepSpec
-    from jaxmem.precision import get_precision
-    from jaxmem.remat import RematPolicy
+    from jaxmem.config.model import get_preset
+    from jaxmem.memory.planner import StepSpec
+    from jaxmem.train.precision import get_precision
+    from jaxmem.model.remat import RematPolicy
     model = get_preset(preset)
     if model.max_position_embeddings < SEQ:
         model = model.replace(max_position_embeddings=SEQ)
@@ -48,9 +48,9 @@ def one(preset: str, precision: str, remat: str, what: str) -> dict:
     """Child process: compile (or measure) one configuration, print JSON."""
     spec = spec_for(preset, precision, remat)
     if what == "measure":
-        from jaxmem.memory import measure_here
+        from jaxmem.memory.report import measure_here
         return measure_here(spec)
-    from jaxmem.planner import compile_step
+    from jaxmem.memory.planner import compile_step
     t = time.time()
     c = compile_step(spec)
     return {**c, "compile_s": round(time.time() - t, 1)}
@@ -82,8 +82,8 @@ def main():
         print(json.dumps(one(*args.one)))
         return
     import jax
-    from jaxmem.memory import measure_available
-    from jaxmem.planner import analytic_breakdown, rule_of_thumb
+    from jaxmem.memory.report import measure_available
+    from jaxmem.memory.planner import analytic_breakdown, rule_of_thumb
     no_measure = measure_available()
     rows = []
     for preset in args.presets.split(","):

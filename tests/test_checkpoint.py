@@ -20,7 +20,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxmem.checkpoint import Checkpointer, CheckpointError, abstract_state
+from jaxmem.io.checkpoint import Checkpointer, CheckpointError, abstract_state
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -234,7 +234,7 @@ def test_any_single_file_removed_or_truncated_never_gives_wrong_state(saved, tmp
 CHILD = textwrap.dedent("""
     import sys
     import numpy as np
-    from jaxmem.checkpoint import Checkpointer
+    from jaxmem.io.checkpoint import Checkpointer
     small = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "step": np.int32(1)}
     big = {f"x{i}": np.random.default_rng(i).random(16_000_000, dtype=np.float32)
            for i in range(8)}  # 512 MB: the write takes long enough to be killed in the middle

@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `experiments` is
 
 from experiments import compare  # noqa: E402
 from experiments import torch_train as tt  # noqa: E402
-from jaxmem.model import Llama, abstract_params  # noqa: E402
-from jaxmem.precision import cast_params, get_precision  # noqa: E402
-from jaxmem.remat import RematPolicy  # noqa: E402
+from jaxmem.model.llama import Llama, abstract_params  # noqa: E402
+from jaxmem.train.precision import cast_params, get_precision  # noqa: E402
+from jaxmem.model.remat import RematPolicy  # noqa: E402
 
 SPEC = {"preset": "tiny", "num_layers": 1, "batch_size": 2, "seq_len": 16, "steps": 3,
         "warmup": 1, "lr": 3e-3, "lr_warmup": 0, "seed": 0, "n_batches": 2, "threads": None}

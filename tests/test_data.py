@@ -5,7 +5,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxmem.config import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID
+from jaxmem.config.model import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID
 from jaxmem.data import (Batcher, ByteTokenizer, DataError, HFTokenizer, batch_at, decode_utf8,
                          eval_batches, load_corpus, load_token_file, load_tokenizer,
                          num_windows)
@@ -232,7 +232,7 @@ STREAM = np.arange(1000, 2000, dtype=np.int32)  # 1000 distinct tokens (batches 
 
 
 def test_batches_are_packed_shifted_windows():
-    b = Batcher(STREAM, batch_size=3, seq_len=16, seed=0)
+    b = Batcher(STREAM, batch_size=3, seq_len=16, seed=0, pad_id=PAD_TOKEN_ID)
     assert b.num_windows == num_windows(1000, 16) == 63  # ceil(999 / 16)
     x = b.batch_at(0)
     assert set(x) == {"inputs", "targets", "mask"}
@@ -248,12 +248,12 @@ def test_batches_are_packed_shifted_windows():
 
 
 def test_batches_deterministic_and_resumable():
-    b = Batcher(STREAM, batch_size=4, seq_len=16, seed=7)
+    b = Batcher(STREAM, batch_size=4, seq_len=16, seed=7, pad_id=PAD_TOKEN_ID)
     in_sequence = [b.batch_at(p) for p in range(40)]  # 160 samples: over 2.5 epochs of 63
-    it = Batcher(STREAM, 4, 16, seed=7).iterate(0)
+    it = Batcher(STREAM, 4, 16, seed=7, pad_id=PAD_TOKEN_ID).iterate(0)
     for p in [0, 1, 15, 16, 31, 39]:
-        fresh = batch_at(STREAM, 7, 4, 16, p)
-        resumed = next(Batcher(STREAM, 4, 16, seed=7).iterate(p))
+        fresh = batch_at(STREAM, 7, 4, 16, p, pad_id=PAD_TOKEN_ID)
+        resumed = next(Batcher(STREAM, 4, 16, seed=7, pad_id=PAD_TOKEN_ID).iterate(p))
         for k in fresh:
             np.testing.assert_array_equal(fresh[k], in_sequence[p][k])
             np.testing.assert_array_equal(resumed[k], in_sequence[p][k])
@@ -263,12 +263,12 @@ def test_batches_deterministic_and_resumable():
     starts = np.concatenate([x["inputs"][:, 0] for x in in_sequence])
     assert sorted(starts[:63].tolist()) == sorted(STREAM[0:1000:16].tolist())
     assert not np.array_equal(starts[:63], starts[63:126])
-    other = Batcher(STREAM, 4, 16, seed=8).batch_at(0)
+    other = Batcher(STREAM, 4, 16, seed=8, pad_id=PAD_TOKEN_ID).batch_at(0)
     assert not np.array_equal(other["inputs"], in_sequence[0]["inputs"])
 
 
 def test_partial_last_window_is_padded_with_mask_zero():
-    b = Batcher(STREAM, batch_size=63, seq_len=16, seed=0)
+    b = Batcher(STREAM, batch_size=63, seq_len=16, seed=0, pad_id=PAD_TOKEN_ID)
     x = b.batch_at(0)  # one full epoch: every window once
     last = int(np.flatnonzero(x["inputs"][:, 0] == STREAM[62 * 16])[0])
     n_real_targets = 1000 - 62 * 16 - 1  # 7
@@ -281,7 +281,7 @@ def test_tiny_data_is_padded_and_masked(tmp_path):
     write(tmp_path / "tiny.txt", "hi")
     train, ev, _ = load_corpus(str(tmp_path / "tiny.txt"), TOK, V, eval_fraction=0.0)
     assert train.tolist() == [BOS_TOKEN_ID, ord("h"), ord("i"), EOS_TOKEN_ID]
-    x = Batcher(train, batch_size=2, seq_len=8, seed=0).batch_at(3)
+    x = Batcher(train, batch_size=2, seq_len=8, seed=0, pad_id=PAD_TOKEN_ID).batch_at(3)
     want_in = [BOS_TOKEN_ID, ord("h"), ord("i"), EOS_TOKEN_ID] + [PAD_TOKEN_ID] * 4
     want_tg = [ord("h"), ord("i"), EOS_TOKEN_ID] + [PAD_TOKEN_ID] * 5
     for row in range(2):
@@ -294,27 +294,27 @@ def test_tiny_data_is_padded_and_masked(tmp_path):
 
 def test_eval_batches_deterministic_cover_stream_and_pad():
     ev = STREAM[:100]
-    bs = eval_batches(ev, batch_size=4, seq_len=16)
+    bs = eval_batches(ev, batch_size=4, seq_len=16, pad_id=PAD_TOKEN_ID)
     assert len(bs) == 2  # ceil(99 / 16) = 7 windows -> 2 batches of 4
     assert bs[0]["inputs"][0].tolist() == ev[:16].tolist()
     assert bs[1]["inputs"][2].tolist()[:3] == ev[96:99].tolist()  # window 6: tokens 96..99
     assert bs[1]["mask"][2].tolist() == [1, 1, 1] + [0] * 13
     assert (bs[1]["mask"][3] == 0).all() and (bs[1]["targets"][3] == PAD_TOKEN_ID).all()
     assert sum(int(b["mask"].sum()) for b in bs) == 99  # every next-token target counted once
-    again = eval_batches(ev, 4, 16)
+    again = eval_batches(ev, 4, 16, pad_id=PAD_TOKEN_ID)
     for a, b in zip(bs, again):
         for k in a:
             np.testing.assert_array_equal(a[k], b[k])
-    assert len(eval_batches(ev, 4, 16, max_batches=1)) == 1
-    assert eval_batches(ev[:0], 4, 16) == []
+    assert len(eval_batches(ev, 4, 16, max_batches=1, pad_id=PAD_TOKEN_ID)) == 1
+    assert eval_batches(ev[:0], 4, 16, pad_id=PAD_TOKEN_ID) == []
 
 
 def test_bad_batcher_arguments():
     with pytest.raises(DataError, match="batch_size"):
-        Batcher(STREAM, 0, 16)
+        Batcher(STREAM, 0, 16, pad_id=PAD_TOKEN_ID)
     with pytest.raises(DataError, match="at least 2 tokens"):
-        Batcher(STREAM[:1], 2, 16)
+        Batcher(STREAM[:1], 2, 16, pad_id=PAD_TOKEN_ID)
     with pytest.raises(DataError, match="seed must be >= 0, got -1"):
-        Batcher(STREAM, 2, 16, seed=-1)
+        Batcher(STREAM, 2, 16, seed=-1, pad_id=PAD_TOKEN_ID)
     with pytest.raises(DataError, match="position must be >= 0"):
-        Batcher(STREAM, 2, 16).batch_at(-1)
+        Batcher(STREAM, 2, 16, pad_id=PAD_TOKEN_ID).batch_at(-1)

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxmem import dtypes
+from jaxmem.dtypes import table as dtypes
 
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxmem.fp8 import E4M3, E5M2, fp8_einsum, quantize, scaled_matmul
+from jaxmem.model.fp8 import E4M3, E5M2, fp8_einsum, quantize, scaled_matmul
 
 SEED = 0
 

@@ -8,9 +8,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxmem.dtypes import main as dtypes_main
-from jaxmem.gradcast import cast_stats
-from jaxmem.train import main as train_main
+from jaxmem.dtypes.table import main as dtypes_main
+from jaxmem.dtypes.gradients import cast_stats
+from jaxmem.train.cli import main as train_main
 
 
 def test_cast_stats_exact_on_crafted_values():

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.loss_scale import (DynamicLossScale, NoOpLossScale, StaticLossScale, all_finite,
+from jaxmem.train.loss_scale import (DynamicLossScale, NoOpLossScale, StaticLossScale, all_finite,
                                parse_loss_scale, select_tree)
 
 

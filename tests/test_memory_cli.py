@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from jaxmem.memory import main
+from jaxmem.memory.report import main
 
 
 def test_json_output_fields(capsys):

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config import PRESETS, ConfigError, ModelConfig, get_preset
-from jaxmem.model import Llama, abstract_params, apply_rope, count_params, init_params, rope_tables
+from jaxmem.config.model import PRESETS, ConfigError, ModelConfig, get_preset
+from jaxmem.model.llama import Llama, abstract_params, apply_rope, count_params, init_params, rope_tables
 
 PUBLISHED = {
     "llama-3.2-1b": 1_235_814_400,

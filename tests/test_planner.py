@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from jaxmem.config import ModelConfig, get_preset
-from jaxmem.memory import main
-from jaxmem.planner import (GiB, StepSpec, analytic_breakdown, candidates, compile_step, plan)
-from jaxmem.precision import get_precision
-from jaxmem.remat import TAGS, RematPolicy
+from jaxmem.config.model import ModelConfig, get_preset
+from jaxmem.memory.report import main
+from jaxmem.memory.planner import (GiB, StepSpec, analytic_breakdown, candidates, compile_step, plan)
+from jaxmem.train.precision import get_precision
+from jaxmem.model.remat import TAGS, RematPolicy
 
 try:  # jax 0.10 keeps it private; print_saved_residuals is the public printer of the same list
     from jax._src.ad_checkpoint import saved_residuals
@@ -27,9 +27,9 @@ CFG = ModelConfig(hidden_size=40, intermediate_size=56, num_layers=3, num_heads=
 def jax_saved_bytes(spec: StepSpec) -> int:
     """Bytes of the residuals jax keeps for the loss's backward (params passed in excluded)."""
     import jax
-    from jaxmem.loss import abstract_batch, cross_entropy
-    from jaxmem.model import Llama, abstract_params
-    from jaxmem.precision import cast_params
+    from jaxmem.train.loss import abstract_batch, cross_entropy
+    from jaxmem.model.llama import Llama, abstract_params
+    from jaxmem.train.precision import cast_params
 
     model = Llama(spec.model, spec.remat)
 
@@ -170,7 +170,7 @@ def test_bad_input_exits_2(argv, needle):
 @pytest.mark.gpu
 def test_measured_peak_near_compiled():
     """On a GPU: the device's peak after real steps, own process, against XLA's plan."""
-    from jaxmem.memory import measure_in_subprocess
+    from jaxmem.memory.report import measure_in_subprocess
     m = measure_in_subprocess(["--preset", "small", "--batch-size", "2", "--seq-len", "512"])
     spec = StepSpec(get_preset("small"), get_precision("fp32"), RematPolicy(), 2, 512)
     compiled = compile_step(spec)["peak_bytes"]

@@ -4,11 +4,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmem.config import ModelConfig
-from jaxmem.loss import lm_loss, synthetic_batch
-from jaxmem.memory import grad_step_report
-from jaxmem.model import Llama, init_params
-from jaxmem.remat import TAGS, RematError, RematPolicy
+from jaxmem.config.model import ModelConfig
+from jaxmem.train.loss import lm_loss, synthetic_batch
+from jaxmem.memory.report import grad_step_report
+from jaxmem.model.llama import Llama, init_params
+from jaxmem.model.remat import TAGS, RematError, RematPolicy
 
 CFG = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
                   max_position_embeddings=64)

@@ -5,13 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxmem.step as step_mod
-from jaxmem.config import ModelConfig
-from jaxmem.loss import synthetic_batch
-from jaxmem.loss_scale import DynamicLossScale, StaticLossScale, parse_loss_scale
-from jaxmem.optim import OptimConfig, decay_mask
-from jaxmem.precision import get_precision
-from jaxmem.step import StepConfig, create_train_state, jit_train_step
+import jaxmem.train.step as step_mod
+from jaxmem.config.model import ModelConfig
+from jaxmem.train.loss import synthetic_batch
+from jaxmem.train.loss_scale import DynamicLossScale, StaticLossScale, parse_loss_scale
+from jaxmem.train.optim import OptimConfig, decay_mask
+from jaxmem.train.precision import get_precision
+from jaxmem.train.step import StepConfig, create_train_state, jit_train_step
 
 CFG = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   max_position_embeddings=64)

@@ -25,9 +25,9 @@ from experiments.convert import (expected_keys, grads_to_jax, jax_to_torch_state
                                  torch_state_dict_to_jax)
 from experiments.torch_llama import LlamaForCausalLM, loss as torch_loss  # noqa: E402
 from experiments import torch_train as tt  # noqa: E402
-from jaxmem.config import ModelConfig  # noqa: E402
-from jaxmem.loss import cross_entropy, synthetic_batch  # noqa: E402
-from jaxmem.model import Llama, abstract_params  # noqa: E402
+from jaxmem.config.model import ModelConfig  # noqa: E402
+from jaxmem.train.loss import cross_entropy, synthetic_batch  # noqa: E402
+from jaxmem.model.llama import Llama, abstract_params  # noqa: E402
 
 CFG = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                   max_position_embeddings=64)
@@ -307,15 +307,15 @@ def test_saved_bytes_smaller_with_checkpointing():
 
 # ---------------------------------------------------------------- jaxmem's train step vs the recipe
 #
-# jaxmem.step (fp32, no remat, causal-only attention) against experiments.torch_train's recipe on
+# jaxmem.train.step (fp32, no remat, causal-only attention) against experiments.torch_train's recipe on
 # the converted weights and the same batches (no mask: torch runs is_causal too). Both apply
 # AdamW(0.9, 0.95, eps 1e-8) with decoupled decay lr * wd * w on matrices except the embedding and
 # the norms, global-norm clipping at 1.0, and optax's warmup-cosine schedule. warmup_steps=0, so
 # step 0 already has lr = 1e-3 (with warmup both sides would take a zero-lr first step).
 
-from jaxmem.optim import OptimConfig, decay_mask  # noqa: E402
-from jaxmem.precision import get_precision  # noqa: E402
-from jaxmem.step import StepConfig, create_train_state, make_train_step  # noqa: E402
+from jaxmem.train.optim import OptimConfig, decay_mask  # noqa: E402
+from jaxmem.train.precision import get_precision  # noqa: E402
+from jaxmem.train.step import StepConfig, create_train_state, make_train_step  # noqa: E402
 
 STEP_OPT = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=0, total_steps=50, weight_decay=0.1,
                        clip=1.0)

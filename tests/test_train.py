@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxmem.train import main
+from jaxmem.train.cli import main
 
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--intermediate-size", "128",
          "--batch-size", "4", "--seq-len", "32", "--sample-tokens", "0", "--no-progress",
@@ -42,7 +42,7 @@ def losses(run):
 
 
 def params_of(run):
-    from jaxmem.generate import load_run
+    from jaxmem.io.rundir import load_run
     import jax
     _, _, state, _, _ = load_run(Path(run))
     return int(state.step), [np.asarray(x) for x in jax.tree_util.tree_leaves(state.params)]

@@ -9,7 +9,7 @@ batch: dict of int32 arrays [K, B, T] (K = grad-accumulation micro-batches). Per
         g += grad(scale(loss_k)) w.r.t. the stored params        (params cast to the compute
                                                                     dtype inside the loss)
     g = unscale(g); finite = all_finite(g); grad_norm = |g|
-    if finite: clip, AdamW update                                 (jaxmem.optim)
+    if finite: clip, AdamW update                                 (jaxmem.train.optim)
     else:      params and every optimizer leaf stay bitwise as they were (lax.cond)
     loss_scale = loss_scale.adjust(finite)                        (once per optimizer step)
 
@@ -27,13 +27,13 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from jaxmem.config import ModelConfig
-from jaxmem.loss import cross_entropy
-from jaxmem.loss_scale import LossScale, NoOpLossScale, all_finite
-from jaxmem.model import Llama, default_einsum, init_params
-from jaxmem.optim import OptimConfig, make_optimizer, schedule
-from jaxmem.precision import Precision, cast_floating, cast_params
-from jaxmem.remat import RematPolicy
+from jaxmem.config.model import ModelConfig
+from jaxmem.train.loss import cross_entropy
+from jaxmem.train.loss_scale import LossScale, NoOpLossScale, all_finite
+from jaxmem.model.llama import Llama, default_einsum, init_params
+from jaxmem.train.optim import OptimConfig, make_optimizer, schedule
+from jaxmem.train.precision import Precision, cast_floating, cast_params
+from jaxmem.model.remat import RematPolicy
 
 
 @struct.dataclass
@@ -74,7 +74,7 @@ class StepConfig:
     def build_model(self) -> Llama:
         einsum = default_einsum
         if self.precision.fp8:
-            from jaxmem.fp8 import fp8_einsum
+            from jaxmem.model.fp8 import fp8_einsum
             einsum = fp8_einsum
         return Llama(self.model, self.remat, einsum)
 

@@ -28,13 +28,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem.config import ConfigError, add_model_args, nonneg_float, nonneg_int, positive_int
-from jaxmem.precision import PRECISIONS, PrecisionError
-from jaxmem.remat import VALID_POLICIES, RematError
-from jaxmem.run import (RunError, abstract_train_state, build_step_config, config_mismatch,
-                        device_memory, exit_after_failed_restore, flops_per_token, make_eval_fn,
-                        peak_flops, read_config)
-from jaxmem.step import create_train_state, jit_train_step
+from jaxmem.config.model import ConfigError, add_model_args, nonneg_float, nonneg_int, positive_int
+from jaxmem.train.precision import PRECISIONS, PrecisionError
+from jaxmem.model.remat import VALID_POLICIES, RematError
+from jaxmem.io.rundir import RunError, config_mismatch, exit_after_failed_restore, read_config
+from jaxmem.perf import device_memory, flops_per_token, peak_flops
+from jaxmem.train.run import abstract_train_state, build_step_config, make_eval_fn
+from jaxmem.train.step import create_train_state, jit_train_step
 
 CONFIG_FILE, METRICS_FILE, CKPT_DIR = "config.json", "metrics.jsonl", "checkpoints"
 # Flags that fix the saved state's shapes, dtypes and structure, or the data order: a resume must
@@ -123,7 +123,7 @@ def _check_writable(out: Path) -> None:
 
 def setup(args, parser):
     """Validate everything and load the data; exits 2 (parser.error) on bad input."""
-    from jaxmem.checkpoint import CheckpointError, Checkpointer
+    from jaxmem.io.checkpoint import CheckpointError, Checkpointer
     from jaxmem.data import DataError, load_corpus, load_tokenizer
 
     try:
@@ -213,7 +213,7 @@ def _fmt_bytes(n):
 def train(args, parser) -> int:
     from tqdm import tqdm
 
-    from jaxmem.checkpoint import Checkpointer
+    from jaxmem.io.checkpoint import Checkpointer
     from jaxmem.data import Batcher, eval_batches
 
     s = setup(args, parser)
@@ -228,8 +228,9 @@ def train(args, parser) -> int:
         print(f"{out}: already at step {start} of {args.steps}; nothing to do")
         return 0
 
-    batcher = Batcher(s["train_tokens"], args.batch_size, args.seq_len, seed=args.seed)
-    evals = eval_batches(s["eval_tokens"], args.batch_size, args.seq_len, args.eval_batches)
+    batcher = Batcher(s["train_tokens"], args.batch_size, args.seq_len, seed=args.seed, pad_id=s["tokenizer"].pad_id)
+    evals = eval_batches(s["eval_tokens"], args.batch_size, args.seq_len, args.eval_batches,
+                         pad_id=s["tokenizer"].pad_id)
     train_step, eval_fn = jit_train_step(step_cfg), make_eval_fn(step_cfg)
     device = jax.devices()[0]
     peak = peak_flops(device, step_cfg.precision.compute_dtype)
@@ -336,7 +337,7 @@ def train(args, parser) -> int:
           f"peak memory {_fmt_bytes(mem and mem['peak_bytes_in_use'])}, "
           f"wall {time.perf_counter() - t_start:.0f} s")
     if args.sample_tokens:
-        from jaxmem.generate import generate_text
+        from jaxmem.generate.sampling import generate_text
         sample = generate_text(s["model_cfg"], state.params, s["tokenizer"], prompt="def ",
                                max_new_tokens=args.sample_tokens, temperature=0.8, top_k=40,
                                seed=args.seed, compute_dtype=step_cfg.precision.compute_dtype)

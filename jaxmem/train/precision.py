@@ -5,7 +5,7 @@
     bf16       bf16 (pure bf16)           bf16               none
     amp-bf16   fp32 master                bf16               none
     amp-fp16   fp32 master                fp16               dynamic
-    fp8        fp32 master                bf16, fp8 matmuls  none   (jaxmem.fp8)
+    fp8        fp32 master                bf16, fp8 matmuls  none   (jaxmem.model.fp8)
 
 In the amp modes the train state holds fp32 params; the loss casts them to the compute dtype
 *inside* the differentiated function, so the gradients come back in fp32 for the fp32 master copy.

@@ -172,12 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", choices=FORMATS, default="text", help="output format")
     parser.add_argument("--gradients", metavar="RUN_DIR", default=None,
                         help="instead: cast one batch of a run's real gradients into each format "
-                             "and report overflow / underflow / precision loss (jaxmem.gradcast)")
+                             "and report overflow / underflow / precision loss (jaxmem.dtypes.gradients)")
     args = parser.parse_args(argv)
     if args.gradients is None:
         print(render(format_table(), args.format))
         return 0
-    from jaxmem.gradcast import gradient_report
+    from jaxmem.dtypes.gradients import gradient_report
     try:
         report = gradient_report(args.gradients, [(n, dt) for n, dt in available_dtypes()
                                                   if n != "fp64"])

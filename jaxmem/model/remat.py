@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import jax
 
-# Activation tags placed in jaxmem.model with `checkpoint_name`, in the order they occur.
+# Activation tags placed in jaxmem.model.llama with `checkpoint_name`, in the order they occur.
 TAGS = (
     "attn_norm",    # RMSNorm output feeding q/k/v         [B, T, D]
     "query",        # q projection after RoPE               [B, T, N, H]

@@ -11,7 +11,7 @@ Parameter names follow Hugging Face's Llama (`q_proj`, `gate_proj`, `input_layer
 conversion to and from a PyTorch `state_dict` is a reshape and a transpose per tensor.
 
 The model computes in the dtype of the parameters it is given: the train step casts fp32 master
-weights to the compute dtype before calling `apply` (jaxmem.precision). Norm statistics, softmax,
+weights to the compute dtype before calling `apply` (jaxmem.train.precision). Norm statistics, softmax,
 logits and the loss stay fp32 regardless.
 """
 
@@ -24,14 +24,14 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxmem.config import ModelConfig
-from jaxmem.remat import RematPolicy
+from jaxmem.config.model import ModelConfig
+from jaxmem.model.remat import RematPolicy
 
 Einsum = Callable[[str, jax.Array, jax.Array], jax.Array]
 
 
 def default_einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """Plain einsum in the activation dtype; jaxmem.fp8 supplies a drop-in fp8 version."""
+    """Plain einsum in the activation dtype; jaxmem.model.fp8 supplies a drop-in fp8 version."""
     return jnp.einsum(subscripts, x, w.astype(x.dtype))
 
 

@@ -1,4 +1,4 @@
-"""Tokenizers, corpus loading and packed, resumable batches.
+"""Data sources and corpus loading (the `--data` flag), and the pipeline this package implements.
 
 The pipeline, top to bottom:
 
@@ -7,7 +7,7 @@ The pipeline, top to bottom:
     Batcher(train_tokens, B, T, seed).batch_at(position)  -> {"inputs", "targets", "mask"}
     eval_batches(eval_tokens, B, T, max_batches)           -> [batch, ...]
 
-A batch is a dict of int32 numpy arrays [B, T] (see `jaxmem.loss`): `inputs`, `targets` and
+A batch is a dict of int32 numpy arrays [B, T] (see `jaxmem.train.loss`): `inputs`, `targets` and
 `mask` (1 for a real target, 0 for padding).
 
 Sources (`data`, the `--data` flag): a file, a directory (read recursively, files sorted by
@@ -39,115 +39,21 @@ Resuming from a saved position therefore yields exactly the batches an uninterru
 from __future__ import annotations
 
 import glob
-import hashlib
 import math
+import hashlib
 import os
 import sys
 import sysconfig
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 
-from jaxmem.config import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID
+from jaxmem.data.errors import DataError
 
 DEFAULT_CORPUS_BYTES = 8_000_000
 DEFAULT_EVAL_FRACTION = 0.05
 _REPLACEMENT = "\ufffd"
 _GLOB_CHARS = set("*?[")
-
-
-class DataError(ValueError):
-    """Data cannot be loaded; the one-line message names the file or value at fault."""
-
-
-# ----------------------------------------------------------------------------- tokenizers
-
-
-class ByteTokenizer:
-    """UTF-8 bytes are ids 0..255; PAD, BOS, EOS follow (ids from `jaxmem.config`)."""
-
-    name = "bytes"
-    vocab_size = BYTE_VOCAB_SIZE
-    pad_id = PAD_TOKEN_ID
-    bos_id = BOS_TOKEN_ID
-    eos_id = EOS_TOKEN_ID
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def encode_array(self, text: str) -> np.ndarray:
-        """`encode` as an int32 array, without a Python list (fast for megabytes of text)."""
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
-
-    def decode(self, ids) -> str:
-        """Bytes to text; special ids (>= 256) are skipped, invalid UTF-8 becomes U+FFFD."""
-        arr = np.asarray(ids, dtype=np.int64).ravel()
-        return arr[(arr >= 0) & (arr < 256)].astype(np.uint8).tobytes().decode("utf-8", "replace")
-
-
-_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>")
-_EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|endoftext|>", "<|eot_id|>")
-_PAD_NAMES = ("<pad>", "[PAD]", "<|pad|>", "<|finetune_right_pad_id|>")
-
-
-class HFTokenizer:
-    """A Hugging Face `tokenizers` JSON file (`tokenizer.json`).
-
-    `tokenizers` is an optional package, imported only here. BOS/EOS are found among the usual
-    special-token names (Llama 3, Llama 2, GPT-2 ...) unless given; PAD falls back to EOS (padded
-    targets are masked out, so the id only has to be valid).
-    """
-
-    name = "hf"
-
-    def __init__(self, path, bos_token: str | None = None, eos_token: str | None = None,
-                 pad_token: str | None = None):
-        self.path = str(path)
-        if not os.path.isfile(self.path):
-            raise DataError(f"tokenizer file not found: {self.path}")
-        try:
-            import tokenizers  # noqa: PLC0415 (optional dependency)
-        except ImportError:
-            raise DataError(f"cannot load tokenizer {self.path}: the optional 'tokenizers' "
-                            "package is not installed (pip install tokenizers)") from None
-        try:
-            self._tok = tokenizers.Tokenizer.from_file(self.path)
-        except Exception as e:  # the Rust side raises plain Exception subclasses
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise DataError(f"invalid tokenizer file {self.path}: {first}") from None
-        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
-        self.bos_id = self._special(bos_token, _BOS_NAMES, "BOS")
-        self.eos_id = self._special(eos_token, _EOS_NAMES, "EOS")
-        try:
-            self.pad_id = self._special(pad_token, _PAD_NAMES, "PAD")
-        except DataError:
-            if pad_token is not None:
-                raise
-            self.pad_id = self.eos_id
-
-    def _special(self, given, candidates, what) -> int:
-        for name in ([given] if given is not None else candidates):
-            idx = self._tok.token_to_id(name)
-            if idx is not None:
-                return int(idx)
-        tried = given if given is not None else ", ".join(candidates)
-        raise DataError(f"tokenizer {self.path} has no {what} token (tried: {tried})")
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
-
-    def encode_array(self, text: str) -> np.ndarray:
-        return np.asarray(self.encode(text), dtype=np.int32)
-
-    def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in np.asarray(ids).ravel()],
-                                skip_special_tokens=True)
-
-
-def load_tokenizer(path=None):
-    """`ByteTokenizer()` for None, else `HFTokenizer(path)`."""
-    return ByteTokenizer() if path is None else HFTokenizer(path)
 
 
 # ----------------------------------------------------------------------------- sources
@@ -335,109 +241,3 @@ def load_corpus(data: str | None, tokenizer, vocab_size: int, *,
     return train, evals, stats
 
 
-# ----------------------------------------------------------------------------- batches
-
-
-def num_windows(n_tokens: int, seq_len: int) -> int:
-    """Windows of seq_len + 1 tokens with stride seq_len that cover n_tokens (the last may be
-    partial and padded); at least 1."""
-    return max(1, math.ceil((n_tokens - 1) / seq_len))
-
-
-def window(tokens: np.ndarray, index: int, seq_len: int, pad_id: int = PAD_TOKEN_ID):
-    """(inputs, targets, mask) of window `index`, each int32 [seq_len]."""
-    start = index * seq_len
-    w = np.asarray(tokens[start:start + seq_len + 1], dtype=np.int32)
-    n_real = w.size
-    if n_real < seq_len + 1:
-        w = np.concatenate([w, np.full(seq_len + 1 - n_real, pad_id, np.int32)])
-    mask = (np.arange(seq_len) < n_real - 1).astype(np.int32)  # 0 wherever the target is PAD
-    return w[:-1], w[1:], mask
-
-
-def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
-    """The window order of `epoch`: a fixed function of (seed, epoch, n)."""
-    return np.random.Generator(np.random.PCG64([int(seed), int(epoch)])).permutation(n)
-
-
-def _stack(rows):
-    inputs, targets, mask = zip(*rows)
-    return {"inputs": np.stack(inputs), "targets": np.stack(targets), "mask": np.stack(mask)}
-
-
-def batch_at(tokens: np.ndarray, seed: int, batch_size: int, seq_len: int, position: int,
-             pad_id: int = PAD_TOKEN_ID) -> dict:
-    """Batch number `position` (a pure function of its arguments; see the module docstring)."""
-    return Batcher(tokens, batch_size, seq_len, seed, pad_id).batch_at(position)
-
-
-class Batcher:
-    """Packed training batches of shape [batch_size, seq_len] from a token stream.
-
-    `batch_at(position)` is pure; the class only caches epoch permutations. Save `position + 1`
-    (the index of the next batch) in the checkpoint and resume with `batch_at` from there.
-    """
-
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int = 0,
-                 pad_id: int = PAD_TOKEN_ID):
-        if batch_size < 1 or seq_len < 1:
-            raise DataError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
-        if int(seed) < 0:
-            raise DataError(f"seed must be >= 0, got {seed}")
-        tokens = np.asarray(tokens)
-        if tokens.ndim != 1 or tokens.size < 2:
-            raise DataError(f"need a 1-D token stream of at least 2 tokens, got shape "
-                            f"{tokens.shape}")
-        self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
-        self.seed, self.pad_id = int(seed), pad_id
-        self.num_windows = num_windows(tokens.size, seq_len)
-        self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
-
-    def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            self._perms[epoch] = epoch_permutation(self.seed, epoch, self.num_windows)
-            while len(self._perms) > 4:
-                self._perms.popitem(last=False)
-        return self._perms[epoch]
-
-    def epoch(self, position: int) -> float:
-        """Epochs completed (fractional) before batch `position`."""
-        return position * self.batch_size / self.num_windows
-
-    def batch_at(self, position: int) -> dict:
-        if position < 0:
-            raise DataError(f"batch position must be >= 0, got {position}")
-        rows = []
-        for k in range(position * self.batch_size, (position + 1) * self.batch_size):
-            epoch, i = divmod(k, self.num_windows)
-            rows.append(window(self.tokens, int(self._perm(epoch)[i]), self.seq_len, self.pad_id))
-        return _stack(rows)
-
-    def iterate(self, start: int = 0):
-        """Batches start, start + 1, ... forever."""
-        position = start
-        while True:
-            yield self.batch_at(position)
-            position += 1
-
-
-def eval_batches(eval_tokens: np.ndarray, batch_size: int, seq_len: int,
-                 max_batches: int | None = None, pad_id: int = PAD_TOKEN_ID) -> list[dict]:
-    """Deterministic eval batches: the windows in stream order, no shuffling. The last batch is
-    filled up with all-PAD rows (mask 0) so every batch has the same shape [B, T]. Empty for an
-    empty (or 1-token) eval split."""
-    eval_tokens = np.asarray(eval_tokens)
-    if eval_tokens.size < 2:
-        return []
-    n = num_windows(eval_tokens.size, seq_len)
-    n_batches = math.ceil(n / batch_size)
-    if max_batches is not None:
-        n_batches = min(n_batches, max_batches)
-    empty = (np.full(seq_len, pad_id, np.int32), np.full(seq_len, pad_id, np.int32),
-             np.zeros(seq_len, np.int32))
-    out = []
-    for b in range(n_batches):
-        rows = [window(eval_tokens, j, seq_len, pad_id) if j < n else empty
-                for j in range(b * batch_size, (b + 1) * batch_size)]
-        out.append(_stack(rows))
-    return out

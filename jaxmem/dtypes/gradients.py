@@ -52,15 +52,16 @@ def cast_stats(values: np.ndarray, dtype) -> dict:
 def run_gradients(run_dir: Path) -> tuple[np.ndarray, float, dict]:
     """(flat fp32 gradient sample, the run's loss scale, the run's config)."""
     from jaxmem.data import eval_batches, load_corpus
-    from jaxmem.generate import load_run
-    from jaxmem.loss import lm_loss
-    from jaxmem.model import Llama
-    from jaxmem.precision import cast_floating
+    from jaxmem.io.rundir import load_run
+    from jaxmem.train.loss import lm_loss
+    from jaxmem.model.llama import Llama
+    from jaxmem.train.precision import cast_floating
 
     model_cfg, _, state, tokenizer, config = load_run(Path(run_dir))
     _, eval_tokens, _ = load_corpus(config.get("data"), tokenizer, model_cfg.vocab_size,
                                     seq_len=config["seq_len"])
-    batch = eval_batches(eval_tokens, config["batch_size"], config["seq_len"], 1)[0]
+    batch = eval_batches(eval_tokens, config["batch_size"], config["seq_len"], 1,
+                         pad_id=tokenizer.pad_id)[0]
     params = cast_floating(state.params, np.float32)
     grads = jax.jit(jax.grad(lambda p, b: lm_loss(Llama(model_cfg), p, b)))(params, batch)
     flat = np.concatenate([np.asarray(g, np.float32).ravel() for g in jax.tree_util.tree_leaves(grads)])

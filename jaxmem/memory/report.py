@@ -7,7 +7,7 @@
 Breakdown mode prints, for one configuration of the full train step (optimizer included, state
 donated), three views of its memory and the rule of thumb:
 
-    analytic      bytes per component and dtype from shapes alone (jaxmem.planner, docs/memory.md)
+    analytic      bytes per component and dtype from shapes alone (jaxmem.memory.planner, docs/memory.md)
     compiled      XLA's memory_analysis() of the step compiled ahead of time from abstract shapes
                   (nothing allocated): temp, argument, output, alias, peak = temp+arg+out-alias
     measured      with --measure, peak_bytes_in_use of the device after real steps, one
@@ -17,7 +17,7 @@ donated), three views of its memory and the rule of thumb:
                   mixed-precision Adam, "6x the fp32 weights" = 24 B/param; each with its ratio
                   to the compiled (or measured) peak
 
-`--fit GIB --global-batch N` runs the planner instead (jaxmem.planner.plan): candidates from
+`--fit GIB --global-batch N` runs the planner instead (jaxmem.memory.planner.plan): candidates from
 fastest to most frugal, the first whose *compiled* peak fits is printed with its breakdown, with
 every rejected candidate and why; exit 1 when nothing fits.
 
@@ -35,12 +35,12 @@ import jax
 import os
 import subprocess
 
-from jaxmem.config import (ConfigError, ModelConfig, add_model_args, model_config_from_args,
+from jaxmem.config.model import (ConfigError, ModelConfig, add_model_args, model_config_from_args,
                            positive_int)
-from jaxmem.loss import abstract_batch, lm_loss
-from jaxmem.model import Llama, abstract_params, count_params
-from jaxmem.precision import PRECISIONS, get_precision
-from jaxmem.remat import VALID_POLICIES, RematError, RematPolicy
+from jaxmem.train.loss import abstract_batch, lm_loss
+from jaxmem.model.llama import Llama, abstract_params, count_params
+from jaxmem.train.precision import PRECISIONS, get_precision
+from jaxmem.model.remat import VALID_POLICIES, RematError, RematPolicy
 
 
 def compiled_stats(compiled) -> dict:
@@ -118,9 +118,9 @@ def measure_in_subprocess(child_argv: list[str], timeout: float = 1800) -> dict:
 
 def measure_here(spec, steps: int = 3) -> dict:
     """Allocate the state, run `steps` real train steps, report peak_bytes_in_use (child side)."""
-    from jaxmem.loss import synthetic_batch
-    from jaxmem.loss_scale import parse_loss_scale
-    from jaxmem.step import create_train_state, jit_train_step
+    from jaxmem.train.loss import synthetic_batch
+    from jaxmem.train.loss_scale import parse_loss_scale
+    from jaxmem.train.step import create_train_state, jit_train_step
     cfg = spec.step_config()
     state = create_train_state(cfg, loss_scale=parse_loss_scale(spec.precision.loss_scale))
     step = jit_train_step(cfg)
@@ -137,7 +137,7 @@ def measure_here(spec, steps: int = 3) -> dict:
 
 def step_report(spec, compiled: dict | None = None, measured: dict | None = None) -> dict:
     """Analytic, compiled, measured and rule-of-thumb numbers for one configuration."""
-    from jaxmem.planner import analytic_breakdown, compile_step, rule_of_thumb
+    from jaxmem.memory.planner import analytic_breakdown, compile_step, rule_of_thumb
     analytic = analytic_breakdown(spec)
     compiled = compiled if compiled is not None else compile_step(spec)
     ref_name, ref = "compiled", compiled["peak_bytes"]
@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "with no allocation, measured on GPU), and a planner for a memory budget.")
     add_model_args(p)
     p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
-                   help="precision mode (jaxmem.precision; default fp32)")
+                   help="precision mode (jaxmem.train.precision; default fp32)")
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="micro-batch size (default 8; with --fit: the largest micro-batch tried)")
     p.add_argument("--seq-len", type=positive_int, default=256, help="tokens per sequence (default 256)")
@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _resolve(parser, args):
     """Validated (spec, global batch); exits 2 with a one-line message naming the flag."""
-    from jaxmem.planner import StepSpec
+    from jaxmem.memory.planner import StepSpec
     try:
         config = model_config_from_args(args)
         remat = RematPolicy.parse(args.remat)
@@ -318,7 +318,7 @@ def main(argv=None) -> int:
         print(json.dumps(report, indent=2) if args.json else format_report(report))
         return 0
 
-    from jaxmem.planner import GiB, plan
+    from jaxmem.memory.planner import GiB, plan
     log = None if args.json else (lambda t: print(f"  tried micro {t['batch_size']} remat "
                                                   f"{t['remat']} mu {t['mu_dtype']}: {t['reason']}",
                                                   file=sys.stderr, flush=True))

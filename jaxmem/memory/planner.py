@@ -34,11 +34,11 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxmem.config import ModelConfig
-from jaxmem.loss import abstract_batch
-from jaxmem.optim import OptimConfig
-from jaxmem.precision import Precision
-from jaxmem.remat import TAGS, RematError, RematPolicy, check_offload_supported
+from jaxmem.config.model import ModelConfig
+from jaxmem.train.loss import abstract_batch
+from jaxmem.train.optim import OptimConfig
+from jaxmem.train.precision import Precision
+from jaxmem.model.remat import TAGS, RematError, RematPolicy, check_offload_supported
 
 GiB = 2**30
 FP32 = 4
@@ -71,7 +71,7 @@ class StepSpec:
     attention: str | None = None
 
     def step_config(self):
-        from jaxmem.step import StepConfig
+        from jaxmem.train.step import StepConfig
         return StepConfig(self.model, self.precision, self.remat,
                           OptimConfig(mu_dtype=self.mu_dtype), self.grad_accum)
 
@@ -105,7 +105,7 @@ def norm_params(c: ModelConfig) -> int:
 # --- activations saved for the backward, per layer --------------------------------------------
 
 def tag_shapes(c: ModelConfig, B: int, T: int) -> dict[str, int]:
-    """Elements of each tagged activation of one block (jaxmem.remat.TAGS)."""
+    """Elements of each tagged activation of one block (jaxmem.model.remat.TAGS)."""
     D, F, N, K, H = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
                      c.resolved_head_dim)
     return {"attn_norm": B * T * D, "query": B * T * N * H, "key": B * T * K * H,
@@ -278,8 +278,8 @@ def rule_of_thumb(num_params: int) -> dict[str, int]:
 
 def abstract_state(spec: StepSpec):
     """The train state as ShapeDtypeStructs (nothing allocated)."""
-    from jaxmem.loss_scale import parse_loss_scale
-    from jaxmem.run import abstract_train_state
+    from jaxmem.train.loss_scale import parse_loss_scale
+    from jaxmem.train.run import abstract_train_state
     return abstract_train_state(spec.step_config(), parse_loss_scale(spec.precision.loss_scale))
 
 
@@ -296,8 +296,8 @@ def argument_bytes(spec: StepSpec) -> int:
 
 def compile_step(spec: StepSpec) -> dict:
     """Compile the full train step ahead of time; XLA's memory and FLOP numbers (no allocation)."""
-    from jaxmem.memory import compiled_stats
-    from jaxmem.step import jit_train_step
+    from jaxmem.memory.report import compiled_stats
+    from jaxmem.train.step import jit_train_step
     if spec.remat.kind == "offload":
         check_offload_supported()
     step = jit_train_step(spec.step_config())

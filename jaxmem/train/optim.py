@@ -2,7 +2,7 @@
 
 Clipping is the first link of the chain, so it sees the *unscaled* gradients: the train step
 unscales before calling the optimizer (as `scaler.unscale_(opt)` before `clip_grad_norm_`).
-Skipping a non-finite step happens outside the optimizer (jaxmem.step), which keeps every leaf of
+Skipping a non-finite step happens outside the optimizer (jaxmem.train.step), which keeps every leaf of
 the optimizer state, the Adam count and so the schedule position, bitwise as it was.
 """
 

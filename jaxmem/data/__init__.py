@@ -1,0 +1,19 @@
+"""Tokenizers, sources and the built-in corpus, packed resumable batches.
+
+    load_tokenizer(path | None)              -> ByteTokenizer (default) or HFTokenizer
+    load_corpus(data | None, tok, vocab)     -> (train_tokens, eval_tokens, stats)
+    Batcher(train_tokens, B, T, seed, pad_id=tok.pad_id).batch_at(position) -> batch dict
+    eval_batches(eval_tokens, B, T, max_batches, pad_id=tok.pad_id)          -> [batch, ...]
+"""
+
+from jaxmem.data.batches import Batcher, batch_at, epoch_permutation, eval_batches, num_windows, window
+from jaxmem.data.errors import DataError
+from jaxmem.data.sources import (DEFAULT_CORPUS_BYTES, DEFAULT_EVAL_FRACTION, decode_utf8,
+                                 default_corpus_files, load_corpus, load_token_file,
+                                 resolve_sources)
+from jaxmem.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
+
+__all__ = ["Batcher", "ByteTokenizer", "DEFAULT_CORPUS_BYTES", "DEFAULT_EVAL_FRACTION", "DataError",
+           "HFTokenizer", "batch_at", "decode_utf8", "default_corpus_files", "epoch_permutation",
+           "eval_batches", "load_corpus", "load_token_file", "load_tokenizer", "num_windows",
+           "resolve_sources", "window"]

@@ -1,0 +1,5 @@
+import sys
+
+from jaxmem.dtypes.table import main
+
+sys.exit(main())

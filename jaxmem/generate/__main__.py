@@ -1,0 +1,5 @@
+import sys
+
+from jaxmem.generate.cli import main
+
+sys.exit(main())

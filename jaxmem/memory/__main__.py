@@ -1,0 +1,5 @@
+import sys
+
+from jaxmem.memory.report import main
+
+sys.exit(main())

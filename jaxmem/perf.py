@@ -1,0 +1,45 @@
+"""Device facts and throughput arithmetic shared by training, the planner and the experiments:
+training FLOPs per token, dense peak FLOP/s per device kind, and device memory counters."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxmem.config.model import ModelConfig
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x non-embedding params + attention (PaLM appendix B)."""
+    n = config.num_params() - config.vocab_size * config.hidden_size * (1 if config.tie_embeddings else 2)
+    head = 6 * config.vocab_size * config.hidden_size  # the LM head matmul is real work
+    attn = 12 * config.num_layers * config.num_heads * config.resolved_head_dim * seq_len
+    return 6 * n + head + attn
+
+
+# Dense peak FLOP/s by device kind substring and compute dtype (vendor datasheets, no sparsity).
+_PEAKS = {
+    "H200": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+    "H100": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
+    "A100": {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
+}
+
+
+def peak_flops(device, compute_dtype) -> float | None:
+    """The device's dense peak FLOP/s for the compute dtype, where known (None on CPU)."""
+    kind = getattr(device, "device_kind", "")
+    for name, table in _PEAKS.items():
+        if name in kind:
+            return table.get(jnp.dtype(compute_dtype).name)
+    return None
+
+
+def device_memory(device) -> dict | None:
+    """bytes_in_use and peak_bytes_in_use where the backend reports them (GPU), else None."""
+    try:
+        stats = device.memory_stats()
+    except Exception:
+        return None
+    if not stats or "bytes_in_use" not in stats:
+        return None
+    return {"bytes_in_use": stats["bytes_in_use"],
+            "peak_bytes_in_use": stats.get("peak_bytes_in_use")}

@@ -1,0 +1,5 @@
+import sys
+
+from jaxmem.train.cli import main
+
+sys.exit(main())
