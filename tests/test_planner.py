@@ -27,6 +27,7 @@ CFG = ModelConfig(hidden_size=40, intermediate_size=56, num_layers=3, num_heads=
 def jax_saved_bytes(spec: StepSpec) -> int:
     """Bytes of the residuals jax keeps for the loss's backward (params passed in excluded)."""
     import jax
+    from jaxmem.memory.residuals import saved_residual_bytes
     from jaxmem.train.loss import abstract_batch, cross_entropy
     from jaxmem.model.llama import Llama, abstract_params
     from jaxmem.train.precision import cast_params
@@ -41,9 +42,8 @@ def jax_saved_bytes(spec: StepSpec) -> int:
     params = jax.tree_util.tree_map(
         lambda s: jax.ShapeDtypeStruct(s.shape, spec.precision.param_dtype),
         abstract_params(spec.model))
-    res = saved_residuals(loss, params, abstract_batch(spec.batch_size, spec.seq_len))
-    return sum(a.size * a.dtype.itemsize for a, src in res
-               if not src.startswith("from the argument"))
+    batch = abstract_batch(spec.batch_size, spec.seq_len)
+    return saved_residual_bytes(loss, params, batch, exclude_arguments=True).bytes
 
 
 @pytest.mark.skipif(saved_residuals is None, reason="jax has no saved_residuals")
