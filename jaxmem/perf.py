@@ -9,28 +9,39 @@ from jaxmem.config.model import ModelConfig
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x non-embedding params + attention (PaLM appendix B)."""
+    """Training FLOPs per token: 6 x non-embedding params + attention (PaLM appendix B).
+
+    The attention term is 12 L N H T (N query heads of width H), PaLM's 12 L H Q T, rather than
+    the common shorthand 12 L D T: the two agree only where N H = D, and head_dim may be set
+    apart from the width. The LM head counts once (tied or not); the embedding lookup does not.
+    """
     n = config.num_params() - config.vocab_size * config.hidden_size * (1 if config.tie_embeddings else 2)
     head = 6 * config.vocab_size * config.hidden_size  # the LM head matmul is real work
     attn = 12 * config.num_layers * config.num_heads * config.resolved_head_dim * seq_len
     return 6 * n + head + attn
 
 
-# Dense peak FLOP/s by device kind substring and compute dtype (vendor datasheets, no sparsity).
+# Dense peak FLOP/s by device kind substring and compute dtype (vendor datasheets, no sparsity;
+# float32 is the non-tensor-core rate). The longest matching name wins, so "A10" never takes an
+# "A100", whatever the order here.
 _PEAKS = {
     "H200": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
     "H100": {"bfloat16": 989e12, "float16": 989e12, "float32": 67e12},
     "A100": {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12},
+    "A10": {"bfloat16": 125e12, "float16": 125e12, "float32": 31.2e12},
+    "L4": {"bfloat16": 121e12, "float16": 121e12, "float32": 30.3e12},
 }
 
 
 def peak_flops(device, compute_dtype) -> float | None:
-    """The device's dense peak FLOP/s for the compute dtype, where known (None on CPU)."""
-    kind = getattr(device, "device_kind", "")
-    for name, table in _PEAKS.items():
-        if name in kind:
-            return table.get(jnp.dtype(compute_dtype).name)
-    return None
+    """The device's dense peak FLOP/s for the compute dtype, where known (None on CPU).
+
+    device: a jax Device, or its kind as a string (e.g. "cuda:NVIDIA H100 80GB HBM3" as recorded
+    in a results file), so numbers can be computed after the run, away from the device.
+    """
+    kind = device if isinstance(device, str) else getattr(device, "device_kind", "")
+    names = sorted((n for n in _PEAKS if n in kind), key=len, reverse=True)
+    return _PEAKS[names[0]].get(jnp.dtype(compute_dtype).name) if names else None
 
 
 def device_memory(device) -> dict | None:
