@@ -1,6 +1,6 @@
 """The memory table of docs/memory.md: analytic, compiled, measured and rule-of-thumb peaks.
 
-    python experiments/memory_table.py [--presets tiny,small,...] [--timeout 180]
+    python -m experiments.memory_table [--presets tiny,small,...] [--timeout 180]
 
 For presets tiny, small, llama-3.2-1b, llama-3.2-3b, llama-3-8b in precision fp32, amp-bf16 and
 bf16, remat none and full, batch 1 x 2048 tokens, Adam mu in the params' dtype: the analytic
@@ -25,7 +25,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # this checkout's jaxmem, not an installed one
 
 PRESETS = ["tiny", "small", "llama-3.2-1b", "llama-3.2-3b", "llama-3-8b"]
 MODES = ["fp32", "amp-bf16", "bf16"]
@@ -35,9 +34,9 @@ SEQ = 2048
 
 def spec_for(preset: str, precision: str, remat: str):
     from jaxmem.config.model import get_preset
-    from jaxmem.memory.planner import StepSpec
+    from jaxmem.memory.spec import StepSpec
+    from jaxmem.model import RematPolicy
     from jaxmem.train.precision import get_precision
-    from jaxmem.model.remat import RematPolicy
     model = get_preset(preset)
     if model.max_position_embeddings < SEQ:
         model = model.replace(max_position_embeddings=SEQ)
@@ -50,16 +49,18 @@ def one(preset: str, precision: str, remat: str, what: str) -> dict:
     if what == "measure":
         from jaxmem.memory.report import measure_here
         return measure_here(spec)
-    from jaxmem.memory.planner import compile_step
+    from jaxmem.memory.compiled import compile_step
     t = time.time()
     c = compile_step(spec)
     return {**c, "compile_s": round(time.time() - t, 1)}
 
 
 def run_child(preset, precision, remat, what, timeout):
-    cmd = [sys.executable, os.path.abspath(__file__), "--one", preset, precision, remat, what]
+    # From the repository root, as a module: the child imports this checkout's jaxmem.
+    cmd = [sys.executable, "-m", "experiments.memory_table", "--one", preset, precision, remat,
+           what]
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timeout after {timeout} s"}
     if p.returncode != 0:
@@ -82,8 +83,8 @@ def main():
         print(json.dumps(one(*args.one)))
         return
     import jax
+    from jaxmem.memory.analytic import analytic_breakdown, rule_of_thumb
     from jaxmem.memory.report import measure_available
-    from jaxmem.memory.planner import analytic_breakdown, rule_of_thumb
     no_measure = measure_available()
     rows = []
     for preset in args.presets.split(","):

@@ -1,26 +1,27 @@
-"""experiments/compare.py: one tiny configuration in-process on both sides, the byte counts, the
+"""experiments.compare: one tiny configuration in-process on both sides, the byte counts, the
 report. (The subprocess-per-configuration driver runs in `python -m experiments.compare --quick`.)
 """
 
 import json
-import sys
 import zlib
-from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `experiments` is not installed
-
 from experiments import compare  # noqa: E402
+from experiments import compare_report as report  # noqa: E402
+from experiments import compare_workers as workers  # noqa: E402
 from experiments import torch_train as tt  # noqa: E402
-from jaxmem.model.llama import Llama, abstract_params  # noqa: E402
+from jaxmem.config.model import ModelConfig, get_preset  # noqa: E402
+from jaxmem.memory.residuals import saved_residual_bytes  # noqa: E402
+from jaxmem.model import Llama, RematPolicy, abstract_params  # noqa: E402
+from jaxmem.perf import flops_per_token, peak_flops  # noqa: E402
 from jaxmem.train.precision import cast_params, get_precision  # noqa: E402
-from jaxmem.model.remat import RematPolicy  # noqa: E402
 
 SPEC = {"preset": "tiny", "num_layers": 1, "batch_size": 2, "seq_len": 16, "steps": 3,
         "warmup": 1, "lr": 3e-3, "lr_warmup": 0, "seed": 0, "n_batches": 2, "threads": None}
@@ -30,7 +31,7 @@ SPEC = {"preset": "tiny", "num_layers": 1, "batch_size": 2, "seq_len": 16, "step
 def pair():
     threads = torch.get_num_threads()
     try:  # one torch thread, as --quick: 2 OpenMP threads on a busy 2-core box crawl
-        return [compare.worker({**SPEC, "framework": fw, "mode": "fp32", "remat": "none",
+        return [workers.worker({**SPEC, "framework": fw, "mode": "fp32", "remat": "none",
                                 "threads": 1}) for fw in ("jax", "torch")]
     finally:
         torch.set_num_threads(threads)
@@ -49,14 +50,14 @@ def test_same_weights_same_batches_same_losses(pair):
 
 
 def test_report_ratios_table_json_png(pair, tmp_path):
-    rows = compare.add_ratios(pair)
+    rows = report.add_ratios(pair)
     assert len(rows) == 1 and rows[0]["mode"] == "fp32" and rows[0]["remat"] == "none"
     assert rows[0]["saved_ratio"] == pair[0]["saved_bytes"] / pair[1]["saved_bytes"]
     assert rows[0]["tps_ratio_compile"] is None  # no torch.compile run in this pair
-    table = compare.format_table(pair, rows, markdown=True)
+    table = report.format_table(pair, rows, markdown=True)
     assert "| fp32 | none | jax |" in table and "saved jax/torch" in table
     json.dumps({"results": pair, "ratios": rows})  # the JSON document is plain JSON
-    compare.write_chart(tmp_path / "c.png", pair)
+    report.write_chart(tmp_path / "c.png", pair)
     png = (tmp_path / "c.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
     i = png.index(b"IDAT")
@@ -69,14 +70,14 @@ def jax_saved(c, remat, mode, B, T):
     model = Llama(c, RematPolicy.parse(remat))
     params = jax.eval_shape(lambda p: cast_params(p, get_precision(mode).compute_dtype),
                             abstract_params(c))
-    batch = compare.make_batches(c, 1, B, T, 0)[0]
-    return compare.jax_saved_bytes(model, params, batch)[0]
+    batch = workers.make_batches(c, 1, B, T, 0)[0]
+    return workers.jax_saved_bytes(model, params, batch)[0]
 
 
 def torch_saved(c, remat, mode, B, T):
     model = tt.build_model(c, mode)
     tt.set_remat(model, remat)
-    b = {k: torch.from_numpy(v) for k, v in compare.make_batches(c, 1, B, T, 0)[0].items()}
+    b = {k: torch.from_numpy(v) for k, v in workers.make_batches(c, 1, B, T, 0)[0].items()}
     return tt.saved_bytes_for_backward(model, b, mode, exclude_param_copies=True)
 
 
@@ -86,11 +87,11 @@ def test_saved_bytes_count_the_same_thing(mode):
     keeps the block inputs plus the same head/loss residuals, so the two counts nearly agree
     (jaxmem keeps bf16 block inputs in amp-bf16, torch fp32 ones: jax may only be smaller);
     and on both sides none > selective > full."""
-    c = compare.model_config({"preset": "tiny", "num_layers": 2})
+    c = workers.model_config({"preset": "tiny", "num_layers": 2})
     B, T = 2, 32
-    j = {r: jax_saved(c, r, mode, B, T) for r in ("none", compare.SELECTIVE, "full")}
+    j = {r: jax_saved(c, r, mode, B, T) for r in ("none", workers.SELECTIVE, "full")}
     t = {r: torch_saved(c, r, mode, B, T) for r in ("none", "selective", "full")}
-    assert j["none"] > j[compare.SELECTIVE] > j["full"]
+    assert j["none"] > j[workers.SELECTIVE] > j["full"]
     assert t["none"] > t["selective"] > t["full"]
     assert j["full"] <= t["full"] * 1.05
     if mode == "fp32":
@@ -98,14 +99,14 @@ def test_saved_bytes_count_the_same_thing(mode):
     # autocast's bf16 weight copies are excluded: with them torch keeps strictly more
     if mode == "amp-bf16":
         model = tt.build_model(c, mode)
-        b = {k: torch.from_numpy(v) for k, v in compare.make_batches(c, 1, B, T, 0)[0].items()}
+        b = {k: torch.from_numpy(v) for k, v in workers.make_batches(c, 1, B, T, 0)[0].items()}
         assert tt.saved_bytes_for_backward(model, b, mode) > t["none"]
 
 
 def test_selective_checkpoint_same_gradients():
-    c = compare.model_config({"preset": "tiny", "num_layers": 2})
+    c = workers.model_config({"preset": "tiny", "num_layers": 2})
     model = tt.build_model(c, "fp32")
-    b = {k: torch.from_numpy(v).long() for k, v in compare.make_batches(c, 1, 2, 16, 0)[0].items()}
+    b = {k: torch.from_numpy(v).long() for k, v in workers.make_batches(c, 1, 2, 16, 0)[0].items()}
 
     def grads(remat):
         tt.set_remat(model, remat)
@@ -123,8 +124,47 @@ def test_cli_flags():
     args = compare.parse_args(["--quick", "--modes", "fp32", "amp-bf16", "--remats", "none",
                                "selective"])
     specs = compare.specs_from_args(args)
-    assert {s["remat"] for s in specs} == {"none", compare.SELECTIVE}
+    assert {s["remat"] for s in specs} == {"none", workers.SELECTIVE}
     assert {(s["framework"], s["mode"]) for s in specs if s["framework"] == "torch-compile"} == {
         ("torch-compile", "fp32")}
     assert all(s["seq_len"] == 64 and s["threads"] == 1 for s in specs) and len(specs) == 10
-    assert compare.torch_remat(compare.SELECTIVE) == "selective"
+    assert workers.torch_remat(workers.SELECTIVE) == "selective"
+
+
+# ---------------------------------------------------------------- the shared helpers compare uses
+
+
+def test_saved_residual_bytes_excludes_what_it_is_told():
+    """sin(w @ x) * y keeps w, x, y (arguments) and sin's and cos's outputs, [3, 5] fp32 each."""
+    def f(params, batch):
+        return jnp.sum(jnp.sin(params["w"] @ batch["x"]) * batch["y"])
+
+    p = {"w": jnp.ones((3, 4))}
+    b = {"x": jnp.ones((4, 5)), "y": jnp.ones((3, 5))}
+    act = 2 * 15 * 4  # sin and cos outputs
+    assert saved_residual_bytes(f, p, b) == (act, 2, 3)  # every argument left out
+    assert saved_residual_bytes(f, p, b, exclude_arguments=("params",)) == (act + 80 + 60, 4, 1)
+    assert saved_residual_bytes(f, p, b, exclude_arguments=False) == (act + 48 + 80 + 60, 5, 0)
+    # a name matches whole argument names only: "param" is not "params"
+    assert saved_residual_bytes(f, p, b, exclude_arguments=("param",)).excluded == 0
+
+
+def test_flops_and_peaks_come_from_jaxmem_perf():
+    """PaLM's count with attention 12 L N H T (N H = 128 here, not D = 64): non-embedding params
+    98,624 (2 x (attention 24,576 + MLP 24,576 + norms 128) + final norm 64), head 6 V D, so
+    6 x 98,624 + 6 x 100 x 64 + 12 x 2 x 4 x 32 x 16 = 679,296, tied or not."""
+    c = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=32, vocab_size=100)
+    assert flops_per_token(c, 16) == flops_per_token(c.replace(tie_embeddings=True), 16) == 679_296
+    assert peak_flops("cuda:NVIDIA A100-SXM4-80GB", jnp.bfloat16) == 312e12  # not the A10's
+    assert peak_flops("cuda:NVIDIA A10", "float16") == 125e12
+    assert peak_flops("gpu:NVIDIA H100 80GB HBM3", jnp.float32) == 67e12
+    assert peak_flops(jax.devices("cpu")[0], jnp.bfloat16) is None
+
+    spec = {"preset": "tiny", "num_layers": 2, "seq_len": 64}
+    results = [{"spec": {**spec, "mode": mode}, "device": dev, "tokens_per_s": 1e6}
+               for mode, dev in [("amp-fp16", "cuda:NVIDIA L4"), ("fp32", "cuda:NVIDIA L4"),
+                                 ("bf16", "cpu")]]
+    report.add_mfu(results)
+    want = flops_per_token(get_preset("tiny", num_layers=2), 64) * 1e6 / 121e12
+    assert [r["mfu"] for r in results] == [want, None, None]  # fp32 runs are not MFU runs

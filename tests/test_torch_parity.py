@@ -7,9 +7,7 @@ entry of the leaf (entries near zero differ by summation order, ~1e-7 of the lea
 
 import dataclasses
 import math
-import sys
 import types
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,15 +17,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `experiments` is not installed
-
 from experiments.convert import (expected_keys, grads_to_jax, jax_to_torch_state_dict,  # noqa: E402
                                  torch_state_dict_to_jax)
 from experiments.torch_llama import LlamaForCausalLM, loss as torch_loss  # noqa: E402
 from experiments import torch_train as tt  # noqa: E402
 from jaxmem.config.model import ModelConfig  # noqa: E402
 from jaxmem.train.loss import cross_entropy, synthetic_batch  # noqa: E402
-from jaxmem.model.llama import Llama, abstract_params  # noqa: E402
+from jaxmem.model import Llama, abstract_params  # noqa: E402
 
 CFG = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                   max_position_embeddings=64)
