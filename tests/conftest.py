@@ -1,8 +1,10 @@
 import importlib.util
 import os
 import tempfile
+from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -24,3 +26,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="PyTorch is not installed"))
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="no GPU"))
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A small text corpus (fast to load) with one invalid UTF-8 byte."""
+    d = tmp_path_factory.mktemp("corpus")
+    src = Path(np.__file__).read_text()[:60000]
+    (d / "a.txt").write_text(src[:30000])
+    (d / "b.txt").write_bytes(src[30000:].encode() + b"\xff tail")
+    return str(d)

@@ -13,39 +13,7 @@ import pytest
 
 from jaxmem.train.cli import main
 
-SMALL = ["--num-layers", "2", "--hidden-size", "64", "--intermediate-size", "128",
-         "--batch-size", "4", "--seq-len", "32", "--sample-tokens", "0", "--no-progress",
-         "--log-every", "1", "--eval-batches", "2"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A small text corpus (fast to load) with one invalid UTF-8 byte."""
-    d = tmp_path_factory.mktemp("corpus")
-    src = Path(np.__file__).read_text()[:60000]
-    (d / "a.txt").write_text(src[:30000])
-    (d / "b.txt").write_bytes(src[30000:].encode() + b"\xff tail")
-    return str(d)
-
-
-def error_line(stderr: str) -> str:
-    """The CLI's one error line. Looked up by its prefix, not taken as the last line: Orbax's
-    background tasks from other tests may print to the same captured stderr late."""
-    lines = [l for l in stderr.splitlines() if l.startswith("python -m jaxmem.train: error: ")]
-    assert len(lines) == 1, stderr
-    return lines[0]
-
-
-def losses(run):
-    return [(r["step"], r["loss"], r["grad_norm"], r["loss_scale"], r["skipped"])
-            for r in map(json.loads, (Path(run) / "metrics.jsonl").read_text().splitlines())]
-
-
-def params_of(run):
-    from jaxmem.io.rundir import load_run
-    import jax
-    _, _, state, _, _ = load_run(Path(run))
-    return int(state.step), [np.asarray(x) for x in jax.tree_util.tree_leaves(state.params)]
+from runs import SMALL, error_line, losses, params_of  # noqa: E402
 
 
 def test_short_run_end_to_end(tmp_path, corpus, capsys):
@@ -61,7 +29,8 @@ def test_short_run_end_to_end(tmp_path, corpus, capsys):
     assert "eval_loss" in recs[2] and "eval_loss" in recs[5] and "eval_loss" not in recs[0]
     assert recs[-1]["loss"] < recs[0]["loss"]
     config = json.loads((out / "config.json").read_text())
-    assert config["steps"] == 6 and config["model"]["num_layers"] == 2
+    assert config["schema_version"] == 2
+    assert config["config"]["optim"]["total_steps"] == 6 and config["resolved_model"]["num_layers"] == 2
     assert config["data_stats"]["invalid_utf8_replacements"] >= 1
     assert sorted(os.listdir(out / "checkpoints")) == ["6"]
 
@@ -179,16 +148,19 @@ def test_resume_refuses_changed_shapes_and_corrupt_checkpoints(tmp_path, corpus,
     assert main(args) == 0
     capsys.readouterr()
     before = (out / "metrics.jsonl").read_text()
-    with pytest.raises(SystemExit) as e:  # same --out without --resume: refused, nothing touched
-        main(args)
+    assert main(args) == 0  # same --out and flags: the run continues; it is already done
+    assert "already at step 2 of 2; nothing to do" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:  # same --out, other flags, no --resume: refused
+        main([*args, "--lr", "0.01"])
     assert e.value.code == 2
-    assert "already holds a run" in error_line(capsys.readouterr().err)
+    err = error_line(capsys.readouterr().err)
+    assert "already holds a run made with a different config (optim.lr: 0.003 -> 0.01)" in err
     assert (out / "metrics.jsonl").read_text() == before
     with pytest.raises(SystemExit) as e:
         main([*args, "--resume", "--precision", "bf16", "--hidden-size", "32"])
     assert e.value.code == 2
     err = error_line(capsys.readouterr().err)
-    assert "hidden_size: 64 -> 32" in err and "precision: 'fp32' -> 'bf16'" in err
+    assert "model.hidden_size: 64 -> 32" in err and "precision.mode: 'fp32' -> 'bf16'" in err
     # corrupt the committed step: delete the array data of the state item
     step_dir = out / "checkpoints" / "2"
     victims = [p for p in (step_dir / "state").rglob("*") if p.is_file() and "manifest" in p.name
@@ -196,7 +168,7 @@ def test_resume_refuses_changed_shapes_and_corrupt_checkpoints(tmp_path, corpus,
     for p in victims or [p for p in (step_dir / "state").rglob("*") if p.is_file()]:
         p.write_bytes(b"garbage")
     # a subprocess: after a failed restore the CLI exits at once (os._exit), see run.py
-    p = run_cli(*[a for a in args if a != "--no-progress"], "--resume", "--steps", "4")
+    p = run_cli("--out", str(out), "--resume")
     assert p.returncode == 2
     err = error_line(p.stderr)
     assert "step 2" in err and str(out / "checkpoints") in err

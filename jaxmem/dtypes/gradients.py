@@ -50,24 +50,24 @@ def cast_stats(values: np.ndarray, dtype) -> dict:
 
 
 def run_gradients(run_dir: Path) -> tuple[np.ndarray, float, dict]:
-    """(flat fp32 gradient sample, the run's loss scale, the run's config)."""
+    """(flat fp32 gradient sample, the run's loss scale, the run's RunConfig)."""
     from jaxmem.data import eval_batches, load_corpus
     from jaxmem.io.rundir import load_run
     from jaxmem.train.loss import lm_loss
     from jaxmem.model.llama import Llama
     from jaxmem.train.precision import cast_floating
 
-    model_cfg, _, state, tokenizer, config = load_run(Path(run_dir))
-    _, eval_tokens, _ = load_corpus(config.get("data"), tokenizer, model_cfg.vocab_size,
-                                    seq_len=config["seq_len"])
-    batch = eval_batches(eval_tokens, config["batch_size"], config["seq_len"], 1,
-                         pad_id=tokenizer.pad_id)[0]
-    params = cast_floating(state.params, np.float32)
-    grads = jax.jit(jax.grad(lambda p, b: lm_loss(Llama(model_cfg), p, b)))(params, batch)
+    run = load_run(Path(run_dir))
+    d = run.config.data
+    _, eval_tokens, _ = load_corpus(d.data, run.tokenizer, run.model_config.vocab_size,
+                                    seq_len=d.seq_len)
+    batch = eval_batches(eval_tokens, d.batch_size, d.seq_len, 1, pad_id=run.tokenizer.pad_id)[0]
+    params = cast_floating(run.state.params, np.float32)
+    grads = jax.jit(jax.grad(lambda p, b: lm_loss(Llama(run.model_config), p, b)))(params, batch)
     flat = np.concatenate([np.asarray(g, np.float32).ravel() for g in jax.tree_util.tree_leaves(grads)])
     if flat.size > MAX_VALUES:
         flat = flat[:: flat.size // MAX_VALUES + 1]
-    return flat, float(state.loss_scale.loss_scale), config
+    return flat, float(run.state.loss_scale.loss_scale), run.config
 
 
 def gradient_report(run_dir: Path, formats) -> dict:
@@ -79,6 +79,6 @@ def gradient_report(run_dir: Path, formats) -> dict:
         for name, dt in formats:
             rows.append({"format": name, "scale": scale, **cast_stats(grads * scale, dt)})
     absg = np.abs(grads[grads != 0])
-    return {"run": str(run_dir), "precision": config["precision"], "run_loss_scale": run_scale,
+    return {"run": str(run_dir), "precision": config.precision.mode, "run_loss_scale": run_scale,
             "values": int(grads.size), "abs_min": float(absg.min()), "abs_median": float(np.median(absg)),
             "abs_max": float(absg.max()), "rows": rows}

@@ -1,9 +1,29 @@
-"""The run directory: `config.json`, `metrics.jsonl`, `checkpoints/`; clear errors about it."""
+"""The run directory and what it holds.
+
+    <run>/config.json     {"schema_version": 2, "config": RunConfig.to_dict(), "resolved_model":
+                          the ModelConfig's fields, "data_stats": ..., "data_sha256": ...,
+                          "changes": [{"step", "field", "from", "to"}, ...]}  (rewritten on resume)
+    <run>/metrics.jsonl   one JSON object per logged step
+    <run>/checkpoints/    Orbax steps (jaxmem.io.checkpoint)
+
+`load_run` restores the newest committed step with the run's own config; a config.json written
+before RunConfig existed (schema 1: the flat flags) is read too (jaxmem.config.run).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
+from typing import Any
+
+from jaxmem.config.model import ConfigError
+from jaxmem.config.run import RunConfig
+from jaxmem.data import load_tokenizer
+from jaxmem.io.checkpoint import Checkpointer
+from jaxmem.train.run import abstract_train_state, build_step_config
+
+CONFIG_FILE, METRICS_FILE, CKPT_DIR = "config.json", "metrics.jsonl", "checkpoints"
 
 
 class RunError(ValueError):
@@ -32,34 +52,71 @@ def exit_after_failed_restore(parser, message: str) -> None:
     os._exit(2)
 
 
-def read_config(path: Path) -> dict:
+def read_record(run_dir: Path) -> dict:
+    """config.json of a run directory as a dict (RunError naming the file when it cannot)."""
+    path = Path(run_dir) / CONFIG_FILE
     try:
-        return json.loads(Path(path).read_text())
+        return json.loads(path.read_text())
     except FileNotFoundError:
         raise RunError(f"{path}: no run config here (was this directory made by jaxmem.train?)")
     except (OSError, json.JSONDecodeError) as e:
         raise RunError(f"{path}: unreadable run config ({e})")
 
 
-def config_mismatch(saved: dict, new: dict) -> str:
-    """'field: saved -> new, ...' for the fields that differ, or ''."""
-    diffs = [f"{f}: {saved.get(f)!r} -> {new.get(f)!r}" for f in sorted(set(saved) | set(new))
-             if saved.get(f) != new.get(f)]
-    return ", ".join(diffs)
+def read_run_config(run_dir: Path) -> tuple[RunConfig, dict]:
+    """(RunConfig, the whole config.json record) of a run; schema 1 is converted."""
+    record = read_record(run_dir)
+    try:
+        if record.get("schema_version", 1) == 1:
+            return RunConfig.from_dict(record), {**record, "resolved_model": record.get("model")}
+        return RunConfig.from_dict({"schema_version": record["schema_version"],
+                                    **record.get("config", {})}), record
+    except ConfigError as e:
+        raise RunError(f"{Path(run_dir) / CONFIG_FILE}: {e}") from None
 
 
-def load_run(run_dir: Path):
-    """(ModelConfig, StepConfig, TrainState, tokenizer, run config) of the newest committed step."""
-    from jaxmem.io.checkpoint import Checkpointer
-    from jaxmem.data import load_tokenizer
-    from jaxmem.train.run import abstract_train_state, build_step_config
+def write_run_config(run_dir: Path, cfg: RunConfig, **extras: Any) -> None:
+    """Write config.json (atomically: a temp file renamed over the old one)."""
+    d = cfg.to_dict()
+    record = {"schema_version": d.pop("schema_version"), "config": d,
+              "resolved_model": dataclasses.asdict(cfg.model_config()), **extras}
+    path = Path(run_dir) / CONFIG_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=2, default=str))
+    tmp.replace(path)
 
-    config = read_config(Path(run_dir) / "config.json")
-    model_cfg, step_cfg, loss_scale = build_step_config(config)
-    ckpt = Checkpointer(Path(run_dir) / "checkpoints", keep=config.get("keep", 3))
+
+def truncate_metrics(run_dir: Path, last_step: int) -> None:
+    """Drop metrics.jsonl records after `last_step` (a resume redoes those steps)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+@dataclasses.dataclass
+class LoadedRun:
+    """A run restored from its directory (see `load_run`)."""
+
+    config: RunConfig
+    record: dict
+    model_config: Any
+    step_config: Any
+    state: Any
+    tokenizer: Any
+
+
+def load_run(run_dir: Path) -> LoadedRun:
+    """The newest committed step of a run, rebuilt from the run's own config."""
+    cfg, record = read_run_config(run_dir)
+    model_cfg, step_cfg, loss_scale = build_step_config(cfg)
+    ckpt = Checkpointer(Path(run_dir) / CKPT_DIR, keep=cfg.run.keep)
     step = ckpt.latest_step()
     if step is None:
-        raise RunError(f"--run {run_dir}: no committed checkpoint in {Path(run_dir) / 'checkpoints'}")
-    state, _ = ckpt.restore(step, abstract_train_state(step_cfg, loss_scale, config["seed"]))
+        ckpt.close()
+        raise RunError(f"--run {run_dir}: no committed checkpoint in {Path(run_dir) / CKPT_DIR}")
+    state, _ = ckpt.restore(step, abstract_train_state(step_cfg, loss_scale, cfg.data.seed))
     ckpt.close()
-    return model_cfg, step_cfg, state, load_tokenizer(config.get("tokenizer")), config
+    return LoadedRun(cfg, record, model_cfg, step_cfg, state, load_tokenizer(cfg.data.tokenizer))

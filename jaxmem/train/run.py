@@ -1,15 +1,39 @@
-"""What the train loop, generation and the planner build from a run config: step config, abstract
-state, eval function."""
+"""What the train loop, generation and the planner build from a RunConfig: the step config, the
+loss scale, the abstract state, the eval function. `build_step_config` is the one place a
+`StepConfig` is made from a run's configuration, so a resumed run, `jaxmem.generate` and the
+planner rebuild exactly the state the run saved."""
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.config.model import ConfigError, ModelConfig
+from jaxmem.config.run import RunConfig
+from jaxmem.model.remat import RematPolicy
 from jaxmem.train.loss import cross_entropy
-from jaxmem.train.precision import cast_params
+from jaxmem.train.loss_scale import LossScale, parse_loss_scale
+from jaxmem.train.precision import cast_params, get_precision
 from jaxmem.train.step import StepConfig, create_train_state
+
+
+def build_step_config(cfg: RunConfig) -> tuple[ModelConfig, StepConfig, LossScale]:
+    """(ModelConfig, StepConfig, initial loss scale) of `cfg`, validated.
+
+    Raises ConfigError (or RematError / PrecisionError, both ValueErrors) naming the flag.
+    """
+    model_cfg = cfg.model_config()
+    precision = get_precision(cfg.precision.mode)
+    remat = RematPolicy.parse(cfg.remat.policy)
+    if remat.kind == "offload":
+        remat.jax_policy()  # a clear error where the backend cannot offload
+    if cfg.data.seq_len > model_cfg.max_position_embeddings:
+        raise ConfigError(f"--seq-len {cfg.data.seq_len} exceeds the model's "
+                          f"max_position_embeddings {model_cfg.max_position_embeddings}")
+    p = cfg.precision
+    loss_scale = parse_loss_scale(p.loss_scale or precision.loss_scale, init_scale=p.loss_scale_init,
+                                  growth_interval=p.loss_scale_growth_interval)
+    step_cfg = StepConfig(model_cfg, precision, remat, cfg.optim, grad_accum=cfg.data.grad_accum)
+    return model_cfg, step_cfg, loss_scale
 
 
 def abstract_train_state(cfg: StepConfig, loss_scale, seed: int = 0):
@@ -28,28 +52,3 @@ def make_eval_fn(cfg: StepConfig):
         return cross_entropy(logits, batch["targets"], batch["mask"])
 
     return eval_fn
-
-
-def build_step_config(flags: dict):
-    """(ModelConfig, StepConfig, loss scale) from a dict of train flags (argparse vars or config.json).
-
-    One place that turns flags into the objects that fix the state's shapes, so a resumed run and
-    `jaxmem.generate` rebuild exactly the state the run saved.
-    """
-    from jaxmem.config.model import model_config_from_args
-    from jaxmem.train.loss_scale import parse_loss_scale
-    from jaxmem.train.optim import OptimConfig
-    from jaxmem.train.precision import get_precision
-    from jaxmem.model.remat import RematPolicy
-
-    model_cfg = model_config_from_args(flags)
-    precision = get_precision(flags["precision"])
-    optim = OptimConfig(lr=flags["lr"], min_lr=flags["min_lr"], warmup_steps=flags["warmup_steps"],
-                        total_steps=flags["steps"], weight_decay=flags["weight_decay"],
-                        clip=flags["clip"], mu_dtype=flags["mu_dtype"])
-    loss_scale = parse_loss_scale(flags["loss_scale"] or precision.loss_scale,
-                                  init_scale=flags["loss_scale_init"],
-                                  growth_interval=flags["loss_scale_growth_interval"])
-    step_cfg = StepConfig(model_cfg, precision, RematPolicy.parse(flags["remat"]), optim,
-                          grad_accum=flags["grad_accum"])
-    return model_cfg, step_cfg, loss_scale

@@ -1,0 +1,77 @@
+"""Command-line flags generated from RunConfig's field metadata (jaxmem.config.run).
+
+    parser = argparse.ArgumentParser(...)
+    add_run_flags(parser, ["model", "precision", "remat", "optim", "data", "run", "sample"])
+    overrides = given_overrides(parser.parse_args(argv))   # {'optim.lr': 0.01, ...}
+    cfg = RunConfig().replace(overrides)                    # or saved_config.replace(...)
+
+Every flag defaults to "not given" (argparse.SUPPRESS), so a CLI knows exactly which fields the
+user set: a resumed run compares only those with its saved config, and the defaults live in one
+place, the dataclasses. `--help` shows each field's default and groups flags by section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from jaxmem.config.run import RunConfig, field_metadata, flag_names
+
+
+def _number_type(convert, ok, expected):
+    """An argparse `type=`: converts, checks, and names what it expected in the error."""
+    def parse(text):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        if not ok(value):  # NaN fails every comparison, so it lands here too
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+    return parse
+
+
+positive_int = _number_type(int, lambda v: v > 0, "a positive integer")
+nonneg_int = _number_type(int, lambda v: v >= 0, "an integer >= 0")
+nonneg_float = _number_type(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+positive_float = _number_type(float, lambda v: 0 < v < float("inf"), "a finite number > 0")
+TYPES = {"positive_int": positive_int, "nonneg_int": nonneg_int, "nonneg_float": nonneg_float,
+         "positive_float": positive_float}
+
+SECTION_TITLES = {"model": "model", "precision": "memory and precision", "remat": "memory and precision",
+                  "optim": "optimization", "data": "data and batch", "run": "run directory",
+                  "sample": "sampling"}
+
+
+def add_run_flags(parser: argparse.ArgumentParser, sections, only: dict[str, tuple[str, ...]] | None = None,
+                  defaults: RunConfig | None = None) -> None:
+    """Add the flags of `sections` (names of RunConfig sections) to `parser`, grouped.
+
+    only: {section: (field, ...)} restricts a section to some of its fields.
+    defaults: the config whose values `--help` shows (default: RunConfig()).
+    """
+    defaults = defaults or RunConfig()
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for section in sections:
+        title = SECTION_TITLES[section]
+        group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
+        for f in dataclasses.fields(RunConfig.sections()[section]):
+            path = f"{section}.{f.name}"
+            md = field_metadata(path)
+            if not md["cli"] or (only and section in only and f.name not in only[section]):
+                continue
+            default = defaults.get(path)
+            kwargs = dict(dest=path, default=argparse.SUPPRESS)
+            if md["store_true"]:
+                kwargs.update(action="store_true", help=md["help"])
+            else:
+                shown = "" if default is None else f" (default: {default})"
+                kwargs.update(help=md["help"] + shown, metavar=md["metavar"],
+                              type=TYPES.get(md["type"], md["type"]) if md["type"] else None,
+                              choices=md["choices"])
+            group.add_argument(*flag_names(path), **kwargs)
+
+
+def given_overrides(args: argparse.Namespace) -> dict:
+    """{'section.field': value} for the RunConfig flags given on the command line."""
+    return {k: v for k, v in vars(args).items() if "." in k}

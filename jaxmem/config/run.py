@@ -1,0 +1,294 @@
+"""The run configuration: one frozen, nested `RunConfig`, the single source of truth for a run.
+
+    RunConfig
+      model      ModelSection      preset + shape overrides  -> ModelConfig (jaxmem.config.model)
+      precision  PrecisionSection  precision mode, loss scaling, the skip limit
+      remat      RematSection      remat policy of each decoder block
+      optim      OptimConfig       AdamW, warmup + cosine schedule, clipping, mu dtype
+      data       DataSection       data, tokenizer, batch shape, seed
+      run        RunSection        run directory, saving, evaluation, logging
+      sample     SampleSection     the text sampled at the end of a run / by jaxmem.generate
+
+Every field carries its CLI metadata (flag, help, type, whether a resume may change it), so the
+flags of `jaxmem.train`, `jaxmem.memory`, `jaxmem.generate` and `experiments.compare` are
+generated from here (jaxmem.config.flags), `config.json` is written from `to_dict` and read back
+with `from_dict`, and the train step's `StepConfig` is built from a RunConfig alone
+(jaxmem.train.run.build_step_config). New sections (the device mesh, fine-tuning) are added as
+another frozen dataclass field of RunConfig with its own metadata; nothing else needs to change.
+
+config.json schema versions: 1 (before RunConfig: one flat dict of the train CLI's flags plus a
+resolved "model" dict) is read and converted; 2 is this layout; anything newer is refused with a
+message naming the version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxmem.config.model import PRESETS, ConfigError, ModelConfig, get_preset
+
+SCHEMA_VERSION = 2
+
+
+def option(default, help: str, *, flags: tuple[str, ...] | None = None, type=None, choices=None,
+           metavar: str | None = None, mutable: bool = False, cli: bool = True,
+           store_true: bool = False):
+    """A dataclass field with its CLI metadata.
+
+    flags: option strings (default `--field-name`); the first also names the field in a
+        schema-1 config.json. mutable: a resumed run may change it (recorded in config.json).
+    cli: False for fields that are configuration but no flag (Adam's betas, for instance).
+    """
+    return field(default=default, metadata=dict(
+        help=help, flags=flags, type=type, choices=choices, metavar=metavar, mutable=mutable,
+        cli=cli, store_true=store_true))
+
+
+def _positive(name: str, value, allow_none: bool = False, allow_zero: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    ok = isinstance(value, int) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        raise ConfigError(f"{name} must be {'an integer >= 0' if allow_zero else 'a positive integer'}, "
+                          f"got {value!r}")
+
+
+# ----------------------------------------------------------------------------- sections
+
+@dataclass(frozen=True)
+class ModelSection:
+    """Model shape: a named preset, with any of its fields overridden."""
+
+    preset: str = option("tiny", f"model shape preset: {', '.join(PRESETS)}", choices=list(PRESETS),
+                         metavar="NAME")
+    num_layers: int | None = option(None, "override the preset's num_layers", type=int)
+    hidden_size: int | None = option(None, "override the preset's hidden_size", type=int)
+    intermediate_size: int | None = option(None, "override the preset's intermediate_size", type=int)
+    num_heads: int | None = option(None, "override the preset's num_heads", type=int)
+    num_kv_heads: int | None = option(None, "override the preset's num_kv_heads", type=int)
+    head_dim: int | None = option(None, "override the preset's head_dim", type=int)
+    vocab_size: int | None = option(None, "override the preset's vocab_size", type=int)
+
+    def config(self) -> ModelConfig:
+        """The preset with the overrides applied (validated by ModelConfig)."""
+        overrides = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                     if f.name != "preset"}
+        return get_preset(self.preset, **overrides)
+
+
+@dataclass(frozen=True)
+class PrecisionSection:
+    """Precision mode and loss scaling (docs/precision.md)."""
+
+    mode: str = option("fp32", "precision mode: fp32, bf16, amp-bf16, amp-fp16, fp8 "
+                       "(docs/precision.md)", flags=("--precision",), metavar="MODE",
+                       choices=["fp32", "bf16", "amp-bf16", "amp-fp16", "fp8"])
+    loss_scale: str | None = option(None, "dynamic | static:VALUE | none (default: dynamic for "
+                                    "amp-fp16, else none)")
+    loss_scale_init: float = option(2.0**16, "initial dynamic loss scale (torch GradScaler's default)",
+                                    type="positive_float")
+    loss_scale_growth_interval: int = option(2000, "finite steps before the dynamic scale doubles",
+                                             type="positive_int")
+    max_consecutive_skips: int = option(100, "stop with an error after this many non-finite steps "
+                                        "in a row", type="positive_int", mutable=True)
+
+
+@dataclass(frozen=True)
+class RematSection:
+    """Activation rematerialization (docs/remat.md)."""
+
+    policy: str = option("none", "remat policy for each decoder block: none, full, dots, "
+                         "dots_no_batch, offload, names:<tag>[,<tag>...], offload:<tag>[,<tag>...]",
+                         flags=("--remat",))
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW and its schedule (jaxmem.train.optim).
+
+    lr: peak learning rate, reached after `warmup_steps`.
+    min_lr: floor of the cosine decay, reached at `total_steps`.
+    decay_embeddings: also apply weight decay to the embedding (norms never decay).
+    mu_dtype: dtype of Adam's first moment (None: the params' dtype).
+    clip: max global gradient norm (0 disables clipping).
+    """
+
+    lr: float = option(3e-3, "peak learning rate", type="nonneg_float")
+    min_lr: float = option(3e-4, "cosine decay floor", type="nonneg_float")
+    warmup_steps: int = option(30, "linear warmup steps", type="nonneg_int")
+    total_steps: int = option(300, "optimizer steps in total (the cosine spans them)",
+                              flags=("--steps",), type="positive_int")
+    b1: float = option(0.9, "Adam beta1", cli=False)
+    b2: float = option(0.95, "Adam beta2", cli=False)
+    eps: float = option(1e-8, "Adam epsilon", cli=False)
+    weight_decay: float = option(0.1, "AdamW decoupled weight decay (not on norms or embeddings)",
+                                 type="nonneg_float")
+    decay_embeddings: bool = option(False, "also decay the embedding", cli=False)
+    clip: float = option(1.0, "clip gradients to this global norm after unscaling (0: off)",
+                         type="nonneg_float")
+    mu_dtype: str | None = option(None, "dtype of Adam's first moment (default: the params' dtype)",
+                                  choices=["fp32", "bf16"])
+
+    def __post_init__(self):
+        checks = [("lr", self.lr >= 0), ("min_lr", 0 <= self.min_lr),
+                  ("warmup_steps", self.warmup_steps >= 0), ("total_steps", self.total_steps > 0),
+                  ("weight_decay", self.weight_decay >= 0), ("clip", self.clip >= 0),
+                  ("b1", 0 <= self.b1 < 1), ("b2", 0 <= self.b2 < 1), ("eps", self.eps > 0)]
+        for name, ok in checks:
+            value = getattr(self, name)
+            if not ok or value != value:  # value != value: NaN
+                raise ConfigError(f"optimizer {name}={value!r} is invalid")
+        if self.mu_dtype not in (None, "fp32", "bf16", "float32", "bfloat16"):
+            raise ConfigError(f"--mu-dtype {self.mu_dtype!r} is invalid; choose fp32 or bf16")
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """Training data and the shape of a step's batch."""
+
+    data: str | None = option(None, "text files, a directory, a glob, or token files (.bin uint16, "
+                              ".u32.bin uint32, .npy); comma-separated lists work (default: "
+                              "built-in corpus)")
+    tokenizer: str | None = option(None, "a Hugging Face `tokenizers` JSON file (default: byte-level)")
+    batch_size: int = option(16, "micro-batch size (sequences)", type="positive_int")
+    seq_len: int = option(128, "tokens per sequence", type="positive_int")
+    grad_accum: int = option(1, "micro-batches per optimizer step (global batch = batch-size x "
+                             "grad-accum)", type="positive_int")
+    seed: int = option(0, "init, data-order and sampling seed", type="nonneg_int")
+
+    def __post_init__(self):
+        for name in ("batch_size", "seq_len", "grad_accum"):
+            _positive(f"--{name.replace('_', '-')}", getattr(self, name))
+        _positive("--seed", self.seed, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class RunSection:
+    """The run directory and what happens in it. Everything but `out` may change on resume."""
+
+    out: str | None = option(None, "run directory (default: a new runs/<date>-<time>). If it holds a "
+                             "run with the same config, the run continues from its newest "
+                             "checkpoint, or from step 0 when none was committed")
+    stop_at: int | None = option(None, "stop after STEP steps as if interrupted (save; continue "
+                                 "later), e.g. to fit a job's time limit; the schedule still spans "
+                                 "--steps", type="positive_int", metavar="STEP", mutable=True)
+    save_every: int = option(100, "save every N steps (0: only at the end)", type="nonneg_int",
+                             mutable=True)
+    keep: int = option(3, "checkpoints to keep", type="positive_int", mutable=True)
+    eval_every: int = option(100, "evaluate every N steps (0: only at the end)", type="nonneg_int",
+                             mutable=True)
+    eval_batches: int = option(8, "batches per evaluation", type="positive_int", mutable=True)
+    log_every: int = option(10, "write metrics every N steps", type="positive_int", mutable=True)
+    no_progress: bool = option(False, "no progress bar (logs only)", store_true=True, mutable=True)
+
+
+@dataclass(frozen=True)
+class SampleSection:
+    """Text sampled from the model: at the end of a run, and by `jaxmem.generate`."""
+
+    prompt: str = option("def ", "text to continue")
+    max_new_tokens: int = option(200, "tokens to generate (0: none at the end of a run)",
+                                 flags=("--sample-tokens", "--max-new-tokens"), type="nonneg_int",
+                                 mutable=True)
+    temperature: float = option(0.8, "sampling temperature (0: greedy)", type="nonneg_float",
+                                mutable=True)
+    top_k: int = option(40, "sample among the K most likely tokens (0: all)", type="nonneg_int",
+                        mutable=True)
+
+
+# ----------------------------------------------------------------------------- the whole run
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a run is made of (see the module docstring); frozen, hashable, JSON-able."""
+
+    model: ModelSection = ModelSection()
+    precision: PrecisionSection = PrecisionSection()
+    remat: RematSection = RematSection()
+    optim: OptimConfig = OptimConfig()
+    data: DataSection = DataSection()
+    run: RunSection = RunSection()
+    sample: SampleSection = SampleSection()
+
+    @staticmethod
+    def sections() -> dict[str, type]:
+        return {f.name: type(f.default) for f in dataclasses.fields(RunConfig)}
+
+    def get(self, path: str):
+        """The value at 'section.field'."""
+        section, name = path.split(".")
+        return getattr(getattr(self, section), name)
+
+    def replace(self, overrides: dict[str, Any]) -> "RunConfig":
+        """A copy with {'section.field': value, ...} applied; unknown paths raise ConfigError."""
+        by_section: dict[str, dict] = {}
+        for path, value in overrides.items():
+            section, _, name = path.partition(".")
+            if section not in self.sections() or name not in _field_names(section):
+                raise ConfigError(f"unknown run config field {path!r}")
+            by_section.setdefault(section, {})[name] = value
+        try:
+            return dataclasses.replace(self, **{
+                s: dataclasses.replace(getattr(self, s), **kv) for s, kv in by_section.items()})
+        except TypeError as e:
+            raise ConfigError(f"invalid run config: {e}") from None
+
+    def model_config(self) -> ModelConfig:
+        return self.model.config()
+
+    def to_dict(self) -> dict:
+        """{"schema_version": 2, section: {field: value}} (JSON-able)."""
+        return {"schema_version": SCHEMA_VERSION,
+                **{s: dataclasses.asdict(getattr(self, s)) for s in self.sections()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunConfig":
+        """Read `to_dict`'s output, or convert a schema-1 flat dict; refuse newer schemas."""
+        version = d.get("schema_version", 1)
+        if version == 1:
+            return cls().replace(_from_schema_1(d))
+        if version != SCHEMA_VERSION:
+            raise ConfigError(f"config.json schema_version {version!r} is not supported (this "
+                              f"jaxmem reads versions 1 and {SCHEMA_VERSION})")
+        unknown = sorted(set(d) - set(cls.sections()) - {"schema_version"})
+        if unknown:
+            raise ConfigError(f"config.json has unknown section(s): {', '.join(unknown)}")
+        flat = {f"{s}.{k}": v for s in cls.sections() for k, v in (d.get(s) or {}).items()}
+        return cls().replace(flat)
+
+    def differences(self, other: "RunConfig") -> list[tuple[str, Any, Any]]:
+        """(path, self's value, other's value) for every field that differs."""
+        return [(p, self.get(p), other.get(p)) for p in all_paths() if self.get(p) != other.get(p)]
+
+
+def _field_names(section: str) -> list[str]:
+    return [f.name for f in dataclasses.fields(RunConfig.sections()[section])]
+
+
+def all_paths() -> list[str]:
+    """Every 'section.field' of RunConfig, in declaration order."""
+    return [f"{s}.{n}" for s in RunConfig.sections() for n in _field_names(s)]
+
+
+def field_metadata(path: str) -> dict:
+    section, name = path.split(".")
+    (f,) = [f for f in dataclasses.fields(RunConfig.sections()[section]) if f.name == name]
+    return dict(f.metadata)
+
+
+def flag_names(path: str) -> tuple[str, ...]:
+    """The option strings of a field: its `flags`, or `--field-name`."""
+    return field_metadata(path).get("flags") or ("--" + path.split(".")[1].replace("_", "-"),)
+
+
+def is_mutable(path: str) -> bool:
+    """May a resumed run change this field? (out is the directory itself: never compared.)"""
+    return field_metadata(path)["mutable"] or path == "run.out"
+
+
+def _from_schema_1(d: dict) -> dict[str, Any]:
+    """A schema-1 config.json (the train CLI's flags, flat) as {'section.field': value}."""
+    by_flag = {flag_names(p)[0][2:].replace("-", "_"): p for p in all_paths()}
+    return {by_flag[k]: v for k, v in d.items() if k in by_flag}

@@ -1,0 +1,206 @@
+"""The training loop of `python -m jaxmem.train`: steps, progress, metrics, eval, saves, signals.
+
+The device state is the one source of truth for where the run is: the loop reads the step, the
+data position and the count of non-finite steps in a row from the train state (the latter from
+each step's metrics, read while the next step runs), never from host counters that a resume
+would reset. A step is saved at most once: a save step that is also the last step (`--stop-at`,
+a signal, the end) is not saved twice.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+
+import jax
+import numpy as np
+
+from jaxmem.data import Batcher, eval_batches
+from jaxmem.generate.sampling import generate_text
+from jaxmem.io.checkpoint import Checkpointer
+from jaxmem.io.rundir import CKPT_DIR, METRICS_FILE, truncate_metrics, write_run_config
+from jaxmem.perf import device_memory, flops_per_token, peak_flops
+from jaxmem.train.run import make_eval_fn
+from jaxmem.train.step import create_train_state, jit_train_step
+
+
+class _Stop:
+    """SIGTERM / SIGINT set a flag; the loop finishes its step, saves and exits 0."""
+
+    def __init__(self):
+        self.requested = None
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now (committed checkpoints are safe)
+        self.requested = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _fmt_bytes(n):
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def _write_config(s, start: int) -> None:
+    """config.json: the run's RunConfig now, and every mutable change with its first step."""
+    changes = list(s.record.get("changes", [])) + [
+        {"step": start, "field": p, "from": a, "to": b} for p, a, b in s.changes]
+    write_run_config(s.out, s.cfg, data_stats=s.stats, data_sha256=s.stats["tokens_sha256"],
+                     changes=changes)
+
+
+def train(s) -> int:
+    """Run the loop for a validated `jaxmem.train.cli.Setup`; returns the exit status."""
+    from tqdm import tqdm
+
+    cfg, out, step_cfg = s.cfg, s.out, s.step_cfg
+    d, r = cfg.data, cfg.run
+    steps = cfg.optim.total_steps
+    out.mkdir(parents=True, exist_ok=True)
+    resumed = s.state is not None
+    state = s.state if resumed else create_train_state(step_cfg, s.loss_scale, d.seed)
+    start = int(state.step)
+    _write_config(s, start)
+    ckpt = s.ckpt or Checkpointer(out / CKPT_DIR, keep=r.keep)
+    end = min(steps, r.stop_at or steps)
+    if start >= end:
+        ckpt.close()
+        print(f"{out}: already at step {start} of {steps}"
+              + (f" (--stop-at {r.stop_at})" if end < steps else "") + "; nothing to do")
+        return 0
+
+    pad = s.tokenizer.pad_id
+    batcher = Batcher(s.train_tokens, d.batch_size, d.seq_len, seed=d.seed, pad_id=pad)
+    evals = eval_batches(s.eval_tokens, d.batch_size, d.seq_len, r.eval_batches, pad_id=pad)
+    train_step, eval_fn = jit_train_step(step_cfg), make_eval_fn(step_cfg)
+    device = jax.devices()[0]
+    peak = peak_flops(device, step_cfg.precision.compute_dtype)
+    fpt = flops_per_token(s.model_cfg, d.seq_len)
+    position = int(state.data_position)  # batches consumed so far, as the state recorded them
+
+    def next_batch(position):
+        mbs = [batcher.batch_at(position + i) for i in range(d.grad_accum)]
+        return {k: np.stack([mb[k] for mb in mbs]) for k in mbs[0]}
+
+    def evaluate(st):
+        if not evals:
+            return None
+        totals = [eval_fn(st.params, b) for b in evals]
+        return float(sum(t for t, _ in totals) / max(sum(c for _, c in totals), 1.0))
+
+    saved_step = start if resumed else None
+
+    def save(st, step):
+        nonlocal saved_step
+        if step != saved_step:  # a step is saved once, even when a save step ends the run
+            ckpt.save(step, st, {"step": step, "config": cfg.to_dict()}, wait=True)
+            saved_step = step
+
+    truncate_metrics(out, start)  # records after the checkpoint are about to be redone
+    metrics_file = open(out / METRICS_FILE, "a")
+    print(f"jaxmem: {cfg.model.preset} ({s.model_cfg.num_params():,} params), {cfg.precision.mode}, "
+          f"remat {step_cfg.remat}, {device.platform}: {device.device_kind}; "
+          f"{len(s.train_tokens):,} train tokens; run dir {out}"
+          + (f"; resuming at step {start}" if resumed else "")
+          + ("; no committed checkpoint, starting at step 0" if s.continuing and not resumed else ""),
+          flush=True)
+    bar = tqdm(total=steps, initial=start, disable=r.no_progress, dynamic_ncols=True,
+               unit="step", file=sys.stdout)
+    tokens_per_step = d.batch_size * d.seq_len * d.grad_accum
+    t_start = t_last = time.perf_counter()
+    timing = {"steps": 0, "seconds": 0.0}
+    last, skips_run, eval_loss = {}, int(state.skips_in_a_row), None
+    max_skips = cfg.precision.max_consecutive_skips
+
+    def tokens_per_sec():
+        return tokens_per_step * timing["steps"] / timing["seconds"] if timing["seconds"] else 0.0
+
+    def record(step, metrics, seconds, evaluated=None):
+        """Host side of a finished step: progress bar, metrics.jsonl, the skip counter."""
+        nonlocal skips_run
+        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if step > start + 2:  # the first steps of a process include compilation and dispatch lag
+            timing["steps"] += 1
+            timing["seconds"] += seconds
+        skips_run = int(m["skips_in_a_row"])
+        rec = {"step": step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
+               "loss_scale": m["loss_scale"], "skipped": bool(m["skipped"]),
+               "tokens_per_sec": tokens_per_sec()}
+        if evaluated is not None:
+            rec["eval_loss"] = evaluated
+        if step % r.log_every == 0 or step == steps or evaluated is not None:
+            metrics_file.write(json.dumps(rec) + "\n")
+            metrics_file.flush()
+        mem = device_memory(device)
+        bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tokens_per_sec():,.0f}",
+                        scale=f"{m['loss_scale']:g}",
+                        **({"mem": _fmt_bytes(mem["bytes_in_use"])} if mem else {}), refresh=False)
+        return rec
+
+    with _Stop() as stop:
+        step, pending = start, None
+        while step < end and stop.requested is None and skips_run <= max_skips:
+            state, metrics = train_step(state, next_batch(position))
+            step, position = step + 1, position + d.grad_accum
+            now = time.perf_counter()
+            if pending is not None:  # read the previous step's metrics while this one runs
+                last = record(*pending)
+            pending, t_last = (step, metrics, now - t_last), now
+            bar.update(1)
+            due_eval = step == steps or (r.eval_every and step % r.eval_every == 0)
+            due_save = r.save_every and step % r.save_every == 0 and step < steps
+            if due_eval or due_save:
+                if due_eval:
+                    eval_loss = evaluate(state)
+                last, pending = record(*pending, evaluated=eval_loss if due_eval else None), None
+                if due_save:
+                    save(state, step)
+                t_last = time.perf_counter()  # evaluation and saving are not step time
+        if pending is not None:
+            last = record(*pending)
+        bar.close()
+        if skips_run > max_skips:
+            metrics_file.close()
+            ckpt.close()
+            print(f"error: {skips_run} non-finite steps in a row (more than "
+                  f"--max-consecutive-skips {max_skips}); loss scale now "
+                  f"{float(state.loss_scale.loss_scale):g}. Nothing was saved for these steps; "
+                  f"the newest checkpoint in {out / CKPT_DIR} is untouched.", file=sys.stderr)
+            return 1
+        save(state, step)
+        ckpt.close()
+    metrics_file.close()
+    if stop.requested or step < steps:
+        why = stop.requested or f"--stop-at {r.stop_at}"
+        print(f"{why}: saved step {step} to {out / CKPT_DIR}; continue with --resume")
+        return 0
+
+    if eval_loss is None:
+        eval_loss = evaluate(state)
+    tps = tokens_per_sec()
+    mem = device_memory(device)
+    mfu = tps * fpt / peak if peak and tps else None
+    print(f"done: step {step}, train loss {last.get('loss', float('nan')):.4f}, "
+          f"eval loss {eval_loss if eval_loss is None else round(eval_loss, 4)}, "
+          f"{f'{tps:,.0f}' if tps else 'n/a'} tokens/s, MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, "
+          f"peak memory {_fmt_bytes(mem and mem['peak_bytes_in_use'])}, "
+          f"wall {time.perf_counter() - t_start:.0f} s")
+    sm = cfg.sample
+    if sm.max_new_tokens:
+        sample = generate_text(s.model_cfg, state.params, s.tokenizer, prompt=sm.prompt,
+                               max_new_tokens=sm.max_new_tokens, temperature=sm.temperature,
+                               top_k=sm.top_k, seed=d.seed,
+                               compute_dtype=step_cfg.precision.compute_dtype)
+        print("sample:\n" + sample)
+    return 0

@@ -1,0 +1,94 @@
+"""RunConfig: one source of truth for flags, config.json and the step config."""
+
+import argparse
+import json
+
+import pytest
+
+from jaxmem.config.flags import add_run_flags, given_overrides
+from jaxmem.config.model import ConfigError
+from jaxmem.config.run import SCHEMA_VERSION, RunConfig, all_paths, flag_names
+from jaxmem.io.rundir import RunError, read_run_config, write_run_config
+from jaxmem.train.cli import build_parser
+
+# What config.json held before RunConfig (schema 1: the train CLI's flags, flat), as written by
+# the previous version of jaxmem.train for `--steps 6 --lr 0.002 --precision amp-bf16 ...`.
+SCHEMA_1 = {
+    "preset": "tiny", "num_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+    "num_heads": None, "num_kv_heads": None, "head_dim": None, "vocab_size": None,
+    "precision": "amp-bf16", "remat": "full", "mu_dtype": "bf16", "loss_scale": None,
+    "loss_scale_init": 65536.0, "loss_scale_growth_interval": 2000, "max_consecutive_skips": 100,
+    "batch_size": 4, "seq_len": 32, "grad_accum": 2, "steps": 6, "lr": 0.002, "min_lr": 0.0003,
+    "warmup_steps": 30, "weight_decay": 0.1, "clip": 1.0, "data": "corpus", "tokenizer": None,
+    "out": "runs/old", "resume": False, "stop_at": None, "save_every": 100, "keep": 3,
+    "eval_every": 100, "eval_batches": 2, "log_every": 1, "seed": 3, "sample_tokens": 0,
+    "no_progress": True,
+    "model": {"vocab_size": 259, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
+              "num_heads": 4, "num_kv_heads": 2, "head_dim": None, "max_position_embeddings": 512,
+              "rope_theta": 10000.0, "rms_norm_eps": 1e-05, "tie_embeddings": False},
+    "data_stats": {"files": 2}, "data_sha256": "abc",
+}
+
+
+def parse(argv):
+    return given_overrides(build_parser().parse_args(argv))
+
+
+def test_config_json_round_trip(tmp_path):
+    cfg = RunConfig().replace(parse(["--preset", "small", "--num-layers", "3", "--precision", "fp8",
+                                     "--remat", "names:query,key", "--lr", "0.01", "--steps", "7",
+                                     "--mu-dtype", "bf16", "--data", "x.txt", "--stop-at", "5",
+                                     "--no-progress", "--temperature", "0"]))
+    write_run_config(tmp_path, cfg, data_stats={"files": 1}, changes=[])
+    back, record = read_run_config(tmp_path)
+    assert back == cfg
+    assert record["schema_version"] == SCHEMA_VERSION and record["data_stats"] == {"files": 1}
+    assert record["resolved_model"]["num_layers"] == 3 and record["resolved_model"]["hidden_size"] == 512
+    assert RunConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+def test_schema_1_config_json_loads(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(SCHEMA_1))
+    cfg, record = read_run_config(tmp_path)
+    assert (cfg.precision.mode, cfg.remat.policy, cfg.optim.mu_dtype) == ("amp-bf16", "full", "bf16")
+    assert (cfg.optim.total_steps, cfg.optim.lr, cfg.data.grad_accum, cfg.data.seed) == (6, 0.002, 2, 3)
+    assert (cfg.model.num_layers, cfg.run.eval_batches, cfg.sample.max_new_tokens) == (2, 2, 0)
+    assert cfg.model_config().hidden_size == 64 and record["resolved_model"]["num_heads"] == 4
+
+
+def test_newer_or_malformed_config_json_is_refused_naming_the_problem(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"schema_version": 3, "config": {}}))
+    with pytest.raises(RunError, match="schema_version 3 is not supported"):
+        read_run_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"schema_version": 2, "config": {
+        "optim": {"lr": 0.1, "momentum": 0.9}}}))
+    with pytest.raises(RunError, match="unknown run config field 'optim.momentum'"):
+        read_run_config(tmp_path)
+    with pytest.raises(ConfigError, match="optimizer lr=-1.0 is invalid"):
+        RunConfig().replace({"optim.lr": -1.0})
+
+
+def test_flags_are_generated_from_the_config_and_help_explains_each():
+    text = build_parser().format_help()
+    for group in ("model:", "memory and precision:", "optimization:", "data and batch:",
+                  "run directory:", "sampling:"):
+        assert group in text
+    parser = build_parser()
+    options = {s for a in parser._actions for s in a.option_strings}
+    helps = {s: a.help for a in parser._actions for s in a.option_strings}
+    for path in all_paths():
+        for flag in flag_names(path):
+            if flag in options:
+                assert helps[flag] and len(helps[flag]) > 10, flag
+    # every configurable field that is a flag is reachable, and flags set exactly one field
+    assert parse(["--steps", "9"]) == {"optim.total_steps": 9}
+    assert parse([]) == {}
+    assert "(default: 0.003)" in helps["--lr"] and "(default: 128)" in helps["--seq-len"]
+
+
+def test_subset_of_sections_for_other_programs():
+    p = argparse.ArgumentParser()
+    add_run_flags(p, ["data"], only={"data": ("batch_size", "seq_len")})
+    assert given_overrides(p.parse_args(["--seq-len", "64"])) == {"data.seq_len": 64}
+    with pytest.raises(SystemExit):
+        p.parse_args(["--seed", "1"])  # not part of this program's flags
