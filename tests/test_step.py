@@ -116,6 +116,14 @@ def test_state_dtypes_per_mode():
     nu = amp.opt_state[1][0].nu
     assert {x.dtype for x in jax.tree_util.tree_leaves(mu)} == {jnp.dtype(jnp.bfloat16)}
     assert {x.dtype for x in jax.tree_util.tree_leaves(nu)} == {jnp.dtype(jnp.float32)}
+    # docs/precision.md: in the master-weight modes the loss casts the matrices to the compute
+    # dtype and leaves the norm weights fp32; pure bf16 stores the norm weights in bf16 too.
+    from jaxmem.train.precision import cast_params
+    computed = cast_params(amp.params, jnp.bfloat16)
+    assert computed["norm"]["scale"].dtype == jnp.float32
+    assert computed["layers"]["post_attention_layernorm"]["scale"].dtype == jnp.float32
+    assert computed["layers"]["mlp"]["up_proj"].dtype == jnp.bfloat16
+    assert bf16.params["norm"]["scale"].dtype == jnp.bfloat16
 
 
 def test_no_weight_decay_on_norms_and_embeddings():
