@@ -1,0 +1,100 @@
+"""The package layout: no import cycle, every module imports on its own and in any order, no
+module over ~400 lines, no CLI module imported as a library."""
+
+import ast
+import importlib.util
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("jaxmem", "experiments")
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+def project_imports(name: str, path: Path) -> set[str]:
+    """Project modules imported anywhere in the module (a deferred, function-level import is a
+    dependency too: two modules that import each other that way are still one tangle)."""
+    tree = ast.parse(path.read_text())
+    found = set()
+    base = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            if node.level:
+                mod = ".".join(base.split(".")[: len(base.split(".")) - node.level + 1] + [mod]).strip(".")
+            found.add(mod)
+            found |= {f"{mod}.{a.name}" for a in node.names}
+    return {m for m in found if m.split(".")[0] in PACKAGES}
+
+
+def test_no_import_cycle_between_modules():
+    mods = modules()
+    graph = {m: {d for d in project_imports(m, p) if d in mods and d != m} for m, p in mods.items()}
+    # (Python also runs a package's __init__ before its modules; an __init__ that re-exports its
+    # own modules is not a cycle, so that implicit edge is left out.)
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def importable() -> list[str]:
+    has_torch = importlib.util.find_spec("torch") is not None
+    needs_torch = {m for m, p in modules().items() if "import torch" in p.read_text()}
+    return [m for m in modules() if not m.endswith("__main__") and (has_torch or m not in needs_torch)]
+
+
+@pytest.mark.parametrize("order", ["sorted", "reversed", "shuffled"])
+def test_every_module_imports_in_any_order(order):
+    names = importable()
+    if order == "reversed":
+        names = names[::-1]
+    elif order == "shuffled":
+        random.Random(0).shuffle(names)
+    code = "import importlib\nfor m in %r:\n    importlib.import_module(m)\n" % names
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_modules_are_small_and_cli_modules_are_not_libraries():
+    mods = modules()
+    big = {m: n for m, p in mods.items() if (n := len(p.read_text().splitlines())) > 420}
+    assert not big, big
+    cli = {m for m in mods if m.endswith(".cli") or m.endswith("__main__")}
+    for m, p in mods.items():
+        if m in cli:
+            continue
+        imported = set()
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module)
+        assert not (imported & cli) or m.endswith("__main__"), (m, imported & cli)
