@@ -1,4 +1,4 @@
-"""Model properties: param counts, causality, padding, RoPE, GQA, config validation."""
+"""Model properties: param counts, causality, padding, RoPE, GQA, the sharding hook, config."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from jaxmem.config.model import PRESETS, ConfigError, ModelConfig, get_preset
-from jaxmem.model.llama import Llama, abstract_params, apply_rope, count_params, init_params, rope_tables
+from jaxmem.model.layers import apply_rope, rope_tables
+from jaxmem.model.llama import Llama, abstract_params, count_params, init_params
+from jaxmem.model.sharding import activation_sharding, constrain
 
 PUBLISHED = {
     "llama-3.2-1b": 1_235_814_400,
@@ -124,6 +126,61 @@ def test_tied_embeddings_have_no_lm_head():
     p = abstract_params(CFG.replace(tie_embeddings=True))
     assert "lm_head" not in p
     assert "lm_head" in abstract_params(CFG)
+
+
+def test_sharding_hook_is_a_no_op_without_rules(params):
+    x = jnp.ones((2, 3))
+    assert constrain(x, "block") is x
+    with pytest.raises(ValueError, match="unknown activation kind 'blocks'"):
+        constrain(x, "blocks")
+    # PartitionSpec rules without a mesh in context change nothing either
+    with activation_sharding({"embed": jax.sharding.PartitionSpec("data")}):
+        assert constrain(x, "embed") is x and constrain(x, "logits") is x
+    logits = Llama(CFG).apply({"params": params}, tokens(6))
+    with activation_sharding({k: jax.sharding.PartitionSpec() for k in ("embed", "block", "logits")}):
+        unsharded = Llama(CFG).apply({"params": params}, tokens(6))
+    np.testing.assert_array_equal(unsharded, logits)
+    with pytest.raises(ValueError, match="unknown kind"):
+        with activation_sharding({"hidden": None}):
+            pass
+
+
+def test_sharding_hook_sees_embed_block_and_logits(params):
+    """A recording rule is called at the three points with [B, T, D], [B, T, D], [B, T, V]."""
+    seen = []
+
+    def rule(x, kind):
+        seen.append((kind, x.shape))
+        return x
+
+    base = Llama(CFG).apply({"params": params}, tokens(7))
+    with activation_sharding(rule):
+        logits = Llama(CFG).apply({"params": params}, tokens(7))
+    B, T, D, V = 2, 16, CFG.hidden_size, CFG.vocab_size
+    assert set(seen) == {("embed", (B, T, D)), ("block", (B, T, D)), ("logits", (B, T, V))}
+    assert [k for k, _ in seen].count("embed") == 1 and [k for k, _ in seen].count("logits") == 1
+    np.testing.assert_array_equal(logits, base)
+    seen.clear()
+    Llama(CFG).apply({"params": params}, tokens(7))  # uninstalled on exit
+    assert seen == []
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_sharding_hook_applies_partition_specs_under_a_mesh(params, axis_type):
+    """With a (one-device) mesh in context, PartitionSpec rules become sharding constraints."""
+    if not hasattr(jax, "set_mesh"):
+        pytest.skip("this jax has no jax.set_mesh")
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+    rules = {"embed": jax.sharding.PartitionSpec("data"), "block": jax.sharding.PartitionSpec("data"),
+             "logits": jax.sharding.PartitionSpec("data")}
+    x = tokens(8)
+    fn = jax.jit(lambda p, t: Llama(CFG).apply({"params": p}, t))
+    with jax.set_mesh(mesh), activation_sharding(rules):
+        text = fn.lower(params, x).as_text()
+        logits = fn(params, x)
+    assert text.count("sharding_constraint") + text.count("mhlo.sharding") >= 3
+    plain = jax.jit(lambda p, t: Llama(CFG).apply({"params": p}, t))(params, x)
+    np.testing.assert_allclose(logits, plain, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("overrides, field", [

@@ -1,0 +1,139 @@
+"""Causal attention: cuDNN's fused flash attention where it applies, XLA's everywhere else.
+
+    causal_attention(q, k, v, mask)   the path `attention_path` picks for these shapes and dtype
+    attention_path(q, kv, dtype, ..)  which path a call takes and, if not cuDNN, why not
+
+`jax.nn.dot_product_attention(implementation=None)` always takes the XLA path (jax 0.10), so the
+cuDNN kernel is asked for explicitly, on a GPU, for bf16/fp16 inputs with the causal mask only.
+Whether cuDNN accepts the shapes (head dim, GPU generation, cuDNN version) is asked once per
+shape and dtype with `jax.eval_shape` on `ShapeDtypeStruct`s: the same trace-time checks the real
+call makes, without computing anything. The memory planner asks the same function, so it plans
+for the path the step actually takes. A rejection is not silent: `causal_attention` warns once per
+reason, naming cuDNN's message.
+
+The XLA path computes logits and softmax in fp32 and recomputes them in the backward pass
+(`xla_attention_recomputed`); the cuDNN kernel recomputes them itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jaxmem.model.layers import cpu_lacks
+
+
+def _xla_attention(q, k, v, mask):
+    """XLA's attention: logits and softmax in fp32, the [B, N, T, S] probabilities materialized."""
+    if mask is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask)
+
+
+@jax.custom_vjp
+def xla_attention_recomputed(q, k, v, mask):
+    """`_xla_attention` whose backward recomputes the probabilities instead of keeping them.
+
+    Flash attention (cuDNN, PyTorch's SDPA) keeps only its inputs and output for the backward;
+    this does the same on the XLA path: the residuals are q, k, v and the mask, nothing
+    [B, N, T, S]. Without it every remat policy but `full` keeps the fp32 probabilities (and
+    logits or their compute-dtype copy) of every layer: 512 MiB per layer for llama-3.2-1b at
+    seq 2048. The price is one more QK^T, softmax and PV per layer in the backward
+    (docs/remat.md measures both).
+
+    A custom_vjp, not `jax.checkpoint(..., policy=nothing_saveable)`: nested inside a block's
+    remat, an inner checkpoint's policy is overridden by the outer one, and `dots` then saved
+    QK^T again (measured with saved_residuals). The backward below only ever sees the
+    residuals its forward returns, whatever the enclosing policy.
+    """
+    return _xla_attention(q, k, v, mask)
+
+
+def _xla_attention_fwd(q, k, v, mask):
+    return _xla_attention(q, k, v, mask), (q, k, v, mask)
+
+
+def _xla_attention_bwd(res, d_ctx):
+    q, k, v, mask = res
+    _, vjp = jax.vjp(lambda q, k, v: _xla_attention(q, k, v, mask), q, k, v)
+    return (*vjp(d_ctx), None)  # the mask is boolean: no cotangent
+
+
+xla_attention_recomputed.defvjp(_xla_attention_fwd, _xla_attention_bwd)
+
+
+def _cudnn_attention(q, k, v):
+    """cuDNN flash attention, causal (raises at trace time for what cuDNN does not support)."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+@dataclass(frozen=True)
+class AttentionPath:
+    """The attention implementation a call takes.
+
+    path: "cudnn" or "xla".
+    reason: why not cuDNN ("" when cuDNN is taken).
+    rejected: cuDNN was tried for these shapes and raised (a fallback worth a warning), as
+        opposed to not applying at all (CPU, fp32, a padding mask).
+    """
+
+    path: str
+    reason: str = ""
+    rejected: bool = False
+
+
+def attention_path(q_shape, kv_shape, dtype, causal_only: bool = True) -> AttentionPath:
+    """The path `causal_attention` takes for q [B, T, N, H], k and v [B, S, K, H] in `dtype`.
+
+    causal_only: no padding mask is given (the cuDNN path here handles the causal mask only).
+    """
+    dtype = jnp.dtype(dtype)
+    if not causal_only:
+        return AttentionPath("xla", "a padding mask is given (the cuDNN path is causal-only)")
+    if not _on_gpu():
+        return AttentionPath("xla", f"the backend is {jax.default_backend()}, not gpu")
+    if dtype not in (jnp.bfloat16, jnp.float16):
+        return AttentionPath("xla", f"{dtype.name} inputs (cuDNN takes bf16/fp16)")
+    return _cudnn_verdict(tuple(q_shape), tuple(kv_shape), dtype.name)
+
+
+@functools.lru_cache(maxsize=None)
+def _cudnn_verdict(q_shape: tuple, kv_shape: tuple, dtype_name: str) -> AttentionPath:
+    """Ask cuDNN, once per shape and dtype, whether it takes these inputs (nothing is computed)."""
+    q = jax.ShapeDtypeStruct(q_shape, jnp.dtype(dtype_name))  # [B, T, N, H]
+    kv = jax.ShapeDtypeStruct(kv_shape, jnp.dtype(dtype_name))  # [B, S, K, H]
+    try:
+        jax.eval_shape(_cudnn_attention, q, kv, kv)
+    except Exception as e:  # unsupported head dim / GPU generation / cuDNN version
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        return AttentionPath("xla", f"cuDNN rejected {dtype_name} inputs: "
+                                    f"{type(e).__name__}: {first_line}", rejected=True)
+    return AttentionPath("cudnn")
+
+
+_WARNED: set[str] = set()
+
+
+def causal_attention(q, k, v, mask):
+    """Causal attention of q [B, T, N, H] with k, v [B, S, K, H] (GQA natively) -> [B, T, N, H].
+
+    mask: [B, 1, T, S] boolean (`layers.attention_mask`) or None for the causal mask only.
+    """
+    if cpu_lacks(q.dtype):
+        q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
+    choice = attention_path(q.shape, k.shape, q.dtype, causal_only=mask is None)
+    if choice.path == "cudnn":
+        return _cudnn_attention(q, k, v)
+    if choice.rejected and choice.reason not in _WARNED:
+        _WARNED.add(choice.reason)
+        warnings.warn(f"attention falls back from cuDNN to XLA (first seen for q {q.shape}, "
+                      f"k/v {k.shape}): {choice.reason}", stacklevel=2)
+    return xla_attention_recomputed(q, k, v, mask)

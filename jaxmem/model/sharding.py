@@ -1,0 +1,83 @@
+"""The activation-sharding hook: where the model lets a parallel run place its activations.
+
+The model calls `constrain(x, kind)` at three points:
+
+    kind      where                                         shape
+    "embed"   the embedding output                          [B, T, D]
+    "block"   each decoder block's output (the scan carry)  [B, T, D]
+    "logits"  the LM head's output                          [B, T, V]
+
+With no rules installed `constrain` returns `x` itself, so a single-device run traces exactly
+the graph it traced before the hook existed. A parallel run installs rules around the trace:
+
+    with activation_sharding({"embed": P("data"), "block": P("data"), "logits": P("data")}):
+        compiled = jax.jit(step).lower(state, batch).compile()
+
+Rules are either a mapping kind -> `PartitionSpec` (or a `jax.sharding.Sharding`), applied with
+`jax.lax.with_sharding_constraint` (`jax.sharding.reshard` when the mesh has Explicit axes), or a
+callable `(x, kind) -> x` that does anything it likes.
+A `PartitionSpec` means nothing without a mesh, so those rules are applied only while a mesh is
+in context (`jax.set_mesh`); a kind the mapping lacks is left alone.
+
+Rules act at trace time: install them around the first call (or `.lower`) of a jitted function,
+not around later calls, which reuse the trace. jaxmem.parallel owns the rules themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Callable, Mapping, Union
+
+import jax
+
+KINDS = ("embed", "block", "logits")
+
+Rules = Union[Callable[[jax.Array, str], jax.Array], Mapping[str, object]]
+
+_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("jaxmem_activation_rules",
+                                                                     default=None)
+
+
+@contextlib.contextmanager
+def activation_sharding(rules: Rules | None):
+    """Install `rules` for `constrain` calls traced inside the block (None: none)."""
+    if rules is not None and not callable(rules):
+        unknown = set(rules) - set(KINDS)
+        if unknown:
+            raise ValueError(f"activation sharding rules for unknown kind(s) {sorted(unknown)}; "
+                             f"kinds: {', '.join(KINDS)}")
+    token = _RULES.set(rules)
+    try:
+        yield
+    finally:
+        _RULES.reset(token)
+
+
+def _mesh_in_context():
+    """The abstract mesh set with `jax.set_mesh`, or None (also on a jax without that API)."""
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    mesh = get() if get is not None else None
+    return None if mesh is None or mesh.empty else mesh
+
+
+def constrain(x: jax.Array, kind: str) -> jax.Array:
+    """`x` placed by the installed rule for `kind`; `x` itself when there is none."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown activation kind {kind!r}; kinds: {', '.join(KINDS)}")
+    rules = _RULES.get()
+    if rules is None:
+        return x
+    if callable(rules):
+        return rules(x, kind)
+    target = rules.get(kind)
+    if target is None:
+        return x
+    mesh = _mesh_in_context()
+    if isinstance(target, jax.sharding.PartitionSpec) and mesh is None:
+        return x
+    if mesh is not None and getattr(mesh, "explicit_axes", ()):
+        # Explicit mesh axes: shardings are part of the types, and with_sharding_constraint
+        # only asserts them; reshard moves the data.
+        return jax.sharding.reshard(x, target)
+    return jax.lax.with_sharding_constraint(x, target)
