@@ -98,3 +98,13 @@ def test_modules_are_small_and_cli_modules_are_not_libraries():
             if isinstance(node, ast.ImportFrom) and node.module:
                 imported.add(node.module)
         assert not (imported & cli) or m.endswith("__main__"), (m, imported & cli)
+
+
+def test_readme_layout_table_names_every_package():
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## How it is built"):]
+    top = sorted(p.name + ("/" if p.is_dir() else "") for p in (ROOT / "jaxmem").iterdir()
+                 if (p.is_dir() and (p / "__init__.py").exists())
+                 or (p.suffix == ".py" and p.name != "__init__.py"))
+    missing = [name for name in top if f"`jaxmem/{name}`" not in table]
+    assert not missing, f"README's layout table lacks {missing}"
