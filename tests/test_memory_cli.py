@@ -1,12 +1,19 @@
-"""The `python -m jaxmem.memory` command line."""
+"""The `python -m jaxmem.memory` command line, and the `--measure` worker protocol."""
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
+import types
 
 import pytest
 
-from jaxmem.memory.report import main
+from jaxmem.config.model import ModelConfig, get_preset
+from jaxmem.memory import StepSpec, measure
+from jaxmem.memory.cli import main
+from jaxmem.model.remat import RematPolicy
+from jaxmem.train.precision import get_precision
 
 
 def test_json_output_fields(capsys):
@@ -39,3 +46,63 @@ def test_bad_input_exits_2(argv, needle):
                        text=True)
     assert p.returncode == 2
     assert needle in p.stderr
+
+
+@pytest.mark.parametrize("spec", [
+    StepSpec(get_preset("tiny"), get_precision("fp32"), RematPolicy(), 2, 64),
+    StepSpec(ModelConfig(hidden_size=40, intermediate_size=56, num_heads=4, num_kv_heads=2,
+                         head_dim=12, rope_theta=500000.0, rms_norm_eps=1e-6, tie_embeddings=True),
+             get_precision("amp-fp16"), RematPolicy.parse("names:query,mlp_up"), 3, 48,
+             grad_accum=5, mu_dtype="bf16", attention="cudnn"),
+])
+def test_spec_json_round_trip(spec):
+    text = spec.to_json()
+    assert StepSpec.from_json(text) == spec
+    assert json.loads(text)["precision"] == spec.precision.name  # plain JSON, by name
+
+
+@pytest.mark.parametrize("flags", [
+    ["--fi", "40", "--global-batch", "4"],  # the old argv rewriter kept --fi: the child refused
+    ["--fi", "40", "--glob", "4"],
+    ["--fit=40", "--glob=4"],
+    ["--glob", "4"],  # no planner: batch 2 x accum 2
+])
+def test_measure_worker_gets_the_chosen_spec(flags, monkeypatch):
+    """Abbreviated flags reach the measurement: the child measures exactly the parent's spec.
+
+    The subprocess is replaced by the child's own entry point run in-process (the real
+    `python -m jaxmem.memory` argument handling), and measure_here by a recorder.
+    """
+    measured = []
+
+    def fake_measure_here(spec, steps=3):
+        measured.append(spec)
+        return {"peak_bytes": 12345, "steps": steps, "note": "fake"}
+
+    def fake_run(cmd, **kwargs):
+        assert cmd[1:3] == ["-m", "jaxmem.memory"]
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out):
+                rc = main(cmd[3:])
+        except SystemExit as e:  # argparse errors in the child
+            rc = e.code
+        return types.SimpleNamespace(returncode=rc, stdout=out.getvalue(), stderr="")
+
+    monkeypatch.setattr(measure, "measure_available", lambda: None)
+    monkeypatch.setattr(measure, "measure_here", fake_measure_here)
+    monkeypatch.setattr(measure.subprocess, "run", fake_run)
+    argv = ["--preset", "tiny", "--num-layers", "1", "--seq-len", "32", "--batch-size", "2",
+            "--precision", "amp-bf16", "--measure", "--json", *flags]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    doc = json.loads(out.getvalue())
+    report = doc["chosen"] if "chosen" in doc else doc
+    assert report["measured"] == {"peak_bytes": 12345, "steps": 3, "note": "fake"}
+    (spec,) = measured
+    expected = StepSpec(get_preset("tiny", num_layers=1), get_precision("amp-bf16"),
+                        RematPolicy.parse(report["remat"]), 2, 32, grad_accum=2,
+                        mu_dtype=report["mu_dtype"])
+    assert spec == expected
+    assert (report["batch_size"], report["grad_accum"]) == (2, 2)

@@ -1,7 +1,6 @@
 """The memory breakdown and planner: formulas against jax's saved residuals and XLA's compiled
 numbers, the never-over-budget rule, the JSON report, and bad input."""
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -9,8 +8,9 @@ import sys
 import pytest
 
 from jaxmem.config.model import ModelConfig, get_preset
-from jaxmem.memory.report import main
-from jaxmem.memory.planner import (GiB, StepSpec, analytic_breakdown, candidates, compile_step, plan)
+from jaxmem.memory import (StepSpec, analytic_breakdown, candidates, compile_step,
+                           measure_in_subprocess, plan)
+from jaxmem.memory.cli import main
 from jaxmem.train.precision import get_precision
 from jaxmem.model.remat import TAGS, RematPolicy
 
@@ -25,19 +25,16 @@ CFG = ModelConfig(hidden_size=40, intermediate_size=56, num_layers=3, num_heads=
 
 
 def jax_saved_bytes(spec: StepSpec) -> int:
-    """Bytes of the residuals jax keeps for the loss's backward (params passed in excluded)."""
+    """Bytes of the residuals jax keeps for the train step's loss (params passed in excluded)."""
     import jax
     from jaxmem.memory.residuals import saved_residual_bytes
-    from jaxmem.train.loss import abstract_batch, cross_entropy
-    from jaxmem.model.llama import Llama, abstract_params
-    from jaxmem.train.precision import cast_params
+    from jaxmem.train.loss import abstract_batch, token_loss
+    from jaxmem.model.llama import abstract_params
 
-    model = Llama(spec.model, spec.remat)
+    model = spec.step_config().build_model()
 
-    def loss(params, batch):
-        p = cast_params(params, spec.precision.compute_dtype)
-        logits = model.apply({"params": p}, batch["inputs"])
-        return cross_entropy(logits, batch["targets"], batch["mask"])[0]
+    def loss(params, batch):  # the train step's: cast inside, causal-only attention
+        return token_loss(model, params, batch, compute_dtype=spec.precision.compute_dtype)[0]
 
     params = jax.tree_util.tree_map(
         lambda s: jax.ShapeDtypeStruct(s.shape, spec.precision.param_dtype),
@@ -170,9 +167,8 @@ def test_bad_input_exits_2(argv, needle):
 @pytest.mark.gpu
 def test_measured_peak_near_compiled():
     """On a GPU: the device's peak after real steps, own process, against XLA's plan."""
-    from jaxmem.memory.report import measure_in_subprocess
-    m = measure_in_subprocess(["--preset", "small", "--batch-size", "2", "--seq-len", "512"])
     spec = StepSpec(get_preset("small"), get_precision("fp32"), RematPolicy(), 2, 512)
+    m = measure_in_subprocess(spec)
     compiled = compile_step(spec)["peak_bytes"]
     assert m["peak_bytes"] is not None
     assert 0.8 * compiled <= m["peak_bytes"] <= 1.5 * compiled

@@ -1,5 +1,5 @@
 import sys
 
-from jaxmem.memory.report import main
+from jaxmem.memory.cli import main
 
 sys.exit(main())

@@ -1,13 +1,21 @@
 """Next-token cross-entropy over a batch dict, in fp32, ignoring padding.
 
 A batch is a dict of int arrays [B, T]: `inputs`, `targets`, and `mask` (1 for real tokens,
-0 for padding). The same mask is the attention padding mask and the loss weight.
+0 for padding). The mask is the loss weight; attention sees it only when asked
+(`attention_padding=True`, for left-padded batches): with right padding the causal mask already
+hides padded keys from every real query.
+
+`token_loss` is the loss of the train step (jaxmem.train.step) and of every memory and remat
+measurement (jaxmem.memory.compiled, tests/test_remat.py, tests/test_planner.py), so what is
+measured is what trains.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from jaxmem.train.precision import cast_params
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array):
@@ -22,11 +30,31 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array):
     return jnp.sum((logz - picked) * w), jnp.sum(w)
 
 
+def token_loss(model, params, batch, attention_padding: bool = False, compute_dtype=None):
+    """(sum of token losses, number of real tokens), both fp32: the train step's loss.
+
+    compute_dtype: cast the params (norm scales excepted) to it first. The cast belongs inside
+        the differentiated function, so the gradients come back in the stored params' dtype
+        (fp32 for the amp masters) and the backward keeps the compute copies it multiplies by.
+    attention_padding: pass `mask` to attention as well (left-padded batches); False runs
+        attention causal-only (cuDNN flash attention on GPU) and padding is removed by the
+        loss weights alone.
+    The caller divides by the token count it wants (the train step: the whole step's tokens).
+    """
+    if compute_dtype is not None:
+        params = cast_params(params, compute_dtype)
+    pad = batch["mask"] if attention_padding else None
+    logits = model.apply({"params": params}, batch["inputs"], padding_mask=pad)  # [B, T, V] fp32
+    return cross_entropy(logits, batch["targets"], batch["mask"])
+
+
 def lm_loss(model, params, batch) -> jax.Array:
-    """Mean next-token loss of `model` with `params` on `batch` (fp32 scalar)."""
-    mask = batch["mask"]
-    logits = model.apply({"params": params}, batch["inputs"], padding_mask=mask)  # [B, T, V]
-    total, count = cross_entropy(logits, batch["targets"], mask)
+    """Mean token loss with the padding mask also passed to attention (fp32 scalar).
+
+    Only `jaxmem.dtypes.gradients.run_gradients` still calls it; its right-padded eval batches
+    do not need the attention mask, and it can move to `token_loss` like the train step.
+    """
+    total, count = token_loss(model, params, batch, attention_padding=True)
     return total / jnp.maximum(count, 1.0)
 
 

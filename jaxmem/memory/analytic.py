@@ -1,0 +1,227 @@
+"""The analytic memory model: bytes per component and dtype of one train step, from shapes alone.
+
+    analytic_breakdown(spec)   bytes per component and dtype, and the modelled peak
+    layer_residuals(...)       what one decoder block keeps for its backward, per remat policy
+    outside_residuals(...)     what is kept outside the layer stack (RoPE, final norm, loss)
+    rule_of_thumb(params)      the bytes-per-parameter numbers people quote
+
+A formula, not a measurement: it says *why* the compiled peak is what it is, and the tests hold
+it to jax's saved residuals (0.5%) and XLA's compiled peak (15%); docs/memory.md.
+
+The model of the peak (what is live when the backward starts):
+
+    peak = state (params, Adam mu and nu, loss scale, counters) + batch
+         + gradients (+ the accumulator when grad_accum > 1)
+         + compute copy of the params (amp modes: saved by the loss for the backward)
+         + activations saved for the backward under the remat policy (per layer x L, plus the
+           few outside the layer stack)
+         + the largest transient: the logits group (logits, exp(logits - max), dlogits, all
+           [B, T, V] fp32) or one layer's backward (its recomputed activations plus, on the XLA
+           attention path, the recomputed attention probabilities and their gradients),
+           whichever is larger
+
+or, if larger, what is live during the optimizer update: state + batch + gradients + one
+params-sized update buffer (activations are freed by then; at full size with remat this phase
+sets the peak: 5 x 4 B/param in fp32).
+
+Sizes are in bytes. Axis letters follow docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxmem.config.model import ModelConfig
+from jaxmem.memory.spec import StepSpec
+from jaxmem.model.remat import RematError, RematPolicy
+
+FP32 = 4
+
+def _nbytes(dtype) -> int:
+    return jnp.dtype(dtype).itemsize
+
+
+def _dname(dtype) -> str:
+    return jnp.dtype(dtype).name
+
+
+def _mu_dtype(spec: StepSpec):
+    return {None: spec.precision.param_dtype, "fp32": jnp.float32, "float32": jnp.float32,
+            "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16}[spec.mu_dtype]
+
+
+def norm_params(c: ModelConfig) -> int:
+    """Parameters that are never cast to the compute dtype: the RMSNorm scales."""
+    return (2 * c.num_layers + 1) * c.hidden_size
+
+
+# --- activations saved for the backward, per layer --------------------------------------------
+
+def tag_shapes(c: ModelConfig, B: int, T: int) -> dict[str, int]:
+    """Elements of each tagged activation of one block (jaxmem.model.remat.TAGS)."""
+    D, F, N, K, H = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
+                     c.resolved_head_dim)
+    return {"attn_norm": B * T * D, "query": B * T * N * H, "key": B * T * K * H,
+            "value": B * T * K * H, "attn_context": B * T * N * H, "attn_out": B * T * D,
+            "mlp_norm": B * T * D, "mlp_gate": B * T * F, "mlp_up": B * T * F,
+            "mlp_hidden": B * T * F, "mlp_out": B * T * D}
+
+
+def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematPolicy,
+                    attention: str = "xla") -> list[tuple[str, int, str]]:
+    """(what, bytes, dtype) of the residuals one decoder block keeps for its backward.
+
+    Read off jaxmem.model.DecoderBlock (and checked against jax's saved residuals in the tests):
+
+    none: each RMSNorm keeps its fp32 input and normalized value [B, T, D] and two [B, T, 1]
+        statistics, and its output [B, T, D] in the compute dtype feeds the next matmul;
+        attention keeps q (after RoPE), k, v and the context [B, T, N, H]; on the XLA path
+        nothing else (the probabilities are recomputed in the backward), cuDNN flash attention
+        also two [B, N, T] softmax statistics;
+        the SwiGLU MLP keeps six [B, T, F] tensors (gate, up, sigmoid(gate), silu(gate), the
+        product, and the product's input to down_proj).
+    full: only the block input [B, T, D] (the scan carry).
+    dots_no_batch: the block input, the q/k/v projections, the o_proj output (to rebuild the
+        residual stream) and gate/up [B, T, F].
+    dots: dots_no_batch plus, on the XLA path, attention's PV output (QK^T is recomputed with
+        the probabilities: the custom VJP hides it from the policy).
+    names:a,b / offload:a,b: the block input plus the tagged tensors the backward reads
+        (`mlp_out` is only added to the residual stream, so it is never kept); offloaded
+        tensors live in host memory and count zero here.
+    """
+    D, F, N, H = c.hidden_size, c.intermediate_size, c.num_heads, c.resolved_head_dim
+    cb, cd = _nbytes(compute_dtype), _dname(compute_dtype)
+    tags = tag_shapes(c, B, T)
+    BTD, BNT = B * T * D, B * N * T
+    block_input = ("block input [B,T,D]", BTD * cb, cd)
+    kind = remat.kind
+    if kind == "full":
+        return [block_input]
+    if kind == "none":
+        out = []
+        for norm in ("attn_norm", "mlp_norm"):
+            out += [(f"{norm}: fp32 input + normalized [B,T,D] x2", 2 * BTD * FP32, "float32"),
+                    (f"{norm}: statistics [B,T,1] x2", 2 * B * T * FP32, "float32"),
+                    (f"{norm}: output [B,T,D]", BTD * cb, cd)]
+        out += [("q, k, v after RoPE", (tags["query"] + tags["key"] + tags["value"]) * cb, cd),
+                ("attention context [B,T,N,H]", tags["attn_context"] * cb, cd)]
+        if attention != "xla":  # XLA: the probabilities are recomputed, nothing [B,N,T] kept
+            out += [("softmax statistics [B,N,T] x2", 2 * BNT * FP32, "float32")]
+        out += [("SwiGLU [B,T,F] x6", 6 * B * T * F * cb, cd)]
+        return out
+    if kind in ("dots", "dots_no_batch"):
+        out = [block_input, ("o_proj output [B,T,D]", BTD * cb, cd),
+               ("q, k, v projections", (tags["query"] + tags["key"] + tags["value"]) * cb, cd),
+               ("gate, up [B,T,F] x2", 2 * B * T * F * cb, cd)]
+        if kind == "dots" and attention == "xla":
+            out += [("PV output [B,T,N,H]", tags["attn_context"] * cb, cd)]
+        return out
+    if kind == "names":
+        return [block_input] + [(f"tag {t}", tags[t] * cb, cd) for t in remat.names
+                                if t != "mlp_out"]
+    if kind == "offload":  # offloaded to pinned host memory: nothing extra on the device
+        return [block_input]
+    raise RematError(f"no activation formula for remat policy {remat}")
+
+
+def outside_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematPolicy,
+                      attention: str = "xla") -> list[tuple[str, int, str]]:
+    """Residuals kept outside the layer stack: RoPE tables, final norm, loss (no padding mask)."""
+    D, H, V = c.hidden_size, c.resolved_head_dim, c.vocab_size
+    cb, cd = _nbytes(compute_dtype), _dname(compute_dtype)
+    out = []
+    if remat.kind == "none":
+        out += [("RoPE cos/sin broadcasts [B,T,1,H/2] x4", 4 * B * T * (H // 2) * FP32, "float32")]
+    else:
+        out += [("RoPE cos/sin [B,T,H/2] x2", 2 * B * T * (H // 2) * FP32, "float32")]
+    out += [("final norm: fp32 input + normalized [B,T,D] x2", 2 * B * T * D * FP32, "float32"),
+            ("final norm: output [B,T,D]", B * T * D * cb, cd),
+            ("final norm: statistics [B,T,1] x2", 2 * B * T * FP32, "float32"),
+            ("loss: exp(logits - max) [B,T,V] fp32", B * T * V * FP32, "float32"),
+            ("loss: weights, max, targets [B,T]", 4 * B * T * FP32 + B * T, "mixed")]
+    return out
+
+
+def _mixed(items) -> str:
+    """The one dtype of `items`, or their dtypes joined with '+'."""
+    names = sorted({d for _, b, d in items if b and d not in ("mixed", "bool")})
+    return "+".join(names) or "float32"
+
+
+def _sum(items) -> int:
+    return sum(b for _, b, _ in items)
+
+
+# --- the whole step ---------------------------------------------------------------------------
+
+def analytic_breakdown(spec: StepSpec) -> dict:
+    """Bytes per component (with dtype) and the modelled peak; see the module docstring."""
+    c, p = spec.model, spec.precision
+    B, T, K = spec.batch_size, spec.seq_len, spec.grad_accum
+    P, Pn = c.num_params(), norm_params(c)
+    pb, cb, mb = _nbytes(p.param_dtype), _nbytes(p.compute_dtype), _nbytes(_mu_dtype(spec))
+    amp = jnp.dtype(p.param_dtype) != jnp.dtype(p.compute_dtype)
+    attention = spec.attention_path
+    per_layer = layer_residuals(c, B, T, p.compute_dtype, spec.remat, attention)
+    outside = outside_residuals(c, B, T, p.compute_dtype, spec.remat, attention)
+    saved = c.num_layers * _sum(per_layer) + _sum(outside)
+    # amp: the loss casts the params to the compute dtype and the backward keeps the copies of
+    # the matrices it multiplies by; an untied embedding is only gathered, so its copy is not kept.
+    untied_embed = 0 if c.tie_embeddings else c.vocab_size * c.hidden_size
+    compute_copy = (P - Pn - untied_embed) * cb if amp else 0
+    loss_scale = {"none": 0, "static": 4, "dynamic": 12}[p.loss_scale.partition(":")[0]]
+
+    # Transients: the logits group, or one block's backward (the activations it recomputes,
+    # plus on the XLA path the recomputed probabilities, fp32 and compute copy, and the
+    # gradients of the probabilities and logits).
+    V, N = c.vocab_size, c.num_heads
+    logits_group = 2 * B * T * V * FP32  # logits and their gradient (exp(..) is counted as saved)
+    full_layer = _sum(layer_residuals(c, B, T, p.compute_dtype, RematPolicy("none"), attention))
+    layer_bwd = full_layer - _sum(per_layer)
+    if attention == "xla":
+        layer_bwd += B * N * T * T * (3 * FP32 + cb)
+    transient = max(logits_group, layer_bwd)
+
+    pd, cdn, md = _dname(p.param_dtype), _dname(p.compute_dtype), _dname(_mu_dtype(spec))
+    # Two phases; the peak is the larger (XLA reuses buffers, it does not sum them):
+    # backward: grads + compute copy + saved activations + the largest transient;
+    # optimizer: grads + one params-sized update buffer (activations freed by then).
+    phase_b = [("params (compute copy)", compute_copy, cdn),
+               ("gradients", P * pb, pd),
+               ("grad accumulator", P * pb if K > 1 else 0, pd),
+               ("saved activations", saved, _mixed(per_layer + outside)),
+               ("logits + dlogits [B,T,V]" if transient == logits_group else "one layer's backward",
+                transient, "float32" if transient == logits_group else _mixed(per_layer + outside))]
+    phase_o = [("gradients", P * pb, pd), ("optimizer update buffer", P * pb, pd)]
+    peak_phase = "backward" if _sum(phase_b) >= _sum(phase_o) else "optimizer"
+    persistent = [("params (master)", P * pb, pd), ("adam mu", P * mb, md),
+                  ("adam nu", P * pb, pd), ("loss scale", loss_scale, "float32"),
+                  ("batch (inputs, targets, mask)", 3 * K * B * T * 4, "int32")]
+    comps = [(n, b, d, "both") for n, b, d in persistent]
+    comps += [(n, b, d, "both" if n == "gradients" else "backward") for n, b, d in phase_b]
+    comps += [(n, b, d, "optimizer") for n, b, d in phase_o if n != "gradients"]
+    components = [{"name": n, "bytes": int(b), "dtype": d, "phase": ph,
+                   "in_peak": ph in ("both", peak_phase)} for n, b, d, ph in comps]
+    return {
+        "params": P,
+        "attention": attention,
+        "components": components,
+        "saved_activations": {
+            "per_layer": [{"name": n, "bytes": int(b), "dtype": d} for n, b, d in per_layer],
+            "per_layer_bytes": _sum(per_layer),
+            "outside_layers": [{"name": n, "bytes": int(b), "dtype": d} for n, b, d in outside],
+            "total_bytes": saved,
+        },
+        "transients": {"logits_group_bytes": logits_group, "layer_backward_bytes": layer_bwd},
+        "peak_phase": peak_phase,
+        "total_bytes": int(sum(x["bytes"] for x in components if x["in_peak"])),
+    }
+
+
+def rule_of_thumb(num_params: int) -> dict[str, int]:
+    """The bytes-per-parameter numbers commonly quoted, for the same model."""
+    return {"fp32 weights (4 B/param)": 4 * num_params,
+            "fp16/bf16 weights (2 B/param)": 2 * num_params,
+            "int8 weights (1 B/param)": num_params,
+            "mixed-precision Adam (16 B/param)": 16 * num_params,
+            "6x fp32 weights (24 B/param)": 24 * num_params}

@@ -1,0 +1,157 @@
+"""`python -m jaxmem.memory`: where every byte of a train step goes, and will it fit.
+
+    python -m jaxmem.memory --preset small --precision amp-bf16 --remat full \
+        --batch-size 4 --seq-len 512 --grad-accum 2 [--measure] [--json]
+    python -m jaxmem.memory --preset llama-3.2-1b --seq-len 2048 --fit 40 --global-batch 16
+
+Breakdown mode prints, for one configuration of the full train step (optimizer included, state
+donated), three views of its memory and the rule of thumb:
+
+    analytic      bytes per component and dtype from shapes alone (jaxmem.memory.analytic,
+                  docs/memory.md)
+    compiled      XLA's memory_analysis() of the step compiled ahead of time from abstract shapes
+                  (nothing allocated): temp, argument, output, alias, peak = temp+arg+out-alias
+    measured      with --measure, peak_bytes_in_use of the device after real steps, one
+                  subprocess per configuration (jaxmem.memory.measure; skipped with a note where
+                  the backend has no memory stats, as on CPU)
+    rule of thumb 4 / 2 / 1 bytes per parameter for fp32 / 16-bit / int8 weights, 16 B/param for
+                  mixed-precision Adam, "6x the fp32 weights" = 24 B/param; each with its ratio
+                  to the compiled (or measured) peak
+
+`--fit GIB --global-batch N` runs the planner instead (jaxmem.memory.planner.plan): candidates from
+fastest to most frugal, the first whose *compiled* peak fits is printed with its breakdown, with
+every rejected candidate and why; exit 1 when nothing fits.
+
+Bad input exits 2 with one line naming the flag. The hidden `--worker JSON` is the child side of
+`--measure` (jaxmem.memory.measure): it measures the StepSpec in the JSON and ignores every other
+flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from jaxmem.config.model import ConfigError, add_model_args, model_config_from_args, positive_int
+from jaxmem.memory.measure import measure_in_subprocess, run_worker
+from jaxmem.memory.planner import plan
+from jaxmem.memory.report import format_plan, format_report, step_report
+from jaxmem.memory.spec import GiB, StepSpec
+from jaxmem.model.remat import VALID_POLICIES, RematError, RematPolicy
+from jaxmem.train.precision import PRECISIONS, get_precision
+
+
+def positive_gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of GiB, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxmem.memory",
+        description="Where every byte of a train step goes (analytic, compiled ahead of time "
+                    "with no allocation, measured on GPU), and a planner for a memory budget.")
+    add_model_args(p)
+    p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
+                   help="precision mode (jaxmem.train.precision; default fp32)")
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help="micro-batch size (default 8; with --fit: the largest micro-batch tried)")
+    p.add_argument("--seq-len", type=positive_int, default=256, help="tokens per sequence (default 256)")
+    p.add_argument("--grad-accum", type=positive_int, default=None,
+                   help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--global-batch", type=positive_int, default=None,
+                   help="sequences per optimizer step; sets --grad-accum = global / batch size")
+    p.add_argument("--remat", default="none",
+                   help=f"remat policy: {', '.join(VALID_POLICIES)} (default none)")
+    p.add_argument("--mu-dtype", choices=["fp32", "bf16"], default=None,
+                   help="Adam first-moment dtype (default: the params' dtype; --fit tries both)")
+    p.add_argument("--fit", type=positive_gib, default=None, metavar="GIB",
+                   help="plan: the fastest configuration whose compiled peak fits in GIB GiB")
+    p.add_argument("--measure", action="store_true",
+                   help="also run real steps in a subprocess and read the device's peak memory")
+    p.add_argument("--worker", default=None, metavar="JSON", help=argparse.SUPPRESS)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p
+
+
+def _resolve(parser, args):
+    """Validated (spec, global batch); exits 2 with a one-line message naming the flag."""
+    try:
+        config = model_config_from_args(args)
+        remat = RematPolicy.parse(args.remat)
+        if remat.kind == "offload":
+            remat.jax_policy()  # raises a clear error where the backend cannot offload
+    except (ConfigError, RematError) as e:
+        parser.error(str(e))
+    if args.seq_len > config.max_position_embeddings:
+        parser.error(f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings "
+                     f"{config.max_position_embeddings}")
+    batch = args.batch_size or 8
+    accum = args.grad_accum or 1
+    if args.global_batch is not None:
+        if args.global_batch % batch and (args.batch_size or args.fit is None):
+            parser.error(f"--global-batch {args.global_batch} is not divisible by "
+                         f"--batch-size {batch}")
+        if args.grad_accum is not None and args.global_batch != batch * args.grad_accum:
+            parser.error(f"--global-batch {args.global_batch} != --batch-size {batch} x "
+                         f"--grad-accum {args.grad_accum}")
+        if args.fit is None:
+            accum = args.global_batch // batch
+    elif args.fit is not None and args.grad_accum is not None:
+        parser.error("--fit chooses --grad-accum itself; give --global-batch instead")
+    spec = StepSpec(config, get_precision(args.precision), remat, batch, args.seq_len, accum,
+                    args.mu_dtype)
+    return spec, args.global_batch or batch * accum
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        print(json.dumps(run_worker(args.worker)))
+        return 0
+    spec, global_batch = _resolve(parser, args)
+
+    if args.fit is None:
+        measured = measure_in_subprocess(spec) if args.measure else None
+        report = step_report(spec, measured=measured)
+        print(json.dumps(report, indent=2) if args.json else format_report(report))
+        return 0
+
+    log = None if args.json else (lambda t: print(f"  tried micro {t['batch_size']} remat "
+                                                  f"{t['remat']} mu {t['mu_dtype']}: {t['reason']}",
+                                                  file=sys.stderr, flush=True))
+    result = plan(spec, global_batch, int(args.fit * GiB),
+                  mu_dtypes=(args.mu_dtype,) if args.mu_dtype else ("fp32", "bf16"),
+                  max_micro=args.batch_size, log=log)
+    chosen = result["spec"]
+    out = {"budget_gib": args.fit, "global_batch": global_batch, "tried": [
+        {k: v for k, v in t.items() if k != "compiled"} for t in result["tried"]]}
+    if chosen is not None:
+        measured = measure_in_subprocess(chosen) if args.measure else None
+        out["chosen"] = step_report(chosen, compiled=result["chosen"]["compiled"],
+                                    measured=measured)
+    else:
+        out["chosen"] = None
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_plan(result, args.fit))
+        if chosen is not None:
+            print(f"\nchosen: micro-batch {chosen.batch_size} x grad-accum {chosen.grad_accum}, "
+                  f"remat {chosen.remat}, mu {chosen.mu_dtype}\n")
+            print(format_report(out["chosen"]))
+    if chosen is None:
+        print(f"error: nothing fits in {args.fit:g} GiB for global batch {global_batch} x "
+              f"{spec.seq_len} tokens ({len(result['tried'])} candidates tried; smallest "
+              f"peak above); try a smaller --seq-len or --global-batch, or another --precision",
+              file=sys.stderr)
+        return 1
+    return 0
+

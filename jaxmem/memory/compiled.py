@@ -1,0 +1,107 @@
+"""What XLA plans for a step: compiled ahead of time from abstract shapes, nothing allocated.
+
+    compile_step(spec)         the full train step (optimizer included, state donated):
+                               XLA's memory_analysis() and FLOPs
+    argument_bytes(spec)       exact bytes of the step's arguments (state + batch): a lower bound
+                               of the compiled peak, which lets the planner reject a candidate
+                               without compiling it
+    grad_step_report(...)      the gradient of the train step's loss alone (fp32), for the remat
+                               measurements (docs/remat.md)
+
+Both compile the code that trains: `jaxmem.train.step.jit_train_step` and
+`jaxmem.train.loss.token_loss` (causal-only attention, padding removed by the loss mask), so a
+number here is a number of the real step, not of a look-alike.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxmem.config.model import ModelConfig
+from jaxmem.memory.spec import StepSpec
+from jaxmem.model.llama import Llama, abstract_params, count_params
+from jaxmem.model.remat import RematPolicy, check_offload_supported
+from jaxmem.train.loss import abstract_batch, token_loss
+from jaxmem.train.loss_scale import parse_loss_scale
+from jaxmem.train.run import abstract_train_state
+from jaxmem.train.step import jit_train_step
+
+
+def compiled_stats(compiled) -> tuple[dict, float]:
+    """(XLA's memory numbers as a plain dict, FLOPs) for a compiled executable.
+
+    peak = temp + argument + output - alias: what the executable needs at once, with donated
+    (aliased) outputs written over their inputs.
+    """
+    mem = compiled.memory_analysis()
+    stats = {
+        "temp_bytes": int(mem.temp_size_in_bytes),
+        "argument_bytes": int(mem.argument_size_in_bytes),
+        "output_bytes": int(mem.output_size_in_bytes),
+        "alias_bytes": int(mem.alias_size_in_bytes),
+    }
+    stats["peak_bytes"] = (stats["temp_bytes"] + stats["argument_bytes"] + stats["output_bytes"]
+                           - stats["alias_bytes"])
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older jax returns one dict per computation
+        cost = cost[0] if cost else {}
+    return stats, float((cost or {}).get("flops", float("nan")))
+
+
+def abstract_state(spec: StepSpec):
+    """The train state as ShapeDtypeStructs (nothing allocated)."""
+    return abstract_train_state(spec.step_config(), parse_loss_scale(spec.precision.loss_scale))
+
+
+def abstract_step_batch(spec: StepSpec):
+    """The step's batch [K, B, T] as ShapeDtypeStructs."""
+    return {k: jax.ShapeDtypeStruct((spec.grad_accum,) + v.shape, v.dtype)
+            for k, v in abstract_batch(spec.batch_size, spec.seq_len).items()}
+
+
+def argument_bytes(spec: StepSpec) -> int:
+    """Exact bytes of the step's arguments; a lower bound of the compiled peak."""
+    leaves = jax.tree_util.tree_leaves((abstract_state(spec), abstract_step_batch(spec)))
+    return sum(int(x.size) * x.dtype.itemsize for x in leaves)
+
+
+def compile_step(spec: StepSpec) -> dict:
+    """Compile the full train step ahead of time; XLA's memory and FLOP numbers (no allocation)."""
+    if spec.remat.kind == "offload":
+        check_offload_supported()
+    step = jit_train_step(spec.step_config())
+    compiled = step.lower(abstract_state(spec), abstract_step_batch(spec)).compile()
+    stats, flops = compiled_stats(compiled)
+    return {**stats, "flops": flops}
+
+
+def grad_step_report(config: ModelConfig, remat: RematPolicy | str, batch_size: int,
+                     seq_len: int) -> dict:
+    """Compile value_and_grad of the train step's loss (fp32) ahead of time: memory and FLOPs.
+
+    The loss is the step's: `token_loss` (causal-only attention) divided by the token count.
+    """
+    remat = RematPolicy.parse(remat)
+    model = Llama(config, remat)
+    params = abstract_params(config)
+
+    def loss(p, batch):
+        total, count = token_loss(model, p, batch)
+        return total / jnp.maximum(count, 1.0)
+
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(
+        params, abstract_batch(batch_size, seq_len)).compile()
+    stats, flops = compiled_stats(compiled)
+    return {
+        "backend": jax.default_backend(),
+        "jax_version": jax.__version__,
+        "remat": str(remat),
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "num_layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "params": count_params(params),
+        "compiled": stats,
+        "flops": flops,
+    }

@@ -1,0 +1,93 @@
+"""Measured peak memory: real train steps of one configuration, each in its own process.
+
+    measure_available()            None where the device reports peak memory, else why not
+    measure_in_subprocess(spec)    parent side: run the worker on `spec`, return its JSON
+    measure_here(spec)             child side: allocate, run real steps, read peak_bytes_in_use
+
+A fresh process per configuration because a device's peak_bytes_in_use never goes down: a second
+configuration in the same process would report the larger of the two.
+
+The worker protocol is one JSON object each way:
+
+    python -m jaxmem.memory --worker '<StepSpec.to_json()>'   ->   one JSON line on stdout
+
+The parent serializes the exact StepSpec it wants measured (the one the planner chose, say), so
+the child never re-parses a command line: an argv rewritten by the parent could not know what
+argparse would make of an abbreviated flag (`--fi 40` is `--fit 40`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from jaxmem.memory.spec import StepSpec
+from jaxmem.train.loss import synthetic_batch
+from jaxmem.train.loss_scale import parse_loss_scale
+from jaxmem.train.step import create_train_state, jit_train_step
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def measure_available() -> str | None:
+    """None if the device reports peak memory; otherwise why it cannot be measured here."""
+    device = jax.devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # some runtimes raise instead of returning None
+        stats = None
+    if not stats or "peak_bytes_in_use" not in stats:
+        return (f"not measured: the {device.platform} backend reports no memory stats "
+                f"(peak_bytes_in_use needs a GPU)")
+    return None
+
+
+def worker_command(spec: StepSpec) -> list[str]:
+    """The child's command line for `spec`."""
+    return [sys.executable, "-m", "jaxmem.memory", "--worker", spec.to_json()]
+
+
+def measure_in_subprocess(spec: StepSpec, timeout: float = 1800) -> dict:
+    """Run real steps of `spec` in a fresh process and read its device peak (parent side)."""
+    note = measure_available()
+    if note:
+        return {"peak_bytes": None, "note": note}
+    # This checkout's jaxmem first, whatever the caller's working directory.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    try:
+        p = subprocess.run(worker_command(spec), capture_output=True, text=True, env=env,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"peak_bytes": None, "note": f"measurement timed out after {timeout:.0f} s"}
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        last = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return {"peak_bytes": None, "note": f"measurement failed (exit {p.returncode}): {last}"}
+    return json.loads(lines[-1])
+
+
+def measure_here(spec: StepSpec, steps: int = 3) -> dict:
+    """Allocate the state, run `steps` real train steps, report peak_bytes_in_use (child side)."""
+    cfg = spec.step_config()
+    state = create_train_state(cfg, loss_scale=parse_loss_scale(spec.precision.loss_scale))
+    step = jit_train_step(cfg)
+    keys = jax.random.split(jax.random.PRNGKey(1), spec.grad_accum)
+    parts = [synthetic_batch(k, spec.batch_size, spec.seq_len, spec.model.vocab_size) for k in keys]
+    batch = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *parts)
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+    jax.block_until_ready((state, metrics))
+    stats = jax.devices()[0].memory_stats() or {}
+    return {"peak_bytes": int(stats["peak_bytes_in_use"]), "steps": steps,
+            "note": f"peak_bytes_in_use after {steps} steps, own process"}
+
+
+def run_worker(spec_json: str) -> dict:
+    """The child's whole job: rebuild the spec from the parent's JSON and measure it."""
+    return measure_here(StepSpec.from_json(spec_json))

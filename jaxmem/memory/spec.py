@@ -1,0 +1,77 @@
+"""StepSpec: one train-step configuration, everything the memory of a step depends on.
+
+It is its own module because every other piece needs it and none of them needs the others: the
+analytic model reads its shapes, the compiler builds the step from it, the planner varies it,
+and the `--measure` worker receives it as JSON (`to_json` / `from_json`) so that the child
+process measures exactly the configuration the parent chose, never a re-parsed command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from jaxmem.config.model import ModelConfig
+from jaxmem.model.remat import RematPolicy
+from jaxmem.train.optim import OptimConfig
+from jaxmem.train.precision import Precision, get_precision
+from jaxmem.train.step import StepConfig
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One train-step configuration: everything the memory of a step depends on.
+
+    batch_size: micro-batch B (sequences per forward/backward).
+    grad_accum: micro-batches K per optimizer step (global batch = K * B).
+    mu_dtype: Adam first-moment dtype, "fp32" or "bf16" (None: the params' dtype).
+    attention: "xla" (softmax probabilities [B, N, T, S] are materialized in the forward and
+        recomputed in the backward, never saved:
+        jaxmem.model.attention.xla_attention_recomputed) or "cudnn" (flash attention: only the
+        output and the softmax statistics are saved);
+        None: the path jaxmem.model.attention.attention_path picks for this step's shapes.
+    """
+
+    model: ModelConfig
+    precision: Precision
+    remat: RematPolicy
+    batch_size: int
+    seq_len: int
+    grad_accum: int = 1
+    mu_dtype: str | None = None
+    attention: str | None = None
+
+    def step_config(self) -> StepConfig:
+        return StepConfig(self.model, self.precision, self.remat,
+                          OptimConfig(mu_dtype=self.mu_dtype), self.grad_accum)
+
+    @property
+    def attention_path(self) -> str:
+        """The path the step's attention takes: jaxmem.model.attention decides (cuDNN accepts it)."""
+        if self.attention:
+            return self.attention
+        from jaxmem.model.attention import attention_path
+        c = self.model
+        q = (self.batch_size, self.seq_len, c.num_heads, c.resolved_head_dim)  # [B, T, N, H]
+        kv = (self.batch_size, self.seq_len, c.num_kv_heads, c.resolved_head_dim)  # [B, S, K, H]
+        # causal-only: the step passes no padding mask (StepConfig.attention_padding=False)
+        return attention_path(q, kv, self.precision.compute_dtype, causal_only=True).path
+
+    def to_json(self) -> str:
+        """The spec as one JSON object: model fields, precision by name, remat as its string."""
+        return json.dumps({"model": dataclasses.asdict(self.model),
+                           "precision": self.precision.name, "remat": str(self.remat),
+                           "batch_size": self.batch_size, "seq_len": self.seq_len,
+                           "grad_accum": self.grad_accum, "mu_dtype": self.mu_dtype,
+                           "attention": self.attention}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "StepSpec":
+        """Inverse of `to_json`; unknown model fields raise ConfigError naming them."""
+        d = json.loads(text)
+        return cls(ModelConfig().replace(**d["model"]), get_precision(d["precision"]),
+                   RematPolicy.parse(d["remat"]), d["batch_size"], d["seq_len"],
+                   d["grad_accum"], d["mu_dtype"], d["attention"])
