@@ -85,7 +85,7 @@ def test_cudnn_rejection_falls_back_to_xla_with_one_warning(fresh):
 
 
 def test_planner_plans_for_the_path_taken(fresh):
-    from jaxmem.memory.planner import StepSpec
+    from jaxmem.memory.spec import StepSpec
 
     cfg = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, max_position_embeddings=64)
