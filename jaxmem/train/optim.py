@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxmem.model.roles import param_role
+
 
 @dataclass(frozen=True)
 class OptimConfig:
@@ -62,10 +64,10 @@ def schedule(cfg: OptimConfig) -> optax.Schedule:
 def decay_mask(params, decay_embeddings: bool = False):
     """True for weights that decay: every matrix except norm scales (and embeddings unless asked)."""
     def decays(path, x):
-        keys = [getattr(k, "key", None) for k in path]
-        if "scale" in keys:
+        role = param_role(path)  # jaxmem.model.roles: no parameter names matched here
+        if role == "norm":
             return False
-        if "embed_tokens" in keys:
+        if role == "embedding":
             return decay_embeddings
         return x.ndim >= 2
     return jax.tree_util.tree_map_with_path(decays, params)

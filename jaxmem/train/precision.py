@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxmem.model.roles import param_role
+
 
 class PrecisionError(ValueError):
     """An unknown precision mode."""
@@ -59,11 +61,15 @@ def get_precision(name: str) -> Precision:
 
 
 def _is_norm(path) -> bool:
-    return any(getattr(k, "key", None) == "scale" for k in path)
+    return param_role(path) == "norm"
 
 
 def cast_params(params, dtype, keep_norms_fp32: bool = True):
-    """Cast floating params to `dtype`; norm scales stay as they are when `keep_norms_fp32`."""
+    """Cast floating params to `dtype`; norm scales stay as they are when `keep_norms_fp32`.
+
+    Maps over leaves, so a weight object in the tree (jaxmem.model.projection) keeps its type
+    and its non-floating leaves (packed int8/NF4 codes); its floating leaves are cast.
+    """
     def cast(path, x):
         if not jnp.issubdtype(x.dtype, jnp.floating) or (keep_norms_fp32 and _is_norm(path)):
             return x
