@@ -28,11 +28,11 @@ import optax
 from flax import struct
 
 from jaxmem.config.model import ModelConfig
-from jaxmem.train.loss import cross_entropy
+from jaxmem.train.loss import token_loss
 from jaxmem.train.loss_scale import LossScale, NoOpLossScale, all_finite
 from jaxmem.model.llama import Llama, default_einsum, init_params
 from jaxmem.train.optim import OptimConfig, make_optimizer, schedule
-from jaxmem.train.precision import Precision, cast_floating, cast_params
+from jaxmem.train.precision import Precision, cast_floating
 from jaxmem.model.remat import RematPolicy
 
 
@@ -106,10 +106,8 @@ def make_train_step(cfg: StepConfig):
         total_tokens = jnp.maximum(jnp.sum(batch["mask"]).astype(jnp.float32), 1.0)
 
         def micro_loss(params, mb):
-            p = cast_params(params, compute_dtype)  # inside grad: fp32 grads for fp32 masters
-            pad = mb["mask"] if cfg.attention_padding else None
-            logits = model.apply({"params": p}, mb["inputs"], padding_mask=pad)  # [B, T, V] fp32
-            total, _ = cross_entropy(logits, mb["targets"], mb["mask"])
+            # the cast happens inside grad: fp32 grads for fp32 masters
+            total, _ = token_loss(model, params, mb, cfg.attention_padding, compute_dtype)
             loss = total / total_tokens
             return state.loss_scale.scale(loss), loss
 
