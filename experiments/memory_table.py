@@ -47,7 +47,7 @@ def one(preset: str, precision: str, remat: str, what: str) -> dict:
     """Child process: compile (or measure) one configuration, print JSON."""
     spec = spec_for(preset, precision, remat)
     if what == "measure":
-        from jaxmem.memory.report import measure_here
+        from jaxmem.memory.measure import measure_here
         return measure_here(spec)
     from jaxmem.memory.compiled import compile_step
     t = time.time()
@@ -84,7 +84,7 @@ def main():
         return
     import jax
     from jaxmem.memory.analytic import analytic_breakdown, rule_of_thumb
-    from jaxmem.memory.report import measure_available
+    from jaxmem.memory.measure import measure_available
     no_measure = measure_available()
     rows = []
     for preset in args.presets.split(","):
