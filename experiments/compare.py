@@ -59,6 +59,8 @@ from pathlib import Path
 from experiments.compare_report import (add_mfu, add_ratios, format_table, mib, remat_label,
                                         versions, write_chart)
 from experiments.compare_workers import FRAMEWORKS, MODES, SELECTIVE, worker
+from jaxmem.config.flags import add_run_flags, given_overrides
+from jaxmem.config.run import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
@@ -67,39 +69,42 @@ RESULTS = ROOT / "experiments" / "results"
 # ---------------------------------------------------------------- CLI
 
 
+# jaxmem's side of every run is a RunConfig: the comparison's own defaults, then the flags given
+# (generated from RunConfig like jaxmem.train's), then each run's precision mode and remat.
+DEFAULTS = RunConfig().replace({"data.seq_len": 256, "data.batch_size": 4, "optim.total_steps": 12})
+QUICK = {"model.preset": "tiny", "model.num_layers": 2, "data.batch_size": 2, "data.seq_len": 64,
+         "optim.total_steps": 8}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 2)[1])
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--num-layers", type=int, default=None, help="override the preset's layers")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--steps", type=int, default=12, help="train steps per run (loss after these)")
-    p.add_argument("--warmup", type=int, default=2, help="steps left out of the median time")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    p.add_argument("--remats", nargs="+", default=["none", "full", "selective"],
+    add_run_flags(p, ["model", "optim", "data"], defaults=DEFAULTS,
+                  only={"optim": ("lr", "total_steps"), "data": ("batch_size", "seq_len", "seed")})
+    g = p.add_argument_group("comparison")
+    g.add_argument("--warmup", type=int, default=2, help="steps left out of the median time")
+    g.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    g.add_argument("--remats", nargs="+", default=["none", "full", "selective"],
                    help="none, full, selective (= %s) or any jaxmem policy" % SELECTIVE)
-    p.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
-    p.add_argument("--compile-modes", nargs="+", default=None,
+    g.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
+    g.add_argument("--compile-modes", nargs="+", default=None,
                    help="modes that also run torch.compile (default: all)")
-    p.add_argument("--threads", type=int, default=None,
+    g.add_argument("--threads", type=int, default=None,
                    help="CPU compute threads per process (1: XLA without its Eigen pool, "
                         "torch.set_num_threads(1)); default: each framework's own")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=900, help="seconds per subprocess")
-    p.add_argument("--quick", action="store_true",
+    g.add_argument("--timeout", type=float, default=900, help="seconds per subprocess")
+    g.add_argument("--quick", action="store_true",
                    help="CPU smoke: tiny preset, 2 layers, B=2, T=64, 8 steps, 1 thread, "
                         "torch.compile only for fp32 (a few minutes on 2 cores)")
-    p.add_argument("--json", action="store_true", help="print only the JSON document")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default: results dir)")
-    p.add_argument("--no-save", action="store_true", help="write no files")
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    g.add_argument("--json", action="store_true", help="print only the JSON document")
+    g.add_argument("--out", type=Path, default=None, help="JSON path (default: results dir)")
+    g.add_argument("--no-save", action="store_true", help="write no files")
+    g.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.config = DEFAULTS.replace({**given_overrides(args), **(QUICK if args.quick else {})})
     if args.quick:
-        args.preset, args.num_layers, args.batch_size, args.seq_len = "tiny", 2, 2, 64
-        args.steps, args.warmup = 8, 2
+        args.warmup = 2
         # One thread each: on a 2-core machine shared with other jobs, torch's 2 OpenMP threads
         # made steps 10-100x slower and erratic (measured 15 ms -> 0.2-2 s per step).
         args.threads = args.threads or 1
@@ -110,16 +115,23 @@ def parse_args(argv=None):
 
 def specs_from_args(args) -> list[dict]:
     remats = [SELECTIVE if r == "selective" else r for r in args.remats]
-    base = {"preset": args.preset, "num_layers": args.num_layers, "batch_size": args.batch_size,
-            "seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup, "lr": args.lr,
-            "lr_warmup": 0, "seed": args.seed, "n_batches": 4, "threads": args.threads}
+    cfg = args.config
+    steps, lr = cfg.optim.total_steps, cfg.optim.lr
+    base = {"preset": cfg.model.preset, "num_layers": cfg.model.num_layers,
+            "batch_size": cfg.data.batch_size, "seq_len": cfg.data.seq_len, "steps": steps,
+            "warmup": args.warmup, "lr": lr, "seed": cfg.data.seed, "n_batches": 4,
+            "threads": args.threads}
+    # the optimizer of both sides: no warmup, cosine to lr/10 over the run (at least 2 steps)
+    run = cfg.replace({"optim.min_lr": lr / 10, "optim.warmup_steps": 0,
+                       "optim.total_steps": max(steps, 2)})
     out = []
     for mode in args.modes:
         for remat in remats:
+            config = run.replace({"precision.mode": mode, "remat.policy": remat}).to_dict()
             for fw in args.frameworks:
                 if fw == "torch-compile" and args.compile_modes and mode not in args.compile_modes:
                     continue
-                out.append({**base, "framework": fw, "mode": mode, "remat": remat})
+                out.append({**base, "framework": fw, "mode": mode, "remat": remat, "config": config})
     return out
 
 

@@ -19,9 +19,18 @@ SELECTIVE = "names:query,key,value,attn_context,mlp_gate,mlp_up"
 FRAMEWORKS = ("jax", "torch", "torch-compile")
 
 
+def run_config(spec: dict):
+    """The jaxmem RunConfig of one run: the driver puts it in the spec (`config`), so jaxmem's
+    side is built exactly as `jaxmem.train` builds a run (jaxmem.train.run.build_step_config)."""
+    from jaxmem.config.run import RunConfig
+    return RunConfig.from_dict(spec["config"])
+
+
 def model_config(spec: dict):
-    from jaxmem.config.model import get_preset
-    return get_preset(spec["preset"], num_layers=spec.get("num_layers"))
+    if "config" not in spec:  # a results file written before specs carried their RunConfig
+        from jaxmem.config.model import get_preset
+        return get_preset(spec["preset"], num_layers=spec.get("num_layers"))
+    return run_config(spec).model_config()
 
 
 def make_batches(config, n: int, batch_size: int, seq_len: int, seed: int) -> list[dict]:
@@ -35,23 +44,15 @@ def make_batches(config, n: int, batch_size: int, seq_len: int, seed: int) -> li
     return out
 
 
-def optim_config(spec: dict):
-    from jaxmem.train.optim import OptimConfig
-    return OptimConfig(lr=spec["lr"], min_lr=spec["lr"] / 10, warmup_steps=spec["lr_warmup"],
-                       total_steps=max(spec["steps"], 2), weight_decay=0.1, clip=1.0)
-
-
 def jax_params(spec: dict):
     """jaxmem's init for the spec (storage dtype of the mode): the weights both sides start from."""
-    from jaxmem.model import RematPolicy
-    from jaxmem.train.loss_scale import parse_loss_scale
-    from jaxmem.train.precision import get_precision
-    from jaxmem.train.step import StepConfig, create_train_state
-    remat = spec["remat"] if spec["framework"] == "jax" else "none"
-    cfg = StepConfig(model_config(spec), get_precision(spec["mode"]), RematPolicy.parse(remat),
-                     optim_config(spec))
-    state = create_train_state(cfg, parse_loss_scale(cfg.precision.loss_scale), seed=spec["seed"])
-    return cfg, state
+    from jaxmem.train.run import build_step_config
+    from jaxmem.train.step import create_train_state
+    cfg = run_config(spec)
+    if spec["framework"] != "jax":  # the torch side only needs the weights, never a remat'd step
+        cfg = cfg.replace({"remat.policy": "none"})
+    _, step_cfg, loss_scale = build_step_config(cfg)
+    return step_cfg, create_train_state(step_cfg, loss_scale, seed=cfg.data.seed)
 
 
 def initial_params(spec: dict):
@@ -60,9 +61,10 @@ def initial_params(spec: dict):
     import jax
     from jaxmem.model import init_params
     from jaxmem.train.precision import cast_floating, get_precision
-    init_key, _ = jax.random.split(jax.random.PRNGKey(spec["seed"]))
-    return cast_floating(init_params(model_config(spec), init_key),
-                         get_precision(spec["mode"]).param_dtype)
+    cfg = run_config(spec)
+    init_key, _ = jax.random.split(jax.random.PRNGKey(cfg.data.seed))
+    return cast_floating(init_params(cfg.model_config(), init_key),
+                         get_precision(cfg.precision.mode).param_dtype)
 
 
 def _median_after(times: list[float], warmup: int) -> float:
@@ -173,7 +175,7 @@ def run_torch(spec: dict, compiled: bool) -> dict:
     # this counts what the compiled graph keeps (its partitioner recomputes cheap ops).
     saved = tt.saved_bytes_for_backward(model, batches[0], spec["mode"], exclude_param_copies=True,
                                         count_selective=not compiled)
-    o = optim_config(spec)
+    o = run_config(spec).optim
     recipe = tt.make_recipe(model, spec["mode"], o.total_steps, o.lr, o.warmup_steps, o.min_lr,
                             o.weight_decay, o.clip)
     if device == "cuda":

@@ -23,8 +23,23 @@ from jaxmem.model import Llama, RematPolicy, abstract_params  # noqa: E402
 from jaxmem.perf import flops_per_token, peak_flops  # noqa: E402
 from jaxmem.train.precision import cast_params, get_precision  # noqa: E402
 
-SPEC = {"preset": "tiny", "num_layers": 1, "batch_size": 2, "seq_len": 16, "steps": 3,
-        "warmup": 1, "lr": 3e-3, "lr_warmup": 0, "seed": 0, "n_batches": 2, "threads": None}
+# The specs the driver makes for these flags (each carries the run's jaxmem RunConfig).
+SPECS = compare.specs_from_args(compare.parse_args(
+    ["--num-layers", "1", "--batch-size", "2", "--seq-len", "16", "--steps", "3", "--warmup", "1",
+     "--modes", "fp32", "--remats", "none", "--frameworks", "jax", "torch"]))
+SPEC = {**SPECS[0], "n_batches": 2}
+
+
+def test_specs_carry_the_run_config():
+    from jaxmem.config.run import RunConfig
+    assert [s["framework"] for s in SPECS] == ["jax", "torch"]
+    cfg = RunConfig.from_dict(SPEC["config"])
+    assert (cfg.model.num_layers, cfg.data.batch_size, cfg.data.seq_len) == (1, 2, 16)
+    assert (cfg.precision.mode, cfg.remat.policy) == ("fp32", "none")
+    assert (cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.total_steps) == (3e-3, 0, 3)
+    assert cfg.optim.min_lr == pytest.approx(3e-4, rel=1e-12)
+    quick = compare.parse_args(["--quick", "--seq-len", "999"]).config
+    assert (quick.model.num_layers, quick.data.seq_len, quick.optim.total_steps) == (2, 64, 8)
 
 
 @pytest.fixture(scope="module")

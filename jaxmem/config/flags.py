@@ -66,7 +66,8 @@ def add_run_flags(parser: argparse.ArgumentParser, sections, only: dict[str, tup
                 kwargs.update(action="store_true", help=md["help"])
             else:
                 shown = "" if default is None else f" (default: {default})"
-                kwargs.update(help=md["help"] + shown, metavar=md["metavar"],
+                metavar = md["metavar"] or (None if md["choices"] else f.name.upper())
+                kwargs.update(help=md["help"] + shown, metavar=metavar,
                               type=TYPES.get(md["type"], md["type"]) if md["type"] else None,
                               choices=md["choices"])
             group.add_argument(*flag_names(path), **kwargs)

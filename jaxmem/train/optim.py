@@ -8,49 +8,14 @@ the optimizer state, the Adam count and so the schedule position, bitwise as it 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import jax
 import jax.numpy as jnp
 import optax
 
+from jaxmem.config.run import OptimConfig
 from jaxmem.model.roles import param_role
 
-
-@dataclass(frozen=True)
-class OptimConfig:
-    """AdamW and schedule settings (the train CLI's flags of the same names).
-
-    lr: peak learning rate, reached after `warmup_steps`.
-    min_lr: floor of the cosine decay, reached at `total_steps`.
-    decay_embeddings: also apply weight decay to the embedding (norms never decay).
-    mu_dtype: dtype of Adam's first moment (None: the params' dtype).
-    clip: max global gradient norm (0 disables clipping).
-    """
-
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 50
-    total_steps: int = 1000
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    decay_embeddings: bool = False
-    clip: float = 1.0
-    mu_dtype: str | None = None
-
-    def __post_init__(self):
-        checks = [("lr", self.lr >= 0), ("min_lr", 0 <= self.min_lr),
-                  ("warmup_steps", self.warmup_steps >= 0), ("total_steps", self.total_steps > 0),
-                  ("weight_decay", self.weight_decay >= 0), ("clip", self.clip >= 0),
-                  ("b1", 0 <= self.b1 < 1), ("b2", 0 <= self.b2 < 1), ("eps", self.eps > 0)]
-        for name, ok in checks:
-            value = getattr(self, name)
-            if not ok or value != value:  # value != value: NaN
-                raise ValueError(f"optimizer {name}={value!r} is invalid")
-        if self.mu_dtype not in (None, "fp32", "bf16", "float32", "bfloat16"):
-            raise ValueError(f"--mu-dtype {self.mu_dtype!r} is invalid; choose fp32 or bf16")
+__all__ = ["OptimConfig", "decay_mask", "make_optimizer", "schedule"]
 
 
 def schedule(cfg: OptimConfig) -> optax.Schedule:

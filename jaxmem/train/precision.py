@@ -9,8 +9,9 @@
 
 In the amp modes the train state holds fp32 params; the loss casts them to the compute dtype
 *inside* the differentiated function, so the gradients come back in fp32 for the fp32 master copy.
-Norm weights are never cast: RMSNorm computes in fp32 (as PyTorch autocast leaves them). Norm
-statistics, softmax, logits and the loss are fp32 in every mode.
+Norm weights are stored in the param dtype (fp32 in the master-weight modes, bf16 in pure bf16)
+and never cast to the compute dtype (as PyTorch autocast leaves them); RMSNorm computes in fp32.
+Norm statistics, softmax, logits and the loss are fp32 in every mode.
 """
 
 from __future__ import annotations

@@ -144,7 +144,8 @@ def make_train_step(cfg: StepConfig):
             params=params, opt_state=opt_state,
             loss_scale=state.loss_scale.adjust(finite))
         metrics = {"loss": loss, "grad_norm": grad_norm, "loss_scale": state.loss_scale.loss_scale,
-                   "skipped": ~finite, "lr": lr_at(state.applied), "tokens": total_tokens}
+                   "skipped": ~finite, "lr": lr_at(state.applied), "tokens": total_tokens,
+                   "skips_in_a_row": new_state.skips_in_a_row}
         return new_state, metrics
 
     return train_step
