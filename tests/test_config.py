@@ -92,3 +92,20 @@ def test_subset_of_sections_for_other_programs():
     assert given_overrides(p.parse_args(["--seq-len", "64"])) == {"data.seq_len": 64}
     with pytest.raises(SystemExit):
         p.parse_args(["--seed", "1"])  # not part of this program's flags
+
+
+def test_memory_planner_and_train_share_flags_and_defaults():
+    from jaxmem.memory import cli as memory_cli
+    train, memory = build_parser(), memory_cli.build_parser()
+    helps = [{s: a.help for a in p._actions for s in a.option_strings} for p in (train, memory)]
+    shared = set(helps[0]) & set(helps[1]) - {"-h", "--help"}
+    assert {"--preset", "--num-layers", "--precision", "--remat", "--mu-dtype", "--batch-size",
+            "--seq-len", "--grad-accum"} <= shared
+    for flag in shared:
+        assert helps[0][flag] == helps[1][flag], flag  # same text, same default shown
+    spec, global_batch, max_micro = memory_cli._resolve(memory, memory.parse_args([]))
+    cfg = RunConfig()
+    assert (spec.batch_size, spec.seq_len, global_batch, max_micro) == (
+        cfg.data.batch_size, cfg.data.seq_len, cfg.data.batch_size, None) == (16, 128, 16, None)
+    # the spec's step config is built from a RunConfig, as a training run's is
+    assert spec.run_config().model_config() == spec.model

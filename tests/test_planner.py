@@ -31,7 +31,7 @@ def jax_saved_bytes(spec: StepSpec) -> int:
     from jaxmem.train.loss import abstract_batch, token_loss
     from jaxmem.model.llama import abstract_params
 
-    model = spec.step_config().build_model()
+    model = spec.step_config()[0].build_model()
 
     def loss(params, batch):  # the train step's: cast inside, causal-only attention
         return token_loss(model, params, batch, compute_dtype=spec.precision.compute_dtype)[0]

@@ -6,7 +6,6 @@ published parameter counts without allocating a byte (see `tests/test_model.py`)
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from dataclasses import dataclass
 
@@ -113,42 +112,3 @@ def get_preset(name: str, **overrides) -> ModelConfig:
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
     return PRESETS[name].replace(**{k: v for k, v in overrides.items() if v is not None})
-
-
-def _number_type(convert, ok, expected):
-    """An argparse `type=`: converts, checks, and names what it expected in the error."""
-    def parse(text):
-        try:
-            value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-        if not ok(value):  # NaN fails every comparison, so it lands here too
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-        return value
-    return parse
-
-
-positive_int = _number_type(int, lambda v: v > 0, "a positive integer")
-nonneg_int = _number_type(int, lambda v: v >= 0, "an integer >= 0")
-nonneg_float = _number_type(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
-
-
-# ModelConfig fields a CLI can override on top of a preset (flag --num-layers for num_layers ...).
-OVERRIDE_FIELDS = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
-                   "head_dim", "vocab_size")
-
-
-def add_model_args(parser) -> None:
-    """Flags shared by every CLI that builds a model: a preset plus size overrides."""
-    g = parser.add_argument_group("model")
-    g.add_argument("--preset", default="tiny", choices=list(PRESETS), metavar="NAME",
-                   help=f"model shape preset: {', '.join(PRESETS)} (default: tiny)")
-    for field in OVERRIDE_FIELDS:
-        g.add_argument("--" + field.replace("_", "-"), dest=field, type=int, default=None,
-                       help=f"override the preset's {field}")
-
-
-def model_config_from_args(args) -> ModelConfig:
-    """The preset with its overrides, from parsed flags (a Namespace or a dict like config.json)."""
-    flags = args if isinstance(args, dict) else vars(args)
-    return get_preset(flags["preset"], **{f: flags.get(f) for f in OVERRIDE_FIELDS})

@@ -70,12 +70,24 @@ class ModelSection:
     num_kv_heads: int | None = option(None, "override the preset's num_kv_heads", type=int)
     head_dim: int | None = option(None, "override the preset's head_dim", type=int)
     vocab_size: int | None = option(None, "override the preset's vocab_size", type=int)
+    max_position_embeddings: int | None = option(None, "override the preset's max_position_embeddings",
+                                                 type=int)
+    rope_theta: float | None = option(None, "override the preset's rope_theta", type=float)
+    rms_norm_eps: float | None = option(None, "override the preset's rms_norm_eps", type=float)
+    tie_embeddings: bool | None = option(None, "override the preset's tie_embeddings", cli=False)
 
     def config(self) -> ModelConfig:
         """The preset with the overrides applied (validated by ModelConfig)."""
         overrides = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                      if f.name != "preset"}
         return get_preset(self.preset, **overrides)
+
+    @classmethod
+    def of(cls, model: ModelConfig, preset: str = "tiny") -> "ModelSection":
+        """The section whose `config()` is `model`: the preset plus the fields that differ."""
+        base = get_preset(preset)
+        return cls(preset, **{f.name: getattr(model, f.name) for f in dataclasses.fields(cls)
+                              if f.name != "preset" and getattr(model, f.name) != getattr(base, f.name)})
 
 
 @dataclass(frozen=True)

@@ -33,13 +33,13 @@ import argparse
 import json
 import sys
 
-from jaxmem.config.model import ConfigError, add_model_args, model_config_from_args, positive_int
+from jaxmem.config.flags import add_run_flags, given_overrides, positive_int
+from jaxmem.config.run import RunConfig
 from jaxmem.memory.measure import measure_in_subprocess, run_worker
 from jaxmem.memory.planner import plan
 from jaxmem.memory.report import format_plan, format_report, step_report
 from jaxmem.memory.spec import GiB, StepSpec
-from jaxmem.model.remat import VALID_POLICIES, RematError, RematPolicy
-from jaxmem.train.precision import PRECISIONS, get_precision
+from jaxmem.train.run import build_step_config
 
 
 def positive_gib(text: str) -> float:
@@ -52,62 +52,55 @@ def positive_gib(text: str) -> float:
     return value
 
 
+MEMORY_FLAGS = {"precision": ("mode",), "data": ("batch_size", "seq_len", "grad_accum"),
+                "optim": ("mu_dtype",)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jaxmem.memory",
         description="Where every byte of a train step goes (analytic, compiled ahead of time "
-                    "with no allocation, measured on GPU), and a planner for a memory budget.")
-    add_model_args(p)
-    p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
-                   help="precision mode (jaxmem.train.precision; default fp32)")
-    p.add_argument("--batch-size", type=positive_int, default=None,
-                   help="micro-batch size (default 8; with --fit: the largest micro-batch tried)")
-    p.add_argument("--seq-len", type=positive_int, default=256, help="tokens per sequence (default 256)")
-    p.add_argument("--grad-accum", type=positive_int, default=None,
-                   help="micro-batches per optimizer step (default 1)")
-    p.add_argument("--global-batch", type=positive_int, default=None,
+                    "with no allocation, measured on GPU), and a planner for a memory budget. "
+                    "The model, precision, remat and batch flags are jaxmem.train's, with the "
+                    "same defaults; with --fit, --batch-size is the largest micro-batch tried "
+                    "and --mu-dtype (when not given) tries fp32 then bf16.")
+    add_run_flags(p, ["model", "precision", "remat", "optim", "data"], only=MEMORY_FLAGS)
+    g = p.add_argument_group("planner and output")
+    g.add_argument("--global-batch", type=positive_int, default=None,
                    help="sequences per optimizer step; sets --grad-accum = global / batch size")
-    p.add_argument("--remat", default="none",
-                   help=f"remat policy: {', '.join(VALID_POLICIES)} (default none)")
-    p.add_argument("--mu-dtype", choices=["fp32", "bf16"], default=None,
-                   help="Adam first-moment dtype (default: the params' dtype; --fit tries both)")
-    p.add_argument("--fit", type=positive_gib, default=None, metavar="GIB",
+    g.add_argument("--fit", type=positive_gib, default=None, metavar="GIB",
                    help="plan: the fastest configuration whose compiled peak fits in GIB GiB")
-    p.add_argument("--measure", action="store_true",
+    g.add_argument("--measure", action="store_true",
                    help="also run real steps in a subprocess and read the device's peak memory")
-    p.add_argument("--worker", default=None, metavar="JSON", help=argparse.SUPPRESS)
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    g.add_argument("--worker", default=None, metavar="JSON", help=argparse.SUPPRESS)
+    g.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
 
 def _resolve(parser, args):
-    """Validated (spec, global batch); exits 2 with a one-line message naming the flag."""
+    """Validated (spec, global batch, largest micro-batch for --fit or None); exits 2 with a
+    one-line message naming the flag."""
+    given = given_overrides(args)
     try:
-        config = model_config_from_args(args)
-        remat = RematPolicy.parse(args.remat)
-        if remat.kind == "offload":
-            remat.jax_policy()  # raises a clear error where the backend cannot offload
-    except (ConfigError, RematError) as e:
-        parser.error(str(e))
-    if args.seq_len > config.max_position_embeddings:
-        parser.error(f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings "
-                     f"{config.max_position_embeddings}")
-    batch = args.batch_size or 8
-    accum = args.grad_accum or 1
+        cfg = RunConfig().replace(given)
+        build_step_config(cfg)  # validates shapes, remat (offload support), precision
+    except ValueError as e:  # ConfigError, RematError, PrecisionError
+        parser.error(str(e).splitlines()[0])
+    batch, accum = cfg.data.batch_size, cfg.data.grad_accum
+    batch_given, accum_given = "data.batch_size" in given, "data.grad_accum" in given
     if args.global_batch is not None:
-        if args.global_batch % batch and (args.batch_size or args.fit is None):
+        if args.global_batch % batch and (batch_given or args.fit is None):
             parser.error(f"--global-batch {args.global_batch} is not divisible by "
                          f"--batch-size {batch}")
-        if args.grad_accum is not None and args.global_batch != batch * args.grad_accum:
+        if accum_given and args.global_batch != batch * accum:
             parser.error(f"--global-batch {args.global_batch} != --batch-size {batch} x "
-                         f"--grad-accum {args.grad_accum}")
+                         f"--grad-accum {accum}")
         if args.fit is None:
             accum = args.global_batch // batch
-    elif args.fit is not None and args.grad_accum is not None:
+    elif args.fit is not None and accum_given:
         parser.error("--fit chooses --grad-accum itself; give --global-batch instead")
-    spec = StepSpec(config, get_precision(args.precision), remat, batch, args.seq_len, accum,
-                    args.mu_dtype)
-    return spec, args.global_batch or batch * accum
+    spec = StepSpec.from_run_config(cfg.replace({"data.grad_accum": accum}))
+    return spec, args.global_batch or batch * accum, batch if batch_given else None
 
 
 def main(argv=None) -> int:
@@ -116,7 +109,7 @@ def main(argv=None) -> int:
     if args.worker is not None:
         print(json.dumps(run_worker(args.worker)))
         return 0
-    spec, global_batch = _resolve(parser, args)
+    spec, global_batch, max_micro = _resolve(parser, args)
 
     if args.fit is None:
         measured = measure_in_subprocess(spec) if args.measure else None
@@ -128,8 +121,8 @@ def main(argv=None) -> int:
                                                   f"{t['remat']} mu {t['mu_dtype']}: {t['reason']}",
                                                   file=sys.stderr, flush=True))
     result = plan(spec, global_batch, int(args.fit * GiB),
-                  mu_dtypes=(args.mu_dtype,) if args.mu_dtype else ("fp32", "bf16"),
-                  max_micro=args.batch_size, log=log)
+                  mu_dtypes=(spec.mu_dtype,) if spec.mu_dtype else ("fp32", "bf16"),
+                  max_micro=max_micro, log=log)
     chosen = result["spec"]
     out = {"budget_gib": args.fit, "global_batch": global_batch, "tried": [
         {k: v for k, v in t.items() if k != "compiled"} for t in result["tried"]]}

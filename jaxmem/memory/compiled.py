@@ -23,7 +23,6 @@ from jaxmem.memory.spec import StepSpec
 from jaxmem.model.llama import Llama, abstract_params, count_params
 from jaxmem.model.remat import RematPolicy, check_offload_supported
 from jaxmem.train.loss import abstract_batch, token_loss
-from jaxmem.train.loss_scale import parse_loss_scale
 from jaxmem.train.run import abstract_train_state
 from jaxmem.train.step import jit_train_step
 
@@ -51,7 +50,7 @@ def compiled_stats(compiled) -> tuple[dict, float]:
 
 def abstract_state(spec: StepSpec):
     """The train state as ShapeDtypeStructs (nothing allocated)."""
-    return abstract_train_state(spec.step_config(), parse_loss_scale(spec.precision.loss_scale))
+    return abstract_train_state(*spec.step_config())
 
 
 def abstract_step_batch(spec: StepSpec):
@@ -70,7 +69,7 @@ def compile_step(spec: StepSpec) -> dict:
     """Compile the full train step ahead of time; XLA's memory and FLOP numbers (no allocation)."""
     if spec.remat.kind == "offload":
         check_offload_supported()
-    step = jit_train_step(spec.step_config())
+    step = jit_train_step(spec.step_config()[0])
     compiled = step.lower(abstract_state(spec), abstract_step_batch(spec)).compile()
     stats, flops = compiled_stats(compiled)
     return {**stats, "flops": flops}

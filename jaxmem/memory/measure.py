@@ -28,7 +28,6 @@ import jax.numpy as jnp
 
 from jaxmem.memory.spec import StepSpec
 from jaxmem.train.loss import synthetic_batch
-from jaxmem.train.loss_scale import parse_loss_scale
 from jaxmem.train.step import create_train_state, jit_train_step
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -74,8 +73,8 @@ def measure_in_subprocess(spec: StepSpec, timeout: float = 1800) -> dict:
 
 def measure_here(spec: StepSpec, steps: int = 3) -> dict:
     """Allocate the state, run `steps` real train steps, report peak_bytes_in_use (child side)."""
-    cfg = spec.step_config()
-    state = create_train_state(cfg, loss_scale=parse_loss_scale(spec.precision.loss_scale))
+    cfg, loss_scale = spec.step_config()
+    state = create_train_state(cfg, loss_scale=loss_scale)
     step = jit_train_step(cfg)
     keys = jax.random.split(jax.random.PRNGKey(1), spec.grad_accum)
     parts = [synthetic_batch(k, spec.batch_size, spec.seq_len, spec.model.vocab_size) for k in keys]

@@ -13,9 +13,11 @@ import json
 from dataclasses import dataclass
 
 from jaxmem.config.model import ModelConfig
+from jaxmem.config.run import ModelSection, RunConfig
 from jaxmem.model.remat import RematPolicy
-from jaxmem.train.optim import OptimConfig
+from jaxmem.train.loss_scale import LossScale
 from jaxmem.train.precision import Precision, get_precision
+from jaxmem.train.run import build_step_config
 from jaxmem.train.step import StepConfig
 
 GiB = 2**30
@@ -44,9 +46,25 @@ class StepSpec:
     mu_dtype: str | None = None
     attention: str | None = None
 
-    def step_config(self) -> StepConfig:
-        return StepConfig(self.model, self.precision, self.remat,
-                          OptimConfig(mu_dtype=self.mu_dtype), self.grad_accum)
+    @classmethod
+    def from_run_config(cls, cfg: RunConfig, attention: str | None = None) -> "StepSpec":
+        """The step of a run (what `jaxmem.train` would run with `cfg`)."""
+        d = cfg.data
+        return cls(cfg.model_config(), get_precision(cfg.precision.mode),
+                   RematPolicy.parse(cfg.remat.policy), d.batch_size, d.seq_len, d.grad_accum,
+                   cfg.optim.mu_dtype, attention)
+
+    def run_config(self) -> RunConfig:
+        """A RunConfig with this step: the one input jaxmem.train.run.build_step_config takes."""
+        return RunConfig(model=ModelSection.of(self.model)).replace({
+            "precision.mode": self.precision.name, "remat.policy": str(self.remat),
+            "data.batch_size": self.batch_size, "data.seq_len": self.seq_len,
+            "data.grad_accum": self.grad_accum, "optim.mu_dtype": self.mu_dtype})
+
+    def step_config(self) -> tuple[StepConfig, LossScale]:
+        """(StepConfig, initial loss scale), built as a training run builds them."""
+        _, step_cfg, loss_scale = build_step_config(self.run_config())
+        return step_cfg, loss_scale
 
     @property
     def attention_path(self) -> str:
