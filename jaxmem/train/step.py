@@ -30,7 +30,8 @@ from flax import struct
 from jaxmem.config.model import ModelConfig
 from jaxmem.train.loss import token_loss
 from jaxmem.train.loss_scale import LossScale, NoOpLossScale, all_finite
-from jaxmem.model.llama import Llama, default_einsum, init_params
+from jaxmem.model.llama import Llama, init_params
+from jaxmem.model.projection import default_einsum
 from jaxmem.train.optim import OptimConfig, make_optimizer, schedule
 from jaxmem.train.precision import Precision, cast_floating
 from jaxmem.model.remat import RematPolicy
