@@ -53,7 +53,7 @@ def run_gradients(run_dir: Path) -> tuple[np.ndarray, float, dict]:
     """(flat fp32 gradient sample, the run's loss scale, the run's RunConfig)."""
     from jaxmem.data import eval_batches, load_corpus
     from jaxmem.io.rundir import load_run
-    from jaxmem.train.loss import lm_loss
+    from jaxmem.train.loss import token_loss
     from jaxmem.model.llama import Llama
     from jaxmem.train.precision import cast_floating
 
@@ -63,7 +63,11 @@ def run_gradients(run_dir: Path) -> tuple[np.ndarray, float, dict]:
                                     seq_len=d.seq_len)
     batch = eval_batches(eval_tokens, d.batch_size, d.seq_len, 1, pad_id=run.tokenizer.pad_id)[0]
     params = cast_floating(run.state.params, np.float32)
-    grads = jax.jit(jax.grad(lambda p, b: lm_loss(Llama(run.model_config), p, b)))(params, batch)
+    def mean_loss(p, b):  # the train step's loss (causal attention; padding only in the weights)
+        total, count = token_loss(Llama(run.model_config), p, b)
+        return total / jax.numpy.maximum(count, 1.0)
+
+    grads = jax.jit(jax.grad(mean_loss))(params, batch)
     flat = np.concatenate([np.asarray(g, np.float32).ravel() for g in jax.tree_util.tree_leaves(grads)])
     if flat.size > MAX_VALUES:
         flat = flat[:: flat.size // MAX_VALUES + 1]

@@ -48,16 +48,6 @@ def token_loss(model, params, batch, attention_padding: bool = False, compute_dt
     return cross_entropy(logits, batch["targets"], batch["mask"])
 
 
-def lm_loss(model, params, batch) -> jax.Array:
-    """Mean token loss with the padding mask also passed to attention (fp32 scalar).
-
-    Only `jaxmem.dtypes.gradients.run_gradients` still calls it; its right-padded eval batches
-    do not need the attention mask, and it can move to `token_loss` like the train step.
-    """
-    total, count = token_loss(model, params, batch, attention_padding=True)
-    return total / jnp.maximum(count, 1.0)
-
-
 def synthetic_batch(rng: jax.Array, batch_size: int, seq_len: int, vocab_size: int,
                     pad_fraction: float = 0.0):
     """A random batch (for tests and memory measurements); the last `pad_fraction` is padding."""
