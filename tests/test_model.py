@@ -137,7 +137,8 @@ def test_sharding_hook_is_a_no_op_without_rules(params):
     with activation_sharding({"embed": jax.sharding.PartitionSpec("data")}):
         assert constrain(x, "embed") is x and constrain(x, "logits") is x
     logits = Llama(CFG).apply({"params": params}, tokens(6))
-    with activation_sharding({k: jax.sharding.PartitionSpec() for k in ("embed", "block", "logits")}):
+    replicated = {k: jax.sharding.PartitionSpec() for k in ("embed", "block", "logits")}
+    with activation_sharding(replicated):
         unsharded = Llama(CFG).apply({"params": params}, tokens(6))
     np.testing.assert_array_equal(unsharded, logits)
     with pytest.raises(ValueError, match="unknown kind"):
@@ -171,8 +172,7 @@ def test_sharding_hook_applies_partition_specs_under_a_mesh(params, axis_type):
     if not hasattr(jax, "set_mesh"):
         pytest.skip("this jax has no jax.set_mesh")
     mesh = jax.make_mesh((1,), ("data",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
-    rules = {"embed": jax.sharding.PartitionSpec("data"), "block": jax.sharding.PartitionSpec("data"),
-             "logits": jax.sharding.PartitionSpec("data")}
+    rules = {kind: jax.sharding.PartitionSpec("data") for kind in ("embed", "block", "logits")}
     x = tokens(8)
     fn = jax.jit(lambda p, t: Llama(CFG).apply({"params": p}, t))
     with jax.set_mesh(mesh), activation_sharding(rules):

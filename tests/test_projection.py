@@ -128,7 +128,7 @@ def test_tiny_init_matches_values_recorded_before_the_projection_layer():
 
 @jax.tree_util.register_pytree_node_class
 class RecordingWeight:
-    """A test double: wraps the dense weight, records each `project` call's subscripts (at trace)."""
+    """A test double: wraps the dense weight; records each `project` call (at trace time)."""
 
     calls: list = []
 

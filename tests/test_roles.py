@@ -18,7 +18,8 @@ def test_every_param_of_the_model_has_its_role():
     assert roles["embed_tokens"] == "embedding" and roles["lm_head"] == "lm_head"
     assert roles["norm"]["scale"] == "norm"
     layers = roles["layers"]
-    assert layers["input_layernorm"]["scale"] == layers["post_attention_layernorm"]["scale"] == "norm"
+    assert layers["input_layernorm"]["scale"] == "norm"
+    assert layers["post_attention_layernorm"]["scale"] == "norm"
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         assert layers["self_attn"][name] == name
     for name in ("gate_proj", "up_proj", "down_proj"):

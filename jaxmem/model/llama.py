@@ -19,6 +19,8 @@ softmax, logits and the loss stay fp32 regardless.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -42,8 +44,7 @@ class Attention(nn.Module):
     def __call__(self, x, cos, sin, mask):
         c = self.config
         D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.resolved_head_dim
-        proj = lambda name, subscripts, shape, fan_in: Projection(  # noqa: E731
-            name, subscripts, shape, fan_in, self.einsum)
+        proj = functools.partial(Projection, einsum=self.einsum)  # name, subscripts, shape, fan_in
         q = proj("q_proj", "BTD,DNH->BTNH", (D, N, H), D)(x)  # [B, T, N, H]
         k = proj("k_proj", "BTD,DKH->BTKH", (D, K, H), D)(x)  # [B, T, K, H]
         v = proj("v_proj", "BTD,DKH->BTKH", (D, K, H), D)(x)  # [B, T, K, H]
@@ -64,9 +65,9 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         D, F = self.config.hidden_size, self.config.intermediate_size
-        proj = lambda name, subscripts, shape, fan_in: Projection(  # noqa: E731
-            name, subscripts, shape, fan_in, self.einsum)
-        gate = checkpoint_name(proj("gate_proj", "BTD,DF->BTF", (D, F), D)(x), "mlp_gate")
+        proj = functools.partial(Projection, einsum=self.einsum)  # name, subscripts, shape, fan_in
+        gate = proj("gate_proj", "BTD,DF->BTF", (D, F), D)(x)  # [B, T, F]
+        gate = checkpoint_name(gate, "mlp_gate")
         up = checkpoint_name(proj("up_proj", "BTD,DF->BTF", (D, F), D)(x), "mlp_up")  # [B, T, F]
         hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")  # [B, T, F]
         return proj("down_proj", "BTF,FD->BTD", (F, D), F)(hidden)  # [B, T, D]
