@@ -44,8 +44,9 @@ SECTION_TITLES = {"model": "model", "precision": "memory and precision", "remat"
 
 
 def add_run_flags(parser: argparse.ArgumentParser, sections, only: dict[str, tuple[str, ...]] | None = None,
-                  defaults: RunConfig | None = None) -> None:
-    """Add the flags of `sections` (names of RunConfig sections) to `parser`, grouped.
+                  defaults: RunConfig | None = None) -> dict[str, argparse._ArgumentGroup]:
+    """Add the flags of `sections` (names of RunConfig sections) to `parser`, grouped; returns
+    the groups by title, so a program can add its own flags to one (e.g. "run directory").
 
     only: {section: (field, ...)} restricts a section to some of its fields.
     defaults: the config whose values `--help` shows (default: RunConfig()).
@@ -71,6 +72,7 @@ def add_run_flags(parser: argparse.ArgumentParser, sections, only: dict[str, tup
                               type=TYPES.get(md["type"], md["type"]) if md["type"] else None,
                               choices=md["choices"])
             group.add_argument(*flag_names(path), **kwargs)
+    return groups
 
 
 def given_overrides(args: argparse.Namespace) -> dict:

@@ -37,8 +37,8 @@ def option(default, help: str, *, flags: tuple[str, ...] | None = None, type=Non
            store_true: bool = False):
     """A dataclass field with its CLI metadata.
 
-    flags: option strings (default `--field-name`); the first also names the field in a
-        schema-1 config.json. mutable: a resumed run may change it (recorded in config.json).
+    flags: option strings (default `--field-name`); each also names the field in a schema-1
+        config.json (whose keys were the train CLI's flag names). mutable: a resumed run may change it (recorded in config.json).
     cli: False for fields that are configuration but no flag (Adam's betas, for instance).
     """
     return field(default=default, metadata=dict(
@@ -202,7 +202,7 @@ class SampleSection:
 
     prompt: str = option("def ", "text to continue")
     max_new_tokens: int = option(200, "tokens to generate (0: none at the end of a run)",
-                                 flags=("--sample-tokens", "--max-new-tokens"), type="nonneg_int",
+                                 flags=("--max-new-tokens", "--sample-tokens"), type="nonneg_int",
                                  mutable=True)
     temperature: float = option(0.8, "sampling temperature (0: greedy)", type="nonneg_float",
                                 mutable=True)
@@ -302,5 +302,5 @@ def is_mutable(path: str) -> bool:
 
 def _from_schema_1(d: dict) -> dict[str, Any]:
     """A schema-1 config.json (the train CLI's flags, flat) as {'section.field': value}."""
-    by_flag = {flag_names(p)[0][2:].replace("-", "_"): p for p in all_paths()}
+    by_flag = {flag[2:].replace("-", "_"): p for p in all_paths() for flag in flag_names(p)}
     return {by_flag[k]: v for k, v in d.items() if k in by_flag}

@@ -50,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "built-in corpus (the Python standard library's source, byte-level), a few "
                     "minutes on a 2-core CPU. Uses the GPU when JAX sees one. --out on a directory "
                     "that holds a run continues it (see --resume).")
-    add_run_flags(p, SECTIONS)
-    p.add_argument_group("run directory").add_argument(
+    groups = add_run_flags(p, SECTIONS)
+    groups["run directory"].add_argument(
         "--resume", action="store_true",
         help="continue the run in --out with its saved config; flags given with it are compared "
              "(shapes, dtypes, data, seed and schedule cannot change; run-directory, eval, "
