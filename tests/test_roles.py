@@ -71,3 +71,12 @@ def test_decay_mask_and_norm_casting_follow_roles():
                for x in jax.tree_util.tree_leaves(cast_params(params, jnp.bfloat16, False)))
     with pytest.raises(ValueError, match="lora_a has no role"):
         decay_mask({"lora_a": jnp.zeros((2, 2))})
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama-3.2-1b", "llama-3-8b"])
+def test_planner_counts_norm_params_by_role(preset):
+    from jaxmem.config.model import get_preset
+    from jaxmem.memory.analytic import norm_params
+    c = get_preset(preset)
+    # 2 RMSNorms per block and the final one, D scales each (no allocation: eval_shape)
+    assert norm_params(c) == (2 * c.num_layers + 1) * c.hidden_size

@@ -29,11 +29,15 @@ Sizes are in bytes. Axis letters follow docs/architecture.md.
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 
 from jaxmem.config.model import ModelConfig
 from jaxmem.memory.spec import StepSpec
+from jaxmem.model.llama import abstract_params
 from jaxmem.model.remat import RematError, RematPolicy
+from jaxmem.model.roles import count_by_role
 
 FP32 = 4
 
@@ -50,9 +54,11 @@ def _mu_dtype(spec: StepSpec):
             "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16}[spec.mu_dtype]
 
 
+@functools.lru_cache(maxsize=64)
 def norm_params(c: ModelConfig) -> int:
-    """Parameters that are never cast to the compute dtype: the RMSNorm scales."""
-    return (2 * c.num_layers + 1) * c.hidden_size
+    """Parameters that are never cast to the compute dtype: those whose role is `norm`
+    (jaxmem.model.roles), counted on the abstract params (jax.eval_shape, nothing allocated)."""
+    return count_by_role(abstract_params(c)).get("norm", 0)
 
 
 # --- activations saved for the backward, per layer --------------------------------------------
@@ -89,7 +95,7 @@ def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematP
         (`mlp_out` is only added to the residual stream, so it is never kept); offloaded
         tensors live in host memory and count zero here.
     """
-    D, F, N, H = c.hidden_size, c.intermediate_size, c.num_heads, c.resolved_head_dim
+    D, F, N = c.hidden_size, c.intermediate_size, c.num_heads
     cb, cd = _nbytes(compute_dtype), _dname(compute_dtype)
     tags = tag_shapes(c, B, T)
     BTD, BNT = B * T * D, B * N * T
