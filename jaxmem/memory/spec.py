@@ -8,7 +8,6 @@ process measures exactly the configuration the parent chose, never a re-parsed c
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -79,17 +78,13 @@ class StepSpec:
         return attention_path(q, kv, self.precision.compute_dtype, causal_only=True).path
 
     def to_json(self) -> str:
-        """The spec as one JSON object: model fields, precision by name, remat as its string."""
-        return json.dumps({"model": dataclasses.asdict(self.model),
-                           "precision": self.precision.name, "remat": str(self.remat),
-                           "batch_size": self.batch_size, "seq_len": self.seq_len,
-                           "grad_accum": self.grad_accum, "mu_dtype": self.mu_dtype,
-                           "attention": self.attention}, sort_keys=True)
+        """The spec as one JSON object: its RunConfig (`run_config`, config.json's own form) and
+        the attention override."""
+        return json.dumps({"run": self.run_config().to_dict(), "attention": self.attention},
+                          sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "StepSpec":
-        """Inverse of `to_json`; unknown model fields raise ConfigError naming them."""
+        """Inverse of `to_json`; unknown fields raise ConfigError naming them."""
         d = json.loads(text)
-        return cls(ModelConfig().replace(**d["model"]), get_precision(d["precision"]),
-                   RematPolicy.parse(d["remat"]), d["batch_size"], d["seq_len"],
-                   d["grad_accum"], d["mu_dtype"], d["attention"])
+        return cls.from_run_config(RunConfig.from_dict(d["run"]), d["attention"])
