@@ -112,11 +112,9 @@ def load_run(run_dir: Path) -> LoadedRun:
     """The newest committed step of a run, rebuilt from the run's own config."""
     cfg, record = read_run_config(run_dir)
     model_cfg, step_cfg, loss_scale = build_step_config(cfg)
-    ckpt = Checkpointer(Path(run_dir) / CKPT_DIR, keep=cfg.run.keep)
-    step = ckpt.latest_step()
-    if step is None:
-        ckpt.close()
-        raise RunError(f"--run {run_dir}: no committed checkpoint in {Path(run_dir) / CKPT_DIR}")
-    state, _ = ckpt.restore(step, abstract_train_state(step_cfg, loss_scale, cfg.data.seed))
-    ckpt.close()
+    with Checkpointer(Path(run_dir) / CKPT_DIR, keep=cfg.run.keep) as ckpt:
+        step = ckpt.latest_step()
+        if step is None:
+            raise RunError(f"--run {run_dir}: no committed checkpoint in {Path(run_dir) / CKPT_DIR}")
+        state, _ = ckpt.restore(step, abstract_train_state(step_cfg, loss_scale, cfg.data.seed))
     return LoadedRun(cfg, record, model_cfg, step_cfg, state, load_tokenizer(cfg.data.tokenizer))
