@@ -8,6 +8,7 @@
       data       DataSection       data, tokenizer, batch shape, seed
       run        RunSection        run directory, saving, evaluation, logging
       sample     SampleSection     the text sampled at the end of a run / by jaxmem.generate
+      parallel   ParallelSection   the device mesh (jaxmem.parallel, docs/distributed.md)
 
 Every field carries its CLI metadata (flag, help, type, whether a resume may change it), so the
 flags of `jaxmem.train`, `jaxmem.memory`, `jaxmem.generate` and `experiments.compare` are
@@ -210,6 +211,17 @@ class SampleSection:
                         mutable=True)
 
 
+@dataclass(frozen=True)
+class ParallelSection:
+    """The device mesh (jaxmem.parallel). Mutable: a run saved on one mesh resumes on another
+    (the checkpoint is restored onto the current mesh). Which processes take part is not part
+    of the run: those flags (--coordinator ...) belong to each launch (jaxmem.parallel.distributed)."""
+
+    mesh: str | None = option(None, "device mesh AXIS=SIZE,... over data, fsdp, tensor (product = "
+                              "device count; -1 on one axis takes the rest; default: all devices "
+                              "on fsdp; one device: no mesh)", metavar="AXES", mutable=True)
+
+
 # ----------------------------------------------------------------------------- the whole run
 
 @dataclass(frozen=True)
@@ -223,6 +235,7 @@ class RunConfig:
     data: DataSection = DataSection()
     run: RunSection = RunSection()
     sample: SampleSection = SampleSection()
+    parallel: ParallelSection = ParallelSection()
 
     @staticmethod
     def sections() -> dict[str, type]:

@@ -38,9 +38,12 @@ from jaxmem.data import DataError, load_corpus, load_tokenizer
 from jaxmem.io.checkpoint import CheckpointError, Checkpointer
 from jaxmem.io.rundir import (CKPT_DIR, CONFIG_FILE, RunError, exit_after_failed_restore,
                               read_run_config)
+from jaxmem.parallel.distributed import add_process_flags, initialize_from_args
+from jaxmem.parallel.mesh import run_mesh
+from jaxmem.parallel.placement import Placement
 from jaxmem.train.run import abstract_train_state, build_step_config
 
-SECTIONS = ("model", "precision", "remat", "optim", "data", "run", "sample")
+SECTIONS = ("model", "precision", "remat", "optim", "data", "run", "sample", "parallel")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue the run in --out with its saved config; flags given with it are compared "
              "(shapes, dtypes, data, seed and schedule cannot change; run-directory, eval, "
              "logging and sampling flags can)")
+    add_process_flags(groups["devices and processes"])
     return p
 
 
@@ -77,6 +81,7 @@ class Setup:
     continuing: bool = False
     record: dict = dataclasses.field(default_factory=dict)
     changes: list = dataclasses.field(default_factory=list)
+    placement: Placement = Placement.single()
 
 
 def _check_writable(out: Path) -> None:
@@ -108,8 +113,9 @@ def _choose_config(overrides: dict, resume: bool, out: Path):
                            f"(nothing was changed)")
         return RunConfig().replace(overrides), False, {}, []
     saved, record = read_run_config(out)
-    # --stop-at is an instruction to one invocation, not part of the run: never inherited.
-    base = saved.replace({"run.stop_at": None}) if resume else RunConfig()
+    # --stop-at is an instruction to one invocation, not part of the run: never inherited;
+    # nor is --mesh: a resumed run gets the default mesh of the devices it has now.
+    base = saved.replace({"run.stop_at": None, "parallel.mesh": None}) if resume else RunConfig()
     cfg = base.replace(overrides)
     fixed = _fixed_differences(saved, record, cfg)
     if fixed and resume:
@@ -127,6 +133,7 @@ def setup(args, parser) -> Setup:
     """Validate everything and load the data; exits 2 (parser.error) on bad input."""
     overrides = given_overrides(args)
     try:
+        initialize_from_args(args)  # multi-process runs: before anything touches the backend
         if "run.out" not in overrides:
             if args.resume:
                 raise RunError("--resume needs --out: the run directory to continue")
@@ -143,13 +150,17 @@ def setup(args, parser) -> Setup:
                                                        seq_len=cfg.data.seq_len)
         s = Setup(cfg, model_cfg, step_cfg, loss_scale, out, tokenizer, train_tokens, eval_tokens,
                   stats, continuing=continuing, record=record, changes=changes)
+        mesh = run_mesh(cfg.parallel.mesh, model_cfg, cfg.data.batch_size)
+        s.placement = Placement.single() if mesh is None else Placement.on(mesh)
         if continuing:
             if record.get("data_sha256") not in (None, stats["tokens_sha256"]):
                 raise RunError(f"--out {out}: --data differs from the run's data (token hash changed)")
             s.ckpt = Checkpointer(out / CKPT_DIR, keep=cfg.run.keep)
             step = s.ckpt.latest_step()
             if step is not None:  # else: the run died before its first checkpoint; start at 0
-                abstract = abstract_train_state(step_cfg, loss_scale, cfg.data.seed)
+                # targets with the current mesh's shardings: a run saved on any mesh resumes here
+                abstract = s.placement.abstract(
+                    abstract_train_state(step_cfg, loss_scale, cfg.data.seed))
                 s.state, _ = s.ckpt.restore(step, abstract)  # CheckpointError names step and path
     except CheckpointError as e:
         exit_after_failed_restore(parser, str(e).splitlines()[0])

@@ -10,6 +10,7 @@ a signal, the end) is not saved twice.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -22,8 +23,7 @@ from jaxmem.generate.sampling import generate_text
 from jaxmem.io.checkpoint import Checkpointer
 from jaxmem.io.rundir import CKPT_DIR, METRICS_FILE, truncate_metrics, write_run_config
 from jaxmem.perf import device_memory, flops_per_token, peak_flops
-from jaxmem.train.run import make_eval_fn
-from jaxmem.train.step import create_train_state, jit_train_step
+from jaxmem.parallel.placement import Placement
 
 
 class _Stop:
@@ -65,13 +65,16 @@ def train(s) -> int:
     from tqdm import tqdm
 
     cfg, out, step_cfg = s.cfg, s.out, s.step_cfg
+    par = s.placement or Placement.single()  # one device, or a mesh (jaxmem.parallel)
+    main = par.is_main  # only process 0 writes config.json, metrics and the progress bar
     d, r = cfg.data, cfg.run
     steps = cfg.optim.total_steps
     out.mkdir(parents=True, exist_ok=True)
     resumed = s.state is not None
-    state = s.state if resumed else create_train_state(step_cfg, s.loss_scale, d.seed)
-    start = int(state.step)
-    _write_config(s, start)
+    state = s.state if resumed else par.init_state(step_cfg, s.loss_scale, d.seed)
+    start = int(par.host(state.step))
+    if main:
+        _write_config(s, start)
     ckpt = s.ckpt or Checkpointer(out / CKPT_DIR, keep=r.keep)
     end = min(steps, r.stop_at or steps)
     if start >= end:
@@ -83,20 +86,20 @@ def train(s) -> int:
     pad = s.tokenizer.pad_id
     batcher = Batcher(s.train_tokens, d.batch_size, d.seq_len, seed=d.seed, pad_id=pad)
     evals = eval_batches(s.eval_tokens, d.batch_size, d.seq_len, r.eval_batches, pad_id=pad)
-    train_step, eval_fn = jit_train_step(step_cfg), make_eval_fn(step_cfg)
+    train_step, eval_fn = par.train_step(step_cfg, state), par.eval_fn(step_cfg)
     device = jax.devices()[0]
     peak = peak_flops(device, step_cfg.precision.compute_dtype)
     fpt = flops_per_token(s.model_cfg, d.seq_len)
-    position = int(state.data_position)  # batches consumed so far, as the state recorded them
+    position = int(par.host(state.data_position))  # batches consumed so far, as the state recorded them
 
     def next_batch(position):
         mbs = [batcher.batch_at(position + i) for i in range(d.grad_accum)]
-        return {k: np.stack([mb[k] for mb in mbs]) for k in mbs[0]}
+        return par.batch({k: np.stack([mb[k] for mb in mbs]) for k in mbs[0]})
 
     def evaluate(st):
         if not evals:
             return None
-        totals = [eval_fn(st.params, b) for b in evals]
+        totals = par.host([eval_fn(st.params, par.eval_batch(b)) for b in evals])
         return float(sum(t for t, _ in totals) / max(sum(c for _, c in totals), 1.0))
 
     saved_step = start if resumed else None
@@ -107,15 +110,17 @@ def train(s) -> int:
             ckpt.save(step, st, {"step": step, "config": cfg.to_dict()}, wait=True)
             saved_step = step
 
-    truncate_metrics(out, start)  # records after the checkpoint are about to be redone
-    metrics_file = open(out / METRICS_FILE, "a")
-    print(f"jaxmem: {cfg.model.preset} ({s.model_cfg.num_params():,} params), {cfg.precision.mode}, "
+    if main:
+        truncate_metrics(out, start)  # records after the checkpoint are about to be redone
+    metrics_file = open(out / METRICS_FILE if main else os.devnull, "a")
+    say = print if main else (lambda *a, **k: None)
+    say(f"jaxmem: {cfg.model.preset} ({s.model_cfg.num_params():,} params), {cfg.precision.mode}, "
           f"remat {step_cfg.remat}, {device.platform}: {device.device_kind}; "
           f"{len(s.train_tokens):,} train tokens; run dir {out}"
           + (f"; resuming at step {start}" if resumed else "")
           + ("; no committed checkpoint, starting at step 0" if s.continuing and not resumed else ""),
           flush=True)
-    bar = tqdm(total=steps, initial=start, disable=r.no_progress, dynamic_ncols=True,
+    bar = tqdm(total=steps, initial=start, disable=r.no_progress or not main, dynamic_ncols=True,
                unit="step", file=sys.stdout)
     tokens_per_step = d.batch_size * d.seq_len * d.grad_accum
     t_start = t_last = time.perf_counter()
@@ -129,7 +134,7 @@ def train(s) -> int:
     def record(step, metrics, seconds, evaluated=None):
         """Host side of a finished step: progress bar, metrics.jsonl, the skip counter."""
         nonlocal skips_run
-        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        m = {k: float(v) for k, v in par.host(metrics).items()}
         if step > start + 2:  # the first steps of a process include compilation and dispatch lag
             timing["steps"] += 1
             timing["seconds"] += seconds
@@ -175,7 +180,7 @@ def train(s) -> int:
             ckpt.close()
             print(f"error: {skips_run} non-finite steps in a row (more than "
                   f"--max-consecutive-skips {max_skips}); loss scale now "
-                  f"{float(state.loss_scale.loss_scale):g}. Nothing was saved for these steps; "
+                  f"{float(par.host(state.loss_scale.loss_scale)):g}. Nothing was saved for these steps; "
                   f"the newest checkpoint in {out / CKPT_DIR} is untouched.", file=sys.stderr)
             return 1
         save(state, step)
@@ -183,7 +188,7 @@ def train(s) -> int:
     metrics_file.close()
     if stop.requested or step < steps:
         why = stop.requested or f"--stop-at {r.stop_at}"
-        print(f"{why}: saved step {step} to {out / CKPT_DIR}; continue with --resume")
+        say(f"{why}: saved step {step} to {out / CKPT_DIR}; continue with --resume")
         return 0
 
     if eval_loss is None:
@@ -191,16 +196,16 @@ def train(s) -> int:
     tps = tokens_per_sec()
     mem = device_memory(device)
     mfu = tps * fpt / peak if peak and tps else None
-    print(f"done: step {step}, train loss {last.get('loss', float('nan')):.4f}, "
+    say(f"done: step {step}, train loss {last.get('loss', float('nan')):.4f}, "
           f"eval loss {eval_loss if eval_loss is None else round(eval_loss, 4)}, "
           f"{f'{tps:,.0f}' if tps else 'n/a'} tokens/s, MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, "
           f"peak memory {_fmt_bytes(mem and mem['peak_bytes_in_use'])}, "
           f"wall {time.perf_counter() - t_start:.0f} s")
     sm = cfg.sample
-    if sm.max_new_tokens:
+    if sm.max_new_tokens and jax.process_count() == 1:  # sharded params: one process only
         sample = generate_text(s.model_cfg, state.params, s.tokenizer, prompt=sm.prompt,
                                max_new_tokens=sm.max_new_tokens, temperature=sm.temperature,
                                top_k=sm.top_k, seed=d.seed,
                                compute_dtype=step_cfg.precision.compute_dtype)
-        print("sample:\n" + sample)
+        say("sample:\n" + sample)
     return 0
