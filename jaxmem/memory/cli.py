@@ -53,7 +53,7 @@ def positive_gib(text: str) -> float:
 
 
 MEMORY_FLAGS = {"precision": ("mode",), "data": ("batch_size", "seq_len", "grad_accum"),
-                "optim": ("mu_dtype",)}
+                "optim": ("mu_dtype",), "parallel": ("mesh",)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "The model, precision, remat and batch flags are jaxmem.train's, with the "
                     "same defaults; with --fit, --batch-size is the largest micro-batch tried "
                     "and --mu-dtype (when not given) tries fp32 then bf16.")
-    add_run_flags(p, ["model", "precision", "remat", "optim", "data"], only=MEMORY_FLAGS)
+    add_run_flags(p, ["model", "precision", "remat", "optim", "data", "parallel"], only=MEMORY_FLAGS)
+    p.add_argument("--devices", type=positive_int, default=None, metavar="N",
+                   help="CPU backend: compile for N simulated devices of this host (with --mesh: "
+                        "the per-device breakdown, jaxmem.parallel.memory)")
     g = p.add_argument_group("planner and output")
     g.add_argument("--global-batch", type=positive_int, default=None,
                    help="sequences per optimizer step; sets --grad-accum = global / batch size")
@@ -109,7 +112,19 @@ def main(argv=None) -> int:
     if args.worker is not None:
         print(json.dumps(run_worker(args.worker)))
         return 0
+    if args.devices is not None:  # before anything initializes the backend
+        import jax
+        jax.config.update("jax_num_cpu_devices", args.devices)
     spec, global_batch, max_micro = _resolve(parser, args)
+    mesh = given_overrides(args).get("parallel.mesh")
+    if args.fit is None and (mesh is not None or args.devices is not None):
+        from jaxmem.parallel.memory import format_mesh_report, mesh_report
+        try:
+            report = mesh_report(spec, mesh)
+        except ValueError as e:  # MeshError names --mesh
+            parser.error(str(e).splitlines()[0])
+        print(json.dumps(report, indent=2) if args.json else format_mesh_report(report))
+        return 0
 
     if args.fit is None:
         measured = measure_in_subprocess(spec) if args.measure else None
