@@ -124,3 +124,23 @@ def test_per_device_memory(worker):
     assert sum(one["collectives"].values()) == 0
     assert mem["fsdp8"]["collectives"]["all-gather"] > 0
     assert mem["data8"]["collectives"]["all-gather"] == 0 and mem["data8"]["collectives"]["all-reduce"] > 0
+
+
+def test_memory_cli_per_device(tmp_path):
+    """`jaxmem.memory --mesh fsdp=2 --devices 2`: per-device numbers from a compile on 2
+    simulated devices; without enough devices, exit 2 naming --mesh."""
+    small = ["--num-layers", "2", "--batch-size", "4", "--seq-len", "32"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "jaxmem.memory", *small, *a], cwd=ROOT,
+                                    env=env, capture_output=True, text=True, timeout=300)
+    proc = run("--mesh", "fsdp=2", "--devices", "2", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout)
+    assert r["mesh"] == "data=1,fsdp=2,tensor=1" and r["devices"] == 2
+    assert r["analytic"]["local_batch"] == 2
+    np.testing.assert_allclose(r["analytic"]["total"], r["compiled"]["peak_bytes"], rtol=0.15)
+    assert r["compiled"]["collectives"]["all-gather"] > 0
+    bad = run("--mesh", "fsdp=2")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1].endswith(
+        "error: --mesh fsdp=2: the axis sizes multiply to 2, but there are 1 devices")

@@ -22,6 +22,10 @@ donated), three views of its memory and the rule of thumb:
 fastest to most frugal, the first whose *compiled* peak fits is printed with its breakdown, with
 every rejected candidate and why; exit 1 when nothing fits.
 
+`--mesh data=D,fsdp=F,tensor=T` (with `--devices N` on the CPU backend: N simulated devices)
+prints the per-device breakdown instead: the analytic model split by the sharding rules and the
+step compiled for the mesh, with its collectives (jaxmem.parallel.memory, docs/distributed.md).
+
 Bad input exits 2 with one line naming the flag. The hidden `--worker JSON` is the child side of
 `--measure` (jaxmem.memory.measure): it measures the StepSpec in the JSON and ignores every other
 flag.
@@ -117,7 +121,9 @@ def main(argv=None) -> int:
         jax.config.update("jax_num_cpu_devices", args.devices)
     spec, global_batch, max_micro = _resolve(parser, args)
     mesh = given_overrides(args).get("parallel.mesh")
-    if args.fit is None and (mesh is not None or args.devices is not None):
+    if args.fit is not None and (mesh is not None or args.devices is not None):
+        parser.error("--fit plans for one device; it does not search meshes (drop --mesh/--devices)")
+    if mesh is not None or args.devices is not None:
         from jaxmem.parallel.memory import format_mesh_report, mesh_report
         try:
             report = mesh_report(spec, mesh)
