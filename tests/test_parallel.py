@@ -144,3 +144,50 @@ def test_memory_cli_per_device(tmp_path):
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1].endswith(
         "error: --mesh fsdp=2: the axis sizes multiply to 2, but there are 1 devices")
+
+
+def test_process_flags_and_cluster_detection(monkeypatch):
+    from jaxmem.config.model import ConfigError
+    from jaxmem.parallel.distributed import check_process_flags, cluster_name, initialize
+
+    check_process_flags("localhost:1234", 2, 1)
+    check_process_flags(None, None, None)
+    for args, words in [((None, 2, None), "--num-processes needs --coordinator HOST:PORT"),
+                        ((None, None, 0), "--process-id needs --coordinator"),
+                        (("localhost", 2, 0), "expected HOST:PORT"),
+                        (("localhost:1", 2, None), "needs --num-processes and --process-id"),
+                        (("localhost:1", 2, 2), "--process-id 2 must be below --num-processes 2")]:
+        with pytest.raises(ConfigError, match=words):
+            check_process_flags(*args)
+    for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "JOB_COMPLETION_INDEX"):
+        monkeypatch.delenv(var, raising=False)
+    assert cluster_name() is None and initialize() is False  # one process: nothing started
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert cluster_name() is None  # a one-task Slurm job is a single process
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert cluster_name() == "Slurm"
+
+
+def test_one_device_placement_is_todays_step():
+    """No mesh: the single-device step lowers to exactly today's program, the init is bitwise
+    today's, and batches pass through untouched."""
+    import jax
+    from jaxmem.config.run import RunConfig
+    from jaxmem.memory.compiled import abstract_state, abstract_step_batch
+    from jaxmem.memory.spec import StepSpec
+    from jaxmem.parallel.mesh import run_mesh
+    from jaxmem.parallel.placement import Placement
+    from jaxmem.train.step import create_train_state, jit_train_step
+
+    spec = StepSpec.from_run_config(RunConfig().replace({"data.batch_size": 2, "data.seq_len": 8}))
+    step_cfg, loss_scale = spec.step_config()
+    assert run_mesh(None, step_cfg.model, 2) is None  # the test process has one device
+    par = Placement.single()
+    state, batch = abstract_state(spec), abstract_step_batch(spec)
+    assert (par.train_step(step_cfg, state).lower(state, batch).as_text()
+            == jit_train_step(step_cfg).lower(state, batch).as_text())
+    ours, todays = par.init_state(step_cfg, loss_scale, 3), create_train_state(step_cfg, loss_scale, 3)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(todays)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    numpy_batch = {"inputs": np.zeros((1, 2, 3), np.int32)}
+    assert par.batch(numpy_batch) is numpy_batch and par.eval_batch(numpy_batch) is numpy_batch
