@@ -24,6 +24,8 @@ from jaxmem.io.checkpoint import Checkpointer
 from jaxmem.io.rundir import CKPT_DIR, METRICS_FILE, truncate_metrics, write_run_config
 from jaxmem.perf import device_memory, flops_per_token, peak_flops
 from jaxmem.parallel.placement import Placement
+from jaxmem.train.run import make_eval_fn
+from jaxmem.train.step import create_train_state, jit_train_step
 
 
 class _Stop:
@@ -71,7 +73,9 @@ def train(s) -> int:
     steps = cfg.optim.total_steps
     out.mkdir(parents=True, exist_ok=True)
     resumed = s.state is not None
-    state = s.state if resumed else par.init_state(step_cfg, s.loss_scale, d.seed)
+    one = par.mesh is None  # one device: today's functions, called by name here
+    state = s.state if resumed else (create_train_state(step_cfg, s.loss_scale, d.seed) if one
+                                     else par.init_state(step_cfg, s.loss_scale, d.seed))
     start = int(par.host(state.step))
     if main:
         _write_config(s, start)
@@ -86,7 +90,8 @@ def train(s) -> int:
     pad = s.tokenizer.pad_id
     batcher = Batcher(s.train_tokens, d.batch_size, d.seq_len, seed=d.seed, pad_id=pad)
     evals = eval_batches(s.eval_tokens, d.batch_size, d.seq_len, r.eval_batches, pad_id=pad)
-    train_step, eval_fn = par.train_step(step_cfg, state), par.eval_fn(step_cfg)
+    train_step, eval_fn = ((jit_train_step(step_cfg), make_eval_fn(step_cfg)) if one
+                           else (par.train_step(step_cfg, state), par.eval_fn(step_cfg)))
     device = jax.devices()[0]
     peak = peak_flops(device, step_cfg.precision.compute_dtype)
     fpt = flops_per_token(s.model_cfg, d.seq_len)
