@@ -275,3 +275,29 @@ def test_save_hf_refuses_a_directory_holding_a_checkpoint(exported):
     with pytest.raises(HFError, match="already holds a checkpoint"):
         save_hf(d / "bf16", CFG, params)
     assert sorted(p.name for p in (d / "bf16").iterdir()) == before
+
+
+def test_init_from_run_resumes_bitwise_without_the_weights(exported, tmp_path, corpus):
+    """An --init-from run stopped at step 1 and resumed (the checkpoint's weights deleted
+    meanwhile) ends bitwise equal to an uninterrupted one: after step 0 the run reads only its
+    own checkpoints, and the tokenizer.json its config names (as any --tokenizer run)."""
+    from jaxmem.train.cli import main
+
+    from runs import losses, params_of  # noqa: PLC0415
+
+    d, _ = exported
+    src = tmp_path / "ckpt"
+    shutil.copytree(d / "fp32", src)
+    common = ["--init-from", str(src), "--data", corpus, "--steps", "3", "--batch-size", "2",
+              "--seq-len", "16", "--sample-tokens", "0", "--no-progress", "--log-every", "1",
+              "--eval-batches", "1"]
+    assert main([*common, "--out", str(tmp_path / "whole")]) == 0
+    assert main([*common, "--out", str(tmp_path / "split"), "--stop-at", "1"]) == 0
+    for f in [*src.glob("*.safetensors"), src / "model.safetensors.index.json"]:
+        f.unlink()
+    assert main(["--out", str(tmp_path / "split"), "--resume", "--no-progress"]) == 0
+    whole, split = params_of(tmp_path / "whole"), params_of(tmp_path / "split")
+    assert whole[0] == split[0] == 3
+    for a, b in zip(whole[1], split[1]):
+        np.testing.assert_array_equal(a, b)
+    assert losses(tmp_path / "whole") == losses(tmp_path / "split")

@@ -3,7 +3,8 @@
 The checkpoint fixes the model: its config.json's fields become the run's `model` section (every
 field, so config.json of the run is complete without the checkpoint) and its tokenizer.json the
 run's `--tokenizer`; the weights replace the random init at step 0 only. A continued run restores
-its own checkpoints and never reads the HF directory again, so it may be moved or deleted.
+its own checkpoints and never reads the weights again; like any `--tokenizer` run it reads the
+tokenizer.json its config names (the checkpoint's, by absolute path).
 """
 
 from __future__ import annotations
