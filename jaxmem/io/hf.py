@@ -170,25 +170,23 @@ def weight_files(hf_dir) -> dict[str, Path]:
 
 
 class _TensorReader:
-    """get_tensor(name) over a checkpoint's files, each opened once with safe_open."""
+    """get_tensor(name) over a checkpoint's files.
+
+    Each read opens the file, copies the one tensor out and closes it: safetensors reads through
+    a memory map, and a file kept open keeps every page read so far resident, which added the
+    file's size to the peak (measured: experiments/hf_load_memory.py).
+    """
 
     def __init__(self, files: dict[str, Path], hf_dir):
-        self.files, self.hf_dir, self.open = files, hf_dir, {}
+        self.files, self.hf_dir = files, hf_dir
 
     def __call__(self, name: str) -> np.ndarray:
         from safetensors import safe_open  # noqa: PLC0415
 
         if name not in self.files:
             raise HFError(f"{self.hf_dir}: no tensor {name} in the checkpoint's weights")
-        path = self.files[name]
-        if path not in self.open:
-            self.open[path] = safe_open(path, framework="numpy").__enter__()
-        return self.open[path].get_tensor(name)
-
-    def close(self):
-        for f in self.open.values():
-            f.__exit__(None, None, None)
-        self.open.clear()
+        with safe_open(self.files[name], framework="numpy") as f:
+            return f.get_tensor(name)
 
 
 def load_hf_params(hf_dir, config: ModelConfig, dtype=np.float32) -> dict:
@@ -208,8 +206,6 @@ def load_hf_params(hf_dir, config: ModelConfig, dtype=np.float32) -> dict:
         if isinstance(e, HFError):
             raise
         raise HFError(f"{hf_dir}: {e}") from None  # a tensor of the wrong shape, named
-    finally:
-        reader.close()
 
 
 def load_hf(hf_dir, dtype=np.float32) -> tuple[ModelConfig, dict]:
