@@ -207,7 +207,8 @@ def test_init_from_weights_start_the_state_in_every_precision_mode(exported, mod
     cfg = RunConfig().replace(overrides)
     model_cfg, step_cfg, loss_scale = build_step_config(cfg)
     assert model_cfg == CFG
-    state = create_train_state(step_cfg, loss_scale, params=init_params_from(cfg.init.init_from, model_cfg))
+    loaded = init_params_from(cfg.init.init_from, model_cfg, step_cfg.precision.param_dtype)
+    state = create_train_state(step_cfg, loss_scale, params=loaded)
     want = cast_floating(params, step_cfg.precision.param_dtype)
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                            state.params, want)
