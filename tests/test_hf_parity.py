@@ -147,3 +147,25 @@ def test_finetuned_export_loads_in_transformers(checkpoints, tmp_path, corpus, c
                          "--max-new-tokens", "6"]) == 0
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_jaxmem_written_checkpoint_loads_in_transformers(tmp_path, tied):
+    """save_hf of random params (sharded; untied head, head_dim 12 != 48/4) -> transformers'
+    from_pretrained: the same logits as jaxmem's within 1e-4, no tensor left at its init."""
+    from jaxmem.config.model import ModelConfig
+    from jaxmem.io.hf_export import save_hf
+
+    from hf_files import random_params
+
+    config = ModelConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=12, rms_norm_eps=1e-6,
+                         max_position_embeddings=256, tie_embeddings=tied)
+    params = random_params(config, seed=3)
+    save_hf(tmp_path / "hf", config, params, max_shard_bytes=20_000)
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    assert set(model.state_dict()) - {"lm_head.weight"} <= set(
+        json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"])
+    ids, pos = ids_and_positions(config.vocab_size, far=False)
+    ref = torch_logits(tmp_path / "hf", ids, pos)
+    np.testing.assert_allclose(jax_logits(config, params, ids, pos), ref, atol=ATOL, rtol=0)
