@@ -72,6 +72,8 @@ def test_transformers_5_spelling_reads_the_same():
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}},
      "rope_parameters.rope_type='linear'"),
     ({"hidden_act": "gelu"}, "hidden_act=\"gelu\" is not supported"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}},
+     "quantization_config (quant_method 'gptq') is not supported"),
 ])
 def test_unsupported_keys_are_named(change, needle):
     with pytest.raises(HFError, match=None) as e:

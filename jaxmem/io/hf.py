@@ -92,6 +92,11 @@ def config_from_hf(d: dict) -> ModelConfig:
     _refuse(d, "mlp_bias", lambda v: v is False, "no biases in jaxmem's MLP")
     _refuse(d, "hidden_act", lambda v: v == "silu", "jaxmem's MLP is SwiGLU")
     _refuse(d, "attention_dropout", lambda v: v == 0, "jaxmem has no dropout")
+    if d.get("quantization_config"):  # GPTQ / AWQ / bitsandbytes files: not plain weights
+        method = d["quantization_config"].get("quant_method", "?") if isinstance(
+            d["quantization_config"], dict) else "?"
+        raise HFError(f"config.json: quantization_config (quant_method {method!r}) is not "
+                      f"supported: jaxmem reads unquantized weights (--quantize-base quantizes)")
     missing = [k for k in _SAME.values() if k not in d and k != "rms_norm_eps"]
     if missing:
         raise HFError(f"config.json: missing key {missing[0]}")
