@@ -78,12 +78,21 @@ class Placement:
             return abstract_state
         return R.with_shardings(abstract_state, self.mesh)
 
-    def init_state(self, step_cfg, loss_scale, seed: int):
+    def init_state(self, step_cfg, loss_scale, seed: int, params=None):
+        """A fresh state, created split over the mesh. `params` (host arrays, e.g. from
+        --init-from) are first put onto the mesh piece by piece (`device_put` with the params'
+        shardings), so no device receives the whole checkpoint either."""
+        def create(p=None):
+            return create_train_state(step_cfg, loss_scale, seed, params=p)
+
         if self.mesh is None:
-            return create_train_state(step_cfg, loss_scale, seed)
-        abstract = jax.eval_shape(lambda: create_train_state(step_cfg, loss_scale, seed))
-        return jax.jit(lambda: create_train_state(step_cfg, loss_scale, seed),
-                       out_shardings=self.state_shardings(abstract))()
+            return create(params)
+        abstract = jax.eval_shape(create, params) if params is not None else jax.eval_shape(create)
+        shardings = self.state_shardings(abstract)
+        if params is None:
+            return jax.jit(create, out_shardings=shardings)()
+        placed = jax.device_put(params, shardings.params)
+        return jax.jit(create, in_shardings=(shardings.params,), out_shardings=shardings)(placed)
 
     def train_step(self, step_cfg, like):
         """The jitted, donated step for states shaped like `like` (a state or its abstract

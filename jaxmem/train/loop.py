@@ -74,8 +74,10 @@ def train(s) -> int:
     out.mkdir(parents=True, exist_ok=True)
     resumed = s.state is not None
     one = par.mesh is None  # one device: today's functions, called by name here
-    state = s.state if resumed else (create_train_state(step_cfg, s.loss_scale, d.seed) if one
-                                     else par.init_state(step_cfg, s.loss_scale, d.seed))
+    state = s.state if resumed else (
+        create_train_state(step_cfg, s.loss_scale, d.seed, params=s.init_params) if one
+        else par.init_state(step_cfg, s.loss_scale, d.seed, params=s.init_params))
+    s.init_params = None  # --init-from's host copy: the state holds the weights now
     start = int(par.host(state.step))
     if main:
         _write_config(s, start)
@@ -119,7 +121,7 @@ def train(s) -> int:
         truncate_metrics(out, start)  # records after the checkpoint are about to be redone
     metrics_file = open(out / METRICS_FILE if main else os.devnull, "a")
     say = print if main else (lambda *a, **k: None)
-    say(f"jaxmem: {cfg.model.preset} ({s.model_cfg.num_params():,} params), {cfg.precision.mode}, "
+    say(f"jaxmem: {cfg.init.init_from or cfg.model.preset} ({s.model_cfg.num_params():,} params), {cfg.precision.mode}, "
           f"remat {step_cfg.remat}, {device.platform}: {device.device_kind}; "
           f"{len(s.train_tokens):,} train tokens; run dir {out}"
           + (f"; resuming at step {start}" if resumed else "")
