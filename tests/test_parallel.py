@@ -191,3 +191,19 @@ def test_one_device_placement_is_todays_step():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     numpy_batch = {"inputs": np.zeros((1, 2, 3), np.int32)}
     assert par.batch(numpy_batch) is numpy_batch and par.eval_batch(numpy_batch) is numpy_batch
+
+
+def test_memory_fit_searches_meshes():
+    """`--fit GIB --devices 4`: meshes from pure data parallel towards all-fsdp; the first whose
+    per-device compiled peak fits is chosen (27 MiB: data=4 needs 28.7 MiB, measured)."""
+    budget = 0.027
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "jaxmem.memory", "--num-layers", "2", "--devices",
+                           "4", "--fit", str(budget), "--json"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout)
+    tried = r["tried"]
+    assert tried[0]["mesh"] == "data=4,fsdp=1,tensor=1" and len(tried) >= 2
+    assert r["chosen"] == tried[-1] and r["chosen"]["peak_bytes"] <= budget * 2**30
+    assert all(t["peak_bytes"] > budget * 2**30 for t in tried[:-1])

@@ -25,6 +25,8 @@ every rejected candidate and why; exit 1 when nothing fits.
 `--mesh data=D,fsdp=F,tensor=T` (with `--devices N` on the CPU backend: N simulated devices)
 prints the per-device breakdown instead: the analytic model split by the sharding rules and the
 step compiled for the mesh, with its collectives (jaxmem.parallel.memory, docs/distributed.md).
+`--fit GIB --devices N` chooses the mesh instead of the step: the first mesh of N devices, from
+pure data parallel to all-fsdp to tensor=2, whose per-device compiled peak fits.
 
 Bad input exits 2 with one line naming the flag. The hidden `--worker JSON` is the child side of
 `--measure` (jaxmem.memory.measure): it measures the StepSpec in the JSON and ignores every other
@@ -121,8 +123,22 @@ def main(argv=None) -> int:
         jax.config.update("jax_num_cpu_devices", args.devices)
     spec, global_batch, max_micro = _resolve(parser, args)
     mesh = given_overrides(args).get("parallel.mesh")
-    if args.fit is not None and (mesh is not None or args.devices is not None):
-        parser.error("--fit plans for one device; it does not search meshes (drop --mesh/--devices)")
+    if args.fit is not None and mesh is not None:
+        parser.error("--fit with --devices searches the meshes itself; drop --mesh")
+    if args.fit is not None and args.devices is not None:
+        from jaxmem.parallel.memory import fit_mesh
+        result = fit_mesh(spec, int(args.fit * GiB), log=None if args.json else (
+            lambda t: print(f"  mesh {t['mesh']}: per-device peak {t['peak_bytes'] / GiB:.3f} GiB"
+                            f"{'' if t['fits'] else ' > budget'}", file=sys.stderr, flush=True)))
+        if args.json:
+            print(json.dumps(result, indent=2))
+        elif result["chosen"]:
+            print(f"chosen mesh: {result['chosen']['mesh']}")
+        if result["chosen"] is None:
+            print(f"error: no mesh of {args.devices} devices fits this step in {args.fit:g} GiB "
+                  f"per device", file=sys.stderr)
+            return 1
+        return 0
     if mesh is not None or args.devices is not None:
         from jaxmem.parallel.memory import format_mesh_report, mesh_report
         try:

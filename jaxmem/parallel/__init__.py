@@ -5,6 +5,7 @@ the batch, multi-process start-up (docs/distributed.md).
     rules.py        PartitionSpecs of the state, the batch and the activations
     placement.py    Placement: sharded init, the jitted step with in/out shardings, batches
     distributed.py  jax.distributed start-up flags (--coordinator ...), heartbeat, errors
+    memory.py       per-device memory: analytic split by the rules, compiled, mesh search
     launch.py       `python -m jaxmem.launch`: N local processes for trying multi-host on CPU
 """
 
