@@ -192,15 +192,25 @@ class RunSection:
     eval_every: int = option(100, "evaluate every N steps (0: only at the end)", type="nonneg_int",
                              mutable=True)
     eval_batches: int = option(8, "batches per evaluation", type="positive_int", mutable=True)
-    log_every: int = option(10, "write metrics every N steps", type="positive_int", mutable=True)
-    no_progress: bool = option(False, "no progress bar (logs only)", store_true=True, mutable=True)
+    log_every: int = option(10, "write metrics (and a plain log line without the progress bar) "
+                            "every N steps", type="positive_int", mutable=True)
+    no_progress: bool = option(False, "no progress bar: a plain line every --log-every steps (also "
+                               "when stdout is not a terminal)", store_true=True, mutable=True)
+    no_tensorboard: bool = option(False, "do not write TensorBoard events to <out>/tensorboard "
+                                  "(written when tensorboardX is installed)", store_true=True,
+                                  mutable=True)
+    wandb_project: str | None = option(None, "log to this Weights & Biases project (needs wandb; "
+                                       "WANDB_MODE=offline keeps it local)", metavar="PROJECT",
+                                       mutable=True)
 
 
 @dataclass(frozen=True)
 class SampleSection:
     """Text sampled from the model: at the end of a run, and by `jaxmem.generate`."""
 
-    prompt: str = option("def ", "text to continue")
+    prompt: str | None = option(None, "text to continue (default: at the end of training, the "
+                                "start of the eval data; in jaxmem.generate, the run's --prompt "
+                                "or none)")
     max_new_tokens: int = option(200, "tokens to generate (0: none at the end of a run)",
                                  flags=("--max-new-tokens", "--sample-tokens"), type="nonneg_int",
                                  mutable=True)

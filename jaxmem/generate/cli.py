@@ -11,19 +11,25 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from pathlib import Path
 
 from jaxmem.config.flags import add_run_flags, given_overrides
 from jaxmem.data import DataError
 from jaxmem.generate.sampling import generate_text
 from jaxmem.io.checkpoint import CheckpointError
-from jaxmem.io.rundir import RunError, exit_after_failed_restore, load_run
+from jaxmem.io.rundir import RunError, exit_after_failed_restore, fail, load_run
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jaxmem.generate",
-                                description="Sample from the newest checkpoint of a jaxmem run.")
+    p = argparse.ArgumentParser(
+        prog="python -m jaxmem.generate",
+        description="Sample from a checkpoint of a jaxmem run (default: its newest). The sampling "
+                    "defaults shown are jaxmem.train's; a run's own values, as saved in its "
+                    "config.json, take their place.")
     p.add_argument("--run", required=True, help="run directory (the --out of jaxmem.train)")
+    p.add_argument("--step", type=int, default=None, metavar="N",
+                   help="sample from committed checkpoint step N (default: the newest)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     add_run_flags(p, ["sample"])
     return p
@@ -36,13 +42,18 @@ def main(argv=None) -> int:
     if overrides.get("max_new_tokens", 1) <= 0:
         p.error(f"--max-new-tokens must be positive, got {overrides['max_new_tokens']}")
     try:
-        run = load_run(Path(args.run))
+        run = load_run(Path(args.run), step=args.step)
     except CheckpointError as e:
         exit_after_failed_restore(p, str(e).splitlines()[0])
     except (RunError, DataError, ValueError) as e:
-        p.error(str(e).splitlines()[0])
+        fail(p, str(e).splitlines()[0])
     sm = dataclasses.replace(run.config.sample, **overrides)
-    print(generate_text(run.model_config, run.state.params, run.tokenizer, sm.prompt,
-                        sm.max_new_tokens, sm.temperature, sm.top_k, args.seed,
-                        run.step_config.precision.compute_dtype))
+    try:
+        text = generate_text(run.model_config, run.state.params, run.tokenizer, sm.prompt,
+                             sm.max_new_tokens, sm.temperature, sm.top_k, args.seed,
+                             run.step_config.precision.compute_dtype,
+                             note=lambda m: print(m, file=sys.stderr))
+    except ValueError as e:  # a prompt longer than the model's context
+        fail(p, f"--prompt: {e}")
+    print(text)
     return 0

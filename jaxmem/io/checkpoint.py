@@ -167,6 +167,10 @@ class Checkpointer:
                                   f"(got {type(meta).__name__})")
         return state, meta
 
+    def delete(self, step: int) -> None:
+        """Delete committed `step` (resuming from an older step replaces the later ones)."""
+        self._manager.delete(int(step))
+
     def close(self) -> None:
         """Wait for any background save, then release Orbax's threads."""
         try:
