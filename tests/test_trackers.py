@@ -120,6 +120,7 @@ def _corrupt(step_dir: Path):
     big.write_bytes(big.read_bytes()[:16])
 
 
+@pytest.mark.slow
 def test_failed_restore_names_older_steps_and_resume_step_uses_one(tmp_path, corpus, capsys):
     out = tmp_path / "r"
     base = [*SMALL, "--data", corpus, "--out", str(out), "--steps", "6", "--save-every", "2",
@@ -127,8 +128,8 @@ def test_failed_restore_names_older_steps_and_resume_step_uses_one(tmp_path, cor
     assert main([*base, "--stop-at", "4"]) == 0
     _corrupt(out / "checkpoints" / "4")
     cmd = [sys.executable, "-m", "jaxmem.train", "--out", str(out), "--resume"]
-    # repeated failing restores: one line each time, and never Orbax's stray thread tracebacks
-    for _ in range(3):
+    # 10 repeated failing restores: one line each time, never Orbax's stray thread tracebacks
+    for _ in range(10):
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert p.returncode == 2, p.stderr
         # (the test corpus' b.txt is 6 bytes, one invalid: a "looks binary" warning comes first)
@@ -199,3 +200,4 @@ def test_data_warnings_binary_small_and_symlinks(tmp_path, capsys):
     assert "reached twice" in err and str(d / "link.txt") in err
     stats = json.loads((tmp_path / "r" / "config.json").read_text())["data_stats"]
     assert stats["duplicate_files_skipped"] == [str(d / "link.txt")] and stats["files"] == 2
+
