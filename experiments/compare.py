@@ -59,6 +59,7 @@ from pathlib import Path
 from experiments.compare_report import (add_mfu, add_ratios, format_table, mib, remat_label,
                                         versions, write_chart)
 from experiments.compare_workers import FRAMEWORKS, MODES, SELECTIVE, worker
+from experiments.resultfiles import new_result_file
 from jaxmem.config.flags import add_run_flags, given_overrides
 from jaxmem.config.run import RunConfig
 
@@ -98,7 +99,8 @@ def parse_args(argv=None):
                    help="CPU smoke: tiny preset, 2 layers, B=2, T=64, 8 steps, 1 thread, "
                         "torch.compile only for fp32 (a few minutes on 2 cores)")
     g.add_argument("--json", action="store_true", help="print only the JSON document")
-    g.add_argument("--out", type=Path, default=None, help="JSON path (default: results dir)")
+    g.add_argument("--out", type=Path, default=None, help="JSON path; the chart goes next to it "
+                   "as .png (default: a new experiments/results/compare-<run>-<device>_<date>.json)")
     g.add_argument("--no-save", action="store_true", help="write no files")
     g.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -194,7 +196,7 @@ def main(argv=None) -> int:
     if not args.no_save:
         RESULTS.mkdir(parents=True, exist_ok=True)
         stem = f"compare-{'quick' if args.quick else args.preset}-{(dev or 'x').split(':')[0]}"
-        out = args.out or RESULTS / f"{stem}.json"
+        out = args.out or new_result_file(stem, companions=(".png",))  # never a tracked file
         out.write_text(json.dumps(doc, indent=1) + "\n")
         write_chart(out.with_suffix(".png"), results)
         doc["written"] = [str(out), str(out.with_suffix(".png"))]

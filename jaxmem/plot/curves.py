@@ -32,9 +32,12 @@ def run_label(run_dir) -> str:
     name = Path(run_dir).resolve().name
     try:
         cfg = json.loads((Path(run_dir) / "config.json").read_text())["config"]
-        return f"{name} ({cfg['precision']['mode']}, remat {cfg['remat']['policy']})"
+        mode, remat = cfg["precision"]["mode"], cfg["remat"]["policy"]
     except (OSError, KeyError, ValueError, TypeError):
         return name
+    extra = [x for x in (mode if mode not in name else None,
+                         f"remat {remat}" if remat != "none" and remat not in name else None) if x]
+    return f"{name} ({', '.join(extra)})" if extra else name
 
 
 def plot_runs(run_dirs, labels=None):
@@ -63,6 +66,8 @@ def plot_runs(run_dirs, labels=None):
     ax_scale.set(title="loss scale", ylabel="scale (log)", yscale="log", xlabel="optimizer step")
     ax_skip.set(title="skipped steps (non-finite gradients)", ylabel="count, cumulative",
                 xlabel="optimizer step")
+    ax_skip.set_ylim(bottom=0, top=max(1, ax_skip.get_ylim()[1]))
+    ax_skip.yaxis.get_major_locator().set_params(integer=True)
     for ax in (ax_loss, ax_lr, ax_scale, ax_skip):
         ax.grid(alpha=0.3)
     ax_loss.legend(fontsize=8)

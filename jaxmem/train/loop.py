@@ -158,7 +158,8 @@ def train(s) -> int:
         if evaluated is not None:
             rec = trackers.with_eval_metrics({**rec, "eval_loss": evaluated})
         mem = device_memory(device)
-        if step % r.log_every == 0 or step == steps or evaluated is not None:
+        # a skipped (non-finite) step is always recorded: plots and audits count them
+        if step % r.log_every == 0 or step == steps or evaluated is not None or rec["skipped"]:
             metrics_file.write(json.dumps(rec) + "\n")
             metrics_file.flush()
             rate = timing["seconds"] / timing["steps"] if timing["steps"] else None
