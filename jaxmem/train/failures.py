@@ -13,6 +13,10 @@ import shlex
 GiB = 2**30
 
 
+def _size(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:.1f} MiB"
+
+
 def is_oom(e: BaseException) -> bool:
     """Is this XLA's out-of-memory error (RESOURCE_EXHAUSTED)?"""
     return "RESOURCE_EXHAUSTED" in str(e)[:2000] or "Out of memory" in str(e)[:2000]
@@ -60,13 +64,14 @@ def oom_message(cfg, out, error: BaseException, peak: int | None = None,
     device_bytes = _device_bytes() if device_bytes is None else device_bytes
     first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
     d = cfg.data
-    est = f"{peak / GiB:.2f} GiB" if peak else "unknown"
-    have = f"{device_bytes / GiB:.2f} GiB" if device_bytes else "unknown (the backend does not say)"
+    est = _size(peak) if peak else "an unknown amount"
+    have = (f"the device has {_size(device_bytes)} for XLA" if device_bytes else
+            "the backend does not report the device's size")
     budget = device_bytes / GiB if device_bytes else None
     return (f"error: out of device memory ({first}). The train step ({cfg.model.preset}, "
             f"{cfg.precision.mode}, remat {cfg.remat.policy}, micro-batch {d.batch_size} x "
-            f"{d.seq_len} tokens, grad accum {d.grad_accum}) was compiled to need {est}; the device "
-            f"has {have} for XLA. Find a configuration that fits with:\n"
+            f"{d.seq_len} tokens, grad accum {d.grad_accum}) was compiled to need {est}; {have}. "
+            f"Find a configuration that fits with:\n"
             f"  {fit_command(cfg, budget)}\n"
             f"then rerun with its flags (e.g. a smaller --batch-size with --grad-accum, --remat "
             f"full, --mu-dtype bf16) and a new --out (a run's batch and remat cannot change). "
