@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     groups["run directory"].add_argument(
         "--resume-step", type=int, default=None, metavar="STEP",
         help="with --resume: continue from this committed step instead of the newest (e.g. when "
-             "the newest checkpoint is damaged); later checkpoints are replaced as the run goes on")
+             "the newest checkpoint is damaged); the later checkpoints are deleted")
     return p
 
 
