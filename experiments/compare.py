@@ -37,8 +37,9 @@ recomputes its T x T probabilities in the backward under every policy, docs/rema
 policy string can be given instead (`--remats none "names:query,key"`); torch then runs
 `selective`.
 
-`--json` prints only the JSON document; results go to experiments/results/compare-*.json and
-a bar chart (pure-python PNG) next to it.
+`--json` prints only the JSON document; results go to a new experiments/results/compare-*_<date>.json
+(never over a tracked file) or to `--out`, and a chart (matplotlib, the `plot` extra: saved
+activations and tokens/s per mode and remat, a bar per framework) next to it as .png.
 
 Layout: this module is the driver (flags, one subprocess per run, the JSON document);
 experiments.compare_workers is what each subprocess runs; experiments.compare_report the ratios,
@@ -61,6 +62,7 @@ from experiments.compare_report import (add_mfu, add_ratios, format_table, mib, 
 from experiments.compare_workers import FRAMEWORKS, MODES, SELECTIVE, worker
 from experiments.resultfiles import new_result_file
 from jaxmem.config.flags import add_run_flags, given_overrides
+from jaxmem.plot.figure import PlotError
 from jaxmem.config.run import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,8 +200,12 @@ def main(argv=None) -> int:
         stem = f"compare-{'quick' if args.quick else args.preset}-{(dev or 'x').split(':')[0]}"
         out = args.out or new_result_file(stem, companions=(".png",))  # never a tracked file
         out.write_text(json.dumps(doc, indent=1) + "\n")
-        write_chart(out.with_suffix(".png"), results)
-        doc["written"] = [str(out), str(out.with_suffix(".png"))]
+        doc["written"] = [str(out)]
+        try:
+            write_chart(out.with_suffix(".png"), results)
+            doc["written"].append(str(out.with_suffix(".png")))
+        except PlotError as e:  # matplotlib missing: the measured JSON is kept regardless
+            print(f"no chart: {e}", file=sys.stderr)
     if args.json:
         print(json.dumps(doc))
     else:

@@ -38,3 +38,11 @@ def test_a_prompt_that_fills_the_context_is_an_error_not_a_cut(model):
     assert new_token_budget(47, 10, 48) == 1
     with pytest.raises(ValueError, match="the prompt is 48 tokens .* 48 positions"):
         sample_tokens(cfg, params, list(range(48)), max_new_tokens=4)
+
+
+def test_generate_help_shows_defaults_and_step():
+    from jaxmem.generate.cli import build_parser
+    text = " ".join(build_parser().format_help().split())
+    for part in ("--step N", "(default: the newest)", "(default: 200)", "(default: 0.8)",
+                 "(default: 40)", "sampling seed (default: 0)"):
+        assert part in text, part
