@@ -241,3 +241,22 @@ def test_oom_message_names_estimate_device_and_fit_command():
     assert ("python -m jaxmem.memory --preset llama-3.2-1b --precision amp-bf16 --seq-len 2048 "
             "--global-batch 16 --fit 60") in msg
     assert msg.count("\n") == 2  # one paragraph, the command on its own line
+
+
+def test_progress_bar_only_on_a_terminal_and_trackers_optional(tmp_path, corpus, monkeypatch):
+    import io
+
+    from jaxmem.train.trackers import plain_progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert plain_progress(False, Tty()) is False and plain_progress(True, Tty()) is True
+    assert plain_progress(False, io.StringIO()) is True
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    out = tmp_path / "r"
+    assert main([*SMALL, "--data", corpus, "--out", str(out), "--steps", "1",
+                 "--wandb-project", "p"]) == 0  # trains; says W&B is not installed
+    assert not (out / "tensorboard").exists() and not (out / "wandb").exists()
