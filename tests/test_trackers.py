@@ -219,13 +219,13 @@ def test_ten_failing_restores_in_one_process_leave_no_stray_tracebacks(tmp_path,
         "        load_run(sys.argv[1])\n"
         "    except CheckpointError as e:\n"
         "        print('failed', i, str(e).split('; older')[1])\n"
-        "import time; time.sleep(0.5)  # late callbacks land here\n")
+        "import gc, time; time.sleep(0.5); gc.collect()  # late callbacks, unretrieved futures\n")
     p = subprocess.run([sys.executable, "-c", child, str(out)], capture_output=True, text=True,
                        timeout=300, cwd=Path(__file__).parent.parent)
     assert p.returncode == 0, p.stderr
     assert p.stdout.count("failed") == 10, p.stdout
     assert " committed steps: 1 (restore one with --step 1)" in p.stdout, p.stdout
-    assert "Traceback" not in p.stderr and "RuntimeError" not in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and "Error" not in p.stderr, p.stderr
 
 
 def test_oom_message_names_estimate_device_and_fit_command():

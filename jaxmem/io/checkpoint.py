@@ -27,6 +27,7 @@ state given to `restore`.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -54,14 +55,24 @@ def _first_line(e: BaseException) -> str:
 # back into the asyncio loop (or executor) Orbax has already closed. Python reports each as an
 # "unraisable" exception: tens of tracebacks on stderr around the one useful error line
 # (measured: 0 to 20 per failed restore of a truncated manifest, orbax 0.12.8). Only these two
-# messages are dropped; every other unraisable exception goes to the previous hook.
+# messages are dropped; every other unraisable exception goes to the previous hook. The reads
+# that failed too are logged by asyncio when their futures are collected ("Future exception was
+# never retrieved", once in ~60 failed restores): copies of the error already raised, dropped
+# when they carry a TensorStore spec.
 _LATE_CALLBACK_ERRORS = ("Event loop is closed", "cannot schedule new futures after shutdown")
+
+
+class _UnretrievedTensorStoreErrors(logging.Filter):
+    def filter(self, record):
+        msg = record.getMessage()
+        return not ("exception was never retrieved" in msg and "tensorstore_spec" in msg)
 
 
 def _drop_late_callback_errors() -> None:
     previous = sys.unraisablehook
     if getattr(previous, "_jaxmem_filter", False):
         return
+    logging.getLogger("asyncio").addFilter(_UnretrievedTensorStoreErrors())
 
     def hook(unraisable):
         e = unraisable.exc_value
