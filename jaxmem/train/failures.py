@@ -62,7 +62,8 @@ def oom_message(cfg, out, error: BaseException, peak: int | None = None,
     """One paragraph: estimate, device size, what to run; the run directory stays usable."""
     peak = _compiled_peak(cfg) if peak is None else peak
     device_bytes = _device_bytes() if device_bytes is None else device_bytes
-    first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+    first = str(error).strip().splitlines()[0][:200].rstrip(".") if str(error).strip() else \
+        type(error).__name__
     d = cfg.data
     est = _size(peak) if peak else "an unknown amount"
     have = (f"the device has {_size(device_bytes)} for XLA" if device_bytes else
