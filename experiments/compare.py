@@ -86,17 +86,22 @@ def parse_args(argv=None):
     add_run_flags(p, ["model", "optim", "data"], defaults=DEFAULTS,
                   only={"optim": ("lr", "total_steps"), "data": ("batch_size", "seq_len", "seed")})
     g = p.add_argument_group("comparison")
-    g.add_argument("--warmup", type=int, default=2, help="steps left out of the median time")
-    g.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    g.add_argument("--warmup", type=int, default=2,
+                   help="steps left out of the median time (default: 2)")
+    g.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, metavar="MODE",
+                   help=f"precision modes: {', '.join(MODES)} (default: all)")
     g.add_argument("--remats", nargs="+", default=["none", "full", "selective"],
-                   help="none, full, selective (= %s) or any jaxmem policy" % SELECTIVE)
-    g.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
+                   help="none, full, selective (= %s) or any jaxmem policy (default: none full "
+                        "selective)" % SELECTIVE)
+    g.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS,
+                   metavar="FW", help=f"{', '.join(FRAMEWORKS)} (default: all)")
     g.add_argument("--compile-modes", nargs="+", default=None,
                    help="modes that also run torch.compile (default: all)")
     g.add_argument("--threads", type=int, default=None,
                    help="CPU compute threads per process (1: XLA without its Eigen pool, "
                         "torch.set_num_threads(1)); default: each framework's own")
-    g.add_argument("--timeout", type=float, default=900, help="seconds per subprocess")
+    g.add_argument("--timeout", type=float, default=900,
+                   help="seconds per subprocess (default: 900)")
     g.add_argument("--quick", action="store_true",
                    help="CPU smoke: tiny preset, 2 layers, B=2, T=64, 8 steps, 1 thread, "
                         "torch.compile only for fp32 (a few minutes on 2 cores)")
