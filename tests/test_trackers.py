@@ -260,3 +260,34 @@ def test_progress_bar_only_on_a_terminal_and_trackers_optional(tmp_path, corpus,
     assert main([*SMALL, "--data", corpus, "--out", str(out), "--steps", "1",
                  "--wandb-project", "p"]) == 0  # trains; says W&B is not installed
     assert not (out / "tensorboard").exists() and not (out / "wandb").exists()
+
+
+def test_tensorboard_after_a_crash_and_continue_has_each_step_once(tmp_path, corpus, monkeypatch):
+    pytest.importorskip("tensorboardX")
+    ea = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    import jaxmem.train.loop as loop
+
+    real = loop.jit_train_step
+
+    def crash_at_sixth_call(step_cfg):
+        step, calls = real(step_cfg), []
+
+        def run(state, batch):
+            calls.append(1)
+            if len(calls) == 6:  # step 4 is logged (after checkpoint 3), then the process dies
+                raise RuntimeError("RESOURCE_EXHAUSTED: forced")
+            return step(state, batch)
+        return run
+
+    out = tmp_path / "r"
+    args = [*SMALL, "--data", corpus, "--out", str(out), "--steps", "6", "--save-every", "3"]
+    monkeypatch.setattr(loop, "jit_train_step", crash_at_sixth_call)
+    assert main(args) == 1
+    monkeypatch.setattr(loop, "jit_train_step", real)
+    assert main(args) == 0  # continues from step 3 and redoes 4, 5, 6
+    acc = ea.EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    got = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    want = [(r["step"], r["loss"]) for r in records(out)]
+    assert [s for s, _ in got] == [1, 2, 3, 4, 5, 6] == [s for s, _ in want]
+    np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=1e-6)

@@ -126,7 +126,7 @@ def train(s) -> int:
 
     truncate_metrics(out, start)  # records after the checkpoint are about to be redone
     metrics_file = open(out / METRICS_FILE, "a")
-    trackers = Trackers.open(out, cfg, s.tokenizer, steps)
+    trackers = Trackers.open(out, cfg, s.tokenizer, steps, start_step=start)
     print(f"jaxmem: {cfg.model.preset} ({s.model_cfg.num_params():,} params), {cfg.precision.mode}, "
           f"remat {step_cfg.remat}, {device.platform}: {device.device_kind}; "
           f"{len(s.train_tokens):,} train tokens; run dir {out}"

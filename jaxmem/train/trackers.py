@@ -88,8 +88,13 @@ class Trackers:
         self.stream = stream or sys.stdout
 
     @classmethod
-    def open(cls, out: Path, cfg, tokenizer, total_steps: int, notes=None) -> "Trackers":
-        """Trackers for the run in `out`; `notes(msg)` gets one line for each tracker skipped."""
+    def open(cls, out: Path, cfg, tokenizer, total_steps: int, start_step: int = 0,
+             notes=None) -> "Trackers":
+        """Trackers for the run in `out`; `notes(msg)` gets one line for each tracker skipped.
+
+        start_step: the step the run continues from; TensorBoard drops the events an earlier
+        process wrote after it (those steps are redone, as metrics.jsonl is truncated).
+        """
         r = cfg.run
         notes = notes or (lambda m: print(m, file=sys.stderr))
         tb = None
@@ -99,7 +104,8 @@ class Trackers:
             except ImportError:
                 pass  # on by default only where installed: nothing to say
             else:
-                tb = SummaryWriter(logdir=str(Path(out) / "tensorboard"), flush_secs=10)
+                tb = SummaryWriter(logdir=str(Path(out) / "tensorboard"), flush_secs=10,
+                                   purge_step=start_step + 1 if start_step else None)
         run = None
         if r.wandb_project:
             try:
@@ -126,6 +132,7 @@ class Trackers:
         if self.tb is not None:
             for tag, value in scalars.items():
                 self.tb.add_scalar(tag, value, step)
+            self.tb.flush()  # on disk with metrics.jsonl: a crash loses no logged step
         if self.wandb_run is not None:
             self.wandb_run.log(scalars, step=step)
         if self.plain:
