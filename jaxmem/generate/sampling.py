@@ -67,7 +67,7 @@ def generate_text(config, params, tokenizer, prompt: str, max_new_tokens: int = 
                   compute_dtype=jnp.float32, note=None) -> str:
     """The prompt and its continuation as text. `note(msg)` is told when the model's context
     (max_position_embeddings) shortens the output below `max_new_tokens`."""
-    ids = [tokenizer.bos_id] + list(tokenizer.encode(prompt or ""))
+    ids = tokenizer.encode_prompt(prompt or "")  # BOS, or the special tokens a post-processor adds
     budget = new_token_budget(len(ids), max_new_tokens, config.max_position_embeddings)
     if budget < max_new_tokens and note is not None:
         note(f"note: output shortened to {budget} new tokens (asked {max_new_tokens}): the "

@@ -40,9 +40,10 @@ from jaxmem.data.checks import data_warnings
 from jaxmem.io.checkpoint import CheckpointError, Checkpointer
 from jaxmem.io.rundir import (CKPT_DIR, CONFIG_FILE, RunError, exit_after_failed_restore, fail,
                               older_steps_hint, read_run_config, run_tokenizer)
+from jaxmem.train.init_from import init_from_overrides, init_params_from
 from jaxmem.train.run import abstract_train_state, build_step_config
 
-SECTIONS = ("model", "precision", "remat", "optim", "data", "run", "sample")
+SECTIONS = ("model", "init", "precision", "remat", "optim", "data", "run", "sample")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +84,7 @@ class Setup:
     continuing: bool = False
     record: dict = dataclasses.field(default_factory=dict)
     changes: list = dataclasses.field(default_factory=list)
+    init_params: object = None  # step-0 weights from --init-from (None: random init)
 
 
 def _check_writable(out: Path) -> None:
@@ -138,6 +140,7 @@ def setup(args, parser) -> Setup:
                 raise RunError("--resume needs --out: the run directory to continue")
             overrides["run.out"] = time.strftime("runs/%Y%m%d-%H%M%S")
         out = Path(overrides["run.out"])
+        overrides = init_from_overrides(overrides)  # --init-from: the checkpoint's model, tokenizer
         _check_writable(out)
         if "data.tokenizer" in overrides and "model.vocab_size" not in overrides:
             # the model's vocabulary is the tokenizer's (an explicit smaller one is refused below)
@@ -173,6 +176,9 @@ def setup(args, parser) -> Setup:
                     s.ckpt.delete(later)
         elif args.resume_step is not None:
             raise RunError("--resume-step needs --resume (or --out of an existing run)")
+        if s.state is None and cfg.init.init_from is not None:
+            s.init_params = init_params_from(cfg.init.init_from, model_cfg,
+                                             step_cfg.precision.param_dtype)
     except CheckpointError as e:
         exit_after_failed_restore(parser, str(e).splitlines()[0])
     except (RunError, DataError, ValueError) as e:  # ConfigError, RematError ... are ValueErrors
