@@ -71,7 +71,8 @@ class ModelSection:
     num_heads: int | None = option(None, "override the preset's num_heads", type=int)
     num_kv_heads: int | None = option(None, "override the preset's num_kv_heads", type=int)
     head_dim: int | None = option(None, "override the preset's head_dim", type=int)
-    vocab_size: int | None = option(None, "override the preset's vocab_size", type=int)
+    vocab_size: int | None = option(None, "override the preset's vocab_size (with --tokenizer: "
+                                    "the tokenizer's by default)", type=int)
     max_position_embeddings: int | None = option(None, "override the preset's max_position_embeddings",
                                                  type=int)
     rope_theta: float | None = option(None, "override the preset's rope_theta", type=float)
@@ -174,7 +175,8 @@ class DataSection:
     data: str | None = option(None, "text files, a directory, a glob, or token files (.bin uint16, "
                               ".u32.bin uint32, .npy); comma-separated lists work (default: "
                               "built-in corpus)")
-    tokenizer: str | None = option(None, "a Hugging Face `tokenizers` JSON file (default: byte-level)")
+    tokenizer: str | None = option(None, "a Hugging Face `tokenizers` JSON file, copied into the run "
+                                   "directory (default: byte-level)")
     batch_size: int = option(16, "micro-batch size (sequences)", type="positive_int")
     seq_len: int = option(128, "tokens per sequence", type="positive_int")
     grad_accum: int = option(1, "micro-batches per optimizer step (global batch = batch-size x "
@@ -203,15 +205,25 @@ class RunSection:
     eval_every: int = option(100, "evaluate every N steps (0: only at the end)", type="nonneg_int",
                              mutable=True)
     eval_batches: int = option(8, "batches per evaluation", type="positive_int", mutable=True)
-    log_every: int = option(10, "write metrics every N steps", type="positive_int", mutable=True)
-    no_progress: bool = option(False, "no progress bar (logs only)", store_true=True, mutable=True)
+    log_every: int = option(10, "write metrics (and a plain log line without the progress bar) "
+                            "every N steps", type="positive_int", mutable=True)
+    no_progress: bool = option(False, "no progress bar: a plain line every --log-every steps (also "
+                               "when stdout is not a terminal)", store_true=True, mutable=True)
+    no_tensorboard: bool = option(False, "do not write TensorBoard events to <out>/tensorboard "
+                                  "(written when tensorboardX is installed)", store_true=True,
+                                  mutable=True)
+    wandb_project: str | None = option(None, "log to this Weights & Biases project (needs wandb; "
+                                       "WANDB_MODE=offline keeps it local)", metavar="PROJECT",
+                                       mutable=True)
 
 
 @dataclass(frozen=True)
 class SampleSection:
     """Text sampled from the model: at the end of a run, and by `jaxmem.generate`."""
 
-    prompt: str = option("def ", "text to continue")
+    prompt: str | None = option(None, "text to continue (default: the end-of-training sample "
+                                "continues the first line of the eval data; jaxmem.generate the "
+                                "run's --prompt, else it samples from BOS alone)")
     max_new_tokens: int = option(200, "tokens to generate (0: none at the end of a run)",
                                  flags=("--max-new-tokens", "--sample-tokens"), type="nonneg_int",
                                  mutable=True)
