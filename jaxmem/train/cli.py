@@ -40,7 +40,7 @@ from jaxmem.io.rundir import (CKPT_DIR, CONFIG_FILE, RunError, exit_after_failed
                               read_run_config)
 from jaxmem.train.run import abstract_train_state, build_step_config
 
-SECTIONS = ("model", "precision", "remat", "optim", "data", "run", "sample")
+SECTIONS = ("model", "precision", "remat", "optim", "data", "run", "sample", "peft")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +77,8 @@ class Setup:
     continuing: bool = False
     record: dict = dataclasses.field(default_factory=dict)
     changes: list = dataclasses.field(default_factory=list)
+    frozen: object = None  # LoRA: the frozen base on the device (jaxmem.peft.base)
+    base_record: dict | None = None  # LoRA: its source and sha256, for config.json
 
 
 def _check_writable(out: Path) -> None:
@@ -143,6 +145,10 @@ def setup(args, parser) -> Setup:
                                                        seq_len=cfg.data.seq_len)
         s = Setup(cfg, model_cfg, step_cfg, loss_scale, out, tokenizer, train_tokens, eval_tokens,
                   stats, continuing=continuing, record=record, changes=changes)
+        if step_cfg.peft is not None:  # LoRA / QLoRA: the frozen base, checked against the run's
+            from jaxmem.peft.base import prepare_base
+            s.frozen, s.base_record = prepare_base(cfg, model_cfg, step_cfg,
+                                                   record if continuing else None)
         if continuing:
             if record.get("data_sha256") not in (None, stats["tokens_sha256"]):
                 raise RunError(f"--out {out}: --data differs from the run's data (token hash changed)")

@@ -57,7 +57,7 @@ def _write_config(s, start: int) -> None:
     changes = list(s.record.get("changes", [])) + [
         {"step": start, "field": p, "from": a, "to": b} for p, a, b in s.changes]
     write_run_config(s.out, s.cfg, data_stats=s.stats, data_sha256=s.stats["tokens_sha256"],
-                     changes=changes)
+                     changes=changes, **({"peft_base": s.base_record} if s.base_record else {}))
 
 
 def train(s) -> int:
@@ -96,7 +96,7 @@ def train(s) -> int:
     def evaluate(st):
         if not evals:
             return None
-        totals = [eval_fn(st.params, b) for b in evals]
+        totals = [eval_fn(st.params, b, s.frozen) for b in evals]
         return float(sum(t for t, _ in totals) / max(sum(c for _, c in totals), 1.0))
 
     saved_step = start if resumed else None
@@ -151,7 +151,7 @@ def train(s) -> int:
     with _Stop() as stop:
         step, pending = start, None
         while step < end and stop.requested is None and skips_run <= max_skips:
-            state, metrics = train_step(state, next_batch(position))
+            state, metrics = train_step(state, next_batch(position), s.frozen)
             step, position = step + 1, position + d.grad_accum
             now = time.perf_counter()
             if pending is not None:  # read the previous step's metrics while this one runs
@@ -198,7 +198,9 @@ def train(s) -> int:
           f"wall {time.perf_counter() - t_start:.0f} s")
     sm = cfg.sample
     if sm.max_new_tokens:
-        sample = generate_text(s.model_cfg, state.params, s.tokenizer, prompt=sm.prompt,
+        params = state.params if s.frozen is None else step_cfg.peft.full_params(s.frozen,
+                                                                                  state.params)
+        sample = generate_text(s.model_cfg, params, s.tokenizer, prompt=sm.prompt,
                                max_new_tokens=sm.max_new_tokens, temperature=sm.temperature,
                                top_k=sm.top_k, seed=d.seed,
                                compute_dtype=step_cfg.precision.compute_dtype)
