@@ -39,8 +39,8 @@ def base_on_host(model_cfg, seed: int, init_from: str | None = None):
     """(source, numpy params tree) of the base: `init_from` (an HF directory) or the random init
     a full run with `seed` starts from, computed on the CPU (nothing left on the accelerator)."""
     if init_from:
-        from jaxmem.io.hf import load_hf_params  # the Hugging Face half of issue 12
-        return str(init_from), load_hf_params(init_from, model_cfg)
+        from jaxmem.io.hf import load_hf_params  # bf16 files read exactly into fp32
+        return str(init_from), load_hf_params(init_from, model_cfg, np.float32)
     from jaxmem.model.llama import init_params
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):

@@ -69,7 +69,8 @@ def train(s) -> int:
     steps = cfg.optim.total_steps
     out.mkdir(parents=True, exist_ok=True)
     resumed = s.state is not None
-    state = s.state if resumed else create_train_state(step_cfg, s.loss_scale, d.seed)
+    state = s.state if resumed else create_train_state(step_cfg, s.loss_scale, d.seed,
+                                                           params=s.init_params)
     start = int(state.step)
     _write_config(s, start)
     ckpt = s.ckpt or Checkpointer(out / CKPT_DIR, keep=r.keep)
