@@ -122,6 +122,14 @@ class LoraSpec:
     def scale(self) -> float:
         return self.alpha / self.rank
 
+    def describe(self, adapters) -> str:
+        """One line for the run's start: what trains, on what base."""
+        n = sum(int(x.size) for x in jax.tree_util.tree_leaves(adapters))
+        base = "a frozen base" if self.quantize == "none" else (
+            f"a frozen {self.quantize} base" + (" (double quant)" if self.double_quant else ""))
+        return f"LoRA r={self.rank} alpha={self.alpha:g} on {','.join(self.targets)}: {n:,} " \
+               f"trainable params, {base}"
+
     def init_adapters(self, c: ModelConfig, key: jax.Array):
         """{'layers': {group: {name: {'lora_a', 'lora_b'}}}} fp32: A ~ U(+-1/sqrt(In)), B = 0."""
         axes, tree = weight_axes(c), {}

@@ -113,6 +113,7 @@ def train(s) -> int:
     print(f"jaxmem: {cfg.model.preset} ({s.model_cfg.num_params():,} params), {cfg.precision.mode}, "
           f"remat {step_cfg.remat}, {device.platform}: {device.device_kind}; "
           f"{len(s.train_tokens):,} train tokens; run dir {out}"
+          + (f"; {s.step_cfg.peft.describe(state.params)}" if s.frozen is not None else "")
           + (f"; resuming at step {start}" if resumed else "")
           + ("; no committed checkpoint, starting at step 0" if s.continuing and not resumed else ""),
           flush=True)
