@@ -155,3 +155,18 @@ def test_peft_loads_the_adapters_onto_the_base_with_the_same_logits(qlora, tmp_p
     with torch.no_grad():
         np.testing.assert_allclose(merged(torch.as_tensor(TOKENS)).logits.numpy(), want,
                                    rtol=1e-4, atol=1e-4)
+
+
+def test_generate_from_a_lora_run_uses_adapters_on_its_base(qlora, capsys):
+    from jaxmem.generate.cli import main as generate_main
+    from jaxmem.generate.sampling import generate_text
+    from jaxmem.peft.export import lora_params
+
+    _, out = qlora
+    capsys.readouterr()
+    assert generate_main(["--run", str(out), "--prompt", "def ", "--max-new-tokens", "8",
+                          "--temperature", "0"]) == 0
+    text = capsys.readouterr().out.strip()
+    run = load_run(out)
+    want = generate_text(CFG, lora_params(run), run.tokenizer, "def ", 8, temperature=0.0)
+    assert text == want.strip() and text.startswith("def")

@@ -100,7 +100,7 @@ def prepare_base(cfg, model_cfg, step_cfg, record: dict | None, init_from: str |
 
 
 def abstract_base(model_cfg, spec: LoraSpec, dtype):
-    """The frozen base's device shapes and dtypes (uint4 / int8 codes, scales), allocating
+    """The frozen base's device shapes and dtypes (packed NF4 / int8 codes, scales), allocating
     nothing: what the memory planner compiles the step with."""
     from jaxmem.model.llama import abstract_params
     return jax.eval_shape(lambda p: base_on_device(p, spec, dtype), abstract_params(model_cfg))

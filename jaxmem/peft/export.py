@@ -97,3 +97,14 @@ def export_adapters(run, out: Path, args=None) -> list[Path]:
     save_file(tensors, str(files[0]), metadata={"format": "pt"})
     files[1].write_text(json.dumps(adapter_config(spec, base), indent=2))
     return files
+
+
+def lora_params(run):
+    """The params a LoRA run computes with: its adapters on its base, quantized as in training
+    (for sampling: `python -m jaxmem.generate --run`)."""
+    from jaxmem.peft.base import base_on_device
+
+    spec = _spec(run)
+    _, host = run_base(run)
+    frozen = base_on_device(host, spec, run.step_config.precision.compute_dtype)
+    return spec.full_params(frozen, run.state.params)

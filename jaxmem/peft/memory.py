@@ -61,7 +61,7 @@ def base_components(c: ModelConfig, spec: LoraSpec, dtype) -> list[tuple[str, in
                 for i, o in io.values()) * c.num_layers
         out = [(f"frozen base: block projections ({spec.quantize}"
                 + (", double quant" if spec.double_quant else "") + ")", int(q),
-                "uint4+float32" if spec.quantize == "nf4" else "int8+float32")]
+                "uint8 nibbles+float32" if spec.quantize == "nf4" else "int8+float32")]
     embed = c.vocab_size * c.hidden_size * (1 if c.tie_embeddings else 2)
     norms = (2 * c.num_layers + 1) * c.hidden_size
     return out + [("frozen base: embedding + LM head", embed * cb, cd),

@@ -11,15 +11,21 @@ viewed as [In, Out] (In = product of the input axes: D for q/k/v/gate/up, N*H fo
 down_proj) and cut into blocks of `block` consecutive values along In, one absmax per block and
 output column, as bitsandbytes cuts a torch [out, in] weight along its rows:
 
-    codes   [In/block, block, Out]  uint4 (NF4: index into NF4_CODE) or int8 (round(127 w/absmax))
+    codes   [In/block, block, Out]  int8 (round(127 w / absmax)), or for NF4 uint8
+            [In/block, block/2, Out]: two 4-bit indices into NF4_CODE per byte
     absmax  [In/block, Out]         float32, or with double quantization:
     absmax_q [n/256, 256] int8, absmax_scale [n/256] float32, absmax_offset [] float32
             (absmax - mean in blocks of 256 with their own absmax, as QLoRA does; linear int8
             codes where bitsandbytes uses its dynamic 8-bit map)
 
 NF4 storage: 4 + 32/64 = 4.5 bits per parameter; with double quantization 4 + 8/64 + 32/(64*256)
-= 4.127. XLA packs uint4 two to a byte (memory_analysis argument bytes: tests/test_quant.py).
-int8 with block 0 means one absmax per output column (block = In).
+= 4.127 (memory_analysis argument bytes: tests/test_quant.py). int8 with block 0 means one
+absmax per output column (block = In).
+
+Why nibbles in uint8 and not XLA's uint4: XLA does store uint4 packed, but in a scan over the
+layers the CPU compiler converted the whole stacked uint4 array to uint8 before the loop (one
+extra byte per parameter of temp memory, 7.6 GiB for Llama-3-8B), where a uint8 array is sliced
+per layer as it is and unpacked with two bit operations inside the loop.
 
 Why a custom VJP: without remat, autodiff of `einsum(x, dequantize(q))` keeps each layer's
 dequantized weight as a residual for dx = g W^T, which erases the 4-bit saving (measured on a
@@ -84,7 +90,7 @@ class QuantizedWeight:
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """The dense weight of `shape` in `dtype` (values computed in fp32)."""
         if self.kind == "nf4":
-            values = jnp.take(jnp.asarray(NF4_CODE), self.codes.astype(jnp.int32))
+            values = jnp.take(jnp.asarray(NF4_CODE), unpack_nibbles(self.codes).astype(jnp.int32))
         else:
             values = self.codes.astype(jnp.float32) / 127.0
         w = values * self.scales()[:, None, :]  # [In/block, block, Out]
@@ -94,6 +100,20 @@ class QuantizedWeight:
         """einsum(subscripts, x, W) with W dequantized in the forward and again in the backward."""
         leaves, aux = self.tree_flatten()
         return _quantized_einsum(subscripts, einsum, aux, x, leaves)
+
+
+def pack_nibbles(codes: jax.Array) -> jax.Array:
+    """[n, block, Out] values 0..15 -> uint8 [n, block/2, Out]: element 2i in the low nibble,
+    2i+1 in the high one."""
+    n, b, out = codes.shape
+    pairs = codes.reshape(n, b // 2, 2, out)
+    return pairs[:, :, 0] | (pairs[:, :, 1] << 4)
+
+
+def unpack_nibbles(packed: jax.Array) -> jax.Array:
+    """Inverse of `pack_nibbles`: uint8 [n, block/2, Out] -> [n, block, Out] values 0..15."""
+    n, half, out = packed.shape
+    return jnp.stack([packed & 15, packed >> 4], axis=2).reshape(n, 2 * half, out)
 
 
 def _blocks_out(shape, n_in: int, block: int) -> tuple[int, int]:
@@ -147,7 +167,7 @@ def quantize(w: jax.Array, kind: str, n_in: int = 1, block: int = 64,
         normalized = blocks / safe
         # nearest code value: compare with the 15 midpoints (sorted table)
         mids = jnp.asarray((NF4_CODE[1:] + NF4_CODE[:-1]) / 2)
-        codes = jnp.sum(normalized[..., None] > mids, axis=-1).astype(jnp.uint4)
+        codes = pack_nibbles(jnp.sum(normalized[..., None] > mids, axis=-1).astype(jnp.uint8))
     else:
         codes = jnp.clip(jnp.round(blocks / safe * 127.0), -127, 127).astype(jnp.int8)
     if not double_quant:
@@ -183,8 +203,8 @@ def dequantize_layers(q: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
 
 
 def bits_per_param(q: QuantizedWeight) -> float:
-    """Storage bits per weight value, counted from the arrays (uint4 = 4 bits)."""
+    """Storage bits per weight value, counted from the arrays' bytes."""
     leaves = [l for l in q.tree_flatten()[0] if l is not None]
-    bits = sum(l.size * (4 if l.dtype in (jnp.uint4, jnp.int4) else 8 * l.dtype.itemsize)
-               for l in leaves)
-    return bits / q.codes.size
+    bits = sum(l.size * 8 * l.dtype.itemsize for l in leaves)
+    values = q.codes.size * (2 if q.kind == "nf4" else 1)  # NF4: two codes per byte
+    return bits / values
