@@ -24,7 +24,7 @@ absmax per output column (block = In).
 
 Why nibbles in uint8 and not XLA's uint4: XLA does store uint4 packed, but in a scan over the
 layers the CPU compiler converted the whole stacked uint4 array to uint8 before the loop (one
-extra byte per parameter of temp memory, 7.6 GiB for Llama-3-8B), where a uint8 array is sliced
+extra byte per parameter of temp memory, +6.5 GiB for Llama-3-8B), where a uint8 array is sliced
 per layer as it is and unpacked with two bit operations inside the loop.
 
 Why a custom VJP: without remat, autodiff of `einsum(x, dequantize(q))` keeps each layer's
