@@ -39,8 +39,13 @@ def base_on_host(model_cfg, seed: int, init_from: str | None = None):
     """(source, numpy params tree) of the base: `init_from` (an HF directory) or the random init
     a full run with `seed` starts from, computed on the CPU (nothing left on the accelerator)."""
     if init_from:
-        from jaxmem.io.hf import load_hf_params  # bf16 files read exactly into fp32
-        return str(init_from), load_hf_params(init_from, model_cfg, np.float32)
+        import ml_dtypes
+
+        from jaxmem.io.hf import hf_dtype_name, load_hf_params, read_hf_config
+        # kept in the checkpoint's own dtype on the host: an 8B bf16 base is 16 GB, not 32
+        dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}.get(
+            hf_dtype_name(read_hf_config(init_from)), np.float32)
+        return str(init_from), load_hf_params(init_from, model_cfg, dtype)
     from jaxmem.model.llama import init_params
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):

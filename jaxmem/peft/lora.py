@@ -168,7 +168,8 @@ class LoraSpec:
 
 
 def merge(base, adapters, spec: LoraSpec, c: ModelConfig):
-    """W + alpha/r * A B for each target, computed in fp32 and stored in W's dtype.
+    """W + alpha/r * A B for each target, computed and returned in fp32 (the exporter's --dtype
+    rounds it once, instead of a bf16 W rounding it here and again there).
 
     `base` must be the original (16- or 32-bit) weights, not the dequantized ones: merging into
     the dequantized weights would bake the 4-bit rounding error into every merged weight.
@@ -186,6 +187,5 @@ def merge(base, adapters, spec: LoraSpec, c: ModelConfig):
         _, _, product = _lora_subscripts(axes[name][0])
         delta = np.einsum("L" + product.replace(",", ",L").replace("->", "->L"),
                           np.asarray(ad["lora_a"], np.float32), np.asarray(ad["lora_b"], np.float32))
-        layers[group][pname] = (np.asarray(w, np.float32) + spec.scale * delta).astype(
-            np.asarray(w).dtype)
+        layers[group][pname] = np.asarray(w, np.float32) + spec.scale * delta
     return {**base, "layers": layers}
