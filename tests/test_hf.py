@@ -72,6 +72,8 @@ def test_transformers_5_spelling_reads_the_same():
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}},
      "rope_parameters.rope_type='linear'"),
     ({"hidden_act": "gelu"}, "hidden_act=\"gelu\" is not supported"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}},
+     "quantization_config (quant_method 'gptq') is not supported"),
 ])
 def test_unsupported_keys_are_named(change, needle):
     with pytest.raises(HFError, match=None) as e:
@@ -188,3 +190,117 @@ def test_generate_hf_greedy_matches_argmax(exported, capsys):
         logits = Llama(CFG).apply({"params": params}, jnp.asarray([ids]))
         ids.append(int(jnp.argmax(logits[0, -1])))
     assert text == tok.decode(ids)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "amp-bf16", "amp-fp16", "fp8"])
+def test_init_from_weights_start_the_state_in_every_precision_mode(exported, mode):
+    """Step 0's params are the checkpoint's, cast to the mode's storage dtype (bitwise), and the
+    first step's loss is the checkpoint model's loss (fp32: 1e-6; other modes: 2e-2)."""
+    from jaxmem.config.run import RunConfig
+    from jaxmem.train.init_from import init_from_overrides, init_params_from
+    from jaxmem.train.loss import synthetic_batch, token_loss
+    from jaxmem.train.precision import cast_floating
+    from jaxmem.train.run import build_step_config
+    from jaxmem.train.step import create_train_state, jit_train_step
+
+    d, params = exported
+    overrides = init_from_overrides({"init.init_from": str(d / "fp32"), "precision.mode": mode})
+    assert overrides["data.tokenizer"] == str((d / "fp32" / "tokenizer.json").resolve())
+    cfg = RunConfig().replace(overrides)
+    model_cfg, step_cfg, loss_scale = build_step_config(cfg)
+    assert model_cfg == CFG
+    loaded = init_params_from(cfg.init.init_from, model_cfg, step_cfg.precision.param_dtype)
+    state = create_train_state(step_cfg, loss_scale, params=loaded)
+    want = cast_floating(params, step_cfg.precision.param_dtype)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                           state.params, want)
+    batch = synthetic_batch(jax.random.PRNGKey(0), 2, 16, CFG.vocab_size)
+    total, count = token_loss(Llama(CFG), params, batch, False, jnp.float32)
+    _, metrics = jit_train_step(step_cfg)(state, jax.tree_util.tree_map(lambda x: x[None], batch))
+    np.testing.assert_allclose(float(metrics["loss"]), float(total / count),
+                               rtol=1e-6 if mode == "fp32" else 2e-2)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--init-from", "{d}/nothing"], "nothing: not a directory"),
+    (["--init-from", "{d}/bf16"], "no tokenizer.json"),
+    (["--init-from", "{d}/fp32", "--preset", "small"], "--preset cannot be given with --init-from"),
+    (["--init-from", "{d}/fp32", "--tokenizer", "{d}/fp32/tokenizer.json"],
+     "--tokenizer cannot be given with --init-from"),
+])
+def test_train_init_from_bad_input_exits_2(exported, tmp_path, capsys, argv, needle):
+    from jaxmem.train.cli import main
+
+    from runs import error_line  # noqa: PLC0415
+
+    d, _ = exported
+    with pytest.raises(SystemExit) as e:
+        main([a.replace("{d}", str(d)) for a in argv] + ["--out", str(tmp_path / "run")])
+    assert e.value.code == 2
+    assert needle in error_line(capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_init_from_a_broken_checkpoint_exits_2_before_training(exported, tmp_path, capsys,
+                                                                     corpus):
+    from jaxmem.train.cli import main
+
+    from runs import error_line  # noqa: PLC0415
+
+    d, _ = exported
+    bad, needle = _broken(d, tmp_path, "missing_shard")
+    with pytest.raises(SystemExit) as e:
+        main(["--init-from", str(bad), "--data", corpus, "--out", str(tmp_path / "run")])
+    assert e.value.code == 2
+    assert needle in error_line(capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()
+
+
+def test_export_bad_input_exits_2(exported, tmp_path, capsys):
+    from jaxmem.export.cli import main
+
+    d, _ = exported
+    for argv, needle in [(["--run", str(tmp_path / "none"), "--out", str(tmp_path / "x")],
+                          "no run config"),
+                         (["--run", str(tmp_path), "--out", str(d / "fp32"), "--max-shard-mb", "0"],
+                          "--max-shard-mb must be > 0")]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = [l for l in capsys.readouterr().err.splitlines()
+               if l.startswith("python -m jaxmem.export: error: ")]
+        assert len(err) == 1 and needle in err[0], err
+
+
+def test_save_hf_refuses_a_directory_holding_a_checkpoint(exported):
+    d, params = exported
+    before = sorted(p.name for p in (d / "bf16").iterdir())
+    with pytest.raises(HFError, match="already holds a checkpoint"):
+        save_hf(d / "bf16", CFG, params)
+    assert sorted(p.name for p in (d / "bf16").iterdir()) == before
+
+
+def test_init_from_run_resumes_bitwise_without_the_weights(exported, tmp_path, corpus):
+    """An --init-from run stopped at step 1 and resumed (the checkpoint's weights deleted
+    meanwhile) ends bitwise equal to an uninterrupted one: after step 0 the run reads only its
+    own checkpoints, and the tokenizer.json its config names (as any --tokenizer run)."""
+    from jaxmem.train.cli import main
+
+    from runs import losses, params_of  # noqa: PLC0415
+
+    d, _ = exported
+    src = tmp_path / "ckpt"
+    shutil.copytree(d / "fp32", src)
+    common = ["--init-from", str(src), "--data", corpus, "--steps", "3", "--batch-size", "2",
+              "--seq-len", "16", "--sample-tokens", "0", "--no-progress", "--log-every", "1",
+              "--eval-batches", "1"]
+    assert main([*common, "--out", str(tmp_path / "whole")]) == 0
+    assert main([*common, "--out", str(tmp_path / "split"), "--stop-at", "1"]) == 0
+    for f in [*src.glob("*.safetensors"), src / "model.safetensors.index.json"]:
+        f.unlink()
+    assert main(["--out", str(tmp_path / "split"), "--resume", "--no-progress"]) == 0
+    whole, split = params_of(tmp_path / "whole"), params_of(tmp_path / "split")
+    assert whole[0] == split[0] == 3
+    for a, b in zip(whole[1], split[1]):
+        np.testing.assert_array_equal(a, b)
+    assert losses(tmp_path / "whole") == losses(tmp_path / "split")

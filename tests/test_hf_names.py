@@ -76,3 +76,19 @@ def test_names_and_shapes_equal_transformers(tied):
     shapes = {s.name(0) if s.stacked else s.name(): s.hf_shape for s in tensor_specs(c)}
     for name, shape in shapes.items():
         assert tuple(sd[name].shape) == shape, name
+
+
+@pytest.mark.parametrize("preset", ["llama-3.2-1b", "llama-3-8b"])
+def test_full_size_tables_hold_every_parameter(preset):
+    """Without allocating: the HF tensors of a full-size preset add up to its parameter count
+    (1,235,814,400 for Llama 3.2 1B: 146 tensors, the tied head not among them)."""
+    import math
+
+    from jaxmem.config.model import PRESETS
+
+    c = PRESETS[preset]
+    specs = tensor_specs(c)
+    total = sum(math.prod(s.hf_shape) * (c.num_layers if s.stacked else 1) for s in specs)
+    assert total == c.num_params()
+    if preset == "llama-3.2-1b":
+        assert total == 1_235_814_400 and len(hf_names(c)) == 146

@@ -24,7 +24,8 @@ from jaxmem.io.rundir import RunError, exit_after_failed_restore, load_run
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jaxmem.generate",
-                                description="Sample from the newest checkpoint of a jaxmem run.")
+                                description="Sample from the newest checkpoint of a jaxmem run, "
+                                            "or from a Hugging Face Llama directory.")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--run", help="run directory (the --out of jaxmem.train)")
     source.add_argument("--hf", metavar="HF_DIR", help="a Hugging Face Llama checkpoint directory "

@@ -92,6 +92,11 @@ def config_from_hf(d: dict) -> ModelConfig:
     _refuse(d, "mlp_bias", lambda v: v is False, "no biases in jaxmem's MLP")
     _refuse(d, "hidden_act", lambda v: v == "silu", "jaxmem's MLP is SwiGLU")
     _refuse(d, "attention_dropout", lambda v: v == 0, "jaxmem has no dropout")
+    if d.get("quantization_config"):  # GPTQ / AWQ / bitsandbytes files: not plain weights
+        method = d["quantization_config"].get("quant_method", "?") if isinstance(
+            d["quantization_config"], dict) else "?"
+        raise HFError(f"config.json: quantization_config (quant_method {method!r}) is not "
+                      f"supported: jaxmem reads unquantized weights (--quantize-base quantizes)")
     missing = [k for k in _SAME.values() if k not in d and k != "rms_norm_eps"]
     if missing:
         raise HFError(f"config.json: missing key {missing[0]}")
@@ -170,25 +175,23 @@ def weight_files(hf_dir) -> dict[str, Path]:
 
 
 class _TensorReader:
-    """get_tensor(name) over a checkpoint's files, each opened once with safe_open."""
+    """get_tensor(name) over a checkpoint's files.
+
+    Each read opens the file, copies the one tensor out and closes it: safetensors reads through
+    a memory map, and a file kept open keeps every page read so far resident, which added the
+    file's size to the peak (measured: experiments/hf_load_memory.py).
+    """
 
     def __init__(self, files: dict[str, Path], hf_dir):
-        self.files, self.hf_dir, self.open = files, hf_dir, {}
+        self.files, self.hf_dir = files, hf_dir
 
     def __call__(self, name: str) -> np.ndarray:
         from safetensors import safe_open  # noqa: PLC0415
 
         if name not in self.files:
             raise HFError(f"{self.hf_dir}: no tensor {name} in the checkpoint's weights")
-        path = self.files[name]
-        if path not in self.open:
-            self.open[path] = safe_open(path, framework="numpy").__enter__()
-        return self.open[path].get_tensor(name)
-
-    def close(self):
-        for f in self.open.values():
-            f.__exit__(None, None, None)
-        self.open.clear()
+        with safe_open(self.files[name], framework="numpy") as f:
+            return f.get_tensor(name)
 
 
 def load_hf_params(hf_dir, config: ModelConfig, dtype=np.float32) -> dict:
@@ -208,8 +211,6 @@ def load_hf_params(hf_dir, config: ModelConfig, dtype=np.float32) -> dict:
         if isinstance(e, HFError):
             raise
         raise HFError(f"{hf_dir}: {e}") from None  # a tensor of the wrong shape, named
-    finally:
-        reader.close()
 
 
 def load_hf(hf_dir, dtype=np.float32) -> tuple[ModelConfig, dict]:

@@ -162,7 +162,8 @@ def setup(args, parser) -> Setup:
                 abstract = abstract_train_state(step_cfg, loss_scale, cfg.data.seed)
                 s.state, _ = s.ckpt.restore(step, abstract)  # CheckpointError names step and path
         if s.state is None and cfg.init.init_from is not None and step_cfg.peft is None:
-            s.init_params = init_params_from(cfg.init.init_from, model_cfg)
+            s.init_params = init_params_from(cfg.init.init_from, model_cfg,
+                                             step_cfg.precision.param_dtype)
     except CheckpointError as e:
         exit_after_failed_restore(parser, str(e).splitlines()[0])
     except (RunError, DataError, ValueError) as e:  # ConfigError, RematError ... are ValueErrors

@@ -3,7 +3,8 @@
 The checkpoint fixes the model: its config.json's fields become the run's `model` section (every
 field, so config.json of the run is complete without the checkpoint) and its tokenizer.json the
 run's `--tokenizer`; the weights replace the random init at step 0 only. A continued run restores
-its own checkpoints and never reads the HF directory again, so it may be moved or deleted.
+its own checkpoints and never reads the weights again; like any `--tokenizer` run it reads the
+tokenizer.json its config names (the checkpoint's, by absolute path).
 """
 
 from __future__ import annotations
@@ -40,10 +41,11 @@ def init_from_overrides(overrides: dict) -> dict:
     return {**overrides, **fields, "init.init_from": hf_dir, "data.tokenizer": str(tokenizer)}
 
 
-def init_params_from(hf_dir: str, model: ModelConfig) -> dict:
-    """The checkpoint's weights as fp32 numpy params of `model` (cast to the mode's storage dtype
-    by create_train_state). HFError names a missing shard or tensor, or a wrong shape."""
+def init_params_from(hf_dir: str, model: ModelConfig, dtype=np.float32) -> dict:
+    """The checkpoint's weights as numpy params of `model` in `dtype` (the mode's storage dtype:
+    a bf16 run of an 8B model never holds an fp32 copy on the host). HFError names a missing
+    shard or tensor, or a wrong shape."""
     hf = config_from_hf(read_hf_config(hf_dir))
     if hf != model:
         raise HFError(f"--init-from {hf_dir}: its config.json no longer matches the run's model")
-    return load_hf_params(hf_dir, model, np.float32)
+    return load_hf_params(hf_dir, model, np.dtype(dtype))
