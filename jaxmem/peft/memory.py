@@ -55,16 +55,15 @@ def base_components(c: ModelConfig, spec: LoraSpec, dtype) -> list[tuple[str, in
     io = _in_out(c)
     proj = sum(i * o for i, o in io.values()) * c.num_layers
     if spec.quantize == "none":
-        out = [("frozen base: block projections", proj * cb, cd)]
+        out = [("frozen base: projections", proj * cb, cd)]
     else:
         q = sum(quantized_bytes(i, o, spec.quantize, spec.block, spec.double_quant)
                 for i, o in io.values()) * c.num_layers
-        out = [(f"frozen base: block projections ({spec.quantize}"
-                + (", double quant" if spec.double_quant else "") + ")", int(q),
-                "uint8 nibbles+float32" if spec.quantize == "nf4" else "int8+float32")]
+        out = [(f"frozen base: proj. {spec.quantize}" + ("+dq" if spec.double_quant else ""),
+                int(q), "uint8+float32" if spec.quantize == "nf4" else "int8+float32")]
     embed = c.vocab_size * c.hidden_size * (1 if c.tie_embeddings else 2)
     norms = (2 * c.num_layers + 1) * c.hidden_size
-    return out + [("frozen base: embedding + LM head", embed * cb, cd),
+    return out + [("frozen base: embed + head", embed * cb, cd),
                   ("frozen base: norms", norms * 4, "float32")]
 
 
