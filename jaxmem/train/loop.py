@@ -86,6 +86,7 @@ def train(s) -> int:
     batcher = Batcher(s.train_tokens, d.batch_size, d.seq_len, seed=d.seed, pad_id=pad)
     evals = eval_batches(s.eval_tokens, d.batch_size, d.seq_len, r.eval_batches, pad_id=pad)
     train_step, eval_fn = jit_train_step(step_cfg), make_eval_fn(step_cfg)
+    frozen = () if s.frozen is None else (s.frozen,)  # LoRA: the frozen base (jaxmem.peft)
     device = jax.devices()[0]
     peak = peak_flops(device, step_cfg.precision.compute_dtype)
     fpt = flops_per_token(s.model_cfg, d.seq_len)
@@ -98,7 +99,7 @@ def train(s) -> int:
     def evaluate(st):
         if not evals:
             return None
-        totals = [eval_fn(st.params, b, s.frozen) for b in evals]
+        totals = [eval_fn(st.params, b, *frozen) for b in evals]
         return float(sum(t for t, _ in totals) / max(sum(c for _, c in totals), 1.0))
 
     saved_step = start if resumed else None
@@ -154,7 +155,7 @@ def train(s) -> int:
     with _Stop() as stop:
         step, pending = start, None
         while step < end and stop.requested is None and skips_run <= max_skips:
-            state, metrics = train_step(state, next_batch(position), s.frozen)
+            state, metrics = train_step(state, next_batch(position), *frozen)
             step, position = step + 1, position + d.grad_accum
             now = time.perf_counter()
             if pending is not None:  # read the previous step's metrics while this one runs
