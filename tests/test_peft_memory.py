@@ -55,3 +55,18 @@ def test_quantized_bases_are_smaller(reports):
                            + 3 * c.hidden_size * c.intermediate_size)
     diff = args["int8"] - args["nf4"]
     assert abs(diff - proj * (1.0625 - 4.127 / 8)) < 0.001 * proj, (diff, proj)
+
+
+def test_memory_cli_takes_the_peft_flags(capsys):
+    import json
+
+    from jaxmem.memory.cli import main
+    assert main(["--preset", "tiny", "--num-layers", "1", "--batch-size", "1", "--seq-len", "32",
+                 "--lora-rank", "4", "--quantize-base", "nf4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    names = [c["name"] for c in report["analytic"]["components"]]
+    assert "frozen base: proj. nf4" in names and "LoRA adapters (master)" in names
+    with pytest.raises(SystemExit) as e:
+        main(["--preset", "tiny", "--quantize-base", "int8"])
+    assert e.value.code == 2
+    assert "--quantize-base int8 needs --lora-rank" in capsys.readouterr().err
