@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "The model, precision, remat and batch flags are jaxmem.train's, with the "
                     "same defaults; with --fit, --batch-size is the largest micro-batch tried "
                     "and --mu-dtype (when not given) tries fp32 then bf16.")
-    add_run_flags(p, ["model", "precision", "remat", "optim", "data"], only=MEMORY_FLAGS)
+    add_run_flags(p, ["model", "precision", "remat", "optim", "data", "peft"], only=MEMORY_FLAGS)
     g = p.add_argument_group("planner and output")
     g.add_argument("--global-batch", type=positive_int, default=None,
                    help="sequences per optimizer step; sets --grad-accum = global / batch size")
