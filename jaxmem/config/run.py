@@ -244,6 +244,51 @@ class InitSection:
 
 
 @dataclass(frozen=True)
+class PeftSection:
+    """LoRA adapters on a frozen, optionally int8 / NF4 quantized base (jaxmem.peft,
+    docs/finetune.md). --lora-rank 0 is a full fine-tune; nothing here may change on resume."""
+
+    lora_rank: int = option(0, "train rank-R LoRA adapters only, on a frozen base (0: full "
+                            "fine-tune)", type="nonneg_int", metavar="R")
+    lora_alpha: float = option(16.0, "LoRA scale numerator: the update is alpha/R * A B",
+                               type="positive_float", metavar="A")
+    lora_targets: str = option("q,k,v,o,gate,up,down", "projections that get adapters "
+                               "(comma-separated subset of q,k,v,o,gate,up,down)",
+                               metavar="LIST")
+    lora_dropout: float = option(0.0, "dropout on the adapters' input", type="nonneg_float",
+                                 metavar="P")
+    quantize_base: str = option("none", "store the frozen base's block projections in int8 or "
+                                "NF4 (QLoRA); needs --lora-rank", choices=["none", "int8", "nf4"])
+    quant_block: int = option(64, "values per absmax scale (0: one per output channel, int8 only)",
+                              type="nonneg_int", metavar="N")
+    double_quant: bool = option(False, "quantize the absmax scales to 8 bits in blocks of 256 "
+                                "(NF4: 4.127 instead of 4.5 bits per parameter)", store_true=True)
+
+    def __post_init__(self):
+        from jaxmem.peft.lora import parse_targets  # ConfigError naming an unknown projection
+        _positive("--lora-rank", self.lora_rank, allow_zero=True)
+        parse_targets(self.lora_targets)
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout!r}")
+        if self.quantize_base not in ("none", "int8", "nf4"):
+            raise ConfigError(f"--quantize-base {self.quantize_base!r} is not one of none, int8, nf4")
+        if self.quantize_base != "none" and not self.lora_rank:
+            raise ConfigError(f"--quantize-base {self.quantize_base} needs --lora-rank: a quantized "
+                              f"base is frozen, only LoRA adapters can be trained on it")
+        if self.quantize_base == "nf4" and self.quant_block == 0:
+            raise ConfigError("--quant-block 0 (per output channel) is for int8 only; NF4 needs "
+                              "blocks (64)")
+
+    def spec(self):
+        """The LoraSpec of this section, or None for a full fine-tune."""
+        if not self.lora_rank:
+            return None
+        from jaxmem.peft.lora import LoraSpec, parse_targets
+        return LoraSpec(self.lora_rank, self.lora_alpha, parse_targets(self.lora_targets),
+                        self.lora_dropout, self.quantize_base, self.quant_block, self.double_quant)
+
+
+@dataclass(frozen=True)
 class ParallelSection:
     """The device mesh (jaxmem.parallel). Mutable: a run saved on one mesh resumes on another
     (the checkpoint is restored onto the current mesh). Which processes take part is not part
@@ -268,6 +313,7 @@ class RunConfig:
     run: RunSection = RunSection()
     sample: SampleSection = SampleSection()
     init: InitSection = InitSection()
+    peft: PeftSection = PeftSection()
     parallel: ParallelSection = ParallelSection()
 
     @staticmethod

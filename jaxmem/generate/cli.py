@@ -50,13 +50,17 @@ def main(argv=None) -> int:
         return _generate_hf(p, args, overrides)
     try:
         run = load_run(Path(args.run), step=args.step)
+        params = run.state.params
+        if run.step_config.peft is not None:  # LoRA: the adapters on the run's own base
+            from jaxmem.peft.export import lora_params
+            params = lora_params(run)
     except CheckpointError as e:
         exit_after_failed_restore(p, str(e).splitlines()[0])
     except (RunError, DataError, ValueError) as e:
         fail(p, str(e).splitlines()[0])
     sm = dataclasses.replace(run.config.sample, **overrides)
     try:
-        text = generate_text(run.model_config, run.state.params, run.tokenizer, sm.prompt,
+        text = generate_text(run.model_config, params, run.tokenizer, sm.prompt,
                              sm.max_new_tokens, sm.temperature, sm.top_k, args.seed,
                              run.step_config.precision.compute_dtype,
                              note=lambda m: print(m, file=sys.stderr))

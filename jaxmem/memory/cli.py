@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "The model, precision, remat and batch flags are jaxmem.train's, with the "
                     "same defaults; with --fit, --batch-size is the largest micro-batch tried "
                     "and --mu-dtype (when not given) tries fp32 then bf16.")
-    add_run_flags(p, ["model", "precision", "remat", "optim", "data", "parallel"], only=MEMORY_FLAGS)
+    add_run_flags(p, ["model", "precision", "remat", "optim", "data", "peft", "parallel"], only=MEMORY_FLAGS)
     p.add_argument("--devices", type=positive_int, default=None, metavar="N",
                    help="CPU backend: compile for N simulated devices of this host (with --mesh: "
                         "the per-device breakdown, jaxmem.parallel.memory)")

@@ -44,6 +44,7 @@ class StepSpec:
     grad_accum: int = 1
     mu_dtype: str | None = None
     attention: str | None = None
+    peft: object = None  # jaxmem.peft.lora.LoraSpec: LoRA / QLoRA (None: full fine-tune)
 
     @classmethod
     def from_run_config(cls, cfg: RunConfig, attention: str | None = None) -> "StepSpec":
@@ -51,14 +52,19 @@ class StepSpec:
         d = cfg.data
         return cls(cfg.model_config(), get_precision(cfg.precision.mode),
                    RematPolicy.parse(cfg.remat.policy), d.batch_size, d.seq_len, d.grad_accum,
-                   cfg.optim.mu_dtype, attention)
+                   cfg.optim.mu_dtype, attention, cfg.peft.spec())
 
     def run_config(self) -> RunConfig:
         """A RunConfig with this step: the one input jaxmem.train.run.build_step_config takes."""
         return RunConfig(model=ModelSection.of(self.model)).replace({
             "precision.mode": self.precision.name, "remat.policy": str(self.remat),
             "data.batch_size": self.batch_size, "data.seq_len": self.seq_len,
-            "data.grad_accum": self.grad_accum, "optim.mu_dtype": self.mu_dtype})
+            "data.grad_accum": self.grad_accum, "optim.mu_dtype": self.mu_dtype,
+            **({} if self.peft is None else {  # LoRA / QLoRA: the peft section (jaxmem.peft)
+                "peft.lora_rank": self.peft.rank, "peft.lora_alpha": self.peft.alpha,
+                "peft.lora_targets": ",".join(self.peft.targets),
+                "peft.lora_dropout": self.peft.dropout, "peft.quantize_base": self.peft.quantize,
+                "peft.quant_block": self.peft.block, "peft.double_quant": self.peft.double_quant})})
 
     def step_config(self) -> tuple[StepConfig, LossScale]:
         """(StepConfig, initial loss scale), built as a training run builds them."""

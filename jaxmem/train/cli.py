@@ -46,7 +46,7 @@ from jaxmem.parallel.placement import Placement
 from jaxmem.train.init_from import init_from_overrides, init_params_from
 from jaxmem.train.run import abstract_train_state, build_step_config
 
-SECTIONS = ("model", "init", "precision", "remat", "optim", "data", "run", "sample", "parallel")
+SECTIONS = ("model", "init", "precision", "remat", "optim", "data", "run", "sample", "peft", "parallel")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +89,8 @@ class Setup:
     record: dict = dataclasses.field(default_factory=dict)
     changes: list = dataclasses.field(default_factory=list)
     init_params: object = None  # step-0 weights from --init-from (None: random init)
+    frozen: object = None  # LoRA: the frozen base on the device (jaxmem.peft.base)
+    base_record: dict | None = None  # LoRA: its source and sha256, for config.json
     placement: Placement = Placement.single()
 
 
@@ -166,8 +168,17 @@ def setup(args, parser) -> Setup:
             print(line, file=sys.stderr)
         s = Setup(cfg, model_cfg, step_cfg, loss_scale, out, tokenizer, train_tokens, eval_tokens,
                   stats, continuing=continuing, record=record, changes=changes)
+        if step_cfg.peft is not None:  # LoRA / QLoRA: the frozen base, checked against the run's
+            from jaxmem.peft.base import prepare_base
+            s.frozen, s.base_record = prepare_base(cfg, model_cfg, step_cfg,
+                                                   record if continuing else None,
+                                                   cfg.init.init_from)
         mesh = run_mesh(cfg.parallel.mesh, model_cfg, cfg.data.batch_size)
         s.placement = Placement.single() if mesh is None else Placement.on(mesh)
+        if mesh is not None and step_cfg.peft is not None:
+            raise RunError(f"--lora-rank: LoRA runs on one device for now (jaxmem.parallel shards "
+                           f"full fine-tunes only; this host has {len(mesh.devices.flat)} devices: "
+                           f"pick one, e.g. CUDA_VISIBLE_DEVICES=0)")
         if continuing:
             if record.get("data_sha256") not in (None, stats["tokens_sha256"]):
                 raise RunError(f"--out {out}: --data differs from the run's data (token hash changed)")
@@ -187,7 +198,7 @@ def setup(args, parser) -> Setup:
                     s.ckpt.delete(later)
         elif args.resume_step is not None:
             raise RunError("--resume-step needs --resume (or --out of an existing run)")
-        if s.state is None and cfg.init.init_from is not None:
+        if s.state is None and cfg.init.init_from is not None and step_cfg.peft is None:
             s.init_params = init_params_from(cfg.init.init_from, model_cfg,
                                              step_cfg.precision.param_dtype)
     except CheckpointError as e:

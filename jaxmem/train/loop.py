@@ -61,7 +61,7 @@ def _write_config(s, start: int) -> None:
     changes = list(s.record.get("changes", [])) + [
         {"step": start, "field": p, "from": a, "to": b} for p, a, b in s.changes]
     write_run_config(s.out, s.cfg, data_stats=s.stats, data_sha256=s.stats["tokens_sha256"],
-                     changes=changes)
+                     changes=changes, **({"peft_base": s.base_record} if s.base_record else {}))
 
 
 def eval_prompt(eval_tokens, tokenizer, max_chars: int = 60) -> str:
@@ -111,6 +111,7 @@ def train(s) -> int:
     evals = eval_batches(s.eval_tokens, d.batch_size, d.seq_len, r.eval_batches, pad_id=pad)
     train_step, eval_fn = ((jit_train_step(step_cfg), make_eval_fn(step_cfg)) if one
                            else (par.train_step(step_cfg, state), par.eval_fn(step_cfg)))
+    frozen = () if s.frozen is None else (s.frozen,)  # LoRA: the frozen base (jaxmem.peft)
     device = jax.devices()[0]
     peak = peak_flops(device, step_cfg.precision.compute_dtype)
     fpt = flops_per_token(s.model_cfg, d.seq_len)
@@ -123,7 +124,7 @@ def train(s) -> int:
     def evaluate(st):
         if not evals:
             return None
-        totals = par.host([eval_fn(st.params, par.eval_batch(b)) for b in evals])
+        totals = par.host([eval_fn(st.params, par.eval_batch(b), *frozen) for b in evals])
         return float(sum(t for t, _ in totals) / max(sum(c for _, c in totals), 1.0))
 
     saved_step = start if resumed else None
@@ -144,6 +145,7 @@ def train(s) -> int:
     say(f"jaxmem: {cfg.init.init_from or cfg.model.preset} ({s.model_cfg.num_params():,} params), {cfg.precision.mode}, "
           f"remat {step_cfg.remat}, {device.platform}: {device.device_kind}; "
           f"{len(s.train_tokens):,} train tokens; run dir {out}"
+          + (f"; {s.step_cfg.peft.describe(state.params)}" if s.frozen is not None else "")
           + (f"; resuming at step {start}" if resumed else "")
           + ("; no committed checkpoint, starting at step 0" if s.continuing and not resumed else ""),
           flush=True)
@@ -187,7 +189,7 @@ def train(s) -> int:
     with _Stop() as stop:
         step, pending = start, None
         while step < end and stop.requested is None and skips_run <= max_skips:
-            state, metrics = train_step(state, next_batch(position))
+            state, metrics = train_step(state, next_batch(position), *frozen)
             step, position = step + 1, position + d.grad_accum
             now = time.perf_counter()
             if pending is not None:  # read the previous step's metrics while this one runs
@@ -238,9 +240,11 @@ def train(s) -> int:
           f"wall {time.perf_counter() - t_start:.0f} s")
     sm = cfg.sample
     if sm.max_new_tokens and jax.process_count() == 1:  # sharded params: one process only
+        params = state.params if s.frozen is None else step_cfg.peft.full_params(s.frozen,
+                                                                                  state.params)
         prompt = sm.prompt if sm.prompt is not None else eval_prompt(s.eval_tokens, s.tokenizer)
         try:
-            sample = generate_text(s.model_cfg, state.params, s.tokenizer, prompt=prompt,
+            sample = generate_text(s.model_cfg, params, s.tokenizer, prompt=prompt,
                                    max_new_tokens=sm.max_new_tokens, temperature=sm.temperature,
                                    top_k=sm.top_k, seed=d.seed,
                                    compute_dtype=step_cfg.precision.compute_dtype, note=print)
