@@ -28,7 +28,11 @@ from jaxmem.model.layers import cpu_lacks
 
 
 def _xla_attention(q, k, v, mask):
-    """XLA's attention: logits and softmax in fp32, the [B, N, T, S] probabilities materialized."""
+    """XLA's attention: logits and softmax in fp32, the [B, N, T, S] probabilities materialized
+    (in query chunks of [B, N, Tq, S] when they are large: `query_chunk`)."""
+    chunk = query_chunk(q.shape, k.shape[1])
+    if chunk < q.shape[1]:
+        return _chunked_attention(q, k, v, mask, chunk)
     if mask is None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True)
     return jax.nn.dot_product_attention(q, k, v, mask=mask)
@@ -59,8 +63,71 @@ def _xla_attention_fwd(q, k, v, mask):
 
 def _xla_attention_bwd(res, d_ctx):
     q, k, v, mask = res
+    chunk = query_chunk(q.shape, k.shape[1])
+    if chunk < q.shape[1]:
+        return (*_chunked_attention_bwd(q, k, v, mask, d_ctx, chunk), None)
     _, vjp = jax.vjp(lambda q, k, v: _xla_attention(q, k, v, mask), q, k, v)
     return (*vjp(d_ctx), None)  # the mask is boolean: no cotangent
+
+
+# Above this many bytes of fp32 probabilities [B, N, T, S], attention runs in query chunks of
+# [B, N, Tq, S] (each row's softmax is over all its keys, so a chunk is exact, no online softmax):
+# the forward and the recomputing backward then hold one chunk's probabilities, not all of them.
+ATTENTION_CHUNK_BYTES = 256 * 2**20
+
+
+def query_chunk(q_shape, kv_len: int) -> int:
+    """Query positions per attention chunk for q [B, T, N, H] over kv_len keys (T: one chunk)."""
+    B, T, N = q_shape[:3]
+    return max(1, min(T, ATTENTION_CHUNK_BYTES // (B * N * kv_len * 4)))
+
+
+def _query_chunks(q, mask, chunk):
+    """q [B, T, N, H] -> [n, B, Tq, N, H] (zero-padded), the chunks' masks [n, B|1, 1, Tq, S]."""
+    B, T = q.shape[:2]
+    S = T if mask is None else mask.shape[-1]
+    n = -(-T // chunk)
+    pos = jnp.arange(n * chunk).reshape(n, chunk)  # query positions; padded rows attend causally
+    masks = (pos[:, :, None] >= jnp.arange(S))[:, None, None]  # [n, 1, 1, Tq, S]
+    if mask is not None:  # [B, 1, T, S]: padded rows see every key (their output is dropped)
+        m = jnp.pad(mask, [(0, 0), (0, 0), (0, n * chunk - T), (0, 0)], constant_values=True)
+        masks = masks & jnp.moveaxis(m.reshape(B, 1, n, chunk, S), 2, 0)  # [n, B, 1, Tq, S]
+    q = jnp.pad(q, [(0, 0), (0, n * chunk - T), (0, 0), (0, 0)])
+    return jnp.moveaxis(q.reshape(B, n, chunk, *q.shape[2:]), 1, 0), masks
+
+
+def _from_chunks(a, T):
+    """[n, B, Tq, ...] -> [B, T, ...]."""
+    n, B, chunk = a.shape[:3]
+    return jnp.moveaxis(a, 0, 1).reshape(B, n * chunk, *a.shape[3:])[:, :T]
+
+
+def _chunked_attention(q, k, v, mask, chunk):
+    """`_xla_attention` one query chunk at a time (a scan): [B, N, Tq, S] probabilities at once."""
+    qs, masks = _query_chunks(q, mask, chunk)
+
+    def body(_, c):
+        qc, mc = c  # [B, Tq, N, H], [B|1, 1, Tq, S]
+        return None, jax.nn.dot_product_attention(qc, k, v, mask=mc)
+
+    return _from_chunks(jax.lax.scan(body, None, (qs, masks))[1], q.shape[1])
+
+
+def _chunked_attention_bwd(q, k, v, mask, d_ctx, chunk):
+    """(dq, dk, dv), recomputing one query chunk's probabilities at a time; dk, dv summed in fp32."""
+    qs, masks = _query_chunks(q, mask, chunk)
+    ds, _ = _query_chunks(d_ctx, None, chunk)
+
+    def body(acc, c):
+        qc, mc, dc = c
+        _, vjp = jax.vjp(lambda qc, k, v: jax.nn.dot_product_attention(qc, k, v, mask=mc),
+                         qc, k, v)
+        dqc, dkc, dvc = vjp(dc)
+        return (acc[0] + dkc.astype(jnp.float32), acc[1] + dvc.astype(jnp.float32)), dqc
+
+    zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    (dk, dv), dqs = jax.lax.scan(body, zeros, (qs, masks, ds))
+    return _from_chunks(dqs, q.shape[1]), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 xla_attention_recomputed.defvjp(_xla_attention_fwd, _xla_attention_bwd)

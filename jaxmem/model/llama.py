@@ -98,11 +98,14 @@ class Llama(nn.Module):
     einsum: Einsum = default_einsum
 
     @nn.compact
-    def __call__(self, tokens, padding_mask=None, positions=None):
+    def __call__(self, tokens, padding_mask=None, positions=None, return_hidden=False):
         """tokens [B, T] int -> logits [B, T, V] fp32.
 
         padding_mask [B, T]: True for real tokens, False for padding (None: no padding).
         positions [B, T]: RoPE positions (default 0..T-1).
+        return_hidden: return (final hidden states [B, T, D], head [D, V] or its weight object)
+            instead of the logits, for a loss that applies the head itself in chunks
+            (jaxmem.train.fused_loss).
         """
         c = self.config
         B, T = tokens.shape
@@ -125,9 +128,14 @@ class Llama(nn.Module):
         x = RMSNorm(c.rms_norm_eps, name="norm")(x)
         # The head multiplies in fp32 accumulation to fp32 logits whatever the compute dtype.
         if c.tie_embeddings:
+            if return_hidden:
+                return x, embed.T  # [B, T, D], [D, V]
             logits = project("BTD,DV->BTV", x, embed.T, logits_einsum)  # [B, T, V]
         else:
-            logits = Projection("lm_head", "BTD,DV->BTV", (D, V), D, logits_einsum)(x)
+            head = Projection("lm_head", "BTD,DV->BTV", (D, V), D, logits_einsum)
+            if return_hidden:
+                return x, head.weight()  # [B, T, D], [D, V] (or a weight object)
+            logits = head(x)
         return constrain(logits, "logits")  # [B, T, V] fp32
 
 

@@ -71,6 +71,9 @@ class StepConfig:
     # from every real query, so attention runs causal-only (cuDNN flash attention on GPU) and
     # padding is removed by the loss mask alone. Set True for left-padded batches.
     attention_padding: bool = False
+    # The LM head fused into the loss in sequence chunks (jaxmem.train.fused_loss): None picks
+    # (resolve_loss_chunk), 0 keeps the [B, T, V] logits, N > 0 uses chunks of N positions.
+    loss_chunk: int | None = None
 
     def build_model(self) -> Llama:
         einsum = default_einsum
@@ -108,7 +111,8 @@ def make_train_step(cfg: StepConfig):
 
         def micro_loss(params, mb):
             # the cast happens inside grad: fp32 grads for fp32 masters
-            total, _ = token_loss(model, params, mb, cfg.attention_padding, compute_dtype)
+            total, _ = token_loss(model, params, mb, cfg.attention_padding, compute_dtype,
+                                  cfg.loss_chunk)
             loss = total / total_tokens
             return state.loss_scale.scale(loss), loss
 

@@ -1,0 +1,103 @@
+"""The fused LM head + cross-entropy (jaxmem.train.fused_loss) equals the unfused loss.
+
+fp32, value and gradients w.r.t. the hidden states, the head and (through the whole model) every
+parameter, within 1e-5 relative: vocab not divisible by the chunk, a sequence not divisible by
+the chunk, padding, tied and untied heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmem.config.model import get_preset
+from jaxmem.model.llama import Llama, init_params
+from jaxmem.model.projection import logits_einsum
+from jaxmem.train.fused_loss import fused_cross_entropy, resolve_loss_chunk
+from jaxmem.train.loss import cross_entropy, synthetic_batch, token_loss
+
+RTOL = 1e-5
+
+
+def _assert_trees_close(a, b, rtol=RTOL):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves(b)):
+        x, y = np.asarray(x), np.asarray(y)
+        scale = max(np.abs(y).max(), 1e-30)  # relative to the leaf's largest entry
+        np.testing.assert_allclose(x, y, rtol=RTOL, atol=rtol * scale,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 40])
+def test_fused_equals_unfused_head_and_hidden(chunk):
+    """Direct: value, d(hidden), d(head); V=37 and T=16 not divisible by most chunks; padding."""
+    B, T, D, V = 3, 16, 8, 37
+    kx, kw, kt = jax.random.split(jax.random.PRNGKey(0), 3)
+    x = jax.random.normal(kx, (B, T, D), jnp.float32)
+    w = jax.random.normal(kw, (D, V), jnp.float32)
+    targets = jax.random.randint(kt, (B, T), 0, V)
+    weights = (jnp.arange(T)[None] < jnp.array([[16], [11], [3]])).astype(jnp.int32)  # padding
+
+    def unfused(x, w):
+        total, n = cross_entropy(logits_einsum("BTD,DV->BTV", x, w), targets, weights)
+        return total / n
+
+    def fused(x, w):
+        total, n = fused_cross_entropy(x, w, targets, weights, chunk)
+        return total / n
+
+    v0, g0 = jax.value_and_grad(unfused, argnums=(0, 1))(x, w)
+    v1, g1 = jax.jit(jax.value_and_grad(fused, argnums=(0, 1)))(x, w)
+    np.testing.assert_allclose(v1, v0, rtol=RTOL)
+    _assert_trees_close(g1, g0)
+    # padded positions get no gradient
+    assert np.all(np.asarray(g1[0])[2, 3:] == 0)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_fused_equals_unfused_whole_model(tied):
+    """Through the whole model: loss and the gradient of every parameter, with padding."""
+    cfg = dataclasses.replace(get_preset("tiny", num_layers=2), tie_embeddings=tied)
+    model = Llama(cfg)
+    params = init_params(cfg, jax.random.PRNGKey(1))
+    batch = synthetic_batch(jax.random.PRNGKey(2), 2, 24, cfg.vocab_size, pad_fraction=0.25)
+
+    def loss(p, chunk):
+        total, n = token_loss(model, p, batch, loss_chunk=chunk)
+        return total / n
+
+    v0, g0 = jax.value_and_grad(loss)(params, 0)
+    v1, g1 = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, 7)  # 24 = 3 x 7 + 3
+    np.testing.assert_allclose(v1, v0, rtol=RTOL)
+    _assert_trees_close(g1, g0)
+    assert ("lm_head" in params) == (not tied)
+
+
+def test_fused_keeps_no_logits():
+    """No [B, T, V]-sized residual is kept for the backward (jax's saved residuals)."""
+    from jaxmem.memory.residuals import available, saved_residual_bytes
+    if not available():
+        pytest.skip("this jax has no saved_residuals")
+    B, T, D, V = 2, 32, 8, 301
+    x = jnp.zeros((B, T, D)); w = jnp.zeros((D, V))
+    t = jnp.zeros((B, T), jnp.int32); m = jnp.ones((B, T), jnp.int32)
+    res = saved_residual_bytes(lambda x, w: fused_cross_entropy(x, w, t, m, 8)[0], x, w)
+    assert res.bytes < B * T * V * 4 / 4, res  # x (once) and the logsumexp [B, T]
+    unfused = saved_residual_bytes(
+        lambda x, w: cross_entropy(logits_einsum("BTD,DV->BTV", x, w), t, m)[0], x, w)
+    assert unfused.bytes >= B * T * V * 4
+
+
+def test_resolve_loss_chunk_rule():
+    c = get_preset("llama-3.2-1b")
+    assert resolve_loss_chunk(0, 4, 2048, c) == 0
+    assert resolve_loss_chunk(100, 4, 64, c) == 64
+    # auto: chunks of <= 256 MiB fp32 logits
+    assert resolve_loss_chunk(None, 4, 2048, c) == 2**28 // (4 * c.vocab_size * 4)
+    narrow = dataclasses.replace(c, vocab_size=c.hidden_size)  # head no wider than its input
+    assert resolve_loss_chunk(None, 4, 2048, narrow) == 0
+    tiny = get_preset("tiny")
+    assert resolve_loss_chunk(None, 2, 64, tiny) == 64  # V=259 > D=128: one chunk
