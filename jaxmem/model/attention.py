@@ -82,18 +82,51 @@ def query_chunk(q_shape, kv_len: int) -> int:
     return max(1, min(T, ATTENTION_CHUNK_BYTES // (B * N * kv_len * 4)))
 
 
-def _query_chunks(q, mask, chunk):
-    """q [B, T, N, H] -> [n, B, Tq, N, H] (zero-padded), the chunks' masks [n, B|1, 1, Tq, S]."""
+def _query_chunks(q, chunk):
+    """q [B, T, N, H] -> [n, B, Tq, N, H] (zero-padded rows at the end)."""
     B, T = q.shape[:2]
-    S = T if mask is None else mask.shape[-1]
     n = -(-T // chunk)
-    pos = jnp.arange(n * chunk).reshape(n, chunk)  # query positions; padded rows attend causally
-    masks = (pos[:, :, None] >= jnp.arange(S))[:, None, None]  # [n, 1, 1, Tq, S]
-    if mask is not None:  # [B, 1, T, S]: padded rows see every key (their output is dropped)
-        m = jnp.pad(mask, [(0, 0), (0, 0), (0, n * chunk - T), (0, 0)], constant_values=True)
-        masks = masks & jnp.moveaxis(m.reshape(B, 1, n, chunk, S), 2, 0)  # [n, B, 1, Tq, S]
     q = jnp.pad(q, [(0, 0), (0, n * chunk - T), (0, 0), (0, 0)])
-    return jnp.moveaxis(q.reshape(B, n, chunk, *q.shape[2:]), 1, 0), masks
+    return jnp.moveaxis(q.reshape(B, n, chunk, *q.shape[2:]), 1, 0)
+
+
+def _chunk_mask(mask, start, chunk, S):
+    """The [B|1, 1, Tq, S] mask of the query rows start..start+Tq, built inside the scan body
+    (a stacked mask is broadcast by dot_product_attention to [n, B, K, G, Tq, S]: measured 512 MiB
+    at llama-3.2-1b, B=4, T=2048). Padded rows (past T) attend causally and are dropped."""
+    pos = start + jnp.arange(chunk)  # [Tq]
+    causal = (pos[:, None] >= jnp.arange(S))[None, None]  # [1, 1, Tq, S]
+    if mask is None:
+        return causal
+    rows = jax.lax.dynamic_slice_in_dim(mask, start, chunk, axis=2)  # mask padded: _pad_rows
+    return causal & rows  # [B, 1, Tq, S]
+
+
+def _pad_rows(mask, chunk):
+    """[B, 1, T, S] -> [B, 1, n * Tq, S], padded rows True (they attend; they are dropped)."""
+    if mask is None:
+        return None
+    T = mask.shape[2]
+    pad = -(-T // chunk) * chunk - T
+    return jnp.pad(mask, [(0, 0), (0, 0), (0, pad), (0, 0)], constant_values=True)
+
+
+def _chunk_attention(q, k, v, mask):
+    """Grouped-query attention of q [B, Tq, N, H] over k, v [B, S, K, H] with a boolean mask
+    [B|1, 1, Tq, S], computed as jax.nn.dot_product_attention's XLA path does (fp32 logits and
+    softmax, probabilities cast to v's dtype), with the mask applied as it is: passed to
+    dot_product_attention it was broadcast to [B, K, G, Tq, S] and jax kept that per chunk
+    (measured: a 512 MiB boolean stack at llama-3.2-1b, B=4, T=2048; why, below)."""
+    B, Tq, N, H = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, Tq, K, N // K, H)  # [B, Tq, K, G, H]
+    logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
+    # An additive bias, not jnp.where: under the block's remat jax kept where's boolean
+    # [B, K, G, Tq, S] for every chunk (measured: 512 MiB stacked); an add keeps nothing.
+    bias = jnp.where(mask, 0.0, -1e30).astype(jnp.float32)[:, :, None]  # [B|1, 1, 1, Tq, S]
+    logits = logits * H ** -0.5 + bias
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)  # [B, K, G, Tq, S]
+    return jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(B, Tq, N, H)
 
 
 def _from_chunks(a, T):
@@ -104,29 +137,30 @@ def _from_chunks(a, T):
 
 def _chunked_attention(q, k, v, mask, chunk):
     """`_xla_attention` one query chunk at a time (a scan): [B, N, Tq, S] probabilities at once."""
-    qs, masks = _query_chunks(q, mask, chunk)
+    qs, mask = _query_chunks(q, chunk), _pad_rows(mask, chunk)
+    starts = jnp.arange(qs.shape[0]) * chunk
 
     def body(_, c):
-        qc, mc = c  # [B, Tq, N, H], [B|1, 1, Tq, S]
-        return None, jax.nn.dot_product_attention(qc, k, v, mask=mc)
+        qc, start = c  # [B, Tq, N, H], []
+        return None, _chunk_attention(qc, k, v, _chunk_mask(mask, start, chunk, k.shape[1]))
 
-    return _from_chunks(jax.lax.scan(body, None, (qs, masks))[1], q.shape[1])
+    return _from_chunks(jax.lax.scan(body, None, (qs, starts))[1], q.shape[1])
 
 
 def _chunked_attention_bwd(q, k, v, mask, d_ctx, chunk):
     """(dq, dk, dv), recomputing one query chunk's probabilities at a time; dk, dv summed in fp32."""
-    qs, masks = _query_chunks(q, mask, chunk)
-    ds, _ = _query_chunks(d_ctx, None, chunk)
+    qs, ds, mask = _query_chunks(q, chunk), _query_chunks(d_ctx, chunk), _pad_rows(mask, chunk)
+    starts = jnp.arange(qs.shape[0]) * chunk
 
     def body(acc, c):
-        qc, mc, dc = c
-        _, vjp = jax.vjp(lambda qc, k, v: jax.nn.dot_product_attention(qc, k, v, mask=mc),
-                         qc, k, v)
+        qc, start, dc = c
+        mc = _chunk_mask(mask, start, chunk, k.shape[1])
+        _, vjp = jax.vjp(lambda qc, k, v: _chunk_attention(qc, k, v, mc), qc, k, v)
         dqc, dkc, dvc = vjp(dc)
         return (acc[0] + dkc.astype(jnp.float32), acc[1] + dvc.astype(jnp.float32)), dqc
 
     zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    (dk, dv), dqs = jax.lax.scan(body, zeros, (qs, masks, ds))
+    (dk, dv), dqs = jax.lax.scan(body, zeros, (qs, starts, ds))
     return _from_chunks(dqs, q.shape[1]), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

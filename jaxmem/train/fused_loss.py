@@ -9,10 +9,13 @@ remat'd step keeps. Here the final hidden states x [B, T, D] are cut along the S
 chunks [B, Tc, D] (the batch axis stays whole in every chunk, so a batch sharded over devices
 stays sharded, and each chunk's logits pass the `constrain(.., "logits")` hook); a `lax.scan`
 computes each chunk's fp32 logits, logsumexp and target logit and keeps only the logsumexp
-[B, T] for the backward. The backward (a custom VJP) scans the chunks again, recomputes each
-chunk's logits, forms dlogits = (softmax - onehot) * weight * g and accumulates d(x) chunk by
-chunk and d(head) in fp32 across chunks. The largest logits-shaped buffer is one chunk's
-[B, Tc, V]; the price is the head matmul once more in the backward (the approach of Liger's
+[B, T] for the backward. The backward (a custom VJP) recomputes the logits a slice at a time,
+forms dlogits = (softmax - onehot) * weight * g and accumulates d(x) and d(head): over
+vocabulary slices [B, T, Vc] when the vocabulary has a suitable divisor (each slice of d(head)
+is then written once: measured, summing a full [D, V] d(head) per sequence chunk into an fp32
+accumulator held two more head-sized buffers), else over the same sequence chunks, summing
+d(head) in fp32. The largest logits-shaped buffer is one chunk; the price is the head matmul
+once more in the backward (the approach of Liger's
 fused linear cross-entropy, Apple's Cut Cross-Entropy and Levanter's blockwise loss).
 
 The head is multiplied with `jaxmem.model.projection.project`, so a weight object (a quantized
@@ -74,10 +77,14 @@ def _chunk_logits(einsum, xc, w):
 def _forward(chunk, einsum, x, w, targets, weights):
     """(sum of weighted token losses, logsumexp [n, B, Tc])."""
     xs, ts, ws = _chunks(x, chunk), _chunks(targets, chunk), _chunks(weights, chunk)
+    # An array head enters the loop as w.T [V, D] (for a tied head: the embedding itself); as
+    # w = embed.T, XLA materialized the transpose before the loop (measured: a head-sized copy).
+    wt = w.T if isinstance(w, jax.Array) else None
 
     def body(total, c):
         xc, tc, wc = c  # [B, Tc, D], [B, Tc], [B, Tc]
-        logits = _chunk_logits(einsum, xc, w)  # [B, Tc, V]
+        logits = (_chunk_logits(einsum, xc, w) if wt is None  # [B, Tc, V]
+                  else constrain(einsum("BTD,VD->BTV", xc, wt), "logits").astype(jnp.float32))
         lse = jax.nn.logsumexp(logits, axis=-1)  # [B, Tc]
         picked = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]  # [B, Tc]
         return total + jnp.sum((lse - picked) * wc), lse
@@ -95,9 +102,46 @@ def _fused_sum_fwd(chunk, einsum, x, w, targets, weights):
     return total, (x, w, targets, weights, lse)  # nothing [B, T, V]
 
 
+def vocab_chunk(vocab: int, tokens: int) -> int:
+    """The backward's vocabulary slice: the largest divisor of `vocab` whose fp32 [B, T, Vc]
+    fits in AUTO_CHUNK_BYTES, or 0 when only small divisors do (then the backward runs over
+    sequence chunks and sums d(head) over them instead)."""
+    target = max(1, AUTO_CHUNK_BYTES // (tokens * 4))
+    best = max((d for d in range(1, min(vocab, target) + 1) if vocab % d == 0), default=0)
+    return best if best * 8 >= min(vocab, target) else 0
+
+
+def _bwd_over_vocab(einsum, x, w, targets, weights, lse, g, vc):
+    """(dx, dw) scanning vocabulary slices [D, Vc] of w: each slice's d(head) [Vc, D] is written
+    once (the scan's output, reshaped to [V, D] without a copy) and d(x) [B, T, D] is summed in
+    fp32; no head-sized accumulator and no per-chunk head-sized product."""
+    B, T, D = x.shape
+    V = w.shape[-1]
+    lse = _unchunk(lse, T)  # [B, T]
+    wg = weights * g  # [B, T]
+
+    # Rows of w.T, not columns of w: for a tied head w is embed.T and w.T is the embedding
+    # itself; slicing w's columns made XLA materialize embed.T first (a head-sized copy).
+    wt = w.T  # [V, D]
+
+    def body(dx, start):
+        wc = jax.lax.dynamic_slice_in_dim(wt, start, vc, axis=0).T  # [D, Vc]
+        logits, vjp = jax.vjp(lambda x, wc: _chunk_logits(einsum, x, wc), x, wc)  # [B, T, Vc]
+        probs = jnp.exp(logits - lse[..., None])  # [B, T, Vc]
+        onehot = (targets[..., None] == start + jnp.arange(vc)).astype(jnp.float32)
+        dxc, dwc = vjp((probs - onehot) * wg[..., None])  # [B, T, D], [D, Vc]
+        return dx + dxc.astype(jnp.float32), dwc.T  # [Vc, D]
+
+    dx, dws = jax.lax.scan(body, jnp.zeros(x.shape, jnp.float32), jnp.arange(0, V, vc))
+    return dx.astype(x.dtype), dws.reshape(V, D).T.astype(w.dtype)  # [D, V]
+
+
 def _fused_sum_bwd(chunk, einsum, res, g):
     x, w, targets, weights, lse = res
     T = x.shape[1]
+    vc = vocab_chunk(w.shape[-1], x.shape[0] * T) if isinstance(w, jax.Array) else 0
+    if vc:
+        return (*_bwd_over_vocab(einsum, x, w, targets, weights, lse, g, vc), None, None)
     xs, ts, ws = _chunks(x, chunk), _chunks(targets, chunk), _chunks(weights, chunk)
     w_float = jax.tree_util.tree_map(lambda a: jnp.issubdtype(a.dtype, jnp.floating), w)
 
