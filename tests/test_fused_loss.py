@@ -101,3 +101,36 @@ def test_resolve_loss_chunk_rule():
     assert resolve_loss_chunk(None, 4, 2048, narrow) == 0
     tiny = get_preset("tiny")
     assert resolve_loss_chunk(None, 2, 64, tiny) == 64  # V=259 > D=128: one chunk
+
+
+@pytest.mark.parametrize("vocab, limit_tokens, path", [(37, 20, "sequence"), (40, 10, "vocab")])
+def test_both_backward_paths(monkeypatch, vocab, limit_tokens, path):
+    """The backward over vocabulary slices (V=40: 4 slices of 10) and over sequence chunks with
+    a summed d(head) (V=37 is prime: no slice fits, `vocab_chunk` gives 0) both equal autodiff."""
+    from jaxmem.train import fused_loss
+    B, T, D = 2, 12, 8
+    monkeypatch.setattr(fused_loss, "AUTO_CHUNK_BYTES", B * T * 4 * limit_tokens)
+    assert (fused_loss.vocab_chunk(vocab, B * T) > 0) == (path == "vocab")
+    kx, kw, kt = jax.random.split(jax.random.PRNGKey(5), 3)
+    x = jax.random.normal(kx, (B, T, D))
+    w = jax.random.normal(kw, (D, vocab))
+    targets = jax.random.randint(kt, (B, T), 0, vocab)
+    weights = jnp.ones((B, T), jnp.int32).at[1, 7:].set(0)
+
+    def unfused(x, w):
+        return cross_entropy(logits_einsum("BTD,DV->BTV", x, w), targets, weights)[0]
+
+    g0 = jax.grad(unfused, argnums=(0, 1))(x, w)
+    g1 = jax.jit(jax.grad(lambda x, w: fused_cross_entropy(x, w, targets, weights, 5)[0],
+                          argnums=(0, 1)))(x, w)
+    _assert_trees_close(g1, g0)
+
+
+def test_loss_chunk_flag_validation():
+    from jaxmem.config.model import ConfigError
+    from jaxmem.config.run import RunConfig
+    from jaxmem.train.run import build_step_config
+    assert build_step_config(RunConfig().replace({"remat.loss_chunk": 0}))[1].loss_chunk == 0
+    assert build_step_config(RunConfig())[1].loss_chunk is None  # auto
+    with pytest.raises(ConfigError, match="--loss-chunk"):
+        RunConfig().replace({"remat.loss_chunk": -3})
