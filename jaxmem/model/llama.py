@@ -115,9 +115,10 @@ class Llama(nn.Module):
 
         padding_mask [B, T]: True for real tokens, False for padding (None: no padding).
         positions [B, T]: RoPE positions (default 0..T-1).
-        return_hidden: return (final hidden states [B, T, D], head [D, V] or its weight object)
-            instead of the logits, for a loss that applies the head itself in chunks
-            (jaxmem.train.fused_loss).
+        return_hidden: return (final hidden states [B, T, D], the head, its layout) instead of
+            the logits, for a loss that applies the head itself in chunks
+            (jaxmem.train.fused_loss): the tied embedding [V, D] with "VD", or the lm_head
+            [D, V] (or its weight object) with "DV".
         """
         c = self.config
         B, T = tokens.shape
@@ -144,12 +145,12 @@ class Llama(nn.Module):
         # The head multiplies in fp32 accumulation to fp32 logits whatever the compute dtype.
         if c.tie_embeddings:
             if return_hidden:
-                return x, embed.T  # [B, T, D], [D, V]
+                return x, embed, "VD"  # [B, T, D], the head as [V, D] (no transpose)
             logits = project("BTD,DV->BTV", x, embed.T, logits_einsum)  # [B, T, V]
         else:
             head = Projection("lm_head", "BTD,DV->BTV", (D, V), D, logits_einsum)
             if return_hidden:
-                return x, head.weight()  # [B, T, D], [D, V] (or a weight object)
+                return x, head.weight(), "DV"  # [B, T, D], [D, V] (or a weight object)
             logits = head(x)
         return constrain(logits, "logits")  # [B, T, V] fp32
 

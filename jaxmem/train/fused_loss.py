@@ -68,23 +68,23 @@ def _unchunk(a: jax.Array, T: int) -> jax.Array:
     return jnp.moveaxis(a, 0, 1).reshape(B, n * chunk, *a.shape[3:])[:, :T]
 
 
-def _chunk_logits(einsum, xc, w):
-    """One chunk's fp32 logits [B, Tc, V]."""
-    logits = project("BTD,DV->BTV", xc, w, einsum)  # [B, Tc, V]
+def _subscripts(layout: str) -> str:
+    return "BTD,VD->BTV" if layout == "VD" else "BTD,DV->BTV"
+
+
+def _chunk_logits(einsum, layout, xc, w):
+    """One chunk's fp32 logits [B, Tc, V] (w: [D, V] or, layout "VD", [V, D])."""
+    logits = project(_subscripts(layout), xc, w, einsum)  # [B, Tc, V]
     return constrain(logits, "logits").astype(jnp.float32)
 
 
-def _forward(chunk, einsum, x, w, targets, weights):
+def _forward(chunk, einsum, layout, x, w, targets, weights):
     """(sum of weighted token losses, logsumexp [n, B, Tc])."""
     xs, ts, ws = _chunks(x, chunk), _chunks(targets, chunk), _chunks(weights, chunk)
-    # An array head enters the loop as w.T [V, D] (for a tied head: the embedding itself); as
-    # w = embed.T, XLA materialized the transpose before the loop (measured: a head-sized copy).
-    wt = w.T if isinstance(w, jax.Array) else None
 
     def body(total, c):
         xc, tc, wc = c  # [B, Tc, D], [B, Tc], [B, Tc]
-        logits = (_chunk_logits(einsum, xc, w) if wt is None  # [B, Tc, V]
-                  else constrain(einsum("BTD,VD->BTV", xc, wt), "logits").astype(jnp.float32))
+        logits = _chunk_logits(einsum, layout, xc, w)  # [B, Tc, V]
         lse = jax.nn.logsumexp(logits, axis=-1)  # [B, Tc]
         picked = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]  # [B, Tc]
         return total + jnp.sum((lse - picked) * wc), lse
@@ -92,13 +92,13 @@ def _forward(chunk, einsum, x, w, targets, weights):
     return jax.lax.scan(body, jnp.zeros((), jnp.float32), (xs, ts, ws))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fused_sum(chunk, einsum, x, w, targets, weights):
-    return _forward(chunk, einsum, x, w, targets, weights)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fused_sum(chunk, einsum, layout, x, w, targets, weights):
+    return _forward(chunk, einsum, layout, x, w, targets, weights)[0]
 
 
-def _fused_sum_fwd(chunk, einsum, x, w, targets, weights):
-    total, lse = _forward(chunk, einsum, x, w, targets, weights)
+def _fused_sum_fwd(chunk, einsum, layout, x, w, targets, weights):
+    total, lse = _forward(chunk, einsum, layout, x, w, targets, weights)
     return total, (x, w, targets, weights, lse)  # nothing [B, T, V]
 
 
@@ -111,43 +111,46 @@ def vocab_chunk(vocab: int, tokens: int) -> int:
     return best if best * 8 >= min(vocab, target) else 0
 
 
-def _bwd_over_vocab(einsum, x, w, targets, weights, lse, g, vc):
-    """(dx, dw) scanning vocabulary slices [D, Vc] of w: each slice's d(head) [Vc, D] is written
-    once (the scan's output, reshaped to [V, D] without a copy) and d(x) [B, T, D] is summed in
-    fp32; no head-sized accumulator and no per-chunk head-sized product."""
-    B, T, D = x.shape
-    V = w.shape[-1]
+def _bwd_over_vocab(einsum, layout, x, w, targets, weights, lse, g, vc):
+    """(dx, dw) scanning vocabulary slices of w ([D, Vc] or [Vc, D], in w's own layout: a
+    slice of a transposed view made XLA materialize the transpose, a head-sized copy): each
+    slice of d(head) is written once into its place (an in-place dynamic_update_slice of the
+    loop carry, in w's dtype), d(x) [B, T, D] is summed in fp32. No head-sized accumulator and
+    no per-chunk head-sized product."""
+    T = x.shape[1]
+    vaxis = 0 if layout == "VD" else 1
+    V = w.shape[vaxis]
     lse = _unchunk(lse, T)  # [B, T]
     wg = weights * g  # [B, T]
 
-    # Rows of w.T, not columns of w: for a tied head w is embed.T and w.T is the embedding
-    # itself; slicing w's columns made XLA materialize embed.T first (a head-sized copy).
-    wt = w.T  # [V, D]
-
-    def body(dx, start):
-        wc = jax.lax.dynamic_slice_in_dim(wt, start, vc, axis=0).T  # [D, Vc]
-        logits, vjp = jax.vjp(lambda x, wc: _chunk_logits(einsum, x, wc), x, wc)  # [B, T, Vc]
+    def body(carry, start):
+        dx, dw = carry
+        wc = jax.lax.dynamic_slice_in_dim(w, start, vc, axis=vaxis)  # [D, Vc] / [Vc, D]
+        logits, vjp = jax.vjp(lambda x, wc: _chunk_logits(einsum, layout, x, wc), x, wc)
         probs = jnp.exp(logits - lse[..., None])  # [B, T, Vc]
         onehot = (targets[..., None] == start + jnp.arange(vc)).astype(jnp.float32)
-        dxc, dwc = vjp((probs - onehot) * wg[..., None])  # [B, T, D], [D, Vc]
-        return dx + dxc.astype(jnp.float32), dwc.T  # [Vc, D]
+        dxc, dwc = vjp((probs - onehot) * wg[..., None])  # [B, T, D], like wc
+        dw = jax.lax.dynamic_update_slice_in_dim(dw, dwc.astype(w.dtype), start, axis=vaxis)
+        return (dx + dxc.astype(jnp.float32), dw), None
 
-    dx, dws = jax.lax.scan(body, jnp.zeros(x.shape, jnp.float32), jnp.arange(0, V, vc))
-    return dx.astype(x.dtype), dws.reshape(V, D).T.astype(w.dtype)  # [D, V]
+    init = (jnp.zeros(x.shape, jnp.float32), jnp.zeros(w.shape, w.dtype))
+    (dx, dw), _ = jax.lax.scan(body, init, jnp.arange(0, V, vc))
+    return dx.astype(x.dtype), dw
 
 
-def _fused_sum_bwd(chunk, einsum, res, g):
+def _fused_sum_bwd(chunk, einsum, layout, res, g):
     x, w, targets, weights, lse = res
     T = x.shape[1]
-    vc = vocab_chunk(w.shape[-1], x.shape[0] * T) if isinstance(w, jax.Array) else 0
+    is_array = isinstance(w, jax.Array)
+    vc = vocab_chunk(w.shape[0 if layout == "VD" else 1], x.shape[0] * T) if is_array else 0
     if vc:
-        return (*_bwd_over_vocab(einsum, x, w, targets, weights, lse, g, vc), None, None)
+        return (*_bwd_over_vocab(einsum, layout, x, w, targets, weights, lse, g, vc), None, None)
     xs, ts, ws = _chunks(x, chunk), _chunks(targets, chunk), _chunks(weights, chunk)
     w_float = jax.tree_util.tree_map(lambda a: jnp.issubdtype(a.dtype, jnp.floating), w)
 
     def body(dw, c):
         xc, tc, wc, lc = c  # [B, Tc, D], [B, Tc], [B, Tc], [B, Tc]
-        logits, vjp = jax.vjp(lambda xc, w: _chunk_logits(einsum, xc, w), xc, w)  # [B, Tc, V]
+        logits, vjp = jax.vjp(lambda xc, w: _chunk_logits(einsum, layout, xc, w), xc, w)
         probs = jnp.exp(logits - lc[..., None])  # softmax [B, Tc, V]
         onehot = jax.nn.one_hot(tc, logits.shape[-1], dtype=jnp.float32)  # [B, Tc, V]
         dlogits = (probs - onehot) * (wc * g)[..., None]  # [B, Tc, V]
@@ -169,15 +172,18 @@ _fused_sum.defvjp(_fused_sum_fwd, _fused_sum_bwd)
 
 
 def fused_cross_entropy(x: jax.Array, w, targets: jax.Array, weights: jax.Array, chunk: int,
-                        einsum=logits_einsum):
+                        einsum=logits_einsum, layout: str = "DV"):
     """(sum of token losses, number of weighted tokens), both fp32, without [B, T, V] logits.
 
-    x [B, T, D] final hidden states (after the final norm), w the head [D, V] (an array, e.g. the
-    tied embedding transposed, or a weight object), targets [B, T] int, weights [B, T] in {0, 1},
-    chunk: sequence positions per chunk (the last chunk is padded with zero weights).
-    Equal to `cross_entropy(project('BTD,DV->BTV', x, w, einsum), targets, weights)`.
+    x [B, T, D] final hidden states (after the final norm), w the head: layout "DV", [D, V] (an
+    array or a weight object, e.g. the untied lm_head), or "VD", [V, D] (an array: the tied
+    embedding itself, not its transpose); targets [B, T] int, weights [B, T] in {0, 1}; chunk:
+    sequence positions per chunk (the last chunk is padded with zero weights).
+    Equal to `cross_entropy(project('BTD,DV->BTV', x, W, einsum), targets, weights)`, W = [D, V].
     """
     if chunk <= 0:
         raise ValueError(f"fused_cross_entropy: chunk must be positive, got {chunk}")
+    if layout not in ("DV", "VD"):
+        raise ValueError(f"fused_cross_entropy: layout must be 'DV' or 'VD', got {layout!r}")
     w32 = weights.astype(jnp.float32)
-    return _fused_sum(int(chunk), einsum, x, w, targets, w32), jnp.sum(w32)
+    return _fused_sum(int(chunk), einsum, layout, x, w, targets, w32), jnp.sum(w32)

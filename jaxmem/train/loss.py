@@ -52,9 +52,10 @@ def token_loss(model, params, batch, attention_padding: bool = False, compute_dt
     B, T = batch["inputs"].shape
     chunk = resolve_loss_chunk(loss_chunk, B, T, model.config)
     if chunk:
-        x, head = model.apply({"params": params}, batch["inputs"], padding_mask=pad,
-                              return_hidden=True)  # [B, T, D], [D, V]
-        return fused_cross_entropy(x, head, batch["targets"], batch["mask"], chunk)
+        x, head, layout = model.apply({"params": params}, batch["inputs"], padding_mask=pad,
+                                      return_hidden=True)  # [B, T, D], [V, D] or [D, V]
+        return fused_cross_entropy(x, head, batch["targets"], batch["mask"], chunk,
+                                   layout=layout)
     logits = model.apply({"params": params}, batch["inputs"], padding_mask=pad)  # [B, T, V] fp32
     return cross_entropy(logits, batch["targets"], batch["mask"])
 
