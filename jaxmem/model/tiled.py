@@ -9,8 +9,10 @@ largest buffers of a remat'd step once attention runs in query chunks and the lo
 attention and the loss, the MLP then runs a sequence tile at a time (a scan keeping the batch
 axis whole; ALST's "tiled MLP"): a custom VJP keeps only x and the weights, and its backward
 recomputes each tile's activations, returns that tile's d(x) and sums the weight gradients in
-fp32 across tiles. The MLP's output is not needed by the block's backward, so the remat'd
-forward does not recompute it: the FLOPs are those of the untiled remat'd step.
+fp32 across tiles. The MLP's output is not needed by the block's backward (it is only added
+to the residual stream), so the remat'd forward need not recompute it and dead-code elimination
+should drop it; not verified with a FLOP count, because XLA's `cost_analysis()` counts a loop
+body once (docs/memory.md).
 
 Used only where it changes nothing else (jaxmem.model.llama decides): under `full` remat (or a
 `names:` policy naming no MLP tag: the tags live inside the tile, where no policy sees them),
