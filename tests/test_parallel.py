@@ -194,16 +194,26 @@ def test_one_device_placement_is_todays_step():
 
 
 def test_memory_fit_searches_meshes():
-    """`--fit GIB --devices 4`: meshes from pure data parallel towards all-fsdp; the first whose
-    per-device compiled peak fits is chosen (27 MiB: data=4 needs 28.7 MiB, measured)."""
-    budget = 0.027
+    """`--fit GIB --devices 4`: meshes from pure data parallel towards all-fsdp, then tensor=2;
+    with a budget nothing meets every candidate is compiled and the exit is 1; with a budget just
+    above the smallest per-device peak the first candidate under it is chosen."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "jaxmem.memory", "--num-layers", "2", "--devices",
-                           "4", "--fit", str(budget), "--json"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    r = json.loads(proc.stdout)
-    tried = r["tried"]
-    assert tried[0]["mesh"] == "data=4,fsdp=1,tensor=1" and len(tried) >= 2
-    assert r["chosen"] == tried[-1] and r["chosen"]["peak_bytes"] <= budget * 2**30
-    assert all(t["peak_bytes"] > budget * 2**30 for t in tried[:-1])
+
+    def fit(gib):
+        proc = subprocess.run([sys.executable, "-m", "jaxmem.memory", "--num-layers", "2",
+                               "--devices", "4", "--fit", str(gib), "--json"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+        return proc.returncode, json.loads(proc.stdout)
+
+    rc, r = fit(0.001)
+    assert rc == 1 and r["chosen"] is None
+    assert [t["mesh"] for t in r["tried"]] == ["data=4,fsdp=1,tensor=1", "data=2,fsdp=2,tensor=1",
+                                              "data=1,fsdp=4,tensor=1", "data=1,fsdp=2,tensor=2"]
+    peaks = [t["peak_bytes"] for t in r["tried"]]
+    assert min(peaks) < peaks[0]  # splitting the params pays off per device
+    budget = (min(peaks) + 1024) / 2**30
+    rc, r = fit(budget)
+    first = next(i for i, p in enumerate(peaks) if p <= budget * 2**30)
+    assert rc == 0 and first > 0
+    assert r["chosen"]["mesh"] == r["tried"][-1]["mesh"] and len(r["tried"]) == first + 1
+    assert r["chosen"]["peak_bytes"] == peaks[first]
