@@ -10,7 +10,7 @@ it to jax's saved residuals (0.5%) and XLA's compiled peak (15%); docs/memory.md
 
 The model of the peak (what is live when the backward starts):
 
-    peak = state (params, Adam mu and nu, loss scale, counters) + batch
+    peak = state (params, optimizer state, loss scale, counters) + batch
          + gradients (+ the accumulator when grad_accum > 1)
          + compute copy of the params (amp modes: saved by the loss for the backward)
          + activations saved for the backward under the remat policy (per layer x L, plus the
@@ -49,9 +49,27 @@ def _dname(dtype) -> str:
     return jnp.dtype(dtype).name
 
 
+def _state_dtype(spec: StepSpec):
+    """Dtype of the optimizer's moments: the params' (bf16-sr: fp32, no master copy)."""
+    return jnp.float32 if spec.precision.stochastic_rounding else spec.precision.param_dtype
+
+
 def _mu_dtype(spec: StepSpec):
-    return {None: spec.precision.param_dtype, "fp32": jnp.float32, "float32": jnp.float32,
+    return {None: _state_dtype(spec), "fp32": jnp.float32, "float32": jnp.float32,
             "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16}[spec.mu_dtype]
+
+
+def optimizer_state(spec: StepSpec, P: int) -> list[tuple[str, int, str]]:
+    """(name, bytes, dtype) of the optimizer state: AdamW's mu and nu by formula; any other
+    optimizer's leaves counted on its abstract state (jaxmem.memory.optimizer_bytes)."""
+    if spec.optimizer == "adamw":
+        sd = _state_dtype(spec)
+        return [("adam mu", P * _nbytes(_mu_dtype(spec)), _dname(_mu_dtype(spec))),
+                ("adam nu", P * _nbytes(sd), _dname(sd))]
+    from jaxmem.config.run import OptimConfig
+    from jaxmem.memory.optimizer_bytes import optimizer_components
+    optim = OptimConfig(optimizer=spec.optimizer, mu_dtype=spec.mu_dtype)
+    return list(optimizer_components(spec.model, optim, spec.precision))
 
 
 @functools.lru_cache(maxsize=64)
@@ -165,7 +183,7 @@ def analytic_breakdown(spec: StepSpec) -> dict:
     c, p = spec.model, spec.precision
     B, T, K = spec.batch_size, spec.seq_len, spec.grad_accum
     P, Pn = c.num_params(), norm_params(c)
-    pb, cb, mb = _nbytes(p.param_dtype), _nbytes(p.compute_dtype), _nbytes(_mu_dtype(spec))
+    pb, cb = _nbytes(p.param_dtype), _nbytes(p.compute_dtype)
     amp = jnp.dtype(p.param_dtype) != jnp.dtype(p.compute_dtype)
     attention = spec.attention_path
     per_layer = layer_residuals(c, B, T, p.compute_dtype, spec.remat, attention)
@@ -188,7 +206,7 @@ def analytic_breakdown(spec: StepSpec) -> dict:
         layer_bwd += B * N * T * T * (3 * FP32 + cb)
     transient = max(logits_group, layer_bwd)
 
-    pd, cdn, md = _dname(p.param_dtype), _dname(p.compute_dtype), _dname(_mu_dtype(spec))
+    pd, cdn = _dname(p.param_dtype), _dname(p.compute_dtype)
     # Two phases; the peak is the larger (XLA reuses buffers, it does not sum them):
     # backward: grads + compute copy + saved activations + the largest transient;
     # optimizer: grads + one params-sized update buffer (activations freed by then).
@@ -198,10 +216,12 @@ def analytic_breakdown(spec: StepSpec) -> dict:
                ("saved activations", saved, _mixed(per_layer + outside)),
                ("logits + dlogits [B,T,V]" if transient == logits_group else "one layer's backward",
                 transient, "float32" if transient == logits_group else _mixed(per_layer + outside))]
-    phase_o = [("gradients", P * pb, pd), ("optimizer update buffer", P * pb, pd)]
+    # bf16-sr: the updates are fp32 (added to the bf16 weights in fp32, then rounded)
+    ub, ud = (FP32, "float32") if p.stochastic_rounding else (pb, pd)
+    phase_o = [("gradients", P * pb, pd), ("optimizer update buffer", P * ub, ud)]
     peak_phase = "backward" if _sum(phase_b) >= _sum(phase_o) else "optimizer"
-    persistent = [("params (master)", P * pb, pd), ("adam mu", P * mb, md),
-                  ("adam nu", P * pb, pd), ("loss scale", loss_scale, "float32"),
+    persistent = [("params (master)", P * pb, pd),
+                  *optimizer_state(spec, P), ("loss scale", loss_scale, "float32"),
                   ("batch (inputs, targets, mask)", 3 * K * B * T * 4, "int32")]
     comps = [(n, b, d, "both") for n, b, d in persistent]
     comps += [(n, b, d, "both" if n == "gradients" else "backward") for n, b, d in phase_b]

@@ -34,6 +34,7 @@ class StepSpec:
         jaxmem.model.attention.xla_attention_recomputed) or "cudnn" (flash attention: only the
         output and the softmax statistics are saved);
         None: the path jaxmem.model.attention.attention_path picks for this step's shapes.
+    optimizer: `--optimizer` (adamw, adamw8bit, adafactor, lion).
     """
 
     model: ModelConfig
@@ -44,6 +45,7 @@ class StepSpec:
     grad_accum: int = 1
     mu_dtype: str | None = None
     attention: str | None = None
+    optimizer: str = "adamw"
 
     @classmethod
     def from_run_config(cls, cfg: RunConfig, attention: str | None = None) -> "StepSpec":
@@ -51,14 +53,15 @@ class StepSpec:
         d = cfg.data
         return cls(cfg.model_config(), get_precision(cfg.precision.mode),
                    RematPolicy.parse(cfg.remat.policy), d.batch_size, d.seq_len, d.grad_accum,
-                   cfg.optim.mu_dtype, attention)
+                   cfg.optim.mu_dtype, attention, cfg.optim.optimizer)
 
     def run_config(self) -> RunConfig:
         """A RunConfig with this step: the one input jaxmem.train.run.build_step_config takes."""
         return RunConfig(model=ModelSection.of(self.model)).replace({
             "precision.mode": self.precision.name, "remat.policy": str(self.remat),
             "data.batch_size": self.batch_size, "data.seq_len": self.seq_len,
-            "data.grad_accum": self.grad_accum, "optim.mu_dtype": self.mu_dtype})
+            "data.grad_accum": self.grad_accum, "optim.mu_dtype": self.mu_dtype,
+            "optim.optimizer": self.optimizer})
 
     def step_config(self) -> tuple[StepConfig, LossScale]:
         """(StepConfig, initial loss scale), built as a training run builds them."""
