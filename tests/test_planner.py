@@ -111,13 +111,13 @@ def test_analytic_first_rules_out_only_what_does_not_fit():
         key = (spec.batch_size, str(spec.remat), spec.mu_dtype)
         return cache[key] if key in cache else cache.setdefault(key, compile_step(spec))
 
-    # a budget between the peaks of the last micro-batch-4 candidate and the first micro-2 one
-    by_micro = {b: compiled(candidates(base, 4, mu_dtypes=("fp32",), max_micro=b)[-1])
-                for b in (4,)}
-    budget = int(by_micro[4]["peak_bytes"] * 0.8)
+    # half the smallest peak of the micro-batch-4 candidates: all of those are over it
+    micro4 = [s for s in candidates(base, 4, mu_dtypes=("fp32",)) if s.batch_size == 4]
+    budget = min(compiled(s)["peak_bytes"] for s in micro4) // 2
     slow = plan(base, 4, budget, mu_dtypes=("fp32",), compile_fn=compiled, analytic_first=False)
     fast = plan(base, 4, budget, mu_dtypes=("fp32",), compile_fn=compiled)
-    assert slow["spec"] == fast["spec"] and fast["chosen"]["peak_bytes"] <= budget
+    assert slow["spec"] == fast["spec"]
+    assert fast["chosen"] is None or fast["chosen"]["peak_bytes"] <= budget
     assert fast["compiles"] < slow["compiles"]
     ruled_out = [t for t in fast["tried"] if t["decided_by"] == "analytic"]
     assert ruled_out

@@ -216,8 +216,10 @@ def analytic_breakdown(spec: StepSpec) -> dict:
                ("saved activations", saved, _mixed(per_layer + outside)),
                ("logits + dlogits [B,T,V]" if transient == logits_group else "one layer's backward",
                 transient, "float32" if transient == logits_group else _mixed(per_layer + outside))]
-    # bf16-sr: the updates are fp32 (added to the bf16 weights in fp32, then rounded)
-    ub, ud = (FP32, "float32") if p.stochastic_rounding else (pb, pd)
+    # bf16-sr: optax's updates are fp32 (fp32 moments); adamw8bit returns them in the gradients'
+    # dtype (jaxmem.train.optim8bit); either is added to the bf16 weights in fp32, then rounded
+    sr_fp32 = p.stochastic_rounding and spec.optimizer != "adamw8bit"
+    ub, ud = (FP32, "float32") if sr_fp32 else (pb, pd)
     phase_o = [("gradients", P * pb, pd), ("optimizer update buffer", P * ub, ud)]
     peak_phase = "backward" if _sum(phase_b) >= _sum(phase_o) else "optimizer"
     persistent = [("params (master)", P * pb, pd),

@@ -53,7 +53,7 @@ def positive_gib(text: str) -> float:
 
 
 MEMORY_FLAGS = {"precision": ("mode",), "data": ("batch_size", "seq_len", "grad_accum"),
-                "optim": ("mu_dtype",)}
+                "optim": ("mu_dtype", "optimizer")}
 
 
 def build_parser() -> argparse.ArgumentParser:
