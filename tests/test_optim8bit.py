@@ -212,7 +212,8 @@ def test_bf16_sr_state_dtypes_and_loss_goes_down():
     assert float(m["loss"]) < first
 
 
-@pytest.mark.parametrize("flags", [["--optimizer", "adamw8bit"],
+@pytest.mark.parametrize("flags", [pytest.param(["--optimizer", "adamw8bit"],
+                                                marks=pytest.mark.slow),  # bf16-sr's covers it
                                    ["--optimizer", "adamw8bit", "--precision", "bf16-sr"],
                                    ["--precision", "bf16-sr"],
                                    ["--optimizer", "lion", "--lr", "3e-4"],
