@@ -40,7 +40,7 @@ TYPES = {"positive_int": positive_int, "nonneg_int": nonneg_int, "nonneg_float":
 
 SECTION_TITLES = {"model": "model", "precision": "memory and precision", "remat": "memory and precision",
                   "optim": "optimization", "data": "data and batch", "run": "run directory",
-                  "sample": "sampling"}
+                  "sample": "sampling", "init": "model"}
 
 
 def add_run_flags(parser: argparse.ArgumentParser, sections, only: dict[str, tuple[str, ...]] | None = None,

@@ -39,6 +39,14 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    # RoPE frequency scaling: "default" (none) or "llama3" (Llama 3.1 / 3.2: low frequencies
+    # divided by `rope_factor`, high ones kept, a smooth blend between; see
+    # jaxmem.model.layers.rope_inv_freq, transformers' `_compute_llama3_parameters`).
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -59,12 +67,30 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.head_dim={self.resolved_head_dim} must be even for RoPE")
         if not self.rope_theta > 0:
             raise ConfigError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+        if self.rope_type not in ("default", "llama3"):
+            raise ConfigError(f"ModelConfig.rope_type must be 'default' or 'llama3', "
+                              f"got {self.rope_type!r}")
+        if self.rope_type == "llama3" and not (
+                self.rope_factor > 0 and self.rope_original_max_position_embeddings > 0
+                and self.rope_high_freq_factor > self.rope_low_freq_factor > 0):
+            raise ConfigError("ModelConfig llama3 RoPE needs rope_factor > 0, "
+                              "rope_original_max_position_embeddings > 0 and "
+                              "rope_high_freq_factor > rope_low_freq_factor > 0")
         if not self.rms_norm_eps > 0:
             raise ConfigError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
 
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @property
+    def llama3_rope(self) -> tuple | None:
+        """(factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) for
+        llama3 RoPE scaling, None for plain RoPE (jaxmem.model.layers.rope_inv_freq)."""
+        if self.rope_type != "llama3":
+            return None
+        return (self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                self.rope_original_max_position_embeddings)
 
     def replace(self, **overrides) -> "ModelConfig":
         """A copy with some fields changed; unknown fields raise ConfigError naming them."""
@@ -83,6 +109,9 @@ class ModelConfig:
 
 
 _LLAMA3_VOCAB = 128256
+# Llama 3.1 / 3.2's RoPE scaling, from their config.json `rope_scaling`.
+_LLAMA3_ROPE = dict(rope_type="llama3", rope_factor=32.0, rope_low_freq_factor=1.0,
+                    rope_high_freq_factor=4.0, rope_original_max_position_embeddings=8192)
 
 PRESETS: dict[str, ModelConfig] = {
     # CPU smoke model: trains on the built-in corpus in a few minutes on 2 cores.
@@ -93,11 +122,11 @@ PRESETS: dict[str, ModelConfig] = {
     "llama-3.2-1b": ModelConfig(vocab_size=_LLAMA3_VOCAB, hidden_size=2048, intermediate_size=8192,
                                 num_layers=16, num_heads=32, num_kv_heads=8,
                                 max_position_embeddings=131072, rope_theta=500000.0,
-                                tie_embeddings=True),
+                                tie_embeddings=True, **_LLAMA3_ROPE),
     "llama-3.2-3b": ModelConfig(vocab_size=_LLAMA3_VOCAB, hidden_size=3072, intermediate_size=8192,
                                 num_layers=28, num_heads=24, num_kv_heads=8, head_dim=128,
                                 max_position_embeddings=131072, rope_theta=500000.0,
-                                tie_embeddings=True),
+                                tie_embeddings=True, **_LLAMA3_ROPE),
     "llama-3-8b": ModelConfig(vocab_size=_LLAMA3_VOCAB, hidden_size=4096, intermediate_size=14336,
                               num_layers=32, num_heads=32, num_kv_heads=8,
                               max_position_embeddings=8192, rope_theta=500000.0),

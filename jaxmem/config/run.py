@@ -8,6 +8,7 @@
       data       DataSection       data, tokenizer, batch shape, seed
       run        RunSection        run directory, saving, evaluation, logging
       sample     SampleSection     the text sampled at the end of a run / by jaxmem.generate
+      init       InitSection       step-0 weights: random, or a Hugging Face checkpoint
 
 Every field carries its CLI metadata (flag, help, type, whether a resume may change it), so the
 flags of `jaxmem.train`, `jaxmem.memory`, `jaxmem.generate` and `experiments.compare` are
@@ -76,6 +77,15 @@ class ModelSection:
     rope_theta: float | None = option(None, "override the preset's rope_theta", type=float)
     rms_norm_eps: float | None = option(None, "override the preset's rms_norm_eps", type=float)
     tie_embeddings: bool | None = option(None, "override the preset's tie_embeddings", cli=False)
+    # RoPE scaling (llama3); set from a checkpoint's config.json by --init-from, not by flags.
+    rope_type: str | None = option(None, "override the preset's rope_type", cli=False)
+    rope_factor: float | None = option(None, "override the preset's rope_factor", cli=False)
+    rope_low_freq_factor: float | None = option(None, "override the preset's rope_low_freq_factor",
+                                                cli=False)
+    rope_high_freq_factor: float | None = option(None, "override the preset's rope_high_freq_factor",
+                                                 cli=False)
+    rope_original_max_position_embeddings: int | None = option(
+        None, "override the preset's rope_original_max_position_embeddings", cli=False)
 
     def config(self) -> ModelConfig:
         """The preset with the overrides applied (validated by ModelConfig)."""
@@ -216,6 +226,16 @@ class SampleSection:
                         mutable=True)
 
 
+@dataclass(frozen=True)
+class InitSection:
+    """Where a run's step-0 weights come from (jaxmem.io.hf): random init, or a checkpoint."""
+
+    init_from: str | None = option(
+        None, "start from a Hugging Face Llama checkpoint directory (config.json, safetensors, "
+        "tokenizer.json): its shapes, weights and tokenizer replace --preset and --tokenizer "
+        "(full fine-tune, in any --precision)", metavar="HF_DIR")
+
+
 # ----------------------------------------------------------------------------- the whole run
 
 @dataclass(frozen=True)
@@ -229,6 +249,7 @@ class RunConfig:
     data: DataSection = DataSection()
     run: RunSection = RunSection()
     sample: SampleSection = SampleSection()
+    init: InitSection = InitSection()
 
     @staticmethod
     def sections() -> dict[str, type]:

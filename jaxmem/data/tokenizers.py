@@ -31,6 +31,10 @@ class ByteTokenizer:
         """`encode` as an int32 array, without a Python list (fast for megabytes of text)."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt's ids: BOS, then the text (as the corpus's documents start)."""
+        return [self.bos_id] + self.encode(text)
+
     def decode(self, ids) -> str:
         """Bytes to text; special ids (>= 256) are skipped, invalid UTF-8 becomes U+FFFD."""
         arr = np.asarray(ids, dtype=np.int64).ravel()
@@ -90,6 +94,13 @@ class HFTokenizer:
 
     def encode_array(self, text: str) -> np.ndarray:
         return np.asarray(self.encode(text), dtype=np.int32)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt's ids with the special tokens the file's post-processor adds (Llama 3's
+        template adds <|begin_of_text|>), or BOS + the text when it has no post-processor."""
+        if self._tok.post_processor is not None:
+            return list(self._tok.encode(text, add_special_tokens=True).ids)
+        return [self.bos_id] + self.encode(text)
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in np.asarray(ids).ravel()],

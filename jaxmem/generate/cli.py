@@ -1,6 +1,8 @@
-"""`python -m jaxmem.generate`: sample text from the newest checkpoint of a run.
+"""`python -m jaxmem.generate`: sample text from the newest checkpoint of a run, or from a
+Hugging Face Llama checkpoint directory.
 
     python -m jaxmem.generate --run runs/default --prompt "def main(" --max-new-tokens 200
+    python -m jaxmem.generate --hf Llama-3.2-1B --prompt "The capital of France" --temperature 0
 
 The sampling flags are RunConfig's `sample` section (jaxmem.config.run), the same ones that set
 the sample printed at the end of a training run; their defaults here are the run's own values.
@@ -22,8 +24,12 @@ from jaxmem.io.rundir import RunError, exit_after_failed_restore, load_run
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jaxmem.generate",
-                                description="Sample from the newest checkpoint of a jaxmem run.")
-    p.add_argument("--run", required=True, help="run directory (the --out of jaxmem.train)")
+                                description="Sample from the newest checkpoint of a jaxmem run, "
+                                            "or from a Hugging Face Llama directory.")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", help="run directory (the --out of jaxmem.train)")
+    source.add_argument("--hf", metavar="HF_DIR", help="a Hugging Face Llama checkpoint directory "
+                        "(config.json, safetensors, tokenizer.json), computed in fp32")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     add_run_flags(p, ["sample"])
     return p
@@ -35,6 +41,8 @@ def main(argv=None) -> int:
     overrides = {k.split(".")[1]: v for k, v in given_overrides(args).items()}
     if overrides.get("max_new_tokens", 1) <= 0:
         p.error(f"--max-new-tokens must be positive, got {overrides['max_new_tokens']}")
+    if args.hf is not None:
+        return _generate_hf(p, args, overrides)
     try:
         run = load_run(Path(args.run))
     except CheckpointError as e:
@@ -45,4 +53,20 @@ def main(argv=None) -> int:
     print(generate_text(run.model_config, run.state.params, run.tokenizer, sm.prompt,
                         sm.max_new_tokens, sm.temperature, sm.top_k, args.seed,
                         run.step_config.precision.compute_dtype))
+    return 0
+
+
+def _generate_hf(p, args, overrides) -> int:
+    """Sample from a Hugging Face directory with its own tokenizer (jaxmem.io.hf)."""
+    from jaxmem.config.run import SampleSection  # noqa: PLC0415
+    from jaxmem.io.hf import hf_tokenizer, load_hf  # noqa: PLC0415
+
+    try:
+        model_config, params = load_hf(args.hf)
+        tokenizer = hf_tokenizer(args.hf)
+    except (DataError, ValueError) as e:  # HFError is a ValueError
+        p.error(str(e).splitlines()[0])
+    sm = dataclasses.replace(SampleSection(), **overrides)
+    print(generate_text(model_config, params, tokenizer, sm.prompt, sm.max_new_tokens,
+                        sm.temperature, sm.top_k, args.seed))
     return 0

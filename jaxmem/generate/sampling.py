@@ -52,7 +52,7 @@ def sample_tokens(config: ModelConfig, params, prompt_ids, max_new_tokens: int,
 def generate_text(config, params, tokenizer, prompt: str, max_new_tokens: int = 200,
                   temperature: float = 0.8, top_k: int = 40, seed: int = 0,
                   compute_dtype=jnp.float32) -> str:
-    ids = [tokenizer.bos_id] + list(tokenizer.encode(prompt))
+    ids = tokenizer.encode_prompt(prompt)  # BOS, or the special tokens a post-processor adds
     out = sample_tokens(config, params, ids, max_new_tokens, temperature,
                         min(top_k, config.vocab_size), seed, compute_dtype)
     return tokenizer.decode(out)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def scaled_normal(fan_in: int):
@@ -38,9 +39,31 @@ class RMSNorm(nn.Module):
         return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float):
-    """cos/sin tables [B, T, H/2] in fp32 for integer positions [B, T]."""
+def rope_inv_freq(head_dim: int, theta: float, llama3: tuple | None = None) -> jax.Array:
+    """RoPE's inverse frequencies [H/2] (fp32), optionally with Llama 3's scaling.
+
+    llama3: (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings), as
+    transformers' `_compute_llama3_parameters`: wavelengths longer than original/low_freq_factor
+    are stretched by `factor` (those dimensions see positions beyond the original training
+    length), wavelengths shorter than original/high_freq_factor are kept, and the band between
+    blends the two linearly in original/wavelength. fp32 throughout, like transformers.
+    """
     inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    if llama3 is None:
+        return inv_freq
+    factor, low, high, original = (jnp.float32(v) for v in llama3)
+    low_wavelen, high_wavelen = original / low, original / high
+    wavelen = jnp.float32(2 * np.pi) / inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return jnp.where(medium, blended, scaled)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float, llama3: tuple | None = None):
+    """cos/sin tables [B, T, H/2] in fp32 for integer positions [B, T] (llama3: rope_inv_freq)."""
+    inv_freq = rope_inv_freq(head_dim, theta, llama3)  # [H/2]
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
     return jnp.cos(angles), jnp.sin(angles)
 

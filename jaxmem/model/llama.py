@@ -112,7 +112,8 @@ class Llama(nn.Module):
         x = constrain(jnp.take(embed, tokens, axis=0), "embed")  # [B, T, D]
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-        cos, sin = rope_tables(positions, c.resolved_head_dim, c.rope_theta)  # [B, T, H/2]
+        cos, sin = rope_tables(positions, c.resolved_head_dim, c.rope_theta,
+                               c.llama3_rope)  # [B, T, H/2]
         mask = attention_mask(padding_mask, T)
 
         block = DecoderBlock

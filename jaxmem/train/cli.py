@@ -38,9 +38,10 @@ from jaxmem.data import DataError, load_corpus, load_tokenizer
 from jaxmem.io.checkpoint import CheckpointError, Checkpointer
 from jaxmem.io.rundir import (CKPT_DIR, CONFIG_FILE, RunError, exit_after_failed_restore,
                               read_run_config)
+from jaxmem.train.init_from import init_from_overrides, init_params_from
 from jaxmem.train.run import abstract_train_state, build_step_config
 
-SECTIONS = ("model", "precision", "remat", "optim", "data", "run", "sample")
+SECTIONS = ("model", "init", "precision", "remat", "optim", "data", "run", "sample")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +78,7 @@ class Setup:
     continuing: bool = False
     record: dict = dataclasses.field(default_factory=dict)
     changes: list = dataclasses.field(default_factory=list)
+    init_params: object = None  # step-0 weights from --init-from (None: random init)
 
 
 def _check_writable(out: Path) -> None:
@@ -132,6 +134,7 @@ def setup(args, parser) -> Setup:
                 raise RunError("--resume needs --out: the run directory to continue")
             overrides["run.out"] = time.strftime("runs/%Y%m%d-%H%M%S")
         out = Path(overrides["run.out"])
+        overrides = init_from_overrides(overrides)  # --init-from: the checkpoint's model, tokenizer
         _check_writable(out)
         cfg, continuing, record, changes = _choose_config(overrides, args.resume, out)
         model_cfg, step_cfg, loss_scale = build_step_config(cfg)
@@ -151,6 +154,9 @@ def setup(args, parser) -> Setup:
             if step is not None:  # else: the run died before its first checkpoint; start at 0
                 abstract = abstract_train_state(step_cfg, loss_scale, cfg.data.seed)
                 s.state, _ = s.ckpt.restore(step, abstract)  # CheckpointError names step and path
+        if s.state is None and cfg.init.init_from is not None:
+            s.init_params = init_params_from(cfg.init.init_from, model_cfg,
+                                             step_cfg.precision.param_dtype)
     except CheckpointError as e:
         exit_after_failed_restore(parser, str(e).splitlines()[0])
     except (RunError, DataError, ValueError) as e:  # ConfigError, RematError ... are ValueErrors

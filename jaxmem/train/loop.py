@@ -69,7 +69,9 @@ def train(s) -> int:
     steps = cfg.optim.total_steps
     out.mkdir(parents=True, exist_ok=True)
     resumed = s.state is not None
-    state = s.state if resumed else create_train_state(step_cfg, s.loss_scale, d.seed)
+    state = s.state if resumed else create_train_state(step_cfg, s.loss_scale, d.seed,
+                                                           params=s.init_params)
+    s.init_params = None  # --init-from's host copy: the state holds the weights now
     start = int(state.step)
     _write_config(s, start)
     ckpt = s.ckpt or Checkpointer(out / CKPT_DIR, keep=r.keep)
@@ -109,7 +111,7 @@ def train(s) -> int:
 
     truncate_metrics(out, start)  # records after the checkpoint are about to be redone
     metrics_file = open(out / METRICS_FILE, "a")
-    print(f"jaxmem: {cfg.model.preset} ({s.model_cfg.num_params():,} params), {cfg.precision.mode}, "
+    print(f"jaxmem: {cfg.init.init_from or cfg.model.preset} ({s.model_cfg.num_params():,} params), {cfg.precision.mode}, "
           f"remat {step_cfg.remat}, {device.platform}: {device.device_kind}; "
           f"{len(s.train_tokens):,} train tokens; run dir {out}"
           + (f"; resuming at step {start}" if resumed else "")

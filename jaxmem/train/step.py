@@ -82,11 +82,15 @@ class StepConfig:
 
 
 def create_train_state(cfg: StepConfig, loss_scale: LossScale | None = None,
-                       seed: int = 0) -> TrainState:
-    """Fresh params in the mode's storage dtype, optimizer state, loss scale, counters."""
+                       seed: int = 0, params=None) -> TrainState:
+    """Fresh params in the mode's storage dtype, optimizer state, loss scale, counters.
+
+    params: step-0 weights to start from (e.g. a Hugging Face checkpoint's) instead of init.
+    """
     key = jax.random.PRNGKey(seed)
     init_key, state_key = jax.random.split(key)
-    params = cast_floating(init_params(cfg.model, init_key), cfg.precision.param_dtype)
+    params = init_params(cfg.model, init_key) if params is None else jax.tree.map(jnp.asarray, params)
+    params = cast_floating(params, cfg.precision.param_dtype)
     # bf16-sr: no fp32 master, but the optimizer state is made from fp32 shapes (its moments fp32)
     opt_like = cast_floating(params, jnp.float32) if cfg.precision.stochastic_rounding else params
     def zero():  # separate buffers: the state is donated, and one buffer cannot be donated twice

@@ -1,0 +1,1 @@
+"""`python -m jaxmem.export`: a run's weights as a Hugging Face checkpoint (jaxmem.io.hf_export)."""

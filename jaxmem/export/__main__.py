@@ -1,0 +1,5 @@
+import sys
+
+from jaxmem.export.cli import main
+
+sys.exit(main())

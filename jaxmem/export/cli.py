@@ -1,0 +1,95 @@
+"""`python -m jaxmem.export`: write a run's newest checkpoint as a Hugging Face Llama directory.
+
+    python -m jaxmem.export --run runs/ft --out hf/ft                  # merged full weights
+    python -m jaxmem.export --run runs/ft --out hf/ft --dtype bfloat16 --max-shard-mb 2048
+
+The output is what transformers' `LlamaForCausalLM.from_pretrained` and `jaxmem.generate --hf`
+load: safetensors (sharded with model.safetensors.index.json above --max-shard-mb), config.json
+(jaxmem.io.hf.config_to_hf) and the run's tokenizer files. Bad input exits 2 with one line;
+nothing is written into a directory that already holds a checkpoint.
+
+What is exported is chosen in EXPORTERS (below): "full" writes the full weights; `--adapters-only`
+runs the "adapters" exporter, which jaxmem.peft registers there (LoRA adapters in PEFT's layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from jaxmem.data import DataError
+from jaxmem.io.checkpoint import CheckpointError
+from jaxmem.io.hf_export import DEFAULT_MAX_SHARD_BYTES, DTYPES, save_hf
+from jaxmem.io.rundir import RunError, exit_after_failed_restore, load_run
+
+
+def full_params(run):
+    """The run's full weights as plain arrays (a LoRA run's merge goes here: jaxmem.peft)."""
+    return run.state.params
+
+
+def export_full(run, out: Path, args) -> list[Path]:
+    """Full (merged) weights + config.json + tokenizer files."""
+    params = full_params(run)
+    dtype = args.dtype or np.dtype(next(iter(_leaves(params))).dtype).name
+    tok = run.tokenizer
+    tokenizer = getattr(tok, "path", None)
+    if tokenizer is None:
+        print(f"{out}: no tokenizer files written: the run uses jaxmem's byte-level tokenizer, "
+              "which transformers does not have")
+    return save_hf(out, run.model_config, params, dtype=dtype,
+                   max_shard_bytes=int(args.max_shard_mb * 2**20), tokenizer=tokenizer,
+                   bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
+
+
+def _leaves(tree):
+    import jax  # noqa: PLC0415
+
+    return jax.tree_util.tree_leaves(tree)
+
+
+def _adapters_missing(run, out, args):
+    raise RunError(f"--adapters-only: no adapter exporter is registered (jaxmem.peft), and the "
+                   f"run {args.run} has no LoRA adapters")
+
+
+# kind -> exporter(run, out, args) -> files written. jaxmem.peft replaces "adapters".
+EXPORTERS: dict[str, Callable] = {"full": export_full, "adapters": _adapters_missing}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jaxmem.export",
+                                description="Write a run's newest checkpoint as a Hugging Face "
+                                            "Llama directory that transformers loads.")
+    p.add_argument("--run", required=True, help="run directory (the --out of jaxmem.train)")
+    p.add_argument("--out", required=True, help="Hugging Face directory to write (new or empty)")
+    p.add_argument("--dtype", choices=list(DTYPES),
+                   help="dtype of the written weights (default: the run's stored params' dtype)")
+    p.add_argument("--max-shard-mb", type=float, default=DEFAULT_MAX_SHARD_BYTES / 2**20,
+                   help="split the weights into shards of at most this many MiB, with an index "
+                        f"(default: {DEFAULT_MAX_SHARD_BYTES / 2**20:.0f})")
+    p.add_argument("--adapters-only", action="store_true",
+                   help="write only the LoRA adapters, in PEFT's layout (a LoRA run)")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if not args.max_shard_mb > 0:
+        p.error(f"--max-shard-mb must be > 0, got {args.max_shard_mb}")
+    try:
+        run = load_run(Path(args.run))
+    except CheckpointError as e:
+        exit_after_failed_restore(p, str(e).splitlines()[0])
+    except (RunError, DataError, ValueError) as e:
+        p.error(str(e).splitlines()[0])
+    try:
+        files = EXPORTERS["adapters" if args.adapters_only else "full"](run, Path(args.out), args)
+    except (RunError, DataError, ValueError) as e:
+        p.error(str(e).splitlines()[0])
+    print(f"{args.out}: wrote {', '.join(f.name for f in files)} (step {int(run.state.step)})")
+    return 0

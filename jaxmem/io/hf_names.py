@@ -1,0 +1,189 @@
+"""Which Hugging Face tensor each jaxmem parameter is, and how its layout differs.
+
+    tensor_specs(config)                 one TensorSpec per jaxmem param path (the whole table)
+    spec_for(config, path)               the TensorSpec of one jaxmem param path
+    hf_names(config)                     every HF tensor name the model has, in file order
+    to_hf(spec, w) / from_hf(spec, w)    one tensor (one layer's slice when stacked) between layouts
+    hf_state_items(config, params)       (hf_name, array) pairs, one layer slice at a time
+    params_from_hf(config, get_tensor)   the jaxmem params tree, filled tensor by tensor
+
+jaxmem stores the decoder blocks stacked: params['layers']['self_attn']['q_proj'] has shape
+[L, D, N, H], where Hugging Face has one tensor per layer, `model.layers.{i}.self_attn.q_proj.weight`
+of shape [N*H, D] (PyTorch's nn.Linear keeps weights as [out, in]). Every projection converts
+the same way: jaxmem's weight is [in axes..., out axes...] (the einsum's operand order), so
+flattening it to [in, out] and transposing gives HF's [out, in]. `in_ndim` says how many leading
+axes are input axes (o_proj [N, H, D] has two). Norm scales and the embedding are identical in
+both layouts; the untied LM head is [D, V] here and `lm_head.weight` [V, D] there.
+
+HF Llama's q/k weights are already in the rotate_half layout jaxmem's RoPE uses (halves, not
+interleaved pairs; transformers converts Meta's checkpoints on import), so there is no
+permutation of the head dim: tests/test_hf.py shows that one breaks parity.
+
+LoRA adapters (PEFT layout) name a projection by its module name, `TensorSpec.module(i)`
+(e.g. `model.layers.3.self_attn.q_proj`); lora_A is [r, in] and lora_B [out, r], with in/out the
+products of the axes split by `in_ndim`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+
+from jaxmem.config.model import ModelConfig
+
+# The seven projections of a block: jaxmem path below params['layers'] and HF module name.
+BLOCK_PROJECTIONS = {
+    "q": ("self_attn", "q_proj"), "k": ("self_attn", "k_proj"), "v": ("self_attn", "v_proj"),
+    "o": ("self_attn", "o_proj"), "gate": ("mlp", "gate_proj"), "up": ("mlp", "up_proj"),
+    "down": ("mlp", "down_proj"),
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One parameter: its jaxmem path, its HF name and how the layouts relate.
+
+    path: keys into the jaxmem params tree, e.g. ("layers", "self_attn", "q_proj").
+    hf_name: the HF tensor name; for stacked params a template with `{i}` for the layer index.
+    shape: jaxmem's shape of one tensor (per layer, without L, for stacked params).
+    stacked: the jaxmem param has a leading layer axis L (one HF tensor per layer).
+    in_ndim: for a projection, how many leading axes of `shape` are input axes (HF stores the
+        transpose of the [in, out] flattening); 0 for tensors stored identically (norms, embed).
+    """
+
+    path: tuple[str, ...]
+    hf_name: str
+    shape: tuple[int, ...]
+    stacked: bool
+    in_ndim: int = 0
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        """The HF tensor's shape: [out, in] for a projection, else jaxmem's."""
+        if not self.in_ndim:
+            return self.shape
+        return (math.prod(self.shape[self.in_ndim:]), math.prod(self.shape[:self.in_ndim]))
+
+    def name(self, layer: int | None = None) -> str:
+        """The HF tensor name (for layer `layer` when stacked)."""
+        return self.hf_name.format(i=layer) if self.stacked else self.hf_name
+
+    def module(self, layer: int | None = None) -> str:
+        """The HF module name (the tensor name without `.weight`), as PEFT names adapters."""
+        return self.name(layer).removesuffix(".weight")
+
+
+def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
+    """Every jaxmem parameter of `config` with its HF counterpart, in HF's usual file order."""
+    c = config
+    D, F, V = c.hidden_size, c.intermediate_size, c.vocab_size
+    N, K, H = c.num_heads, c.num_kv_heads, c.resolved_head_dim
+    proj_shapes = {  # jaxmem shape per layer and number of input axes
+        "q_proj": ((D, N, H), 1), "k_proj": ((D, K, H), 1), "v_proj": ((D, K, H), 1),
+        "o_proj": ((N, H, D), 2), "gate_proj": ((D, F), 1), "up_proj": ((D, F), 1),
+        "down_proj": ((F, D), 1),
+    }
+    specs = [TensorSpec(("embed_tokens",), "model.embed_tokens.weight", (V, D), False)]
+    layer = "model.layers.{i}."
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        specs.append(TensorSpec(("layers", norm, "scale"), f"{layer}{norm}.weight", (D,), True))
+    for parent, name in BLOCK_PROJECTIONS.values():
+        shape, in_ndim = proj_shapes[name]
+        specs.append(TensorSpec(("layers", parent, name), f"{layer}{parent}.{name}.weight",
+                                shape, True, in_ndim))
+    specs.append(TensorSpec(("norm", "scale"), "model.norm.weight", (D,), False))
+    if not c.tie_embeddings:
+        specs.append(TensorSpec(("lm_head",), "lm_head.weight", (D, V), False, in_ndim=1))
+    return specs
+
+
+def spec_for(config: ModelConfig, path: tuple[str, ...]) -> TensorSpec:
+    """The TensorSpec of the jaxmem param at `path` (KeyError naming it if there is none)."""
+    for spec in tensor_specs(config):
+        if spec.path == tuple(path):
+            return spec
+    raise KeyError(f"no jaxmem parameter at {'/'.join(path)}")
+
+
+def hf_names(config: ModelConfig) -> list[str]:
+    """Every HF tensor name of the model (layer-major within the blocks), e.g. for an index."""
+    specs = tensor_specs(config)
+    names = [s.name() for s in specs if not s.stacked and s.path == ("embed_tokens",)]
+    for i in range(config.num_layers):
+        names += [s.name(i) for s in specs if s.stacked]
+    names += [s.name() for s in specs if not s.stacked and s.path != ("embed_tokens",)]
+    return names
+
+
+def to_hf(spec: TensorSpec, w: np.ndarray) -> np.ndarray:
+    """jaxmem layout (one layer's slice if stacked) -> HF layout, e.g. [D, N, H] -> [N*H, D]."""
+    w = np.asarray(w)
+    if tuple(w.shape) != spec.shape:
+        raise ValueError(f"{'/'.join(spec.path)} has shape {tuple(w.shape)}, expected {spec.shape}")
+    if not spec.in_ndim:
+        return w
+    n_in = math.prod(spec.shape[:spec.in_ndim])
+    return np.ascontiguousarray(w.reshape(n_in, -1).T)  # [out, in]
+
+
+def from_hf(spec: TensorSpec, w: np.ndarray) -> np.ndarray:
+    """HF layout -> jaxmem layout (one layer's slice if stacked); a wrong shape raises ValueError
+    naming the HF tensor, its shape and the expected one."""
+    if tuple(w.shape) != spec.hf_shape:
+        raise ValueError(f"tensor {spec.hf_name} has shape {tuple(w.shape)}, "
+                         f"expected {spec.hf_shape}")
+    if not spec.in_ndim:
+        return np.asarray(w)
+    return w.T.reshape(spec.shape)  # [in, out] -> jaxmem's axes
+
+
+def _get(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def hf_state_items(config: ModelConfig, params) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, HF-layout numpy array) for every tensor, in `hf_names` order.
+
+    Takes one layer's slice of a stacked param at a time (np.asarray of a jax array copies only
+    that slice to the host once the leaf is on the host), so an exporter can write as it goes.
+    """
+    by_name = {}
+    for spec in tensor_specs(config):
+        if spec.stacked:
+            for i in range(config.num_layers):
+                by_name[spec.name(i)] = (spec, i)
+        else:
+            by_name[spec.name()] = (spec, None)
+    for name in hf_names(config):
+        spec, i = by_name[name]
+        leaf = _get(params, spec.path)
+        yield name, to_hf(spec, np.asarray(leaf[i] if spec.stacked else leaf))
+
+
+def params_from_hf(config: ModelConfig, get_tensor: Callable[[str], np.ndarray],
+                   dtype=np.float32) -> dict:
+    """The jaxmem params tree (numpy, `dtype`) built from HF tensors fetched one at a time.
+
+    get_tensor(name) returns one HF tensor (e.g. from safetensors' `safe_open`); each stacked
+    param is allocated once as [L, ...] and filled layer by layer, so the host never holds a
+    second copy of the model. A tensor of the wrong shape raises ValueError naming it.
+    """
+    params: dict = {}
+    for spec in tensor_specs(config):
+        if spec.stacked:
+            out = np.empty((config.num_layers, *spec.shape), dtype)
+            for i in range(config.num_layers):
+                out[i] = from_hf(TensorSpec(spec.path, spec.name(i), spec.shape, True,
+                                            spec.in_ndim), get_tensor(spec.name(i)))
+        else:
+            out = from_hf(spec, get_tensor(spec.name())).astype(dtype)
+        node = params
+        for key in spec.path[:-1]:
+            node = node.setdefault(key, {})
+        node[spec.path[-1]] = out
+    return params

@@ -1,0 +1,41 @@
+"""Tiny Hugging Face checkpoint directories for the HF tests (imported by name, like runs.py)."""
+
+from pathlib import Path
+
+import numpy as np
+
+SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>"]
+
+
+def write_tokenizer(d, text: str, vocab_size: int = 300) -> int:
+    """A byte-level BPE tokenizer.json trained on `text`, whose post-processor adds BOS as Llama
+    3's does; returns its vocabulary size (with the special tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bos = tok.token_to_id(SPECIALS[0])
+    tok.post_processor = processors.TemplateProcessing(single=f"{SPECIALS[0]} $A",
+                                                       special_tokens=[(SPECIALS[0], bos)])
+    Path(d).mkdir(parents=True, exist_ok=True)
+    tok.save(str(Path(d) / "tokenizer.json"))
+    return tok.get_vocab_size()
+
+
+def random_params(config, seed=0):
+    """Random params with the model's tree (norm scales near 1, weights ~ fan_in^-1/2)."""
+    import jax
+
+    from jaxmem.model import abstract_params
+
+    rng = np.random.default_rng(seed)
+
+    def leaf(path, s):
+        x = rng.standard_normal(s.shape).astype(np.float32)
+        return 1 + 0.1 * x if "scale" in jax.tree_util.keystr(path) else x * 0.2
+
+    return jax.tree_util.tree_map_with_path(leaf, abstract_params(config))
