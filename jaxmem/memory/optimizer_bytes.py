@@ -40,7 +40,7 @@ def _kind(path, leaf) -> str:
     if name == "codes":
         return "8-bit moment codes"
     if name == "scale":
-        return "8-bit block scales (absmax)"
+        return "8-bit block scales"
     if leaf.ndim == 0:
         return "counters"
     return f"moments ({jnp.dtype(leaf.dtype).name})"
