@@ -152,6 +152,7 @@ def keeps_fp32(path, leaf) -> bool:
     return param_role(path) == "embedding" or leaf.size < MIN_8BIT_SIZE
 
 
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 CHUNK = 2**24  # elements per piece of a large leaf's update (a few hundred MB of temporaries)
 
 
@@ -210,7 +211,12 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999,
                 return chunk(g, m, v)
             lead = g.shape[:-1]  # rows [..] -> [n, rows / n]; codes [.., last], scale [.., nb]
             split = lambda x: x.reshape((n, -1, x.shape[-1]))  # noqa: E731
-            out = jax.lax.map(lambda a: chunk(*a), jax.tree_util.tree_map(split, (g, m, v)))
+            # the gradient enters the loop as raw bits: given as bf16, XLA hoisted its fp32
+            # convert out of the loop, a whole-leaf 4 B/element buffer
+            bits = jax.lax.bitcast_convert_type(g, _UINT[g.dtype.itemsize])
+            out = jax.lax.map(
+                lambda a: chunk(jax.lax.bitcast_convert_type(a[0], g.dtype), *a[1:]),
+                jax.tree_util.tree_map(split, (bits, m, v)))
             return jax.tree_util.tree_map(lambda x: x.reshape(lead + x.shape[-1:]), out)
 
         out = jax.tree_util.tree_map(one, updates, state.mu, state.nu)

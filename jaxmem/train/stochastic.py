@@ -40,6 +40,7 @@ def step_key(rng: jax.Array, step: jax.Array) -> jax.Array:
 
 
 CHUNK = 2**24  # elements rounded at a time in a large leaf
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
 def row_chunks(shape, chunk: int = CHUNK) -> int:
@@ -81,6 +82,11 @@ def apply_updates_sr(params, updates, key: jax.Array):
             continue
         split = lambda x: x.reshape((n, -1, x.shape[-1]))  # noqa: E731
         keys = jax.vmap(lambda j: jax.random.fold_in(leaf_key, j))(jnp.arange(n))
-        out = jax.lax.map(lambda a: _add_round(*a), (split(p), split(u), keys))
+        # p and u enter the loop as raw bits, so XLA cannot hoist their fp32 converts out of it
+        # (whole-leaf 4 B/element buffers; jaxmem.train.optim8bit does the same)
+        pb, ub = (jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]) for x in (p, u))
+        out = jax.lax.map(lambda a: _add_round(jax.lax.bitcast_convert_type(a[0], p.dtype),
+                                               jax.lax.bitcast_convert_type(a[1], u.dtype), a[2]),
+                          (split(pb), split(ub), keys))
         new.append(out.reshape(p.shape))
     return treedef.unflatten(new)
