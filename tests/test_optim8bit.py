@@ -247,3 +247,34 @@ def test_bytes_per_param_from_the_abstract_state(preset, opt_max, state_max):
     assert floor <= r["optimizer_bytes_per_param"] <= floor * 1.03
     amp = state_bytes_per_param(get_preset(preset), OptimConfig(), get_precision("amp-bf16"))
     np.testing.assert_allclose(amp["train_state_bytes_per_param"], 12.0, rtol=1e-6)  # + count
+
+
+def test_update_in_pieces_equals_whole_leaf(monkeypatch):
+    """Leaves over CHUNK elements go through lax.map over row pieces (2^24 in use; 2^10 here):
+    the 8-bit update is bitwise the whole-leaf one; SR in pieces still lands on a neighbour."""
+    import jaxmem.train.optim8bit as o8
+    import jaxmem.train.stochastic as sr
+    rng = np.random.default_rng(2)
+    p = {"layers": {"mlp": {"up_proj": jnp.asarray(rng.standard_normal((2, 16, 512)),
+                                                    jnp.bfloat16)}}}
+    g = jax.tree_util.tree_map(lambda x: (x * 0.3 + 0.1).astype(jnp.bfloat16), p)
+    opt = adamw_8bit(1e-2)
+    state = opt.init(jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), p))
+
+    def run():
+        jax.clear_caches()
+        u, s = jax.jit(opt.update)(g, state, p)
+        return u, s, jax.jit(apply_updates_sr)(p, u, jax.random.PRNGKey(0))
+
+    whole = run()
+    monkeypatch.setattr(o8, "CHUNK", 2**10)
+    monkeypatch.setattr(sr, "CHUNK", 2**10)
+    assert o8._num_chunks((2, 16, 512)) == 16
+    pieces = run()
+    for a, b in zip(jax.tree_util.tree_leaves(whole[:2]), jax.tree_util.tree_leaves(pieces[:2])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    exact = (np.asarray(p["layers"]["mlp"]["up_proj"], np.float32)
+             + np.asarray(whole[0]["layers"]["mlp"]["up_proj"], np.float32))
+    got = np.asarray(pieces[2]["layers"]["mlp"]["up_proj"], np.float32)
+    ulp = 2.0 ** (np.floor(np.log2(np.abs(exact) + 1e-30)) - 7)
+    assert np.all(np.abs(got - exact) < ulp)

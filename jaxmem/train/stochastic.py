@@ -76,7 +76,7 @@ def apply_updates_sr(params, updates, key: jax.Array):
             new.append((p.astype(jnp.float32) + u.astype(jnp.float32)).astype(p.dtype))
             continue
         leaf_key = jax.random.fold_in(key, i)
-        n = row_chunks(p.shape)
+        n = row_chunks(p.shape, CHUNK)
         if n == 1:
             new.append(_add_round(p, u, leaf_key))
             continue
