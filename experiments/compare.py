@@ -37,8 +37,9 @@ recomputes its T x T probabilities in the backward under every policy, docs/rema
 policy string can be given instead (`--remats none "names:query,key"`); torch then runs
 `selective`.
 
-`--json` prints only the JSON document; results go to experiments/results/compare-*.json and
-a bar chart (pure-python PNG) next to it.
+`--json` prints only the JSON document; results go to a new experiments/results/compare-*_<date>.json
+(never over a tracked file) or to `--out`, and a chart (matplotlib, the `plot` extra: saved
+activations and tokens/s per mode and remat, a bar per framework) next to it as .png.
 
 Layout: this module is the driver (flags, one subprocess per run, the JSON document);
 experiments.compare_workers is what each subprocess runs; experiments.compare_report the ratios,
@@ -59,7 +60,9 @@ from pathlib import Path
 from experiments.compare_report import (add_mfu, add_ratios, format_table, mib, remat_label,
                                         versions, write_chart)
 from experiments.compare_workers import FRAMEWORKS, MODES, SELECTIVE, worker
+from experiments.resultfiles import new_result_file
 from jaxmem.config.flags import add_run_flags, given_overrides
+from jaxmem.plot.figure import PlotError
 from jaxmem.config.run import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,22 +86,28 @@ def parse_args(argv=None):
     add_run_flags(p, ["model", "optim", "data"], defaults=DEFAULTS,
                   only={"optim": ("lr", "total_steps"), "data": ("batch_size", "seq_len", "seed")})
     g = p.add_argument_group("comparison")
-    g.add_argument("--warmup", type=int, default=2, help="steps left out of the median time")
-    g.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    g.add_argument("--warmup", type=int, default=2,
+                   help="steps left out of the median time (default: 2)")
+    g.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, metavar="MODE",
+                   help=f"precision modes: {', '.join(MODES)} (default: all)")
     g.add_argument("--remats", nargs="+", default=["none", "full", "selective"],
-                   help="none, full, selective (= %s) or any jaxmem policy" % SELECTIVE)
-    g.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
+                   help="none, full, selective (= %s) or any jaxmem policy (default: none full "
+                        "selective)" % SELECTIVE)
+    g.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS,
+                   metavar="FW", help=f"{', '.join(FRAMEWORKS)} (default: all)")
     g.add_argument("--compile-modes", nargs="+", default=None,
                    help="modes that also run torch.compile (default: all)")
     g.add_argument("--threads", type=int, default=None,
                    help="CPU compute threads per process (1: XLA without its Eigen pool, "
                         "torch.set_num_threads(1)); default: each framework's own")
-    g.add_argument("--timeout", type=float, default=900, help="seconds per subprocess")
+    g.add_argument("--timeout", type=float, default=900,
+                   help="seconds per subprocess (default: 900)")
     g.add_argument("--quick", action="store_true",
                    help="CPU smoke: tiny preset, 2 layers, B=2, T=64, 8 steps, 1 thread, "
                         "torch.compile only for fp32 (a few minutes on 2 cores)")
     g.add_argument("--json", action="store_true", help="print only the JSON document")
-    g.add_argument("--out", type=Path, default=None, help="JSON path (default: results dir)")
+    g.add_argument("--out", type=Path, default=None, help="JSON path; the chart goes next to it "
+                   "as .png (default: a new experiments/results/compare-<run>-<device>_<date>.json)")
     g.add_argument("--no-save", action="store_true", help="write no files")
     g.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -194,10 +203,14 @@ def main(argv=None) -> int:
     if not args.no_save:
         RESULTS.mkdir(parents=True, exist_ok=True)
         stem = f"compare-{'quick' if args.quick else args.preset}-{(dev or 'x').split(':')[0]}"
-        out = args.out or RESULTS / f"{stem}.json"
+        out = args.out or new_result_file(stem, companions=(".png",))  # never a tracked file
         out.write_text(json.dumps(doc, indent=1) + "\n")
-        write_chart(out.with_suffix(".png"), results)
-        doc["written"] = [str(out), str(out.with_suffix(".png"))]
+        doc["written"] = [str(out)]
+        try:
+            write_chart(out.with_suffix(".png"), results)
+            doc["written"].append(str(out.with_suffix(".png")))
+        except PlotError as e:  # matplotlib missing: the measured JSON is kept regardless
+            print(f"no chart: {e}", file=sys.stderr)
     if args.json:
         print(json.dumps(doc))
     else:

@@ -8,10 +8,10 @@ import platform
 from pathlib import Path
 
 from experiments.compare_workers import FRAMEWORKS, MODES, SELECTIVE, model_config
-from experiments.png_chart import png_bar_chart
 
-# jax blue, torch red (saved bytes, then tokens/s), torch.compile orange
-CHART_COLORS = [(31, 119, 180), (214, 39, 40), (31, 119, 180), (214, 39, 40), (255, 127, 14)]
+# jax blue, torch (eager) red, torch.compile orange
+CHART_SERIES = (("jax", "jax", "C0"), ("torch", "torch (eager)", "C3"),
+                ("torch-compile", "torch.compile", "C1"))
 
 
 def versions() -> dict:
@@ -122,14 +122,38 @@ def format_table(results: list[dict], rows: list[dict], markdown: bool = False) 
     return render(head, lines) + "\n\n" + render(ratio_head, ratio_lines)
 
 
-def write_chart(path: Path, results: list[dict]) -> None:
+def chart(results: list[dict], title: str | None = None):
+    """A matplotlib Figure: saved activations (MiB, top) and tokens/s (bottom), one group of bars
+    per (mode, remat), one bar per framework; missing runs leave a gap."""
+    from jaxmem.plot.figure import new_figure  # noqa: PLC0415 (matplotlib: the plot extra)
+
     by = _by_run([r for r in results if "error" not in r])
-    groups = []
-    for fw, mode, remat in by:
-        if fw != "jax":
-            continue
-        get = lambda f, k: by.get((f, mode, remat), {}).get(k)  # noqa: E731
-        groups.append((f"{mode}/{remat}", [get("jax", "saved_bytes"), get("torch", "saved_bytes"),
-                                           get("jax", "tokens_per_s"), get("torch", "tokens_per_s"),
-                                           get("torch-compile", "tokens_per_s")]))
-    png_bar_chart(path, groups, CHART_COLORS)
+    groups = list(dict.fromkeys((mode, remat) for fw, mode, remat in by))
+    fig = new_figure(max(7.0, 0.9 * len(groups) + 3), 6.5)
+    ax_saved, ax_tps = fig.subplots(2, 1, sharex=True)
+    width = 0.8 / len(CHART_SERIES)
+    xs = range(len(groups))
+    for k, (fw, label, color) in enumerate(CHART_SERIES):
+        offs = [x + (k - (len(CHART_SERIES) - 1) / 2) * width for x in xs]
+        for ax, key, div in ((ax_saved, "saved_bytes", 2**20), (ax_tps, "tokens_per_s", 1)):
+            vals = [by.get((fw, m, r), {}).get(key) for m, r in groups]
+            if any(v is not None for v in vals):
+                ax.bar(offs, [(v or 0) / div for v in vals], width, color=color, label=label)
+    ax_saved.set(ylabel="saved activations (MiB)",
+                 title="Saved for the backward (lower is better)")
+    ax_tps.set(ylabel="training throughput (tokens/s)", xlabel="precision mode / remat policy",
+               title="Speed (higher is better)")
+    ax_tps.set_xticks(list(xs), [f"{m}\n{remat_label(r)}" for m, r in groups], fontsize=8)
+    for ax in (ax_saved, ax_tps):
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    dev = next((r.get("device") for r in results if r.get("device")), None)
+    fig.suptitle(title or f"jaxmem vs PyTorch, same model and batches ({dev or 'device n/a'})")
+    return fig
+
+
+def write_chart(path: Path, results: list[dict]) -> None:
+    """The chart as an image (the suffix picks the format); needs matplotlib."""
+    from jaxmem.plot.figure import save  # noqa: PLC0415
+
+    save(chart(results), path)

@@ -15,9 +15,9 @@ import datetime
 import json
 import sys
 import time
-from pathlib import Path
-
 import jax
+
+from experiments.resultfiles import new_result_file
 
 
 def main(argv=None) -> int:
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "candidates"}), flush=True)
     report = {"date": datetime.date.today().isoformat(), "backend": jax.default_backend(),
               "jax": jax.__version__, "args": vars(args), "rows": rows}
-    out = Path(__file__).parent / "results" / f"fit_speed_{report['date']}{'_reverse' if args.reverse else ''}.json"
+    out = new_result_file("fit_speed_reverse" if args.reverse else "fit_speed")
     out.write_text(json.dumps(report, indent=2))
     print(f"written: {out}")
     return 0

@@ -26,6 +26,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from experiments.resultfiles import new_result_file
 from jaxmem.model.fp8 import fp8_einsum
 
 
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     report = {"date": datetime.date.today().isoformat(), "device": dev.device_kind,
               "backend": jax.default_backend(), "jax": jax.__version__, "rows": rows}
-    out = Path(__file__).parent / "results" / f"fp8_bench_{report['date']}_{jax.default_backend()}.json"
+    out = new_result_file(f"fp8_bench_{jax.default_backend()}")  # never overwrites a tracked file
     out.write_text(json.dumps(report, indent=2))
     if args.json:
         print(json.dumps(report, indent=2))

@@ -17,12 +17,13 @@ no parameter depends on it.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
 import sys
 import time
+
+from experiments.resultfiles import new_result_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -121,8 +122,7 @@ def main():
         print(f"| {r['preset']} | {r['params'] / 1e6:,.1f}M | {r['precision']} | {r['remat']} | "
               f"{gib(r['analytic_bytes'])} | {comp} | {ratio} | {meas} | {gib(r['rule_4B'])} | "
               f"{gib(r['rule_16B'])} | {r['rule_16B'] / peak if peak else float('nan'):.2f} |")
-    out = os.path.join(ROOT, "experiments", "results",
-                       f"memory_table_{datetime.date.today().isoformat()}.json")
+    out = new_result_file("memory_table")  # a new dated file: never overwrites a tracked one
     with open(out, "w") as f:
         json.dump({"backend": jax.default_backend(), "jax_version": jax.__version__,
                    "rows": rows}, f, indent=1)

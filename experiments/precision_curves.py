@@ -28,6 +28,8 @@ from pathlib import Path
 
 import jax
 
+from experiments.resultfiles import new_result_file
+
 MODES = ("fp32", "bf16", "amp-bf16", "amp-fp16", "fp8")
 
 
@@ -73,7 +75,7 @@ def main(argv=None) -> int:
               "backend": jax.default_backend(), "jax": jax.__version__,
               "python": platform.python_version(), "steps": args.steps,
               "train_args": args.train_args, "results": results}
-    out = Path(__file__).parent / "results" / f"{args.name}_{report['date']}.json"
+    out = new_result_file(args.name)  # a new dated file: never overwrites a tracked one
     out.write_text(json.dumps(report, indent=2))
     if args.json:
         print(json.dumps(report, indent=2))

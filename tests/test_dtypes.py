@@ -113,9 +113,18 @@ def test_every_format(fmt, capsys):
         lines = out.strip().splitlines()
         assert len(lines) == n + 2 and all(line.startswith("|") for line in lines)
         assert "| fp8 e4m3fn | float8_e4m3fn | 8 | 1 | 1 | 4 | 3 | -448 | 448 |" in out
-    else:
+    else:  # text: within 120 columns, a row per format and a line pointing to --wide
         lines = out.strip().splitlines()
-        assert len(lines) == n + 1 and lines[0].startswith("name")
+        assert len(lines) == n + 2 and lines[0].startswith("name") and "--wide" in lines[-1]
+        assert max(map(len, lines)) <= 120
+        assert "fp16             16    1/5/10   -65504        65504 " in out
+
+
+def test_wide_text_has_every_column_exact(capsys):
+    assert dtypes.main(["--wide"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == len(dtypes.available_dtypes()) + 1 and "PyTorch dtype" in lines[0]
+    assert "1.7976931348623157e+308" in lines[1]
 
 
 def test_default_is_text(capsys):

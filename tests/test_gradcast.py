@@ -26,10 +26,22 @@ def test_cast_stats_exact_on_crafted_values():
     assert s["precision_lost"] == pytest.approx(1 / 6)
     # bf16 holds all of them within half its precision
     assert cast_stats(values, np.dtype(ml_dtypes.bfloat16)) == {
-        "overflow": 0.0, "underflow": 0.0, "precision_lost": 0.0, "nonzero_values": 6}
+        "overflow": 0.0, "underflow": 0.0, "precision_lost": 0.0, "negative": None,
+        "nonzero_values": 6}
     # e4m3fn has no inf: 1e5 becomes NaN, and is counted as overflow; 448 saturates fine
     assert cast_stats(np.array([1e5, 448.0], np.float32),
                       np.dtype(ml_dtypes.float8_e4m3fn))["overflow"] == pytest.approx(0.5)
+
+
+def test_unsigned_format_counts_negatives_apart_from_overflow():
+    e8m0 = np.dtype(ml_dtypes.float8_e8m0fnu)  # exponent only: 2^-127 ... 2^127, no sign
+    values = np.array([-1.0, -0.5, 0.25, 3e38, 3.0, -2.0**-130], np.float32)
+    s = cast_stats(values, e8m0)
+    assert s["negative"] == pytest.approx(3 / 6)  # were counted as overflow before
+    assert s["overflow"] == pytest.approx(1 / 6)  # 3e38 > max 2^127 (1.7e38), < fp32 max
+    assert s["underflow"] == 0.0
+    # 3.0 rounds to a power of two: relative error 1/3 > 2**-0.5? no (0.33 < 0.71): kept
+    assert s["precision_lost"] == 0.0
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +77,16 @@ def test_fp8_run_resumes_and_reports_gradients(fp8_run, capsys):
     assert by[("fp16", 1.0)]["underflow"] + by[("fp16", 1.0)]["precision_lost"] > \
         by[("fp16", 65536.0)]["underflow"] + by[("fp16", 65536.0)]["precision_lost"]
     assert by[("bf16", 1.0)]["underflow"] == 0.0
+    assert by[("fp8 e8m0fnu", 1.0)]["negative"] > 0.3 and by[("fp16", 1.0)]["negative"] is None
+    assert by[("fp8 e8m0fnu", 1.0)]["overflow"] == 0.0
     text_rc = dtypes_main(["--gradients", str(fp8_run)])
-    assert text_rc == 0 and "fp8 e4m3fn" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert text_rc == 0 and "fp8 e4m3fn" in out and "negative (unsigned format)" in out
+    assert max(map(len, out.splitlines()[1:])) <= 120  # (the first line names the run's path)
 
 
 def test_gradients_bad_run_dir_exits_2(tmp_path, capsys):
-    with pytest.raises(SystemExit) as e:
-        dtypes_main(["--gradients", str(tmp_path / "nope")])
-    assert e.value.code == 2
+    assert dtypes_main(["--gradients", str(tmp_path / "nope")]) == 2
     errors = [l for l in capsys.readouterr().err.splitlines()
               if l.startswith("python -m jaxmem.dtypes: error: ")]
     assert len(errors) == 1 and "--gradients" in errors[0]

@@ -21,7 +21,9 @@ def test_short_run_end_to_end(tmp_path, corpus, capsys):
     assert main([*SMALL, "--data", corpus, "--out", str(out), "--steps", "6", "--eval-every", "3",
                  "--sample-tokens", "8"]) == 0
     printed = capsys.readouterr().out
-    assert "done: step 6" in printed and "sample:" in printed
+    assert "done: step 6" in printed
+    # the sample's prompt is the first whole line of the eval data (the corpus' tail: b.txt's end)
+    assert "sample (prompt '\ufffd tail\\n', from the eval data):\n\ufffd tail\n" in printed
     recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
     for key in ("loss", "lr", "grad_norm", "loss_scale", "skipped", "tokens_per_sec"):

@@ -71,7 +71,8 @@ class ModelSection:
     num_heads: int | None = option(None, "override the preset's num_heads", type=int)
     num_kv_heads: int | None = option(None, "override the preset's num_kv_heads", type=int)
     head_dim: int | None = option(None, "override the preset's head_dim", type=int)
-    vocab_size: int | None = option(None, "override the preset's vocab_size", type=int)
+    vocab_size: int | None = option(None, "override the preset's vocab_size (with --tokenizer: "
+                                    "the tokenizer's by default)", type=int)
     max_position_embeddings: int | None = option(None, "override the preset's max_position_embeddings",
                                                  type=int)
     rope_theta: float | None = option(None, "override the preset's rope_theta", type=float)
@@ -179,7 +180,8 @@ class DataSection:
     data: str | None = option(None, "text files, a directory, a glob, or token files (.bin uint16, "
                               ".u32.bin uint32, .npy); comma-separated lists work (default: "
                               "built-in corpus)")
-    tokenizer: str | None = option(None, "a Hugging Face `tokenizers` JSON file (default: byte-level)")
+    tokenizer: str | None = option(None, "a Hugging Face `tokenizers` JSON file, copied into the run "
+                                   "directory (default: byte-level)")
     batch_size: int = option(16, "micro-batch size (sequences)", type="positive_int")
     seq_len: int = option(128, "tokens per sequence", type="positive_int")
     grad_accum: int = option(1, "micro-batches per optimizer step (global batch = batch-size x "
@@ -208,15 +210,25 @@ class RunSection:
     eval_every: int = option(100, "evaluate every N steps (0: only at the end)", type="nonneg_int",
                              mutable=True)
     eval_batches: int = option(8, "batches per evaluation", type="positive_int", mutable=True)
-    log_every: int = option(10, "write metrics every N steps", type="positive_int", mutable=True)
-    no_progress: bool = option(False, "no progress bar (logs only)", store_true=True, mutable=True)
+    log_every: int = option(10, "write metrics (and a plain log line without the progress bar) "
+                            "every N steps", type="positive_int", mutable=True)
+    no_progress: bool = option(False, "no progress bar: a plain line every --log-every steps (also "
+                               "when stdout is not a terminal)", store_true=True, mutable=True)
+    no_tensorboard: bool = option(False, "do not write TensorBoard events to <out>/tensorboard "
+                                  "(written when tensorboardX is installed)", store_true=True,
+                                  mutable=True)
+    wandb_project: str | None = option(None, "log to this Weights & Biases project (needs wandb; "
+                                       "WANDB_MODE=offline keeps it local)", metavar="PROJECT",
+                                       mutable=True)
 
 
 @dataclass(frozen=True)
 class SampleSection:
     """Text sampled from the model: at the end of a run, and by `jaxmem.generate`."""
 
-    prompt: str = option("def ", "text to continue")
+    prompt: str | None = option(None, "text to continue (default: the end-of-training sample "
+                                "continues the first line of the eval data; jaxmem.generate the "
+                                "run's --prompt, else it samples from BOS alone)")
     max_new_tokens: int = option(200, "tokens to generate (0: none at the end of a run)",
                                  flags=("--max-new-tokens", "--sample-tokens"), type="nonneg_int",
                                  mutable=True)
@@ -236,6 +248,51 @@ class InitSection:
         "(full fine-tune, in any --precision)", metavar="HF_DIR")
 
 
+@dataclass(frozen=True)
+class PeftSection:
+    """LoRA adapters on a frozen, optionally int8 / NF4 quantized base (jaxmem.peft,
+    docs/finetune.md). --lora-rank 0 is a full fine-tune; nothing here may change on resume."""
+
+    lora_rank: int = option(0, "train rank-R LoRA adapters only, on a frozen base (0: full "
+                            "fine-tune)", type="nonneg_int", metavar="R")
+    lora_alpha: float = option(16.0, "LoRA scale numerator: the update is alpha/R * A B",
+                               type="positive_float", metavar="A")
+    lora_targets: str = option("q,k,v,o,gate,up,down", "projections that get adapters "
+                               "(comma-separated subset of q,k,v,o,gate,up,down)",
+                               metavar="LIST")
+    lora_dropout: float = option(0.0, "dropout on the adapters' input", type="nonneg_float",
+                                 metavar="P")
+    quantize_base: str = option("none", "store the frozen base's block projections in int8 or "
+                                "NF4 (QLoRA); needs --lora-rank", choices=["none", "int8", "nf4"])
+    quant_block: int = option(64, "values per absmax scale (0: one per output channel, int8 only)",
+                              type="nonneg_int", metavar="N")
+    double_quant: bool = option(False, "quantize the absmax scales to 8 bits in blocks of 256 "
+                                "(NF4: 4.127 instead of 4.5 bits per parameter)", store_true=True)
+
+    def __post_init__(self):
+        from jaxmem.peft.lora import parse_targets  # ConfigError naming an unknown projection
+        _positive("--lora-rank", self.lora_rank, allow_zero=True)
+        parse_targets(self.lora_targets)
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout!r}")
+        if self.quantize_base not in ("none", "int8", "nf4"):
+            raise ConfigError(f"--quantize-base {self.quantize_base!r} is not one of none, int8, nf4")
+        if self.quantize_base != "none" and not self.lora_rank:
+            raise ConfigError(f"--quantize-base {self.quantize_base} needs --lora-rank: a quantized "
+                              f"base is frozen, only LoRA adapters can be trained on it")
+        if self.quantize_base == "nf4" and self.quant_block == 0:
+            raise ConfigError("--quant-block 0 (per output channel) is for int8 only; NF4 needs "
+                              "blocks (64)")
+
+    def spec(self):
+        """The LoraSpec of this section, or None for a full fine-tune."""
+        if not self.lora_rank:
+            return None
+        from jaxmem.peft.lora import LoraSpec, parse_targets
+        return LoraSpec(self.lora_rank, self.lora_alpha, parse_targets(self.lora_targets),
+                        self.lora_dropout, self.quantize_base, self.quant_block, self.double_quant)
+
+
 # ----------------------------------------------------------------------------- the whole run
 
 @dataclass(frozen=True)
@@ -250,6 +307,7 @@ class RunConfig:
     run: RunSection = RunSection()
     sample: SampleSection = SampleSection()
     init: InitSection = InitSection()
+    peft: PeftSection = PeftSection()
 
     @staticmethod
     def sections() -> dict[str, type]:

@@ -48,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxmem.data.checks import BINARY_SHARE, binary_share, dedupe_files
 from jaxmem.data.errors import DataError
 
 DEFAULT_CORPUS_BYTES = 8_000_000
@@ -186,12 +187,14 @@ def load_corpus(data: str | None, tokenizer, vocab_size: int, *,
         raise DataError(f"tokenizer {getattr(tokenizer, 'path', tokenizer.name)} has "
                         f"{tokenizer.vocab_size} ids but the model vocab size is {vocab_size}")
     files = default_corpus_files(default_corpus_bytes) if data is None else resolve_sources(data)
+    files, duplicates = dedupe_files(files)  # a file reached through a symlink is read once
 
     pieces: list[np.ndarray] = []
     bos = np.asarray([tokenizer.bos_id], np.int32)
     eos = np.asarray([tokenizer.eos_id], np.int32)
     n_bytes = n_docs = n_bad = 0
     bad_files: list[str] = []
+    binary_looking: dict[str, float] = {}
     for f in files:
         if _is_token_file(f):
             arr = load_token_file(f, vocab_size)
@@ -203,6 +206,8 @@ def load_corpus(data: str | None, tokenizer, vocab_size: int, *,
         if bad:
             n_bad += bad
             bad_files.append(str(f))
+            if binary_share(len(raw), bad) > BINARY_SHARE:
+                binary_looking[str(f)] = round(binary_share(len(raw), bad), 4)
         ids = tokenizer.encode_array(text)
         if ids.size and int(ids.max()) >= vocab_size:
             raise DataError(f"tokenizing {f} gave token id {int(ids.max())} >= vocab size "
@@ -230,6 +235,8 @@ def load_corpus(data: str | None, tokenizer, vocab_size: int, *,
         "eval_tokens": int(evals.size),
         "invalid_utf8_replacements": n_bad,
         "files_with_invalid_utf8": bad_files[:20],
+        "binary_looking_files": dict(list(binary_looking.items())[:20]),
+        "duplicate_files_skipped": duplicates[:20],
         "tokens_sha256": hashlib.sha256(stream.tobytes()).hexdigest(),
         "tokenizer": getattr(tokenizer, "path", tokenizer.name),
         "vocab_size": int(vocab_size),

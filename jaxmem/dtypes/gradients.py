@@ -7,6 +7,8 @@ takes the newest checkpoint of a jaxmem run, computes the fp32 gradients of one 
 format the fraction of non-zero gradient values that, when cast,
 
     overflow        become inf or NaN, or saturate at the format's max (|g| > max)
+    negative        (unsigned formats only, e8m0fnu) are negative: the format cannot hold
+                    them at all; counted apart from overflow (about half of all gradients)
     underflow       flush to zero
     lose precision  keep less than half their significand bits: relative rounding error
                     above 2**-((mantissa_bits + 1) / 2)  (normal values err by at most
@@ -37,16 +39,17 @@ def cast_stats(values: np.ndarray, dtype) -> dict:
         warnings.simplefilter("ignore")
         q = x.astype(dtype).astype(np.float64)
     x64 = x.astype(np.float64)
-    overflow = ~np.isfinite(q) | (np.abs(x64) > float(fi.max))
-    if float(fi.min) >= 0:  # unsigned formats (e8m0fnu) cannot hold negative values at all
-        overflow |= x64 < 0
-    underflow = ~overflow & (q == 0)
-    ok = ~overflow & ~underflow
+    unsigned = float(fi.min) >= 0  # e8m0fnu: an exponent only, no sign bit
+    negative = (x64 < 0) if unsigned else np.zeros(x64.shape, bool)
+    overflow = ~negative & (~np.isfinite(q) | (np.abs(x64) > float(fi.max)))
+    underflow = ~negative & ~overflow & (q == 0)
+    ok = ~negative & ~overflow & ~underflow
     rel = np.abs(q[ok] - x64[ok]) / np.abs(x64[ok])
     lost = int(np.sum(rel > 2.0 ** (-(int(fi.nmant) + 1) / 2)))
     n = max(x.size, 1)
     return {"overflow": float(overflow.sum()) / n, "underflow": float(underflow.sum()) / n,
-            "precision_lost": lost / n, "nonzero_values": int(x.size)}
+            "precision_lost": lost / n, "negative": float(negative.sum()) / n if unsigned else None,
+            "nonzero_values": int(x.size)}
 
 
 def run_gradients(run_dir: Path) -> tuple[np.ndarray, float, dict]:

@@ -142,8 +142,33 @@ def _cell(value) -> str:
     return str(value)
 
 
+def _short(value) -> str:
+    """A short cell: 2^k for powers of two, else 5 significant digits."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    mantissa, exponent = math.frexp(abs(value))
+    if mantissa == 0.5 and abs(exponent - 1) >= 4:
+        return f"{'-' if value < 0 else ''}2^{exponent - 1}"
+    return f"{value:.5g}"
+
+
+def _compact(rows: list[dict]) -> str:
+    """The table in at most ~110 columns: sign/exponent/mantissa bits in one column, values
+    rounded to 5 digits or written as 2^k; no PyTorch names (those are in --wide)."""
+    header = ["name", "bits", "s/e/m", "min", "max", "smallest normal", "smallest subnormal",
+              "eps", "inf", "NaN"]
+    body = [[r["name"], str(r["bits"]), f"{r['sign_bits']}/{r['exponent_bits']}/{r['mantissa_bits']}"]
+            + [_short(r[k]) for k in ("min", "max", "smallest_normal", "smallest_subnormal", "eps",
+                                      "has_inf", "has_nan")] for r in rows]
+    widths = [max(len(r[i]) for r in [header] + body) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+             for cells in [header] + body]
+    return "\n".join(lines + ["(exact values and PyTorch dtype names: --wide, or --format "
+                               "markdown / csv / json)"])
+
+
 def render(rows: list[dict], fmt: str) -> str:
-    """The table as text (aligned), markdown, csv or json."""
+    """The table as text (compact, aligned), wide (every column, exact), markdown, csv or json."""
     if fmt == "json":
         return json.dumps(rows, indent=2)
     if fmt == "csv":
@@ -152,6 +177,8 @@ def render(rows: list[dict], fmt: str) -> str:
         writer.writeheader()
         writer.writerows(rows)  # csv writes floats with repr: exact
         return buf.getvalue().rstrip("\n")
+    if fmt == "text":  # within 120 columns; --wide ("wide") is the exact, full table
+        return _compact(rows)
     header = [title for _, title in COLUMNS]
     body = [[_cell(row[key]) for key, _ in COLUMNS] for row in rows]
     if fmt == "markdown":
@@ -169,29 +196,36 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m jaxmem.dtypes",
         description="Floating-point formats from ml_dtypes.finfo: range, precision, inf/NaN.",
     )
-    parser.add_argument("--format", choices=FORMATS, default="text", help="output format")
+    parser.add_argument("--format", choices=FORMATS, default="text",
+                        help="output format (default: text, within 120 columns)")
+    parser.add_argument("--wide", action="store_true",
+                        help="text with every column and exact values (about 290 columns)")
     parser.add_argument("--gradients", metavar="RUN_DIR", default=None,
                         help="instead: cast one batch of a run's real gradients into each format "
                              "and report overflow / underflow / precision loss (jaxmem.dtypes.gradients)")
     args = parser.parse_args(argv)
     if args.gradients is None:
-        print(render(format_table(), args.format))
+        print(render(format_table(), "wide" if args.wide and args.format == "text" else args.format))
         return 0
     from jaxmem.dtypes.gradients import gradient_report
     try:
         report = gradient_report(args.gradients, [(n, dt) for n, dt in available_dtypes()
                                                   if n != "fp64"])
     except (ValueError, RuntimeError) as e:  # RunError, CheckpointError, DataError
-        parser.error(f"--gradients {args.gradients}: {str(e).splitlines()[0]}")
+        print(f"{parser.prog}: error: --gradients {args.gradients}: {str(e).splitlines()[0]}",
+              file=sys.stderr)  # not a flag's syntax: no usage block
+        return 2
     if args.format == "json":
         print(json.dumps(report, indent=2))
         return 0
-    print(f"{report['run']} ({report['precision']}): {report['values']:,} gradient values, "
-          f"|g| from {report['abs_min']:.3g} to {report['abs_max']:.3g} (median "
+    print(f"{report['run']} ({report['precision']}): {report['values']:,} gradient values")
+    print(f"|g| from {report['abs_min']:.3g} to {report['abs_max']:.3g} (median "
           f"{report['abs_median']:.3g}); run's loss scale {report['run_loss_scale']:g}")
     cols = [("format", "format"), ("scale", "scale"), ("overflow", "overflow"),
-            ("underflow", "underflow to 0"), ("precision_lost", "< half precision")]
-    body = [[r["format"], f"{r['scale']:g}"] + [f"{100 * r[k]:.3f}%" for k, _ in cols[2:]]
+            ("underflow", "underflow to 0"), ("precision_lost", "< half precision"),
+            ("negative", "negative (unsigned format)")]
+    body = [[r["format"], f"{r['scale']:g}"] + ["-" if r.get(k) is None else f"{100 * r[k]:.3f}%"
+                                                for k, _ in cols[2:]]
             for r in report["rows"]]
     widths = [max(len(x) for x in col) for col in zip([t for _, t in cols], *body)]
     for cells in [[t for _, t in cols]] + body:

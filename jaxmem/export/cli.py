@@ -24,10 +24,14 @@ from jaxmem.data import DataError
 from jaxmem.io.checkpoint import CheckpointError
 from jaxmem.io.hf_export import DEFAULT_MAX_SHARD_BYTES, DTYPES, save_hf
 from jaxmem.io.rundir import RunError, exit_after_failed_restore, load_run
+from jaxmem.peft.export import export_adapters, merged_params
 
 
 def full_params(run):
-    """The run's full weights as plain arrays (a LoRA run's merge goes here: jaxmem.peft)."""
+    """The run's full weights as plain arrays; a LoRA run's adapters merged into its original
+    base weights (jaxmem.peft.export)."""
+    if run.step_config.peft is not None:
+        return merged_params(run)
     return run.state.params
 
 
@@ -51,13 +55,8 @@ def _leaves(tree):
     return jax.tree_util.tree_leaves(tree)
 
 
-def _adapters_missing(run, out, args):
-    raise RunError(f"--adapters-only: no adapter exporter is registered (jaxmem.peft), and the "
-                   f"run {args.run} has no LoRA adapters")
-
-
-# kind -> exporter(run, out, args) -> files written. jaxmem.peft replaces "adapters".
-EXPORTERS: dict[str, Callable] = {"full": export_full, "adapters": _adapters_missing}
+# kind -> exporter(run, out, args) -> files written.
+EXPORTERS: dict[str, Callable] = {"full": export_full, "adapters": export_adapters}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,23 +13,28 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from pathlib import Path
 
 from jaxmem.config.flags import add_run_flags, given_overrides
 from jaxmem.data import DataError
 from jaxmem.generate.sampling import generate_text
 from jaxmem.io.checkpoint import CheckpointError
-from jaxmem.io.rundir import RunError, exit_after_failed_restore, load_run
+from jaxmem.io.rundir import RunError, exit_after_failed_restore, fail, load_run
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jaxmem.generate",
-                                description="Sample from the newest checkpoint of a jaxmem run, "
-                                            "or from a Hugging Face Llama directory.")
+    p = argparse.ArgumentParser(
+        prog="python -m jaxmem.generate",
+        description="Sample from a checkpoint of a jaxmem run (default: its newest), or from a "
+                    "Hugging Face Llama directory. The sampling defaults shown are jaxmem.train's; "
+                    "a run's own values, as saved in its config.json, take their place.")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--run", help="run directory (the --out of jaxmem.train)")
     source.add_argument("--hf", metavar="HF_DIR", help="a Hugging Face Llama checkpoint directory "
                         "(config.json, safetensors, tokenizer.json), computed in fp32")
+    p.add_argument("--step", type=int, default=None, metavar="N",
+                   help="with --run: sample from committed checkpoint step N (default: the newest)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     add_run_flags(p, ["sample"])
     return p
@@ -44,15 +49,24 @@ def main(argv=None) -> int:
     if args.hf is not None:
         return _generate_hf(p, args, overrides)
     try:
-        run = load_run(Path(args.run))
+        run = load_run(Path(args.run), step=args.step)
+        params = run.state.params
+        if run.step_config.peft is not None:  # LoRA: the adapters on the run's own base
+            from jaxmem.peft.export import lora_params
+            params = lora_params(run)
     except CheckpointError as e:
         exit_after_failed_restore(p, str(e).splitlines()[0])
     except (RunError, DataError, ValueError) as e:
-        p.error(str(e).splitlines()[0])
+        fail(p, str(e).splitlines()[0])
     sm = dataclasses.replace(run.config.sample, **overrides)
-    print(generate_text(run.model_config, run.state.params, run.tokenizer, sm.prompt,
-                        sm.max_new_tokens, sm.temperature, sm.top_k, args.seed,
-                        run.step_config.precision.compute_dtype))
+    try:
+        text = generate_text(run.model_config, params, run.tokenizer, sm.prompt,
+                             sm.max_new_tokens, sm.temperature, sm.top_k, args.seed,
+                             run.step_config.precision.compute_dtype,
+                             note=lambda m: print(m, file=sys.stderr))
+    except ValueError as e:  # a prompt longer than the model's context
+        fail(p, f"--prompt: {e}")
+    print(text)
     return 0
 
 
@@ -65,8 +79,13 @@ def _generate_hf(p, args, overrides) -> int:
         model_config, params = load_hf(args.hf)
         tokenizer = hf_tokenizer(args.hf)
     except (DataError, ValueError) as e:  # HFError is a ValueError
-        p.error(str(e).splitlines()[0])
+        fail(p, str(e).splitlines()[0])
     sm = dataclasses.replace(SampleSection(), **overrides)
-    print(generate_text(model_config, params, tokenizer, sm.prompt, sm.max_new_tokens,
-                        sm.temperature, sm.top_k, args.seed))
+    try:
+        text = generate_text(model_config, params, tokenizer, sm.prompt, sm.max_new_tokens,
+                             sm.temperature, sm.top_k, args.seed,
+                             note=lambda m: print(m, file=sys.stderr))
+    except ValueError as e:  # a prompt longer than the model's context
+        fail(p, f"--prompt: {e}")
+    print(text)
     return 0

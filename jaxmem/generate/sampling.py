@@ -19,11 +19,16 @@ from jaxmem.train.precision import cast_params
 def sample_tokens(config: ModelConfig, params, prompt_ids, max_new_tokens: int,
                   temperature: float = 0.8, top_k: int = 0, seed: int = 0,
                   compute_dtype=jnp.float32) -> list[int]:
-    """Prompt ids + up to `max_new_tokens` sampled ids (capped by max_position_embeddings)."""
+    """Prompt ids + up to `max_new_tokens` sampled ids.
+
+    The prompt is never cut: one that leaves no room for a new token within the model's
+    positions (max_position_embeddings) raises ValueError; otherwise the new tokens stop at the
+    last position (`new_token_budget` says how many fit).
+    """
     limit = config.max_position_embeddings
-    prompt_ids = list(prompt_ids)[-max(1, limit - max_new_tokens):]
+    prompt_ids = list(prompt_ids)
     n_prompt = len(prompt_ids)
-    total = min(limit, n_prompt + max_new_tokens)
+    total = n_prompt + new_token_budget(n_prompt, max_new_tokens, limit)
     buf = jnp.zeros((1, total), jnp.int32).at[0, :n_prompt].set(jnp.asarray(prompt_ids, jnp.int32))
     model = Llama(config)
     params = cast_params(params, compute_dtype)
@@ -49,10 +54,25 @@ def sample_tokens(config: ModelConfig, params, prompt_ids, max_new_tokens: int,
     return [int(t) for t in np.asarray(run(params, buf, jax.random.PRNGKey(seed)))[0]]
 
 
+def new_token_budget(n_prompt: int, max_new_tokens: int, limit: int) -> int:
+    """How many new tokens fit after a prompt of `n_prompt` ids in `limit` positions."""
+    if n_prompt >= limit:
+        raise ValueError(f"the prompt is {n_prompt} tokens (BOS included) but the model has "
+                         f"{limit} positions: shorten it to at most {limit - 1} tokens")
+    return min(max_new_tokens, limit - n_prompt)
+
+
 def generate_text(config, params, tokenizer, prompt: str, max_new_tokens: int = 200,
                   temperature: float = 0.8, top_k: int = 40, seed: int = 0,
-                  compute_dtype=jnp.float32) -> str:
-    ids = tokenizer.encode_prompt(prompt)  # BOS, or the special tokens a post-processor adds
+                  compute_dtype=jnp.float32, note=None) -> str:
+    """The prompt and its continuation as text. `note(msg)` is told when the model's context
+    (max_position_embeddings) shortens the output below `max_new_tokens`."""
+    ids = tokenizer.encode_prompt(prompt or "")  # BOS, or the special tokens a post-processor adds
+    budget = new_token_budget(len(ids), max_new_tokens, config.max_position_embeddings)
+    if budget < max_new_tokens and note is not None:
+        note(f"note: output shortened to {budget} new tokens (asked {max_new_tokens}): the "
+             f"prompt's {len(ids)} tokens + the new ones fill the model's "
+             f"{config.max_position_embeddings} positions")
     out = sample_tokens(config, params, ids, max_new_tokens, temperature,
                         min(top_k, config.vocab_size), seed, compute_dtype)
     return tokenizer.decode(out)

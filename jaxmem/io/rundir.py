@@ -20,7 +20,7 @@ from typing import Any
 from jaxmem.config.model import ConfigError
 from jaxmem.config.run import RunConfig
 from jaxmem.data import load_tokenizer
-from jaxmem.io.checkpoint import Checkpointer
+from jaxmem.io.checkpoint import CheckpointError, Checkpointer
 from jaxmem.train.run import abstract_train_state, build_step_config
 
 CONFIG_FILE, METRICS_FILE, CKPT_DIR = "config.json", "metrics.jsonl", "checkpoints"
@@ -30,8 +30,18 @@ class RunError(ValueError):
     """Bad input to a run (flag, file or run directory); the message names it."""
 
 
+def fail(parser, message: str):
+    """Exit 2 with one line `<prog>: error: <message>`, without argparse's usage block: for
+    errors that are not about a flag's syntax (a run directory, a file, a checkpoint)."""
+    import sys
+
+    sys.stdout.flush()
+    print(f"{parser.prog}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def exit_after_failed_restore(parser, message: str) -> None:
-    """argparse's error exit (usage, one line, status 2), and nothing printed after it.
+    """The one-line error exit (status 2, no usage block), and nothing printed after it.
 
     After a failed Orbax restore, TensorStore reads still in flight fail again on their own
     threads and print tracebacks into stderr, before, between and after the lines of the error
@@ -42,7 +52,7 @@ def exit_after_failed_restore(parser, message: str) -> None:
     import os
     import sys
 
-    text = f"{parser.format_usage()}{parser.prog}: error: {message}\n"
+    text = f"{parser.prog}: error: {message}\n"
     sys.stdout.flush()
     sys.stderr.flush()
     real_stderr = os.dup(2)
@@ -108,13 +118,51 @@ class LoadedRun:
     tokenizer: Any
 
 
-def load_run(run_dir: Path) -> LoadedRun:
-    """The newest committed step of a run, rebuilt from the run's own config."""
+def older_steps_hint(steps: list[int], failed: int, flag: str = "--resume --resume-step") -> str:
+    """'; older committed steps: 100, 200 (pick one with --resume-step 200)' or ''."""
+    older = [s for s in steps if s < failed]
+    if not older:
+        return "; no older committed step to fall back to"
+    return (f"; older committed steps: {', '.join(map(str, older))} (restore one with "
+            f"{flag} {older[-1]})")
+
+
+def load_run(run_dir: Path, step: int | None = None) -> LoadedRun:
+    """A committed step of a run (default: the newest), rebuilt from the run's own config."""
     cfg, record = read_run_config(run_dir)
     model_cfg, step_cfg, loss_scale = build_step_config(cfg)
     with Checkpointer(Path(run_dir) / CKPT_DIR, keep=cfg.run.keep) as ckpt:
-        step = ckpt.latest_step()
-        if step is None:
+        steps = ckpt.all_steps()
+        if not steps:
             raise RunError(f"--run {run_dir}: no committed checkpoint in {Path(run_dir) / CKPT_DIR}")
-        state, _ = ckpt.restore(step, abstract_train_state(step_cfg, loss_scale, cfg.data.seed))
-    return LoadedRun(cfg, record, model_cfg, step_cfg, state, load_tokenizer(cfg.data.tokenizer))
+        if step is not None and step not in steps:
+            raise RunError(f"--step {step}: no committed checkpoint step {step} in "
+                           f"{Path(run_dir) / CKPT_DIR} (committed: {', '.join(map(str, steps))})")
+        step = steps[-1] if step is None else step
+        try:
+            state, _ = ckpt.restore(step, abstract_train_state(step_cfg, loss_scale, cfg.data.seed))
+        except CheckpointError as e:
+            raise CheckpointError(str(e).splitlines()[0]
+                                  + older_steps_hint(steps, step, "--step")) from e
+    return LoadedRun(cfg, record, model_cfg, step_cfg, state, load_tokenizer(run_tokenizer(run_dir, cfg)))
+
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def copy_tokenizer(run_dir: Path, cfg: RunConfig) -> None:
+    """Copy the run's tokenizer file into the run directory (once; an existing copy is kept)."""
+    import shutil  # noqa: PLC0415
+
+    copy = Path(run_dir) / TOKENIZER_FILE
+    if cfg.data.tokenizer is not None and not copy.exists():
+        shutil.copyfile(cfg.data.tokenizer, copy)
+
+
+def run_tokenizer(run_dir: Path, cfg: RunConfig) -> str | None:
+    """The run's tokenizer file: the copy in the run directory (made at training time, so a
+    relative --tokenizer path no longer matters), else the configured path, else None (bytes)."""
+    if cfg.data.tokenizer is None:
+        return None
+    copy = Path(run_dir) / TOKENIZER_FILE
+    return str(copy) if copy.is_file() else cfg.data.tokenizer

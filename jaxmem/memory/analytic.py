@@ -38,6 +38,7 @@ from jaxmem.memory.spec import StepSpec
 from jaxmem.model.llama import abstract_params
 from jaxmem.model.remat import RematError, RematPolicy
 from jaxmem.model.roles import count_by_role
+from jaxmem.peft import memory as peft_memory
 
 FP32 = 4
 
@@ -62,7 +63,9 @@ def _mu_dtype(spec: StepSpec):
 def optimizer_state(spec: StepSpec, P: int) -> list[tuple[str, int, str]]:
     """(name, bytes, dtype) of the optimizer state: AdamW's mu and nu by formula; any other
     optimizer's leaves counted on its abstract state (jaxmem.memory.optimizer_bytes)."""
-    if spec.optimizer == "adamw":
+    if spec.optimizer == "adamw" or spec.peft is not None:
+        # LoRA with another optimizer: AdamW-sized, an upper bound (the abstract count below
+        # would be over the whole model, not the adapters)
         sd = _state_dtype(spec)
         return [("adam mu", P * _nbytes(_mu_dtype(spec)), _dname(_mu_dtype(spec))),
                 ("adam nu", P * _nbytes(sd), _dname(sd))]
@@ -187,12 +190,18 @@ def analytic_breakdown(spec: StepSpec) -> dict:
     amp = jnp.dtype(p.param_dtype) != jnp.dtype(p.compute_dtype)
     attention = spec.attention_path
     per_layer = layer_residuals(c, B, T, p.compute_dtype, spec.remat, attention)
+    lora = spec.peft  # LoRA / QLoRA (jaxmem.peft.memory): only the adapters train
+    if lora is not None and spec.remat.kind in ("none", "dots", "dots_no_batch"):
+        per_layer = per_layer + peft_memory.lora_saved_per_layer(c, lora, B, T, p.compute_dtype)
+    Pt = P if lora is None else peft_memory.trainable_params(c, lora)  # trained params
     outside = outside_residuals(c, B, T, p.compute_dtype, spec.remat, attention)
     saved = c.num_layers * _sum(per_layer) + _sum(outside)
     # amp: the loss casts the params to the compute dtype and the backward keeps the copies of
     # the matrices it multiplies by; an untied embedding is only gathered, so its copy is not kept.
     untied_embed = 0 if c.tie_embeddings else c.vocab_size * c.hidden_size
     compute_copy = (P - Pn - untied_embed) * cb if amp else 0
+    if lora is not None:  # the frozen base is stored in the compute dtype: only adapters cast
+        compute_copy = Pt * cb if amp else 0
     loss_scale = {"none": 0, "static": 4, "dynamic": 12}[p.loss_scale.partition(":")[0]]
 
     # Transients: the logits group, or one block's backward (the activations it recomputes,
@@ -204,6 +213,8 @@ def analytic_breakdown(spec: StepSpec) -> dict:
     layer_bwd = full_layer - _sum(per_layer)
     if attention == "xla":
         layer_bwd += B * N * T * T * (3 * FP32 + cb)
+    if lora is not None:  # a quantized layer's weights, dequantized again in its backward
+        layer_bwd += peft_memory.dequant_transient(c, lora, p.compute_dtype)
     transient = max(logits_group, layer_bwd)
 
     pd, cdn = _dname(p.param_dtype), _dname(p.compute_dtype)
@@ -211,8 +222,8 @@ def analytic_breakdown(spec: StepSpec) -> dict:
     # backward: grads + compute copy + saved activations + the largest transient;
     # optimizer: grads + one params-sized update buffer (activations freed by then).
     phase_b = [("params (compute copy)", compute_copy, cdn),
-               ("gradients", P * pb, pd),
-               ("grad accumulator", P * pb if K > 1 else 0, pd),
+               ("gradients", Pt * pb, pd),
+               ("grad accumulator", Pt * pb if K > 1 else 0, pd),
                ("saved activations", saved, _mixed(per_layer + outside)),
                ("logits + dlogits [B,T,V]" if transient == logits_group else "one layer's backward",
                 transient, "float32" if transient == logits_group else _mixed(per_layer + outside))]
@@ -220,10 +231,12 @@ def analytic_breakdown(spec: StepSpec) -> dict:
     # dtype (jaxmem.train.optim8bit); either is added to the bf16 weights in fp32, then rounded
     sr_fp32 = p.stochastic_rounding and spec.optimizer != "adamw8bit"
     ub, ud = (FP32, "float32") if sr_fp32 else (pb, pd)
-    phase_o = [("gradients", P * pb, pd), ("optimizer update buffer", P * ub, ud)]
+    phase_o = [("gradients", Pt * pb, pd), ("optimizer update buffer", Pt * ub, ud)]
     peak_phase = "backward" if _sum(phase_b) >= _sum(phase_o) else "optimizer"
-    persistent = [("params (master)", P * pb, pd),
-                  *optimizer_state(spec, P), ("loss scale", loss_scale, "float32"),
+    persistent = [("params (master)" if lora is None else "LoRA adapters (master)", Pt * pb, pd),
+                  *optimizer_state(spec, Pt),
+                  *([] if lora is None else peft_memory.base_components(c, lora, p.compute_dtype)),
+                  ("loss scale", loss_scale, "float32"),
                   ("batch (inputs, targets, mask)", 3 * K * B * T * 4, "int32")]
     comps = [(n, b, d, "both") for n, b, d in persistent]
     comps += [(n, b, d, "both" if n == "gradients" else "backward") for n, b, d in phase_b]

@@ -30,6 +30,7 @@ flag.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -39,6 +40,8 @@ from jaxmem.memory.measure import measure_in_subprocess, run_worker
 from jaxmem.memory.planner import plan
 from jaxmem.memory.report import format_plan, format_report, step_report
 from jaxmem.memory.spec import GiB, StepSpec
+from jaxmem.memory.verdict import header_line, train_command, verdict_lines
+from jaxmem.model.remat import RematPolicy
 from jaxmem.train.run import build_step_config
 
 
@@ -64,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "The model, precision, remat and batch flags are jaxmem.train's, with the "
                     "same defaults; with --fit, --batch-size is the largest micro-batch tried "
                     "and --mu-dtype (when not given) tries fp32 then bf16.")
-    add_run_flags(p, ["model", "precision", "remat", "optim", "data"], only=MEMORY_FLAGS)
+    add_run_flags(p, ["model", "precision", "remat", "optim", "data", "peft"], only=MEMORY_FLAGS)
     g = p.add_argument_group("planner and output")
     g.add_argument("--global-batch", type=positive_int, default=None,
                    help="sequences per optimizer step; sets --grad-accum = global / batch size")
@@ -74,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run real steps in a subprocess and read the device's peak memory")
     g.add_argument("--worker", default=None, metavar="JSON", help=argparse.SUPPRESS)
     g.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    g.add_argument("--plot", default=None, metavar="PNG",
+                   help="also draw the breakdown as stacked bars (one per configuration; with "
+                        "--fit, every compiled candidate and the budget line); needs matplotlib")
     return p
 
 
@@ -103,6 +109,34 @@ def _resolve(parser, args):
     return spec, args.global_batch or batch * accum, batch if batch_given else None
 
 
+def _verdict(report: dict) -> list[str]:
+    measured = (report.get("measured") or {}).get("peak_bytes")
+    return verdict_lines(measured or report["compiled"]["peak_bytes"],
+                         "measured" if measured else "compiled", report["backend"],
+                         report["precision"])
+
+
+def _short(remat: str) -> str:
+    return "selective" if remat.startswith("names:") else remat
+
+
+def _plot(parser, path, reports, labels, budget=None) -> None:
+    if not path:
+        return
+    from jaxmem.plot.figure import PlotError, save  # noqa: PLC0415
+    from jaxmem.plot.memory import plot_memory  # noqa: PLC0415
+
+    if not reports:
+        print("no candidate was compiled: nothing to plot", file=sys.stderr)
+        return
+    try:
+        print(f"wrote {save(plot_memory(reports, labels, budget_gib=budget), path)}",
+              file=sys.stderr)
+    except PlotError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -110,16 +144,25 @@ def main(argv=None) -> int:
         print(json.dumps(run_worker(args.worker)))
         return 0
     spec, global_batch, max_micro = _resolve(parser, args)
+    cfg = RunConfig().replace(given_overrides(args))
 
     if args.fit is None:
         measured = measure_in_subprocess(spec) if args.measure else None
         report = step_report(spec, measured=measured)
-        print(json.dumps(report, indent=2) if args.json else format_report(report))
+        report["verdict"] = _verdict(report)
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            print(header_line(cfg, spec, report["params"]) + "\n")
+            print(format_report(report))
+            print("\n" + "\n".join(report["verdict"]))
+        _plot(parser, args.plot, [report], [f"{spec.remat}, micro {spec.batch_size}"])
         return 0
 
-    log = None if args.json else (lambda t: print(f"  tried micro {t['batch_size']} remat "
-                                                  f"{t['remat']} mu {t['mu_dtype']}: {t['reason']}",
-                                                  file=sys.stderr, flush=True))
+    # progress while compiling, only on a terminal: the list itself is printed once, below
+    log = None if args.json or not sys.stderr.isatty() else (
+        lambda t: print(f"  tried micro {t['batch_size']} remat {t['remat']} mu {t['mu_dtype']}: "
+                        f"{t['reason']}", file=sys.stderr, flush=True))
     result = plan(spec, global_batch, int(args.fit * GiB),
                   mu_dtypes=(spec.mu_dtype,) if spec.mu_dtype else ("fp32", "bf16"),
                   max_micro=max_micro, log=log)
@@ -132,14 +175,31 @@ def main(argv=None) -> int:
                                     measured=measured)
     else:
         out["chosen"] = None
+    if chosen is not None:
+        out["chosen"]["verdict"] = _verdict(out["chosen"])
+        out["train_command"] = train_command(cfg.replace({
+            "data.batch_size": chosen.batch_size, "data.grad_accum": chosen.grad_accum,
+            "remat.policy": str(chosen.remat), "optim.mu_dtype": chosen.mu_dtype}))
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(result, args.fit))
         if chosen is not None:
             print(f"\nchosen: micro-batch {chosen.batch_size} x grad-accum {chosen.grad_accum}, "
-                  f"remat {chosen.remat}, mu {chosen.mu_dtype}\n")
-            print(format_report(out["chosen"]))
+                  f"remat {chosen.remat}, mu {chosen.mu_dtype}; train it with:\n"
+                  f"  {out['train_command']}\n")
+            print(header_line(cfg, chosen, out["chosen"]["params"]) + "\n")
+            print(format_report(out["chosen"], unit="GiB"))
+            print("\n" + "\n".join(out["chosen"]["verdict"]))
+    if args.plot:
+        compiled = [(dataclasses.replace(spec, batch_size=t["batch_size"],
+                                         grad_accum=t["grad_accum"],
+                                         remat=RematPolicy.parse(t["remat"]),
+                                         mu_dtype=t["mu_dtype"]), t)
+                    for t in result["tried"] if t.get("compiled")]
+        _plot(parser, args.plot, [step_report(c, compiled=t["compiled"]) for c, t in compiled],
+              [f"micro {t['batch_size']} x{t['grad_accum']}\n{_short(t['remat'])}, mu "
+               f"{t['mu_dtype']}" for _, t in compiled], budget=args.fit)
     if chosen is None:
         print(f"error: nothing fits in {args.fit:g} GiB for global batch {global_batch} x "
               f"{spec.seq_len} tokens ({len(result['tried'])} candidates tried; smallest "

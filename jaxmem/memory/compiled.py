@@ -59,10 +59,20 @@ def abstract_step_batch(spec: StepSpec):
             for k, v in abstract_batch(spec.batch_size, spec.seq_len).items()}
 
 
+def abstract_frozen(spec: StepSpec):
+    """A LoRA step's frozen base (int8 / NF4 codes and scales) as ShapeDtypeStructs, else None."""
+    if spec.peft is None:
+        return None
+    from jaxmem.peft.base import abstract_base
+    return abstract_base(spec.model, spec.peft, spec.precision.compute_dtype)
+
+
 def argument_bytes(spec: StepSpec) -> int:
     """Exact bytes of the step's arguments; a lower bound of the compiled peak."""
-    leaves = jax.tree_util.tree_leaves((abstract_state(spec), abstract_step_batch(spec)))
-    return sum(int(x.size) * x.dtype.itemsize for x in leaves)
+    leaves = jax.tree_util.tree_leaves((abstract_state(spec), abstract_step_batch(spec),
+                                        abstract_frozen(spec)))
+    return sum(int(x.size) * x.dtype.itemsize if x.dtype not in (jnp.uint4, jnp.int4)
+               else int(x.size) // 2 for x in leaves)
 
 
 def compile_step(spec: StepSpec) -> dict:
@@ -70,7 +80,8 @@ def compile_step(spec: StepSpec) -> dict:
     if spec.remat.kind == "offload":
         check_offload_supported()
     step = jit_train_step(spec.step_config()[0])
-    compiled = step.lower(abstract_state(spec), abstract_step_batch(spec)).compile()
+    compiled = step.lower(abstract_state(spec), abstract_step_batch(spec),
+                          abstract_frozen(spec)).compile()
     stats, flops = compiled_stats(compiled)
     return {**stats, "flops": flops}
 

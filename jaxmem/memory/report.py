@@ -19,8 +19,15 @@ from jaxmem.memory.compiled import compile_step
 from jaxmem.memory.spec import StepSpec
 
 
-def _mb(n: float) -> str:
-    return f"{n / 2**20:,.1f} MiB"
+def _unit(r: dict, unit: str | None) -> tuple[str, int]:
+    """GiB (as --fit and the verdict use) unless the step's peak is under 1 GiB (tiny models)."""
+    if unit is None:
+        unit = "GiB" if r["compiled"]["peak_bytes"] >= 2**30 else "MiB"
+    return unit, 2**30 if unit == "GiB" else 2**20
+
+
+def _fmt(n: float, unit: str, div: int) -> str:
+    return f"{n / div:,.{3 if unit == 'GiB' else 1}f} {unit}"
 
 
 def step_report(spec: StepSpec, compiled: dict | None = None,
@@ -60,9 +67,14 @@ def step_report(spec: StepSpec, compiled: dict | None = None,
     }
 
 
-def format_report(r: dict) -> str:
-    """A readable table; works for both `step_report` and `grad_step_report` dicts."""
+def format_report(r: dict, unit: str | None = None) -> str:
+    """A readable table; works for both `step_report` and `grad_step_report` dicts.
+
+    unit: "GiB" or "MiB" (default: GiB, or MiB for a step whose compiled peak is under 1 GiB).
+    """
     c = r["compiled"]
+    unit, div = _unit(r, unit)
+    _mb = lambda n: _fmt(n, unit, div)  # noqa: E731
     rows = [("backend", f"{r['backend']} (jax {r['jax_version']})")]
     if "precision" in r:
         rows += [("precision", r["precision"]), ("mu dtype", r["mu_dtype"] or "param dtype")]
@@ -74,10 +86,10 @@ def format_report(r: dict) -> str:
     if "analytic" in r:
         a = r["analytic"]
         lines += ["", f"analytic (attention: {a['attention']}; peak in the {a['peak_phase']} phase;"
-                  f" * = live at the peak)", f"  {'component':<34}{'dtype':<16}{'MiB':>12}"]
+                  f" * = live at the peak)", f"  {'component':<34}{'dtype':<16}{unit:>12}"]
         lines += [f"{'*' if x['in_peak'] else ' '} {x['name']:<34}{x['dtype']:<16}"
-                  f"{x['bytes'] / 2**20:>12,.1f}" for x in a["components"] if x["bytes"]]
-        lines += [f"  {'total (the peak phase)':<50}{a['total_bytes'] / 2**20:>12,.1f}"]
+                  f"{_mb(x['bytes'])[:-4]:>12}" for x in a["components"] if x["bytes"]]
+        lines += [f"  {'total (the peak phase)':<50}{_mb(a['total_bytes'])[:-4]:>12}"]
     lines += ["", "compiled (XLA memory_analysis, full train step)" if "analytic" in r else
               "compiled (XLA memory_analysis, gradient of the loss)"]
     lines += [f"  {k:<44}{_mb(c[k + '_bytes']):>18}"

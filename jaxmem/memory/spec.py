@@ -45,6 +45,7 @@ class StepSpec:
     grad_accum: int = 1
     mu_dtype: str | None = None
     attention: str | None = None
+    peft: object = None  # jaxmem.peft.lora.LoraSpec: LoRA / QLoRA (None: full fine-tune)
     optimizer: str = "adamw"
 
     @classmethod
@@ -53,7 +54,7 @@ class StepSpec:
         d = cfg.data
         return cls(cfg.model_config(), get_precision(cfg.precision.mode),
                    RematPolicy.parse(cfg.remat.policy), d.batch_size, d.seq_len, d.grad_accum,
-                   cfg.optim.mu_dtype, attention, cfg.optim.optimizer)
+                   cfg.optim.mu_dtype, attention, cfg.peft.spec(), cfg.optim.optimizer)
 
     def run_config(self) -> RunConfig:
         """A RunConfig with this step: the one input jaxmem.train.run.build_step_config takes."""
@@ -61,7 +62,12 @@ class StepSpec:
             "precision.mode": self.precision.name, "remat.policy": str(self.remat),
             "data.batch_size": self.batch_size, "data.seq_len": self.seq_len,
             "data.grad_accum": self.grad_accum, "optim.mu_dtype": self.mu_dtype,
-            "optim.optimizer": self.optimizer})
+            "optim.optimizer": self.optimizer,
+            **({} if self.peft is None else {  # LoRA / QLoRA: the peft section (jaxmem.peft)
+                "peft.lora_rank": self.peft.rank, "peft.lora_alpha": self.peft.alpha,
+                "peft.lora_targets": ",".join(self.peft.targets),
+                "peft.lora_dropout": self.peft.dropout, "peft.quantize_base": self.peft.quantize,
+                "peft.quant_block": self.peft.block, "peft.double_quant": self.peft.double_quant})})
 
     def step_config(self) -> tuple[StepConfig, LossScale]:
         """(StepConfig, initial loss scale), built as a training run builds them."""

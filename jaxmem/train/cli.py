@@ -29,19 +29,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import time
 from pathlib import Path
 
 from jaxmem.config.flags import add_run_flags, given_overrides
 from jaxmem.config.run import RunConfig, is_mutable
 from jaxmem.data import DataError, load_corpus, load_tokenizer
+from jaxmem.data.checks import data_warnings
 from jaxmem.io.checkpoint import CheckpointError, Checkpointer
-from jaxmem.io.rundir import (CKPT_DIR, CONFIG_FILE, RunError, exit_after_failed_restore,
-                              read_run_config)
+from jaxmem.io.rundir import (CKPT_DIR, CONFIG_FILE, RunError, exit_after_failed_restore, fail,
+                              older_steps_hint, read_run_config, run_tokenizer)
 from jaxmem.train.init_from import init_from_overrides, init_params_from
 from jaxmem.train.run import abstract_train_state, build_step_config
 
-SECTIONS = ("model", "init", "precision", "remat", "optim", "data", "run", "sample")
+SECTIONS = ("model", "init", "precision", "remat", "optim", "data", "run", "sample", "peft")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue the run in --out with its saved config; flags given with it are compared "
              "(shapes, dtypes, data, seed and schedule cannot change; run-directory, eval, "
              "logging and sampling flags can)")
+    groups["run directory"].add_argument(
+        "--resume-step", type=int, default=None, metavar="STEP",
+        help="with --resume: continue from this committed step instead of the newest (e.g. when "
+             "the newest checkpoint is damaged); the later checkpoints are deleted")
     return p
 
 
@@ -79,6 +85,8 @@ class Setup:
     record: dict = dataclasses.field(default_factory=dict)
     changes: list = dataclasses.field(default_factory=list)
     init_params: object = None  # step-0 weights from --init-from (None: random init)
+    frozen: object = None  # LoRA: the frozen base on the device (jaxmem.peft.base)
+    base_record: dict | None = None  # LoRA: its source and sha256, for config.json
 
 
 def _check_writable(out: Path) -> None:
@@ -136,32 +144,63 @@ def setup(args, parser) -> Setup:
         out = Path(overrides["run.out"])
         overrides = init_from_overrides(overrides)  # --init-from: the checkpoint's model, tokenizer
         _check_writable(out)
+        if "data.tokenizer" in overrides and "model.vocab_size" not in overrides:
+            # the model's vocabulary is the tokenizer's (an explicit smaller one is refused below)
+            overrides["model.vocab_size"] = load_tokenizer(overrides["data.tokenizer"]).vocab_size
         cfg, continuing, record, changes = _choose_config(overrides, args.resume, out)
         model_cfg, step_cfg, loss_scale = build_step_config(cfg)
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        tokenizer = load_tokenizer(run_tokenizer(out, cfg) if continuing else cfg.data.tokenizer)
         if tokenizer.vocab_size > model_cfg.vocab_size:
-            raise RunError(f"--tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size "
-                           f"is {model_cfg.vocab_size} (set --vocab-size)")
+            raise RunError(f"--tokenizer has {tokenizer.vocab_size} ids but --vocab-size is "
+                           f"{model_cfg.vocab_size} (leave it out to use the tokenizer's)")
         train_tokens, eval_tokens, stats = load_corpus(cfg.data.data, tokenizer, model_cfg.vocab_size,
                                                        seq_len=cfg.data.seq_len)
+        d = cfg.data
+        for line in data_warnings(stats, d.batch_size * d.seq_len * d.grad_accum,
+                                  cfg.optim.total_steps):
+            print(line, file=sys.stderr)
         s = Setup(cfg, model_cfg, step_cfg, loss_scale, out, tokenizer, train_tokens, eval_tokens,
                   stats, continuing=continuing, record=record, changes=changes)
+        if step_cfg.peft is not None:  # LoRA / QLoRA: the frozen base, checked against the run's
+            from jaxmem.peft.base import prepare_base
+            s.frozen, s.base_record = prepare_base(cfg, model_cfg, step_cfg,
+                                                   record if continuing else None,
+                                                   cfg.init.init_from)
         if continuing:
             if record.get("data_sha256") not in (None, stats["tokens_sha256"]):
                 raise RunError(f"--out {out}: --data differs from the run's data (token hash changed)")
             s.ckpt = Checkpointer(out / CKPT_DIR, keep=cfg.run.keep)
-            step = s.ckpt.latest_step()
+            steps = s.ckpt.all_steps()
+            step = _resume_step(args, steps, out)
             if step is not None:  # else: the run died before its first checkpoint; start at 0
                 abstract = abstract_train_state(step_cfg, loss_scale, cfg.data.seed)
-                s.state, _ = s.ckpt.restore(step, abstract)  # CheckpointError names step and path
-        if s.state is None and cfg.init.init_from is not None:
+                try:
+                    s.state, _ = s.ckpt.restore(step, abstract)  # names step and path
+                except CheckpointError as e:
+                    raise CheckpointError(str(e).splitlines()[0]
+                                          + older_steps_hint(steps, step)) from e
+                for later in (x for x in steps if x > step):  # --resume-step: redone from here
+                    s.ckpt.delete(later)
+        elif args.resume_step is not None:
+            raise RunError("--resume-step needs --resume (or --out of an existing run)")
+        if s.state is None and cfg.init.init_from is not None and step_cfg.peft is None:
             s.init_params = init_params_from(cfg.init.init_from, model_cfg,
                                              step_cfg.precision.param_dtype)
     except CheckpointError as e:
         exit_after_failed_restore(parser, str(e).splitlines()[0])
     except (RunError, DataError, ValueError) as e:  # ConfigError, RematError ... are ValueErrors
-        parser.error(str(e).splitlines()[0] if str(e) else repr(e))
+        fail(parser, str(e).splitlines()[0] if str(e) else repr(e))
     return s
+
+
+def _resume_step(args, steps: list[int], out: Path) -> int | None:
+    """The step to continue from: --resume-step, else the newest committed one (or None)."""
+    if args.resume_step is None:
+        return steps[-1] if steps else None
+    if args.resume_step not in steps:
+        raise RunError(f"--resume-step {args.resume_step}: no committed step {args.resume_step} in "
+                       f"{out / CKPT_DIR} (committed: {', '.join(map(str, steps)) or 'none'})")
+    return args.resume_step
 
 
 def main(argv=None) -> int:
@@ -169,4 +208,13 @@ def main(argv=None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    return train(setup(args, parser))
+    s = setup(args, parser)
+    try:
+        return train(s)
+    except Exception as e:  # XLA's RESOURCE_EXHAUSTED: a paragraph of help instead of pages
+        from jaxmem.train.failures import is_oom, oom_message
+
+        if not is_oom(e):
+            raise
+        print(oom_message(s.cfg, s.out, e), file=sys.stderr, flush=True)
+        return 1

@@ -20,10 +20,12 @@ import numpy as np
 from jaxmem.data import Batcher, eval_batches
 from jaxmem.generate.sampling import generate_text
 from jaxmem.io.checkpoint import Checkpointer
-from jaxmem.io.rundir import CKPT_DIR, METRICS_FILE, truncate_metrics, write_run_config
+from jaxmem.io.rundir import (CKPT_DIR, METRICS_FILE, copy_tokenizer, truncate_metrics,
+                              write_run_config)
 from jaxmem.perf import device_memory, flops_per_token, peak_flops
 from jaxmem.train.run import make_eval_fn
 from jaxmem.train.step import create_train_state, jit_train_step
+from jaxmem.train.trackers import Trackers, eval_metrics
 
 
 class _Stop:
@@ -57,7 +59,21 @@ def _write_config(s, start: int) -> None:
     changes = list(s.record.get("changes", [])) + [
         {"step": start, "field": p, "from": a, "to": b} for p, a, b in s.changes]
     write_run_config(s.out, s.cfg, data_stats=s.stats, data_sha256=s.stats["tokens_sha256"],
-                     changes=changes)
+                     changes=changes, **({"peft_base": s.base_record} if s.base_record else {}))
+
+
+def eval_prompt(eval_tokens, tokenizer, max_chars: int = 60) -> str:
+    """The end-of-training sample's default prompt: the first whole non-empty line of the
+    held-out data (after its first document start, else after its first newline: the eval split
+    may begin mid-line), at most `max_chars` characters."""
+    ids = np.asarray(eval_tokens[:4096])
+    starts = np.flatnonzero(ids == tokenizer.bos_id)
+    ids = ids[starts[0] + 1:] if starts.size else ids
+    ids = ids[(ids != tokenizer.eos_id) & (ids != tokenizer.pad_id)][:1024]
+    lines = tokenizer.decode(ids).split("\n")
+    lines = lines if starts.size else lines[1:]
+    line = next((l for l in lines[:-1] if l.strip()), lines[0] if lines else "")
+    return line[:max_chars] + "\n" if len(line) <= max_chars else line[:max_chars]
 
 
 def train(s) -> int:
@@ -74,6 +90,7 @@ def train(s) -> int:
     s.init_params = None  # --init-from's host copy: the state holds the weights now
     start = int(state.step)
     _write_config(s, start)
+    copy_tokenizer(out, cfg)  # generate then works from any directory
     ckpt = s.ckpt or Checkpointer(out / CKPT_DIR, keep=r.keep)
     end = min(steps, r.stop_at or steps)
     if start >= end:
@@ -86,6 +103,7 @@ def train(s) -> int:
     batcher = Batcher(s.train_tokens, d.batch_size, d.seq_len, seed=d.seed, pad_id=pad)
     evals = eval_batches(s.eval_tokens, d.batch_size, d.seq_len, r.eval_batches, pad_id=pad)
     train_step, eval_fn = jit_train_step(step_cfg), make_eval_fn(step_cfg)
+    frozen = () if s.frozen is None else (s.frozen,)  # LoRA: the frozen base (jaxmem.peft)
     device = jax.devices()[0]
     peak = peak_flops(device, step_cfg.precision.compute_dtype)
     fpt = flops_per_token(s.model_cfg, d.seq_len)
@@ -98,7 +116,7 @@ def train(s) -> int:
     def evaluate(st):
         if not evals:
             return None
-        totals = [eval_fn(st.params, b) for b in evals]
+        totals = [eval_fn(st.params, b, *frozen) for b in evals]
         return float(sum(t for t, _ in totals) / max(sum(c for _, c in totals), 1.0))
 
     saved_step = start if resumed else None
@@ -111,13 +129,15 @@ def train(s) -> int:
 
     truncate_metrics(out, start)  # records after the checkpoint are about to be redone
     metrics_file = open(out / METRICS_FILE, "a")
+    trackers = Trackers.open(out, cfg, s.tokenizer, steps, start_step=start)
     print(f"jaxmem: {cfg.init.init_from or cfg.model.preset} ({s.model_cfg.num_params():,} params), {cfg.precision.mode}, "
           f"remat {step_cfg.remat}, {device.platform}: {device.device_kind}; "
           f"{len(s.train_tokens):,} train tokens; run dir {out}"
+          + (f"; {s.step_cfg.peft.describe(state.params)}" if s.frozen is not None else "")
           + (f"; resuming at step {start}" if resumed else "")
           + ("; no committed checkpoint, starting at step 0" if s.continuing and not resumed else ""),
           flush=True)
-    bar = tqdm(total=steps, initial=start, disable=r.no_progress, dynamic_ncols=True,
+    bar = tqdm(total=steps, initial=start, disable=trackers.plain, dynamic_ncols=True,
                unit="step", file=sys.stdout)
     tokens_per_step = d.batch_size * d.seq_len * d.grad_accum
     t_start = t_last = time.perf_counter()
@@ -140,11 +160,15 @@ def train(s) -> int:
                "loss_scale": m["loss_scale"], "skipped": bool(m["skipped"]),
                "tokens_per_sec": tokens_per_sec()}
         if evaluated is not None:
-            rec["eval_loss"] = evaluated
-        if step % r.log_every == 0 or step == steps or evaluated is not None:
+            rec = trackers.with_eval_metrics({**rec, "eval_loss": evaluated})
+        mem = device_memory(device)
+        # a skipped (non-finite) step is always recorded: plots and audits count them
+        if step % r.log_every == 0 or step == steps or evaluated is not None or rec["skipped"]:
             metrics_file.write(json.dumps(rec) + "\n")
             metrics_file.flush()
-        mem = device_memory(device)
+            rate = timing["seconds"] / timing["steps"] if timing["steps"] else None
+            trackers.log(rec, eta_s=rate and rate * (end - step),
+                         memory_bytes=mem and mem["bytes_in_use"])
         bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tokens_per_sec():,.0f}",
                         scale=f"{m['loss_scale']:g}",
                         **({"mem": _fmt_bytes(mem["bytes_in_use"])} if mem else {}), refresh=False)
@@ -153,7 +177,7 @@ def train(s) -> int:
     with _Stop() as stop:
         step, pending = start, None
         while step < end and stop.requested is None and skips_run <= max_skips:
-            state, metrics = train_step(state, next_batch(position))
+            state, metrics = train_step(state, next_batch(position), *frozen)
             step, position = step + 1, position + d.grad_accum
             now = time.perf_counter()
             if pending is not None:  # read the previous step's metrics while this one runs
@@ -174,6 +198,7 @@ def train(s) -> int:
         bar.close()
         if skips_run > max_skips:
             metrics_file.close()
+            trackers.close()
             ckpt.close()
             print(f"error: {skips_run} non-finite steps in a row (more than "
                   f"--max-consecutive-skips {max_skips}); loss scale now "
@@ -183,6 +208,7 @@ def train(s) -> int:
         save(state, step)
         ckpt.close()
     metrics_file.close()
+    trackers.close()
     if stop.requested or step < steps:
         why = stop.requested or f"--stop-at {r.stop_at}"
         print(f"{why}: saved step {step} to {out / CKPT_DIR}; continue with --resume")
@@ -193,16 +219,26 @@ def train(s) -> int:
     tps = tokens_per_sec()
     mem = device_memory(device)
     mfu = tps * fpt / peak if peak and tps else None
-    print(f"done: step {step}, train loss {last.get('loss', float('nan')):.4f}, "
-          f"eval loss {eval_loss if eval_loss is None else round(eval_loss, 4)}, "
+    ev = "eval loss n/a" if eval_loss is None else f"eval loss {eval_loss:.4f}" + "".join(
+        f", {k[5:].replace('_', ' ')} {v:.4g}"
+        for k, v in eval_metrics(eval_loss, s.tokenizer.name == "bytes").items())
+    print(f"done: step {step}, train loss {last.get('loss', float('nan')):.4f}, {ev}, "
           f"{f'{tps:,.0f}' if tps else 'n/a'} tokens/s, MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, "
           f"peak memory {_fmt_bytes(mem and mem['peak_bytes_in_use'])}, "
           f"wall {time.perf_counter() - t_start:.0f} s")
     sm = cfg.sample
     if sm.max_new_tokens:
-        sample = generate_text(s.model_cfg, state.params, s.tokenizer, prompt=sm.prompt,
-                               max_new_tokens=sm.max_new_tokens, temperature=sm.temperature,
-                               top_k=sm.top_k, seed=d.seed,
-                               compute_dtype=step_cfg.precision.compute_dtype)
-        print("sample:\n" + sample)
+        params = state.params if s.frozen is None else step_cfg.peft.full_params(s.frozen,
+                                                                                  state.params)
+        prompt = sm.prompt if sm.prompt is not None else eval_prompt(s.eval_tokens, s.tokenizer)
+        try:
+            sample = generate_text(s.model_cfg, params, s.tokenizer, prompt=prompt,
+                                   max_new_tokens=sm.max_new_tokens, temperature=sm.temperature,
+                                   top_k=sm.top_k, seed=d.seed,
+                                   compute_dtype=step_cfg.precision.compute_dtype, note=print)
+        except ValueError as e:  # a --prompt longer than the model's context: the run is saved
+            print(f"sample skipped: {e}")
+        else:
+            print(f"sample (prompt {prompt!r}"
+                  + (", from the eval data" if sm.prompt is None else "") + "):\n" + sample)
     return 0

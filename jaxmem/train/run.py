@@ -32,7 +32,8 @@ def build_step_config(cfg: RunConfig) -> tuple[ModelConfig, StepConfig, LossScal
     p = cfg.precision
     loss_scale = parse_loss_scale(p.loss_scale or precision.loss_scale, init_scale=p.loss_scale_init,
                                   growth_interval=p.loss_scale_growth_interval)
-    step_cfg = StepConfig(model_cfg, precision, remat, cfg.optim, grad_accum=cfg.data.grad_accum)
+    step_cfg = StepConfig(model_cfg, precision, remat, cfg.optim, grad_accum=cfg.data.grad_accum,
+                          peft=cfg.peft.spec())
     return model_cfg, step_cfg, loss_scale
 
 
@@ -42,12 +43,15 @@ def abstract_train_state(cfg: StepConfig, loss_scale, seed: int = 0):
 
 
 def make_eval_fn(cfg: StepConfig):
-    """jit(params, batch) -> (sum of token losses, tokens), in the mode's compute dtype."""
+    """jit(params, batch[, frozen base]) -> (sum of token losses, tokens), in the mode's
+    compute dtype."""
     model = cfg.build_model()
 
     @jax.jit
-    def eval_fn(params, batch):
+    def eval_fn(params, batch, frozen=None):
         p = cast_params(params, cfg.precision.compute_dtype)
+        if cfg.peft is not None:  # LoRA: params are the adapters, `frozen` the base
+            p = cfg.peft.full_params(frozen, p)
         logits = model.apply({"params": p}, batch["inputs"])
         return cross_entropy(logits, batch["targets"], batch["mask"])
 

@@ -72,6 +72,9 @@ class StepConfig:
     # from every real query, so attention runs causal-only (cuDNN flash attention on GPU) and
     # padding is removed by the loss mask alone. Set True for left-padded batches.
     attention_padding: bool = False
+    # LoRA / QLoRA (jaxmem.peft.lora.LoraSpec): the state's params are the adapters only and
+    # the step takes the frozen base as its third argument. None: full fine-tune.
+    peft: Any = None
 
     def build_model(self) -> Llama:
         einsum = default_einsum
@@ -89,7 +92,12 @@ def create_train_state(cfg: StepConfig, loss_scale: LossScale | None = None,
     """
     key = jax.random.PRNGKey(seed)
     init_key, state_key = jax.random.split(key)
-    params = init_params(cfg.model, init_key) if params is None else jax.tree.map(jnp.asarray, params)
+    if cfg.peft is not None:  # adapters only; the base is not part of the state (jaxmem.peft)
+        params = cfg.peft.init_adapters(cfg.model, jax.random.fold_in(init_key, 1))
+    elif params is None:
+        params = init_params(cfg.model, init_key)
+    else:
+        params = jax.tree.map(jnp.asarray, params)
     params = cast_floating(params, cfg.precision.param_dtype)
     # bf16-sr: no fp32 master, but the optimizer state is made from fp32 shapes (its moments fp32)
     opt_like = cast_floating(params, jnp.float32) if cfg.precision.stochastic_rounding else params
@@ -110,12 +118,16 @@ def make_train_step(cfg: StepConfig):
     lr_at = schedule(cfg.optim)
     compute_dtype = cfg.precision.compute_dtype
 
-    def train_step(state: TrainState, batch):
+    def train_step(state: TrainState, batch, frozen=None):
         total_tokens = jnp.maximum(jnp.sum(batch["mask"]).astype(jnp.float32), 1.0)
 
         def micro_loss(params, mb):
+            dtype = compute_dtype
+            if cfg.peft is not None:  # LoRA: params are the adapters, `frozen` the base
+                key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+                params, dtype = cfg.peft.full_params(frozen, params, compute_dtype, key), None
             # the cast happens inside grad: fp32 grads for fp32 masters
-            total, _ = token_loss(model, params, mb, cfg.attention_padding, compute_dtype)
+            total, _ = token_loss(model, params, mb, cfg.attention_padding, dtype)
             loss = total / total_tokens
             return state.loss_scale.scale(loss), loss
 

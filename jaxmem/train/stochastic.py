@@ -33,10 +33,14 @@ def round_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
     return jnp.where(ok, out, x).astype(jnp.bfloat16)
 
 
+SR_STREAM = 0x5352  # "SR": keeps the rounding bits apart from other users of fold_in(rng, step)
+
+
 def step_key(rng: jax.Array, step: jax.Array) -> jax.Array:
-    """The rounding key of one step: the state's raw key data folded with the step number."""
+    """The rounding key of one step: the state's raw key data folded with the step number, then
+    with SR_STREAM (LoRA dropout draws from fold_in(rng, step) itself: jaxmem.train.step)."""
     key = jax.random.wrap_key_data(rng) if hasattr(jax.random, "wrap_key_data") else rng
-    return jax.random.fold_in(key, step)
+    return jax.random.fold_in(jax.random.fold_in(key, step), SR_STREAM)
 
 
 CHUNK = 2**24  # elements rounded at a time in a large leaf

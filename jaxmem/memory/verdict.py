@@ -1,0 +1,94 @@
+"""The planner's answer in words: a header naming the configuration, a verdict on the common
+accelerator sizes with the headroom assumed, and the `jaxmem.train` command for a plan.
+
+    header_line(cfg, spec, params)          what was measured: precision, remat, optimizer, batch
+    verdict_lines(peak_bytes, source, ...)  fits / does not fit on 24, 40, 80, 141 GiB
+    train_command(cfg)                      `python -m jaxmem.train ...` with the flags of cfg
+
+Headroom. JAX's XLA client preallocates 75% of a GPU's memory at start-up
+(XLA_PYTHON_CLIENT_MEM_FRACTION, default .75), so a step whose peak fits in the device but not in
+75% of it still fails. `XLA_PYTHON_CLIENT_MEM_FRACTION=.95` (or XLA_PYTHON_CLIENT_PREALLOCATE=false,
+which allocates on demand) lets XLA use nearly all of it; the CUDA context itself (~0.5 GiB,
+assumed, not measured here) stays outside XLA's share. The verdict uses the fraction set in the
+environment, else .75.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+
+from jaxmem.config.run import RunConfig, all_paths, field_metadata, flag_names
+
+GiB = 2**30
+COMMON_GIB = (24, 40, 80, 141)  # RTX 4090 / L4-class 24, A100 40, A100 / H100 80, H200 141
+CUDA_CONTEXT_GIB = 0.5
+DEFAULT_FRACTION = 0.75
+
+
+def xla_fraction() -> float:
+    """The share of a GPU XLA may use: XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75 (or ~all when
+    preallocation is off)."""
+    if os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() in ("false", "0"):
+        return 1.0
+    try:
+        return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_FRACTION))
+    except ValueError:
+        return DEFAULT_FRACTION
+
+
+def usable_gib(device_gib: float, fraction: float | None = None) -> float:
+    """GiB XLA can give a step on a `device_gib` GPU."""
+    fraction = xla_fraction() if fraction is None else fraction
+    return min(fraction * device_gib, device_gib - CUDA_CONTEXT_GIB)
+
+
+def header_line(cfg: RunConfig, spec, params: int) -> str:
+    """Two lines: model and params, precision, remat; optimizer and batch."""
+    mu = spec.mu_dtype or "param dtype"
+    opt = getattr(spec, "optimizer", None) or "adamw"
+    return (f"jaxmem.memory: {cfg.model.preset} ({params:,} params), precision "
+            f"{spec.precision.name}, remat {spec.remat}\n  optimizer {opt} (mu {mu}), batch "
+            f"{spec.batch_size} x {spec.seq_len} tokens, grad accum {spec.grad_accum} (global "
+            f"batch {spec.batch_size * spec.grad_accum})")
+
+
+def verdict_lines(peak_bytes: int, source: str, backend: str, precision: str,
+                  sizes=COMMON_GIB) -> list[str]:
+    """'verdict: ...' and the assumptions behind it."""
+    frac = xla_fraction()
+    peak = peak_bytes / GiB
+    fits = [g for g in sizes if peak <= usable_gib(g, frac)]
+    no = [g for g in sizes if g not in fits]
+    say = lambda gs: ", ".join(f"{g} GiB" for g in gs)  # noqa: E731
+    if not no:
+        verdict = f"fits on every common GPU size ({say(sizes)})"
+    elif not fits:
+        verdict = f"does not fit on any common GPU size ({say(sizes)})"
+    else:
+        verdict = f"fits on {say(fits)}; does not fit on {say(no)}"
+    lines = [f"verdict: {source} peak {peak:.2f} GiB {verdict}",
+             f"  assumed: XLA may use {frac:.0%} of the device (JAX preallocates "
+             f"XLA_PYTHON_CLIENT_MEM_FRACTION, default .75),",
+             f"  plus ~{CUDA_CONTEXT_GIB} GiB of CUDA context outside it; to use nearly all of a "
+             f"GPU, set XLA_PYTHON_CLIENT_MEM_FRACTION=.95"]
+    if backend == "cpu" and precision != "fp32":
+        lines.append(f"  on CPU: {precision}'s 16-bit math is emulated with extra fp32 "
+                     f"temporaries, so this is an upper bound")
+        lines.append("  for a GPU (compile it there, or --measure on one, for its real peak)")
+    return lines
+
+
+def train_command(cfg: RunConfig) -> str:
+    """`python -m jaxmem.train` with a flag for every field of `cfg` that differs from the
+    default (run-directory fields aside)."""
+    args = ["python", "-m", "jaxmem.train"]
+    base = RunConfig()
+    for path in all_paths():
+        md = field_metadata(path)
+        value = cfg.get(path)
+        if not md["cli"] or path.startswith("run.") or value == base.get(path):
+            continue
+        flag = flag_names(path)[0]
+        args += [flag] if md["store_true"] else [flag, str(value)]
+    return shlex.join(args)

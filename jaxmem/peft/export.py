@@ -1,0 +1,110 @@
+"""A LoRA run's adapters as Hugging Face PEFT files, and its weights merged into the base.
+
+    export_adapters(run, out)   adapter_config.json + adapter_model.safetensors (PEFT's layout)
+    merged_params(run)          W + alpha/r A B per target, in the run's original base weights
+
+`python -m jaxmem.export --adapters-only` writes the first; without it, a LoRA run's full export
+is the merge. The merge uses the original base (the --init-from checkpoint's weights, read
+exactly as stored, or the seed's init), never the dequantized int8 / NF4 copy the run trained
+on: merging into those would bake the 4-bit rounding into every weight (a frequent complaint of
+peft users merging into bitsandbytes layers). The base is re-read and its sha256 compared with
+the one the run recorded, so adapters are never merged into another model.
+
+PEFT layout: tensor `base_model.model.<module>.lora_A.weight` [r, in] and `.lora_B.weight`
+[out, r], with <module> the HF module name (`model.layers.3.self_attn.q_proj`) and in / out the
+flattening of jaxmem's [in axes..., out axes...] that jaxmem.io.hf_names uses for the weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from jaxmem.peft.base import base_on_host, base_sha256, check_base
+from jaxmem.peft.lora import TARGETS, merge
+
+
+def _spec(run):
+    spec = run.step_config.peft
+    if spec is None:
+        raise ValueError(f"run {run.config.run.out}: not a LoRA run (no --lora-rank); export the "
+                         f"full weights instead")
+    return spec
+
+
+def run_base(run) -> tuple[str, dict]:
+    """(source, host params) of the run's base, checked against the sha256 it recorded."""
+    source, host = base_on_host(run.model_config, run.config.data.seed, run.config.init.init_from)
+    check_base(run.record, source, base_sha256(host))
+    return source, host
+
+
+def merged_params(run, verbose: bool = True):
+    """The run's adapters merged into its original base weights (numpy, fp32 math)."""
+    spec = _spec(run)
+    source, host = run_base(run)
+    if verbose:
+        print(f"merging LoRA r={spec.rank} (alpha {spec.alpha:g}) into the original base weights "
+              f"of {source} (sha256 {run.record['peft_base']['sha256'][:16]}...), not the "
+              f"{spec.quantize} copy the run trained on" if spec.quantize != "none" else
+              f"merging LoRA r={spec.rank} (alpha {spec.alpha:g}) into the base weights of "
+              f"{source}")
+    adapters = {"layers": {g: {n: {k: np.asarray(v) for k, v in d.items()}
+                               for n, d in grp.items()}
+                           for g, grp in run.state.params["layers"].items()}}
+    return merge(host, adapters, spec, run.model_config)
+
+
+def adapter_tensors(adapters, spec, num_layers: int) -> dict[str, np.ndarray]:
+    """{PEFT tensor name: array} for the adapters tree (fp32 numpy)."""
+    out = {}
+    for name in spec.targets:
+        group, pname = TARGETS[name]
+        a = np.asarray(adapters["layers"][group][pname]["lora_a"], np.float32)  # [L, in..., R]
+        b = np.asarray(adapters["layers"][group][pname]["lora_b"], np.float32)  # [L, R, out...]
+        for i in range(num_layers):
+            module = f"base_model.model.model.layers.{i}.{group}.{pname}"
+            out[f"{module}.lora_A.weight"] = np.ascontiguousarray(
+                a[i].reshape(-1, spec.rank).T)  # [R, In]
+            out[f"{module}.lora_B.weight"] = np.ascontiguousarray(
+                b[i].reshape(spec.rank, -1).T)  # [Out, R]
+    return out
+
+
+def adapter_config(spec, base_path: str) -> dict:
+    """adapter_config.json for peft's LoraConfig."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path,
+            "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
+            "target_modules": sorted(TARGETS[t][1] for t in spec.targets), "bias": "none",
+            "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False,
+            "init_lora_weights": True, "modules_to_save": None}
+
+
+def export_adapters(run, out: Path, args=None) -> list[Path]:
+    """Write the run's adapters in PEFT's layout into `out` (created; must not hold adapters)."""
+    from safetensors.numpy import save_file
+
+    spec = _spec(run)
+    out = Path(out)
+    if (out / "adapter_model.safetensors").exists():
+        raise ValueError(f"--out {out} already holds adapter_model.safetensors (nothing written)")
+    out.mkdir(parents=True, exist_ok=True)
+    base = run.record.get("peft_base", {}).get("source", "")
+    tensors = adapter_tensors(run.state.params, spec, run.model_config.num_layers)
+    files = [out / "adapter_model.safetensors", out / "adapter_config.json"]
+    save_file(tensors, str(files[0]), metadata={"format": "pt"})
+    files[1].write_text(json.dumps(adapter_config(spec, base), indent=2))
+    return files
+
+
+def lora_params(run):
+    """The params a LoRA run computes with: its adapters on its base, quantized as in training
+    (for sampling: `python -m jaxmem.generate --run`)."""
+    from jaxmem.peft.base import base_on_device
+
+    spec = _spec(run)
+    _, host = run_base(run)
+    frozen = base_on_device(host, spec, run.step_config.precision.compute_dtype)
+    return spec.full_params(frozen, run.state.params)

@@ -1,0 +1,3 @@
+from jaxmem.plot.cli import main
+
+raise SystemExit(main())
