@@ -196,8 +196,8 @@ def main(argv=None) -> int:
                 and "device" in r), None)
     doc = {"date": datetime.date.today().isoformat(), "device": dev,
            "host": f"{platform.machine()} {os.cpu_count()} cores", "versions": versions(),
-           "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                    if k != "worker"},
+           "args": {k: (str(v) if isinstance(v, Path) else v.to_dict() if k == "config" else v)
+                    for k, v in vars(args).items() if k != "worker"},
            "selective_policy": {"jax": SELECTIVE, "torch": "SelectiveCheckpoint (mm + attention)"},
            "results": results, "ratios": rows}
     if not args.no_save:

@@ -75,18 +75,20 @@ def _median_after(times: list[float], warmup: int) -> float:
 # ---------------------------------------------------------------- jax
 
 
-def jax_saved_bytes(model, abstract_compute_params, batch) -> tuple[int, int]:
+def jax_saved_bytes(model, abstract_compute_params, batch, loss_chunk=0) -> tuple[int, int]:
     """(bytes, count) of the residuals of the loss w.r.t. the compute-dtype params, params excluded.
 
-    Only the `params` argument is left out: the token ids and targets count when they are saved,
-    as on the torch side (saved_tensors_hooks see them too)."""
+    The loss is the train step's (`token_loss`, causal-only attention, with the step's
+    `loss_chunk`: the fused LM head + loss when it is on). Only the `params` argument is left
+    out: the token ids and targets count when they are saved, as on the torch side
+    (saved_tensors_hooks see them too)."""
     import numpy as np
     from jaxmem.memory.residuals import saved_residual_bytes
-    from jaxmem.train.loss import cross_entropy
+    from jaxmem.train.loss import token_loss
 
     def loss_of(params, batch):
-        logits = model.apply({"params": params}, batch["inputs"])  # causal only, as the step
-        total, count = cross_entropy(logits, batch["targets"], np.ones(batch["targets"].shape))
+        mb = {**batch, "mask": np.ones(batch["targets"].shape, np.int32)}
+        total, count = token_loss(model, params, mb, loss_chunk=loss_chunk)
         return total / count
 
     res = saved_residual_bytes(loss_of, abstract_compute_params, batch,
@@ -110,7 +112,8 @@ def run_jax(spec: dict) -> dict:
     compute = jax.eval_shape(lambda p: cast_params(p, cfg.precision.compute_dtype), state.params)
     batches = make_batches(c, spec["n_batches"], B, T, spec["seed"] + 1)
     try:  # a jax without saved_residuals (or with new descriptions) still gets timed
-        saved, n_res, saved_error = *jax_saved_bytes(cfg.build_model(), compute, batches[0]), None
+        saved, n_res, saved_error = *jax_saved_bytes(cfg.build_model(), compute, batches[0],
+                                                     cfg.loss_chunk), None
     except Exception as e:  # noqa: BLE001 - reported in the JSON, not hidden
         saved, n_res, saved_error = None, None, f"{type(e).__name__}: {e}"[:300]
 

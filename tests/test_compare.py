@@ -116,7 +116,9 @@ def test_saved_bytes_count_the_same_thing(mode):
     assert t["none"] > t["selective"] > t["full"]
     assert j["full"] <= t["full"] * 1.05
     if mode == "fp32":
-        assert j["full"] == pytest.approx(t["full"], rel=0.05)
+        # Were equal within 5%; since RMSNorm keeps only its input (jaxmem.model.lean) jaxmem
+        # keeps less (measured 206,660 vs 239,880 bytes, the loss unfused on both sides here).
+        assert t["full"] * 0.8 <= j["full"] <= t["full"]
     # autocast's bf16 weight copies are excluded: with them torch keeps strictly more
     if mode == "amp-bf16":
         model = tt.build_model(c, mode)

@@ -34,7 +34,8 @@ def jax_saved_bytes(spec: StepSpec) -> int:
     model = spec.step_config()[0].build_model()
 
     def loss(params, batch):  # the train step's: cast inside, causal-only attention
-        return token_loss(model, params, batch, compute_dtype=spec.precision.compute_dtype)[0]
+        return token_loss(model, params, batch, compute_dtype=spec.precision.compute_dtype,
+                          loss_chunk=spec.step_config()[0].loss_chunk)[0]
 
     params = jax.tree_util.tree_map(
         lambda s: jax.ShapeDtypeStruct(s.shape, spec.precision.param_dtype),

@@ -126,6 +126,14 @@ class RematSection:
     policy: str = option("none", "remat policy for each decoder block: none, full, dots, "
                          "dots_no_batch, offload, names:<tag>[,<tag>...], offload:<tag>[,<tag>...]",
                          flags=("--remat",))
+    loss_chunk: int | None = option(None, "fuse the LM head into the loss in chunks of N sequence "
+                                    "positions, never holding [B, T, V] logits (0: off; default: "
+                                    "on when vocab > hidden size, chunks of <= 256 MiB of fp32 "
+                                    "logits; jaxmem.train.fused_loss)", type="nonneg_int",
+                                    metavar="N")
+
+    def __post_init__(self):
+        _positive("--loss-chunk", self.loss_chunk, allow_none=True, allow_zero=True)
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ The model of the peak (what is live when the backward starts):
          + activations saved for the backward under the remat policy (per layer x L, plus the
            few outside the layer stack)
          + the largest transient: the logits group (logits, exp(logits - max), dlogits, all
-           [B, T, V] fp32) or one layer's backward (its recomputed activations plus, on the XLA
-           attention path, the recomputed attention probabilities and their gradients),
-           whichever is larger
+           [B, T, V] fp32; with the fused loss, jaxmem.train.fused_loss, those of one chunk) or
+           one layer's backward (its recomputed activations plus, on the XLA attention path, the
+           recomputed probabilities of one query chunk and their gradients), whichever is larger
 
 or, if larger, what is live during the optimizer update: state + batch + gradients + one
 params-sized update buffer (activations are freed by then; at full size with remat this phase
@@ -36,7 +36,9 @@ import jax.numpy as jnp
 from jaxmem.config.model import ModelConfig
 from jaxmem.memory.spec import StepSpec
 from jaxmem.model.llama import abstract_params
+from jaxmem.model.attention import query_chunk
 from jaxmem.model.remat import RematError, RematPolicy
+from jaxmem.train.fused_loss import resolve_loss_chunk, vocab_chunk
 from jaxmem.model.roles import count_by_role
 from jaxmem.peft import memory as peft_memory
 
@@ -100,13 +102,13 @@ def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematP
 
     Read off jaxmem.model.DecoderBlock (and checked against jax's saved residuals in the tests):
 
-    none: each RMSNorm keeps its fp32 input and normalized value [B, T, D] and two [B, T, 1]
-        statistics, and its output [B, T, D] in the compute dtype feeds the next matmul;
+    none: each RMSNorm keeps its input [B, T, D] (its custom VJP recomputes the statistic,
+        jaxmem.model.lean), and its output [B, T, D] in the compute dtype feeds the next matmul;
         attention keeps q (after RoPE), k, v and the context [B, T, N, H]; on the XLA path
         nothing else (the probabilities are recomputed in the backward), cuDNN flash attention
         also two [B, N, T] softmax statistics;
-        the SwiGLU MLP keeps six [B, T, F] tensors (gate, up, sigmoid(gate), silu(gate), the
-        product, and the product's input to down_proj).
+        the SwiGLU MLP keeps three [B, T, F] tensors (gate and up for its custom VJP, the
+        product for down_proj; autodiff kept six).
     full: only the block input [B, T, D] (the scan carry).
     dots_no_batch: the block input, the q/k/v projections, the o_proj output (to rebuild the
         residual stream) and gate/up [B, T, F].
@@ -127,14 +129,13 @@ def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematP
     if kind == "none":
         out = []
         for norm in ("attn_norm", "mlp_norm"):
-            out += [(f"{norm}: fp32 input + normalized [B,T,D] x2", 2 * BTD * FP32, "float32"),
-                    (f"{norm}: statistics [B,T,1] x2", 2 * B * T * FP32, "float32"),
+            out += [(f"{norm}: input [B,T,D]", BTD * cb, cd),
                     (f"{norm}: output [B,T,D]", BTD * cb, cd)]
         out += [("q, k, v after RoPE", (tags["query"] + tags["key"] + tags["value"]) * cb, cd),
                 ("attention context [B,T,N,H]", tags["attn_context"] * cb, cd)]
         if attention != "xla":  # XLA: the probabilities are recomputed, nothing [B,N,T] kept
             out += [("softmax statistics [B,N,T] x2", 2 * BNT * FP32, "float32")]
-        out += [("SwiGLU [B,T,F] x6", 6 * B * T * F * cb, cd)]
+        out += [("SwiGLU [B,T,F] x3", 3 * B * T * F * cb, cd)]
         return out
     if kind in ("dots", "dots_no_batch"):
         out = [block_input, ("o_proj output [B,T,D]", BTD * cb, cd),
@@ -152,20 +153,24 @@ def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematP
 
 
 def outside_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematPolicy,
-                      attention: str = "xla") -> list[tuple[str, int, str]]:
-    """Residuals kept outside the layer stack: RoPE tables, final norm, loss (no padding mask)."""
+                      attention: str = "xla", loss_chunk: int = 0) -> list[tuple[str, int, str]]:
+    """Residuals kept outside the layer stack: RoPE tables, final norm, loss (no padding mask).
+
+    loss_chunk: the fused loss's resolved chunk (jaxmem.train.fused_loss; 0: unfused logits).
+    """
     D, H, V = c.hidden_size, c.resolved_head_dim, c.vocab_size
     cb, cd = _nbytes(compute_dtype), _dname(compute_dtype)
-    out = []
-    if remat.kind == "none":
-        out += [("RoPE cos/sin broadcasts [B,T,1,H/2] x4", 4 * B * T * (H // 2) * FP32, "float32")]
+    out = [("RoPE cos/sin [B,T,H/2] x2", 2 * B * T * (H // 2) * FP32, "float32"),
+           ("final norm: input [B,T,D]", B * T * D * cb, cd),
+           ("final norm: output [B,T,D]", B * T * D * cb, cd)]
+    if loss_chunk:
+        padded = -(-T // loss_chunk) * loss_chunk
+        out += [("fused loss: logsumexp [B,T] fp32", B * padded * FP32, "float32"),
+                ("fused loss: weights [B,T] fp32, embedding gather indices [B,T] int32",
+                 2 * B * T * 4, "mixed")]
     else:
-        out += [("RoPE cos/sin [B,T,H/2] x2", 2 * B * T * (H // 2) * FP32, "float32")]
-    out += [("final norm: fp32 input + normalized [B,T,D] x2", 2 * B * T * D * FP32, "float32"),
-            ("final norm: output [B,T,D]", B * T * D * cb, cd),
-            ("final norm: statistics [B,T,1] x2", 2 * B * T * FP32, "float32"),
-            ("loss: exp(logits - max) [B,T,V] fp32", B * T * V * FP32, "float32"),
-            ("loss: weights, max, targets [B,T]", 4 * B * T * FP32 + B * T, "mixed")]
+        out += [("loss: exp(logits - max) [B,T,V] fp32", B * T * V * FP32, "float32"),
+                ("loss: weights, max, targets [B,T]", 4 * B * T * FP32 + B * T, "mixed")]
     return out
 
 
@@ -194,7 +199,8 @@ def analytic_breakdown(spec: StepSpec) -> dict:
     if lora is not None and spec.remat.kind in ("none", "dots", "dots_no_batch"):
         per_layer = per_layer + peft_memory.lora_saved_per_layer(c, lora, B, T, p.compute_dtype)
     Pt = P if lora is None else peft_memory.trainable_params(c, lora)  # trained params
-    outside = outside_residuals(c, B, T, p.compute_dtype, spec.remat, attention)
+    loss_chunk = resolve_loss_chunk(spec.loss_chunk, B, T, c)
+    outside = outside_residuals(c, B, T, p.compute_dtype, spec.remat, attention, loss_chunk)
     saved = c.num_layers * _sum(per_layer) + _sum(outside)
     # amp: the loss casts the params to the compute dtype and the backward keeps the copies of
     # the matrices it multiplies by; an untied embedding is only gathered, so its copy is not kept.
@@ -209,10 +215,13 @@ def analytic_breakdown(spec: StepSpec) -> dict:
     # gradients of the probabilities and logits).
     V, N = c.vocab_size, c.num_heads
     logits_group = 2 * B * T * V * FP32  # logits and their gradient (exp(..) is counted as saved)
+    if loss_chunk:  # the fused loss: one chunk's logits, softmax and dlogits
+        vc = vocab_chunk(V, B * T) or V
+        logits_group = 3 * max(B * loss_chunk * V, B * T * vc if vc < V else 0) * FP32
     full_layer = _sum(layer_residuals(c, B, T, p.compute_dtype, RematPolicy("none"), attention))
     layer_bwd = full_layer - _sum(per_layer)
-    if attention == "xla":
-        layer_bwd += B * N * T * T * (3 * FP32 + cb)
+    if attention == "xla":  # the probabilities of one query chunk (jaxmem.model.attention)
+        layer_bwd += B * N * query_chunk((B, T, N), T) * T * (3 * FP32 + cb)
     if lora is not None:  # a quantized layer's weights, dequantized again in its backward
         layer_bwd += peft_memory.dequant_transient(c, lora, p.compute_dtype)
     transient = max(logits_group, layer_bwd)
@@ -221,11 +230,12 @@ def analytic_breakdown(spec: StepSpec) -> dict:
     # Two phases; the peak is the larger (XLA reuses buffers, it does not sum them):
     # backward: grads + compute copy + saved activations + the largest transient;
     # optimizer: grads + one params-sized update buffer (activations freed by then).
+    head = "fused loss: one chunk's logits group" if loss_chunk else "logits + dlogits [B,T,V]"
     phase_b = [("params (compute copy)", compute_copy, cdn),
                ("gradients", Pt * pb, pd),
                ("grad accumulator", Pt * pb if K > 1 else 0, pd),
                ("saved activations", saved, _mixed(per_layer + outside)),
-               ("logits + dlogits [B,T,V]" if transient == logits_group else "one layer's backward",
+               (head if transient == logits_group else "one layer's backward",
                 transient, "float32" if transient == logits_group else _mixed(per_layer + outside))]
     # bf16-sr: optax's updates are fp32 (fp32 moments); adamw8bit returns them in the gradients'
     # dtype (jaxmem.train.optim8bit); either is added to the bf16 weights in fp32, then rounded
@@ -253,7 +263,8 @@ def analytic_breakdown(spec: StepSpec) -> dict:
             "outside_layers": [{"name": n, "bytes": int(b), "dtype": d} for n, b, d in outside],
             "total_bytes": saved,
         },
-        "transients": {"logits_group_bytes": logits_group, "layer_backward_bytes": layer_bwd},
+        "transients": {"logits_group_bytes": logits_group, "layer_backward_bytes": layer_bwd,
+                       "loss_chunk": loss_chunk},
         "peak_phase": peak_phase,
         "total_bytes": int(sum(x["bytes"] for x in components if x["in_peak"])),
     }

@@ -46,6 +46,7 @@ class StepSpec:
     mu_dtype: str | None = None
     attention: str | None = None
     peft: object = None  # jaxmem.peft.lora.LoraSpec: LoRA / QLoRA (None: full fine-tune)
+    loss_chunk: int | None = None  # the fused loss's chunk (None: auto; jaxmem.train.fused_loss)
     optimizer: str = "adamw"
 
     @classmethod
@@ -54,7 +55,8 @@ class StepSpec:
         d = cfg.data
         return cls(cfg.model_config(), get_precision(cfg.precision.mode),
                    RematPolicy.parse(cfg.remat.policy), d.batch_size, d.seq_len, d.grad_accum,
-                   cfg.optim.mu_dtype, attention, cfg.peft.spec(), cfg.optim.optimizer)
+                   cfg.optim.mu_dtype, attention, cfg.peft.spec(), cfg.remat.loss_chunk,
+                   cfg.optim.optimizer)
 
     def run_config(self) -> RunConfig:
         """A RunConfig with this step: the one input jaxmem.train.run.build_step_config takes."""
@@ -62,7 +64,7 @@ class StepSpec:
             "precision.mode": self.precision.name, "remat.policy": str(self.remat),
             "data.batch_size": self.batch_size, "data.seq_len": self.seq_len,
             "data.grad_accum": self.grad_accum, "optim.mu_dtype": self.mu_dtype,
-            "optim.optimizer": self.optimizer,
+            "remat.loss_chunk": self.loss_chunk, "optim.optimizer": self.optimizer,
             **({} if self.peft is None else {  # LoRA / QLoRA: the peft section (jaxmem.peft)
                 "peft.lora_rank": self.peft.rank, "peft.lora_alpha": self.peft.alpha,
                 "peft.lora_targets": ",".join(self.peft.targets),

@@ -28,7 +28,11 @@ from jaxmem.model.layers import cpu_lacks
 
 
 def _xla_attention(q, k, v, mask):
-    """XLA's attention: logits and softmax in fp32, the [B, N, T, S] probabilities materialized."""
+    """XLA's attention: logits and softmax in fp32, the [B, N, T, S] probabilities materialized
+    (in query chunks of [B, N, Tq, S] when they are large: `query_chunk`)."""
+    chunk = query_chunk(q.shape, k.shape[1])
+    if chunk < q.shape[1]:
+        return _chunked_attention(q, k, v, mask, chunk)
     if mask is None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True)
     return jax.nn.dot_product_attention(q, k, v, mask=mask)
@@ -59,8 +63,105 @@ def _xla_attention_fwd(q, k, v, mask):
 
 def _xla_attention_bwd(res, d_ctx):
     q, k, v, mask = res
+    chunk = query_chunk(q.shape, k.shape[1])
+    if chunk < q.shape[1]:
+        return (*_chunked_attention_bwd(q, k, v, mask, d_ctx, chunk), None)
     _, vjp = jax.vjp(lambda q, k, v: _xla_attention(q, k, v, mask), q, k, v)
     return (*vjp(d_ctx), None)  # the mask is boolean: no cotangent
+
+
+# Above this many bytes of fp32 probabilities [B, N, T, S], attention runs in query chunks of
+# [B, N, Tq, S] (each row's softmax is over all its keys, so a chunk is exact, no online softmax):
+# the forward and the recomputing backward then hold one chunk's probabilities, not all of them.
+ATTENTION_CHUNK_BYTES = 256 * 2**20
+
+
+def query_chunk(q_shape, kv_len: int) -> int:
+    """Query positions per attention chunk for q [B, T, N, H] over kv_len keys (T: one chunk)."""
+    B, T, N = q_shape[:3]
+    return max(1, min(T, ATTENTION_CHUNK_BYTES // (B * N * kv_len * 4)))
+
+
+def _query_chunks(q, chunk):
+    """q [B, T, N, H] -> [n, B, Tq, N, H] (zero-padded rows at the end)."""
+    B, T = q.shape[:2]
+    n = -(-T // chunk)
+    q = jnp.pad(q, [(0, 0), (0, n * chunk - T), (0, 0), (0, 0)])
+    return jnp.moveaxis(q.reshape(B, n, chunk, *q.shape[2:]), 1, 0)
+
+
+def _chunk_mask(mask, start, chunk, S):
+    """The [B|1, 1, Tq, S] mask of the query rows start..start+Tq, built inside the scan body
+    (a stacked mask is broadcast by dot_product_attention to [n, B, K, G, Tq, S]: measured 512 MiB
+    at llama-3.2-1b, B=4, T=2048). Padded rows (past T) attend causally and are dropped."""
+    pos = start + jnp.arange(chunk)  # [Tq]
+    causal = (pos[:, None] >= jnp.arange(S))[None, None]  # [1, 1, Tq, S]
+    if mask is None:
+        return causal
+    rows = jax.lax.dynamic_slice_in_dim(mask, start, chunk, axis=2)  # mask padded: _pad_rows
+    return causal & rows  # [B, 1, Tq, S]
+
+
+def _pad_rows(mask, chunk):
+    """[B, 1, T, S] -> [B, 1, n * Tq, S], padded rows True (they attend; they are dropped)."""
+    if mask is None:
+        return None
+    T = mask.shape[2]
+    pad = -(-T // chunk) * chunk - T
+    return jnp.pad(mask, [(0, 0), (0, 0), (0, pad), (0, 0)], constant_values=True)
+
+
+def _chunk_attention(q, k, v, mask):
+    """Grouped-query attention of q [B, Tq, N, H] over k, v [B, S, K, H] with a boolean mask
+    [B|1, 1, Tq, S], computed as jax.nn.dot_product_attention's XLA path does (fp32 logits and
+    softmax, probabilities cast to v's dtype), with the mask applied as it is: passed to
+    dot_product_attention it was broadcast to [B, K, G, Tq, S] and jax kept that per chunk
+    (measured: a 512 MiB boolean stack at llama-3.2-1b, B=4, T=2048; why, below)."""
+    B, Tq, N, H = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, Tq, K, N // K, H)  # [B, Tq, K, G, H]
+    logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
+    # An additive bias, not jnp.where: under the block's remat jax kept where's boolean
+    # [B, K, G, Tq, S] for every chunk (measured: 512 MiB stacked); an add keeps nothing.
+    bias = jnp.where(mask, 0.0, -1e30).astype(jnp.float32)[:, :, None]  # [B|1, 1, 1, Tq, S]
+    logits = logits * H ** -0.5 + bias
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)  # [B, K, G, Tq, S]
+    return jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(B, Tq, N, H)
+
+
+def _from_chunks(a, T):
+    """[n, B, Tq, ...] -> [B, T, ...]."""
+    n, B, chunk = a.shape[:3]
+    return jnp.moveaxis(a, 0, 1).reshape(B, n * chunk, *a.shape[3:])[:, :T]
+
+
+def _chunked_attention(q, k, v, mask, chunk):
+    """`_xla_attention` one query chunk at a time (a scan): [B, N, Tq, S] probabilities at once."""
+    qs, mask = _query_chunks(q, chunk), _pad_rows(mask, chunk)
+    starts = jnp.arange(qs.shape[0]) * chunk
+
+    def body(_, c):
+        qc, start = c  # [B, Tq, N, H], []
+        return None, _chunk_attention(qc, k, v, _chunk_mask(mask, start, chunk, k.shape[1]))
+
+    return _from_chunks(jax.lax.scan(body, None, (qs, starts))[1], q.shape[1])
+
+
+def _chunked_attention_bwd(q, k, v, mask, d_ctx, chunk):
+    """(dq, dk, dv), recomputing one query chunk's probabilities at a time; dk, dv summed in fp32."""
+    qs, ds, mask = _query_chunks(q, chunk), _query_chunks(d_ctx, chunk), _pad_rows(mask, chunk)
+    starts = jnp.arange(qs.shape[0]) * chunk
+
+    def body(acc, c):
+        qc, start, dc = c
+        mc = _chunk_mask(mask, start, chunk, k.shape[1])
+        _, vjp = jax.vjp(lambda qc, k, v: _chunk_attention(qc, k, v, mc), qc, k, v)
+        dqc, dkc, dvc = vjp(dc)
+        return (acc[0] + dkc.astype(jnp.float32), acc[1] + dvc.astype(jnp.float32)), dqc
+
+    zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    (dk, dv), dqs = jax.lax.scan(body, zeros, (qs, starts, ds))
+    return _from_chunks(dqs, q.shape[1]), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 xla_attention_recomputed.defvjp(_xla_attention_fwd, _xla_attention_bwd)

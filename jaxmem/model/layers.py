@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmem.model.lean import rms_norm, rope
+
 
 def scaled_normal(fan_in: int):
     """N(0, fan_in^-1/2) init: unit-variance outputs for unit-variance inputs."""
@@ -34,9 +36,7 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x):
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)  # [D]
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * scale.astype(jnp.float32)).astype(x.dtype)
+        return rms_norm(x, scale, self.eps)  # the backward keeps x and scale (jaxmem.model.lean)
 
 
 def rope_inv_freq(head_dim: int, theta: float, llama3: tuple | None = None) -> jax.Array:
@@ -69,11 +69,10 @@ def rope_tables(positions: jax.Array, head_dim: int, theta: float, llama3: tuple
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate [B, T, heads, H] by position, Hugging Face's rotate_half layout (halves, not pairs)."""
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [B, T, heads, H/2] each
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    """Rotate [B, T, heads, H] by position, Hugging Face's rotate_half layout (halves, not pairs).
+
+    The backward keeps only cos/sin (jaxmem.model.lean.rope)."""
+    return rope(x, cos, sin)
 
 
 def attention_mask(padding_mask: jax.Array | None, seq_len: int) -> jax.Array | None:

@@ -28,10 +28,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem.config.model import ModelConfig
 from jaxmem.model.attention import causal_attention
+from jaxmem.model.lean import swiglu
 from jaxmem.model.layers import RMSNorm, apply_rope, attention_mask, rope_tables, scaled_normal
 from jaxmem.model.projection import Einsum, Projection, default_einsum, logits_einsum, project
 from jaxmem.model.remat import RematPolicy
 from jaxmem.model.sharding import constrain
+from jaxmem.model.tiled import mlp_tile, tiled_mlp
 
 
 class Attention(nn.Module):
@@ -39,6 +41,7 @@ class Attention(nn.Module):
 
     config: ModelConfig
     einsum: Einsum = default_einsum
+    tile_mlp: bool = False
 
     @nn.compact
     def __call__(self, x, cos, sin, mask):
@@ -57,19 +60,27 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). tile: run it in sequence tiles where that saves
+    memory (jaxmem.model.tiled; Llama decides when it may)."""
 
     config: ModelConfig
     einsum: Einsum = default_einsum
+    tile: bool = False
 
     @nn.compact
     def __call__(self, x):
         D, F = self.config.hidden_size, self.config.intermediate_size
         proj = functools.partial(Projection, einsum=self.einsum)  # name, subscripts, shape, fan_in
+        chunk = mlp_tile(x.shape[0], x.shape[1], F)
+        if self.tile and self.einsum is default_einsum and chunk < x.shape[1]:
+            ws = [proj(n, "", shape, fan_in).weight() for n, shape, fan_in in
+                  (("gate_proj", (D, F), D), ("up_proj", (D, F), D), ("down_proj", (F, D), F))]
+            return tiled_mlp(x, *ws, self.einsum, chunk)  # [B, T, D]
         gate = proj("gate_proj", "BTD,DF->BTF", (D, F), D)(x)  # [B, T, F]
         gate = checkpoint_name(gate, "mlp_gate")
         up = checkpoint_name(proj("up_proj", "BTD,DF->BTF", (D, F), D)(x), "mlp_up")  # [B, T, F]
-        hidden = checkpoint_name(nn.silu(gate) * up, "mlp_hidden")  # [B, T, F]
+        # silu(gate) * up; its backward keeps gate and up only (jaxmem.model.lean)
+        hidden = checkpoint_name(swiglu(gate, up), "mlp_hidden")  # [B, T, F]
         return proj("down_proj", "BTF,FD->BTD", (F, D), F)(hidden)  # [B, T, D]
 
 
@@ -78,6 +89,7 @@ class DecoderBlock(nn.Module):
 
     config: ModelConfig
     einsum: Einsum = default_einsum
+    tile_mlp: bool = False
 
     @nn.compact
     def __call__(self, x, cos, sin, mask):
@@ -86,7 +98,7 @@ class DecoderBlock(nn.Module):
         a = Attention(c, self.einsum, name="self_attn")(h, cos, sin, mask)
         x = x + checkpoint_name(a, "attn_out")
         h = checkpoint_name(RMSNorm(c.rms_norm_eps, name="post_attention_layernorm")(x), "mlp_norm")
-        x = x + checkpoint_name(MLP(c, self.einsum, name="mlp")(h), "mlp_out")
+        x = x + checkpoint_name(MLP(c, self.einsum, self.tile_mlp, name="mlp")(h), "mlp_out")
         return constrain(x, "block"), None  # [B, T, D], the scan carry
 
 
@@ -98,11 +110,15 @@ class Llama(nn.Module):
     einsum: Einsum = default_einsum
 
     @nn.compact
-    def __call__(self, tokens, padding_mask=None, positions=None):
+    def __call__(self, tokens, padding_mask=None, positions=None, return_hidden=False):
         """tokens [B, T] int -> logits [B, T, V] fp32.
 
         padding_mask [B, T]: True for real tokens, False for padding (None: no padding).
         positions [B, T]: RoPE positions (default 0..T-1).
+        return_hidden: return (final hidden states [B, T, D], the head, its layout) instead of
+            the logits, for a loss that applies the head itself in chunks
+            (jaxmem.train.fused_loss): the tied embedding [V, D] with "VD", or the lm_head
+            [D, V] (or its weight object) with "DV".
         """
         c = self.config
         B, T = tokens.shape
@@ -121,14 +137,22 @@ class Llama(nn.Module):
             block = nn.remat(DecoderBlock, policy=self.remat.jax_policy(), prevent_cse=False)
         stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                         in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_layers)
-        x, _ = stack(c, self.einsum, name="layers")(x, cos, sin, mask)  # [B, T, D]
+        # Tile the MLP only where no remat policy wants its tagged activations (jaxmem.model.tiled)
+        tile = self.remat.kind == "full" or (self.remat.kind == "names" and not any(
+            t.startswith("mlp_") for t in self.remat.names))
+        x, _ = stack(c, self.einsum, tile, name="layers")(x, cos, sin, mask)  # [B, T, D]
 
         x = RMSNorm(c.rms_norm_eps, name="norm")(x)
         # The head multiplies in fp32 accumulation to fp32 logits whatever the compute dtype.
         if c.tie_embeddings:
+            if return_hidden:
+                return x, embed, "VD"  # [B, T, D], the head as [V, D] (no transpose)
             logits = project("BTD,DV->BTV", x, embed.T, logits_einsum)  # [B, T, V]
         else:
-            logits = Projection("lm_head", "BTD,DV->BTV", (D, V), D, logits_einsum)(x)
+            head = Projection("lm_head", "BTD,DV->BTV", (D, V), D, logits_einsum)
+            if return_hidden:
+                return x, head.weight(), "DV"  # [B, T, D], [D, V] (or a weight object)
+            logits = head(x)
         return constrain(logits, "logits")  # [B, T, V] fp32
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxmem.train.fused_loss import fused_cross_entropy, resolve_loss_chunk
 from jaxmem.train.precision import cast_params
 
 
@@ -30,7 +31,8 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array):
     return jnp.sum((logz - picked) * w), jnp.sum(w)
 
 
-def token_loss(model, params, batch, attention_padding: bool = False, compute_dtype=None):
+def token_loss(model, params, batch, attention_padding: bool = False, compute_dtype=None,
+               loss_chunk: int | None = 0):
     """(sum of token losses, number of real tokens), both fp32: the train step's loss.
 
     compute_dtype: cast the params (norm scales excepted) to it first. The cast belongs inside
@@ -39,11 +41,21 @@ def token_loss(model, params, batch, attention_padding: bool = False, compute_dt
     attention_padding: pass `mask` to attention as well (left-padded batches); False runs
         attention causal-only (cuDNN flash attention on GPU) and padding is removed by the
         loss weights alone.
+    loss_chunk: 0 computes the [B, T, V] logits (eval keeps them); None (auto) or N > 0 fuses
+        the LM head into the loss in sequence chunks (jaxmem.train.fused_loss), never holding
+        the logits. The train step passes its StepConfig.loss_chunk.
     The caller divides by the token count it wants (the train step: the whole step's tokens).
     """
     if compute_dtype is not None:
         params = cast_params(params, compute_dtype)
     pad = batch["mask"] if attention_padding else None
+    B, T = batch["inputs"].shape
+    chunk = resolve_loss_chunk(loss_chunk, B, T, model.config)
+    if chunk:
+        x, head, layout = model.apply({"params": params}, batch["inputs"], padding_mask=pad,
+                                      return_hidden=True)  # [B, T, D], [V, D] or [D, V]
+        return fused_cross_entropy(x, head, batch["targets"], batch["mask"], chunk,
+                                   layout=layout)
     logits = model.apply({"params": params}, batch["inputs"], padding_mask=pad)  # [B, T, V] fp32
     return cross_entropy(logits, batch["targets"], batch["mask"])
 

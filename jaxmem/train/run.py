@@ -33,7 +33,7 @@ def build_step_config(cfg: RunConfig) -> tuple[ModelConfig, StepConfig, LossScal
     loss_scale = parse_loss_scale(p.loss_scale or precision.loss_scale, init_scale=p.loss_scale_init,
                                   growth_interval=p.loss_scale_growth_interval)
     step_cfg = StepConfig(model_cfg, precision, remat, cfg.optim, grad_accum=cfg.data.grad_accum,
-                          peft=cfg.peft.spec())
+                          peft=cfg.peft.spec(), loss_chunk=cfg.remat.loss_chunk)
     return model_cfg, step_cfg, loss_scale
 
 

@@ -75,6 +75,9 @@ class StepConfig:
     # LoRA / QLoRA (jaxmem.peft.lora.LoraSpec): the state's params are the adapters only and
     # the step takes the frozen base as its third argument. None: full fine-tune.
     peft: Any = None
+    # The LM head fused into the loss in sequence chunks (jaxmem.train.fused_loss): None picks
+    # (resolve_loss_chunk), 0 keeps the [B, T, V] logits, N > 0 uses chunks of N positions.
+    loss_chunk: int | None = None
 
     def build_model(self) -> Llama:
         einsum = default_einsum
@@ -127,7 +130,8 @@ def make_train_step(cfg: StepConfig):
                 key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
                 params, dtype = cfg.peft.full_params(frozen, params, compute_dtype, key), None
             # the cast happens inside grad: fp32 grads for fp32 masters
-            total, _ = token_loss(model, params, mb, cfg.attention_padding, dtype)
+            total, _ = token_loss(model, params, mb, cfg.attention_padding, dtype,
+                                  cfg.loss_chunk)
             loss = total / total_tokens
             return state.loss_scale.scale(loss), loss
 

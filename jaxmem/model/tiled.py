@@ -1,0 +1,96 @@
+"""The SwiGLU MLP in sequence tiles: under full remat its backward holds one tile's [B, Tc, F].
+
+    tiled_mlp(x, w_gate, w_up, w_down, einsum, chunk)   down(silu(x Wg) * (x Wu)), tiled over T
+
+Under `--remat full` the backward of a block recomputes the MLP and then differentiates it: the
+gate, up and hidden activations and their gradients, [B, T, F] each (F = 4 D in Llama), are the
+largest buffers of a remat'd step once attention runs in query chunks and the loss is fused
+(measured with XLA's buffer assignment: eight fp32 [B*T, F] buffers at llama-3.2-1b). Like
+attention and the loss, the MLP then runs a sequence tile at a time (a scan keeping the batch
+axis whole; ALST's "tiled MLP"): a custom VJP keeps only x and the weights, and its backward
+recomputes each tile's activations, returns that tile's d(x) and sums the weight gradients in
+fp32 across tiles. The MLP's output is not needed by the block's backward (it is only added
+to the residual stream), so the remat'd forward need not recompute it and dead-code elimination
+should drop it; not verified with a FLOP count, because XLA's `cost_analysis()` counts a loop
+body once (docs/memory.md).
+
+Used only where it changes nothing else (jaxmem.model.llama decides): under `full` remat (or a
+`names:` policy naming no MLP tag: the tags live inside the tile, where no policy sees them),
+with the plain einsum (fp8's current scaling takes each tensor's amax, which a tile would
+change), and when a [B, T, F] fp32 activation is over TILE_BYTES.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxmem.model.lean import swiglu
+from jaxmem.model.projection import project
+
+TILE_BYTES = 64 * 2**20  # fp32 [B, Tc, F] per tile
+
+
+def mlp_tile(batch: int, seq_len: int, ffn: int) -> int:
+    """Sequence positions per MLP tile (seq_len: no tiling)."""
+    return max(1, min(seq_len, TILE_BYTES // (batch * ffn * 4)))
+
+
+def _mlp(einsum, x, wg, wu, wd):
+    gate = project("BTD,DF->BTF", x, wg, einsum)  # [B, Tc, F]
+    up = project("BTD,DF->BTF", x, wu, einsum)  # [B, Tc, F]
+    return project("BTF,FD->BTD", swiglu(gate, up), wd, einsum)  # [B, Tc, D]
+
+
+def _tiles(x, chunk):
+    """[B, T, D] -> [n, B, chunk, D], zero-padded (a zero row gives zero and gets no gradient)."""
+    B, T, D = x.shape
+    n = -(-T // chunk)
+    x = jnp.pad(x, [(0, 0), (0, n * chunk - T), (0, 0)])
+    return jnp.moveaxis(x.reshape(B, n, chunk, D), 1, 0)
+
+
+def _untile(a, T):
+    n, B, chunk, D = a.shape
+    return jnp.moveaxis(a, 0, 1).reshape(B, n * chunk, D)[:, :T]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def tiled_mlp(x, wg, wu, wd, einsum, chunk):
+    """down(silu(x Wg) * (x Wu)) for x [B, T, D], `chunk` sequence positions at a time."""
+    ys = jax.lax.map(lambda xc: _mlp(einsum, xc, wg, wu, wd), _tiles(x, chunk))
+    return _untile(ys, x.shape[1])
+
+
+def _tiled_fwd(x, wg, wu, wd, einsum, chunk):
+    return tiled_mlp(x, wg, wu, wd, einsum, chunk), (x, wg, wu, wd)
+
+
+def _is_float(a):
+    return jnp.issubdtype(a.dtype, jnp.floating)
+
+
+def _tiled_bwd(einsum, chunk, res, dy):
+    x, *ws = res
+    ws = tuple(ws)
+
+    def body(acc, c):
+        xc, dc = c  # [B, Tc, D] each
+        _, vjp = jax.vjp(lambda xc, *ws: _mlp(einsum, xc, *ws), xc, *ws)
+        dxc, *dws = vjp(dc)
+        acc = jax.tree_util.tree_map(
+            lambda a, d: a + d.astype(jnp.float32) if _is_float(d) else a, acc, tuple(dws))
+        return acc, dxc
+
+    zeros = jax.tree_util.tree_map(
+        lambda w: jnp.zeros(w.shape, jnp.float32 if _is_float(w) else w.dtype), ws)
+    dws, dxs = jax.lax.scan(body, zeros, (_tiles(x, chunk), _tiles(dy, chunk)))
+    dws = jax.tree_util.tree_map(
+        lambda d, w: d.astype(w.dtype) if _is_float(w) else jnp.zeros(w.shape, jax.dtypes.float0),
+        dws, ws)
+    return (_untile(dxs, x.shape[1]).astype(x.dtype), *dws)
+
+
+tiled_mlp.defvjp(_tiled_fwd, _tiled_bwd)

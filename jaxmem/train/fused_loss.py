@@ -1,0 +1,189 @@
+"""The LM head and the cross-entropy fused, in chunks: no [B, T, V] array, forward or backward.
+
+    fused_cross_entropy(x, w, targets, weights, chunk)   (sum of token losses, token count)
+    resolve_loss_chunk(loss_chunk, B, T, config)          the chunk a step uses (0: unfused)
+
+With Llama 3's 128,256-token vocabulary the logits group (fp32 logits, exp(logits - max) kept
+for the backward, dlogits: about 3 x B x T x V x 4 bytes) is larger than everything else a
+remat'd step keeps. Here the final hidden states x [B, T, D] are cut along the SEQUENCE axis into
+chunks [B, Tc, D] (the batch axis stays whole in every chunk, so a batch sharded over devices
+stays sharded, and each chunk's logits pass the `constrain(.., "logits")` hook); a `lax.scan`
+computes each chunk's fp32 logits, logsumexp and target logit and keeps only the logsumexp
+[B, T] for the backward. The backward (a custom VJP) recomputes the logits a slice at a time,
+forms dlogits = (softmax - onehot) * weight * g and accumulates d(x) and d(head): over
+vocabulary slices [B, T, Vc] when the vocabulary has a suitable divisor (each slice of d(head)
+is then written once: measured, summing a full [D, V] d(head) per sequence chunk into an fp32
+accumulator held two more head-sized buffers), else over the same sequence chunks, summing
+d(head) in fp32. The largest logits-shaped buffer is one chunk; the price is the head matmul
+once more in the backward (the approach of Liger's
+fused linear cross-entropy, Apple's Cut Cross-Entropy and Levanter's blockwise loss).
+
+The head is multiplied with `jaxmem.model.projection.project`, so a weight object (a quantized
+head; LoRA never targets the head) works as in the model; its floating leaves get gradients.
+Padding: `weights` is the loss mask; a sequence not divisible by the chunk is padded with
+zero-weight positions, which contribute nothing to the value or the gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxmem.model.projection import logits_einsum, project
+from jaxmem.model.sharding import constrain
+
+# `--loss-chunk` unset (auto): the fused loss is used when the head is wider than its input
+# (V > D: keeping x [B, T, D] instead of logits [B, T, V] is then smaller), with chunks of the
+# most sequence positions whose fp32 logits [B, Tc, V] fit in this many bytes.
+AUTO_CHUNK_BYTES = 256 * 2**20
+
+
+def resolve_loss_chunk(loss_chunk: int | None, batch_size: int, seq_len: int, config) -> int:
+    """Sequence positions per chunk of the fused loss for this step; 0 means the unfused loss.
+
+    loss_chunk: None (auto, the default: see AUTO_CHUNK_BYTES), 0 (off) or N > 0 (N positions).
+    """
+    if loss_chunk is not None:
+        return min(int(loss_chunk), seq_len)
+    V, D = config.vocab_size, config.hidden_size
+    if V <= D:
+        return 0
+    return max(1, min(seq_len, AUTO_CHUNK_BYTES // (batch_size * V * 4)))
+
+
+def _chunks(a: jax.Array, chunk: int) -> jax.Array:
+    """[B, T, ...] -> [n, B, chunk, ...], zero-padded at the end of T to n * chunk."""
+    B, T = a.shape[:2]
+    n = -(-T // chunk)
+    if n * chunk != T:
+        a = jnp.pad(a, [(0, 0), (0, n * chunk - T)] + [(0, 0)] * (a.ndim - 2))
+    return jnp.moveaxis(a.reshape(B, n, chunk, *a.shape[2:]), 1, 0)
+
+
+def _unchunk(a: jax.Array, T: int) -> jax.Array:
+    """[n, B, chunk, ...] -> [B, T, ...] (the padding dropped)."""
+    n, B, chunk = a.shape[:3]
+    return jnp.moveaxis(a, 0, 1).reshape(B, n * chunk, *a.shape[3:])[:, :T]
+
+
+def _subscripts(layout: str) -> str:
+    return "BTD,VD->BTV" if layout == "VD" else "BTD,DV->BTV"
+
+
+def _chunk_logits(einsum, layout, xc, w):
+    """One chunk's fp32 logits [B, Tc, V] (w: [D, V] or, layout "VD", [V, D])."""
+    logits = project(_subscripts(layout), xc, w, einsum)  # [B, Tc, V]
+    return constrain(logits, "logits").astype(jnp.float32)
+
+
+def _forward(chunk, einsum, layout, x, w, targets, weights):
+    """(sum of weighted token losses, logsumexp [n, B, Tc])."""
+    xs, ts, ws = _chunks(x, chunk), _chunks(targets, chunk), _chunks(weights, chunk)
+
+    def body(total, c):
+        xc, tc, wc = c  # [B, Tc, D], [B, Tc], [B, Tc]
+        logits = _chunk_logits(einsum, layout, xc, w)  # [B, Tc, V]
+        lse = jax.nn.logsumexp(logits, axis=-1)  # [B, Tc]
+        picked = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]  # [B, Tc]
+        return total + jnp.sum((lse - picked) * wc), lse
+
+    return jax.lax.scan(body, jnp.zeros((), jnp.float32), (xs, ts, ws))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fused_sum(chunk, einsum, layout, x, w, targets, weights):
+    return _forward(chunk, einsum, layout, x, w, targets, weights)[0]
+
+
+def _fused_sum_fwd(chunk, einsum, layout, x, w, targets, weights):
+    total, lse = _forward(chunk, einsum, layout, x, w, targets, weights)
+    return total, (x, w, targets, weights, lse)  # nothing [B, T, V]
+
+
+def vocab_chunk(vocab: int, tokens: int) -> int:
+    """The backward's vocabulary slice: the largest divisor of `vocab` whose fp32 [B, T, Vc]
+    fits in AUTO_CHUNK_BYTES, or 0 when only small divisors do (then the backward runs over
+    sequence chunks and sums d(head) over them instead)."""
+    target = max(1, AUTO_CHUNK_BYTES // (tokens * 4))
+    best = max((d for d in range(1, min(vocab, target) + 1) if vocab % d == 0), default=0)
+    return best if best * 8 >= min(vocab, target) else 0
+
+
+def _bwd_over_vocab(einsum, layout, x, w, targets, weights, lse, g, vc):
+    """(dx, dw) scanning vocabulary slices of w ([D, Vc] or [Vc, D], in w's own layout: a
+    slice of a transposed view made XLA materialize the transpose, a head-sized copy): each
+    slice of d(head) is written once into its place (an in-place dynamic_update_slice of the
+    loop carry, in w's dtype), d(x) [B, T, D] is summed in fp32. No head-sized accumulator and
+    no per-chunk head-sized product."""
+    T = x.shape[1]
+    vaxis = 0 if layout == "VD" else 1
+    V = w.shape[vaxis]
+    lse = _unchunk(lse, T)  # [B, T]
+    wg = weights * g  # [B, T]
+
+    def body(carry, start):
+        dx, dw = carry
+        wc = jax.lax.dynamic_slice_in_dim(w, start, vc, axis=vaxis)  # [D, Vc] / [Vc, D]
+        logits, vjp = jax.vjp(lambda x, wc: _chunk_logits(einsum, layout, x, wc), x, wc)
+        probs = jnp.exp(logits - lse[..., None])  # [B, T, Vc]
+        onehot = (targets[..., None] == start + jnp.arange(vc)).astype(jnp.float32)
+        dxc, dwc = vjp((probs - onehot) * wg[..., None])  # [B, T, D], like wc
+        dw = jax.lax.dynamic_update_slice_in_dim(dw, dwc.astype(w.dtype), start, axis=vaxis)
+        return (dx + dxc.astype(jnp.float32), dw), None
+
+    init = (jnp.zeros(x.shape, jnp.float32), jnp.zeros(w.shape, w.dtype))
+    (dx, dw), _ = jax.lax.scan(body, init, jnp.arange(0, V, vc))
+    return dx.astype(x.dtype), dw
+
+
+def _fused_sum_bwd(chunk, einsum, layout, res, g):
+    x, w, targets, weights, lse = res
+    T = x.shape[1]
+    is_array = isinstance(w, jax.Array)
+    vc = vocab_chunk(w.shape[0 if layout == "VD" else 1], x.shape[0] * T) if is_array else 0
+    if vc:
+        return (*_bwd_over_vocab(einsum, layout, x, w, targets, weights, lse, g, vc), None, None)
+    xs, ts, ws = _chunks(x, chunk), _chunks(targets, chunk), _chunks(weights, chunk)
+    w_float = jax.tree_util.tree_map(lambda a: jnp.issubdtype(a.dtype, jnp.floating), w)
+
+    def body(dw, c):
+        xc, tc, wc, lc = c  # [B, Tc, D], [B, Tc], [B, Tc], [B, Tc]
+        logits, vjp = jax.vjp(lambda xc, w: _chunk_logits(einsum, layout, xc, w), xc, w)
+        probs = jnp.exp(logits - lc[..., None])  # softmax [B, Tc, V]
+        onehot = jax.nn.one_hot(tc, logits.shape[-1], dtype=jnp.float32)  # [B, Tc, V]
+        dlogits = (probs - onehot) * (wc * g)[..., None]  # [B, Tc, V]
+        dxc, dwc = vjp(dlogits)
+        dw = jax.tree_util.tree_map(lambda acc, d, f: acc + d.astype(jnp.float32) if f else acc,
+                                    dw, dwc, w_float)
+        return dw, dxc
+
+    dw0 = jax.tree_util.tree_map(lambda a, f: jnp.zeros(a.shape, jnp.float32 if f else a.dtype),
+                                 w, w_float)
+    dw, dxs = jax.lax.scan(body, dw0, (xs, ts, ws, lse))
+    dw = jax.tree_util.tree_map(
+        lambda d, a, f: d.astype(a.dtype) if f else jnp.zeros(a.shape, jax.dtypes.float0),
+        dw, w, w_float)
+    return _unchunk(dxs, T).astype(x.dtype), dw, None, None
+
+
+_fused_sum.defvjp(_fused_sum_fwd, _fused_sum_bwd)
+
+
+def fused_cross_entropy(x: jax.Array, w, targets: jax.Array, weights: jax.Array, chunk: int,
+                        einsum=logits_einsum, layout: str = "DV"):
+    """(sum of token losses, number of weighted tokens), both fp32, without [B, T, V] logits.
+
+    x [B, T, D] final hidden states (after the final norm), w the head: layout "DV", [D, V] (an
+    array or a weight object, e.g. the untied lm_head), or "VD", [V, D] (an array: the tied
+    embedding itself, not its transpose); targets [B, T] int, weights [B, T] in {0, 1}; chunk:
+    sequence positions per chunk (the last chunk is padded with zero weights).
+    Equal to `cross_entropy(project('BTD,DV->BTV', x, W, einsum), targets, weights)`, W = [D, V].
+    """
+    if chunk <= 0:
+        raise ValueError(f"fused_cross_entropy: chunk must be positive, got {chunk}")
+    if layout not in ("DV", "VD"):
+        raise ValueError(f"fused_cross_entropy: layout must be 'DV' or 'VD', got {layout!r}")
+    w32 = weights.astype(jnp.float32)
+    return _fused_sum(int(chunk), einsum, layout, x, w, targets, w32), jnp.sum(w32)
