@@ -6,7 +6,7 @@
                                           per device
 
 How the analytic breakdown is split (jaxmem.parallel.rules decides what is split):
-- everything shaped like the params (master params, Adam mu and nu, gradients, the accumulator,
+- everything shaped like the params (master params, the optimizer state, gradients, the accumulator,
   the update buffer, the compute copy) is the params' bytes on one device under the rules,
   exactly: each leaf's size divided by the mesh axes that split it, replicated leaves in full;
 - activations, the logits group and the batch follow the local batch B / (data x fsdp): the
@@ -71,8 +71,12 @@ def analytic_per_device(spec: StepSpec, mesh_text: str | None, devices: int | No
     frac = param_fraction(spec, mesh)
     comps = []
     for c, a in zip(base["components"], acts):
-        c = dict(c) if c["name"] in PARAM_SHAPED else dict(a)
-        if c["name"] in PARAM_SHAPED:
+        # another optimizer's state (adamw8bit codes and scales, adafactor, lion; named
+        # "<optimizer> ..." by jaxmem.memory.optimizer_bytes) is split like the params it
+        # belongs to: exact for leaves of the params' shapes, close for block scales / factors
+        shaped = c["name"] in PARAM_SHAPED or c["name"].startswith(f"{spec.optimizer} ")
+        c = dict(c) if shaped else dict(a)
+        if shaped:
             c["bytes"] = int(round(c["bytes"] * frac))
         comps.append(c)
     if mesh.fsdp > 1:
