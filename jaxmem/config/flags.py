@@ -41,7 +41,8 @@ TYPES = {"positive_int": positive_int, "nonneg_int": nonneg_int, "nonneg_float":
 SECTION_TITLES = {"model": "model", "precision": "memory and precision", "remat": "memory and precision",
                   "optim": "optimization", "data": "data and batch", "run": "run directory",
                   "sample": "sampling", "init": "model",
-                  "peft": "fine-tuning (LoRA, quantized base)"}
+                  "peft": "fine-tuning (LoRA, quantized base)",
+                  "parallel": "devices and processes"}
 
 
 def add_run_flags(parser: argparse.ArgumentParser, sections, only: dict[str, tuple[str, ...]] | None = None,

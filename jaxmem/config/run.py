@@ -9,6 +9,7 @@
       run        RunSection        run directory, saving, evaluation, logging
       sample     SampleSection     the text sampled at the end of a run / by jaxmem.generate
       init       InitSection       step-0 weights: random, or a Hugging Face checkpoint
+      parallel   ParallelSection   the device mesh (jaxmem.parallel, docs/distributed.md)
 
 Every field carries its CLI metadata (flag, help, type, whether a resume may change it), so the
 flags of `jaxmem.train`, `jaxmem.memory`, `jaxmem.generate` and `experiments.compare` are
@@ -295,6 +296,17 @@ class PeftSection:
                         self.lora_dropout, self.quantize_base, self.quant_block, self.double_quant)
 
 
+@dataclass(frozen=True)
+class ParallelSection:
+    """The device mesh (jaxmem.parallel). Mutable: a run saved on one mesh resumes on another
+    (the checkpoint is restored onto the current mesh). Which processes take part is not part
+    of the run: those flags (--coordinator ...) belong to each launch (jaxmem.parallel.distributed)."""
+
+    mesh: str | None = option(None, "device mesh AXIS=SIZE,... over data, fsdp, tensor (product = "
+                              "device count; -1 on one axis takes the rest; default: all devices "
+                              "on fsdp; one device: no mesh)", metavar="AXES", mutable=True)
+
+
 # ----------------------------------------------------------------------------- the whole run
 
 @dataclass(frozen=True)
@@ -310,6 +322,7 @@ class RunConfig:
     sample: SampleSection = SampleSection()
     init: InitSection = InitSection()
     peft: PeftSection = PeftSection()
+    parallel: ParallelSection = ParallelSection()
 
     @staticmethod
     def sections() -> dict[str, type]:

@@ -88,14 +88,19 @@ def abstract_state(tree):
     """The restore target of `tree`: arrays become `jax.ShapeDtypeStruct`s (keeping a jax
     array's sharding), `ShapeDtypeStruct`s and other leaves stay as they are.
 
-    A `ShapeDtypeStruct` without a sharding (e.g. from `jax.eval_shape`) restores with the
-    sharding recorded in the checkpoint (a single device here); give one to place it elsewhere.
+    A `ShapeDtypeStruct` without a sharding (e.g. from `jax.eval_shape`) restores onto this
+    process's first device, whatever mesh saved it (restoring with the sharding recorded in the
+    checkpoint fails with "Topology mismatch" on another device count); give one (a mesh's, see
+    jaxmem.parallel.rules.with_shardings) to place it elsewhere.
     """
     def leaf(x):
         if isinstance(x, jax.Array):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
         if isinstance(x, (np.ndarray, np.generic)):
             return jax.ShapeDtypeStruct(np.shape(x), x.dtype)  # restores as a numpy array
+        if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                        sharding=jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
         return x
     return jax.tree.map(leaf, tree)
 

@@ -22,6 +22,12 @@ donated), three views of its memory and the rule of thumb:
 fastest to most frugal, the first whose *compiled* peak fits is printed with its breakdown, with
 every rejected candidate and why; exit 1 when nothing fits.
 
+`--mesh data=D,fsdp=F,tensor=T` (with `--devices N` on the CPU backend: N simulated devices)
+prints the per-device breakdown instead: the analytic model split by the sharding rules and the
+step compiled for the mesh, with its collectives (jaxmem.parallel.memory, docs/distributed.md).
+`--fit GIB --devices N` chooses the mesh instead of the step: the first mesh of N devices, from
+pure data parallel to all-fsdp to tensor=2, whose per-device compiled peak fits.
+
 Bad input exits 2 with one line naming the flag. The hidden `--worker JSON` is the child side of
 `--measure` (jaxmem.memory.measure): it measures the StepSpec in the JSON and ignores every other
 flag.
@@ -56,7 +62,7 @@ def positive_gib(text: str) -> float:
 
 
 MEMORY_FLAGS = {"precision": ("mode",), "data": ("batch_size", "seq_len", "grad_accum"),
-                "optim": ("mu_dtype",)}
+                "optim": ("mu_dtype",), "parallel": ("mesh",)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "The model, precision, remat and batch flags are jaxmem.train's, with the "
                     "same defaults; with --fit, --batch-size is the largest micro-batch tried "
                     "and --mu-dtype (when not given) tries fp32 then bf16.")
-    add_run_flags(p, ["model", "precision", "remat", "optim", "data", "peft"], only=MEMORY_FLAGS)
+    add_run_flags(p, ["model", "precision", "remat", "optim", "data", "peft", "parallel"], only=MEMORY_FLAGS)
+    p.add_argument("--devices", type=positive_int, default=None, metavar="N",
+                   help="CPU backend: compile for N simulated devices of this host (with --mesh: "
+                        "the per-device breakdown, jaxmem.parallel.memory)")
     g = p.add_argument_group("planner and output")
     g.add_argument("--global-batch", type=positive_int, default=None,
                    help="sequences per optimizer step; sets --grad-accum = global / batch size")
@@ -143,7 +152,35 @@ def main(argv=None) -> int:
     if args.worker is not None:
         print(json.dumps(run_worker(args.worker)))
         return 0
+    if args.devices is not None:  # before anything initializes the backend
+        import jax
+        jax.config.update("jax_num_cpu_devices", args.devices)
     spec, global_batch, max_micro = _resolve(parser, args)
+    mesh = given_overrides(args).get("parallel.mesh")
+    if args.fit is not None and mesh is not None:
+        parser.error("--fit with --devices searches the meshes itself; drop --mesh")
+    if args.fit is not None and args.devices is not None:
+        from jaxmem.parallel.memory import fit_mesh
+        result = fit_mesh(spec, int(args.fit * GiB), log=None if args.json else (
+            lambda t: print(f"  mesh {t['mesh']}: per-device peak {t['peak_bytes'] / GiB:.3f} GiB"
+                            f"{'' if t['fits'] else ' > budget'}", file=sys.stderr, flush=True)))
+        if args.json:
+            print(json.dumps(result, indent=2))
+        elif result["chosen"]:
+            print(f"chosen mesh: {result['chosen']['mesh']}")
+        if result["chosen"] is None:
+            print(f"error: no mesh of {args.devices} devices fits this step in {args.fit:g} GiB "
+                  f"per device", file=sys.stderr)
+            return 1
+        return 0
+    if mesh is not None or args.devices is not None:
+        from jaxmem.parallel.memory import format_mesh_report, mesh_report
+        try:
+            report = mesh_report(spec, mesh)
+        except ValueError as e:  # MeshError names --mesh
+            parser.error(str(e).splitlines()[0])
+        print(json.dumps(report, indent=2) if args.json else format_mesh_report(report))
+        return 0
     cfg = RunConfig().replace(given_overrides(args))
 
     if args.fit is None:

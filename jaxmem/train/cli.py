@@ -40,10 +40,13 @@ from jaxmem.data.checks import data_warnings
 from jaxmem.io.checkpoint import CheckpointError, Checkpointer
 from jaxmem.io.rundir import (CKPT_DIR, CONFIG_FILE, RunError, exit_after_failed_restore, fail,
                               older_steps_hint, read_run_config, run_tokenizer)
+from jaxmem.parallel.distributed import add_process_flags, initialize_from_args
+from jaxmem.parallel.mesh import run_mesh
+from jaxmem.parallel.placement import Placement
 from jaxmem.train.init_from import init_from_overrides, init_params_from
 from jaxmem.train.run import abstract_train_state, build_step_config
 
-SECTIONS = ("model", "init", "precision", "remat", "optim", "data", "run", "sample", "peft")
+SECTIONS = ("model", "init", "precision", "remat", "optim", "data", "run", "sample", "peft", "parallel")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume-step", type=int, default=None, metavar="STEP",
         help="with --resume: continue from this committed step instead of the newest (e.g. when "
              "the newest checkpoint is damaged); the later checkpoints are deleted")
+    add_process_flags(groups["devices and processes"])
     return p
 
 
@@ -87,6 +91,7 @@ class Setup:
     init_params: object = None  # step-0 weights from --init-from (None: random init)
     frozen: object = None  # LoRA: the frozen base on the device (jaxmem.peft.base)
     base_record: dict | None = None  # LoRA: its source and sha256, for config.json
+    placement: Placement = Placement.single()
 
 
 def _check_writable(out: Path) -> None:
@@ -118,8 +123,9 @@ def _choose_config(overrides: dict, resume: bool, out: Path):
                            f"(nothing was changed)")
         return RunConfig().replace(overrides), False, {}, []
     saved, record = read_run_config(out)
-    # --stop-at is an instruction to one invocation, not part of the run: never inherited.
-    base = saved.replace({"run.stop_at": None}) if resume else RunConfig()
+    # --stop-at is an instruction to one invocation, not part of the run: never inherited;
+    # nor is --mesh: a resumed run gets the default mesh of the devices it has now.
+    base = saved.replace({"run.stop_at": None, "parallel.mesh": None}) if resume else RunConfig()
     cfg = base.replace(overrides)
     fixed = _fixed_differences(saved, record, cfg)
     if fixed and resume:
@@ -137,6 +143,7 @@ def setup(args, parser) -> Setup:
     """Validate everything and load the data; exits 2 (parser.error) on bad input."""
     overrides = given_overrides(args)
     try:
+        initialize_from_args(args)  # multi-process runs: before anything touches the backend
         if "run.out" not in overrides:
             if args.resume:
                 raise RunError("--resume needs --out: the run directory to continue")
@@ -166,6 +173,12 @@ def setup(args, parser) -> Setup:
             s.frozen, s.base_record = prepare_base(cfg, model_cfg, step_cfg,
                                                    record if continuing else None,
                                                    cfg.init.init_from)
+        mesh = run_mesh(cfg.parallel.mesh, model_cfg, cfg.data.batch_size)
+        s.placement = Placement.single() if mesh is None else Placement.on(mesh)
+        if mesh is not None and step_cfg.peft is not None:
+            raise RunError(f"--lora-rank: LoRA runs on one device for now (jaxmem.parallel shards "
+                           f"full fine-tunes only; this host has {len(mesh.devices.flat)} devices: "
+                           f"pick one, e.g. CUDA_VISIBLE_DEVICES=0)")
         if continuing:
             if record.get("data_sha256") not in (None, stats["tokens_sha256"]):
                 raise RunError(f"--out {out}: --data differs from the run's data (token hash changed)")
@@ -173,7 +186,9 @@ def setup(args, parser) -> Setup:
             steps = s.ckpt.all_steps()
             step = _resume_step(args, steps, out)
             if step is not None:  # else: the run died before its first checkpoint; start at 0
-                abstract = abstract_train_state(step_cfg, loss_scale, cfg.data.seed)
+                # targets with the current mesh's shardings: a run saved on any mesh resumes here
+                abstract = s.placement.abstract(
+                    abstract_train_state(step_cfg, loss_scale, cfg.data.seed))
                 try:
                     s.state, _ = s.ckpt.restore(step, abstract)  # names step and path
                 except CheckpointError as e:

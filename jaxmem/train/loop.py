@@ -10,6 +10,7 @@ a signal, the end) is not saved twice.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -23,6 +24,7 @@ from jaxmem.io.checkpoint import Checkpointer
 from jaxmem.io.rundir import (CKPT_DIR, METRICS_FILE, copy_tokenizer, truncate_metrics,
                               write_run_config)
 from jaxmem.perf import device_memory, flops_per_token, peak_flops
+from jaxmem.parallel.placement import Placement
 from jaxmem.train.run import make_eval_fn
 from jaxmem.train.step import create_train_state, jit_train_step
 from jaxmem.train.trackers import Trackers, eval_metrics
@@ -81,16 +83,21 @@ def train(s) -> int:
     from tqdm import tqdm
 
     cfg, out, step_cfg = s.cfg, s.out, s.step_cfg
+    par = s.placement or Placement.single()  # one device, or a mesh (jaxmem.parallel)
+    main = par.is_main  # only process 0 writes config.json, metrics and the progress bar
     d, r = cfg.data, cfg.run
     steps = cfg.optim.total_steps
     out.mkdir(parents=True, exist_ok=True)
     resumed = s.state is not None
-    state = s.state if resumed else create_train_state(step_cfg, s.loss_scale, d.seed,
-                                                           params=s.init_params)
+    one = par.mesh is None  # one device: today's functions, called by name here
+    state = s.state if resumed else (
+        create_train_state(step_cfg, s.loss_scale, d.seed, params=s.init_params) if one
+        else par.init_state(step_cfg, s.loss_scale, d.seed, params=s.init_params))
     s.init_params = None  # --init-from's host copy: the state holds the weights now
-    start = int(state.step)
-    _write_config(s, start)
-    copy_tokenizer(out, cfg)  # generate then works from any directory
+    start = int(par.host(state.step))
+    if main:
+        _write_config(s, start)
+        copy_tokenizer(out, cfg)  # generate then works from any directory
     ckpt = s.ckpt or Checkpointer(out / CKPT_DIR, keep=r.keep)
     end = min(steps, r.stop_at or steps)
     if start >= end:
@@ -102,21 +109,22 @@ def train(s) -> int:
     pad = s.tokenizer.pad_id
     batcher = Batcher(s.train_tokens, d.batch_size, d.seq_len, seed=d.seed, pad_id=pad)
     evals = eval_batches(s.eval_tokens, d.batch_size, d.seq_len, r.eval_batches, pad_id=pad)
-    train_step, eval_fn = jit_train_step(step_cfg), make_eval_fn(step_cfg)
+    train_step, eval_fn = ((jit_train_step(step_cfg), make_eval_fn(step_cfg)) if one
+                           else (par.train_step(step_cfg, state), par.eval_fn(step_cfg)))
     frozen = () if s.frozen is None else (s.frozen,)  # LoRA: the frozen base (jaxmem.peft)
     device = jax.devices()[0]
     peak = peak_flops(device, step_cfg.precision.compute_dtype)
     fpt = flops_per_token(s.model_cfg, d.seq_len)
-    position = int(state.data_position)  # batches consumed so far, as the state recorded them
+    position = int(par.host(state.data_position))  # batches consumed so far, as the state recorded them
 
     def next_batch(position):
         mbs = [batcher.batch_at(position + i) for i in range(d.grad_accum)]
-        return {k: np.stack([mb[k] for mb in mbs]) for k in mbs[0]}
+        return par.batch({k: np.stack([mb[k] for mb in mbs]) for k in mbs[0]})
 
     def evaluate(st):
         if not evals:
             return None
-        totals = [eval_fn(st.params, b, *frozen) for b in evals]
+        totals = par.host([eval_fn(st.params, par.eval_batch(b), *frozen) for b in evals])
         return float(sum(t for t, _ in totals) / max(sum(c for _, c in totals), 1.0))
 
     saved_step = start if resumed else None
@@ -127,17 +135,21 @@ def train(s) -> int:
             ckpt.save(step, st, {"step": step, "config": cfg.to_dict()}, wait=True)
             saved_step = step
 
-    truncate_metrics(out, start)  # records after the checkpoint are about to be redone
-    metrics_file = open(out / METRICS_FILE, "a")
-    trackers = Trackers.open(out, cfg, s.tokenizer, steps, start_step=start)
-    print(f"jaxmem: {cfg.init.init_from or cfg.model.preset} ({s.model_cfg.num_params():,} params), {cfg.precision.mode}, "
+    if main:
+        truncate_metrics(out, start)  # records after the checkpoint are about to be redone
+    metrics_file = open(out / METRICS_FILE if main else os.devnull, "a")
+    say = print if main else (lambda *a, **k: None)
+    # other processes of a multi-process run log nothing (no TensorBoard, W&B or console lines)
+    trackers = (Trackers.open(out, cfg, s.tokenizer, steps, start_step=start) if main
+                else Trackers(steps, False, plain=False))
+    say(f"jaxmem: {cfg.init.init_from or cfg.model.preset} ({s.model_cfg.num_params():,} params), {cfg.precision.mode}, "
           f"remat {step_cfg.remat}, {device.platform}: {device.device_kind}; "
           f"{len(s.train_tokens):,} train tokens; run dir {out}"
           + (f"; {s.step_cfg.peft.describe(state.params)}" if s.frozen is not None else "")
           + (f"; resuming at step {start}" if resumed else "")
           + ("; no committed checkpoint, starting at step 0" if s.continuing and not resumed else ""),
           flush=True)
-    bar = tqdm(total=steps, initial=start, disable=trackers.plain, dynamic_ncols=True,
+    bar = tqdm(total=steps, initial=start, disable=trackers.plain or not main, dynamic_ncols=True,
                unit="step", file=sys.stdout)
     tokens_per_step = d.batch_size * d.seq_len * d.grad_accum
     t_start = t_last = time.perf_counter()
@@ -151,7 +163,7 @@ def train(s) -> int:
     def record(step, metrics, seconds, evaluated=None):
         """Host side of a finished step: progress bar, metrics.jsonl, the skip counter."""
         nonlocal skips_run
-        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        m = {k: float(v) for k, v in par.host(metrics).items()}
         if step > start + 2:  # the first steps of a process include compilation and dispatch lag
             timing["steps"] += 1
             timing["seconds"] += seconds
@@ -202,7 +214,7 @@ def train(s) -> int:
             ckpt.close()
             print(f"error: {skips_run} non-finite steps in a row (more than "
                   f"--max-consecutive-skips {max_skips}); loss scale now "
-                  f"{float(state.loss_scale.loss_scale):g}. Nothing was saved for these steps; "
+                  f"{float(par.host(state.loss_scale.loss_scale)):g}. Nothing was saved for these steps; "
                   f"the newest checkpoint in {out / CKPT_DIR} is untouched.", file=sys.stderr)
             return 1
         save(state, step)
@@ -211,7 +223,7 @@ def train(s) -> int:
     trackers.close()
     if stop.requested or step < steps:
         why = stop.requested or f"--stop-at {r.stop_at}"
-        print(f"{why}: saved step {step} to {out / CKPT_DIR}; continue with --resume")
+        say(f"{why}: saved step {step} to {out / CKPT_DIR}; continue with --resume")
         return 0
 
     if eval_loss is None:
@@ -222,12 +234,12 @@ def train(s) -> int:
     ev = "eval loss n/a" if eval_loss is None else f"eval loss {eval_loss:.4f}" + "".join(
         f", {k[5:].replace('_', ' ')} {v:.4g}"
         for k, v in eval_metrics(eval_loss, s.tokenizer.name == "bytes").items())
-    print(f"done: step {step}, train loss {last.get('loss', float('nan')):.4f}, {ev}, "
+    say(f"done: step {step}, train loss {last.get('loss', float('nan')):.4f}, {ev}, "
           f"{f'{tps:,.0f}' if tps else 'n/a'} tokens/s, MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, "
           f"peak memory {_fmt_bytes(mem and mem['peak_bytes_in_use'])}, "
           f"wall {time.perf_counter() - t_start:.0f} s")
     sm = cfg.sample
-    if sm.max_new_tokens:
+    if sm.max_new_tokens and jax.process_count() == 1:  # sharded params: one process only
         params = state.params if s.frozen is None else step_cfg.peft.full_params(s.frozen,
                                                                                   state.params)
         prompt = sm.prompt if sm.prompt is not None else eval_prompt(s.eval_tokens, s.tokenizer)

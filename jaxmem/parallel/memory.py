@@ -1,0 +1,195 @@
+"""Per-device memory of a train step on a mesh: the analytic model split, and XLA's own numbers.
+
+    analytic_per_device(spec, "fsdp=8")   the analytic breakdown (jaxmem.memory.analytic) as one
+                                          device of the mesh holds it
+    compile_per_device(spec, "fsdp=8")    the step compiled for the mesh: memory_analysis() is
+                                          per device
+
+How the analytic breakdown is split (jaxmem.parallel.rules decides what is split):
+- everything shaped like the params (master params, Adam mu and nu, gradients, the accumulator,
+  the update buffer, the compute copy) is the params' bytes on one device under the rules,
+  exactly: each leaf's size divided by the mesh axes that split it, replicated leaves in full;
+- activations, the logits group and the batch follow the local batch B / (data x fsdp): the
+  model is evaluated at that batch size; with `tensor`, a block's activations are those of a
+  model with N/t heads, K/t kv heads and MLP width F/t (the [B, T, D] residual stream stays whole);
+- FSDP adds one layer's gathered weights in the compute dtype (the all-gather before a layer's
+  matmuls), counted in the backward phase.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+from jaxmem.memory.analytic import analytic_breakdown
+from jaxmem.memory.compiled import abstract_state, abstract_step_batch, compiled_stats
+from jaxmem.memory.spec import StepSpec
+from jaxmem.model.llama import abstract_params
+from jaxmem.parallel.mesh import AXES, MeshSpec, run_mesh
+from jaxmem.parallel.placement import Placement
+from jaxmem.parallel.rules import batch_sharding, leaf_spec
+
+PARAM_SHAPED = ("params (master)", "adam mu", "adam nu", "gradients", "grad accumulator",
+                "optimizer update buffer", "params (compute copy)")
+
+
+def resolve(spec: StepSpec, mesh_text: str | None, devices: int | None = None) -> MeshSpec:
+    """The mesh spec for `devices` (default: this host's device count), checked for `spec`."""
+    n = devices if devices is not None else jax.device_count()
+    mesh = MeshSpec.parse(mesh_text).resolve(n, mesh_text)
+    mesh.check(spec.model, spec.batch_size, mesh_text)
+    return mesh
+
+
+def param_fraction(spec: StepSpec, mesh: MeshSpec) -> float:
+    """Elements of the params one device holds under the rules, over all elements."""
+    sizes = dict(zip(AXES, mesh.sizes))
+    params = abstract_params(spec.model)
+    total = local = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        split = math.prod(sizes[a] for a in leaf_spec(path, tuple(leaf.shape), sizes) if a)
+        total += leaf.size
+        local += leaf.size // split
+    return local / total
+
+
+def analytic_per_device(spec: StepSpec, mesh_text: str | None, devices: int | None = None) -> dict:
+    """analytic_breakdown as one device of the mesh holds it (see the module docstring)."""
+    mesh = resolve(spec, mesh_text, devices) if (mesh_text or devices not in (None, 1)) \
+        else MeshSpec(1, 1, 1)
+    local = dataclasses.replace(spec, batch_size=spec.batch_size // mesh.batch_shards)
+    base = analytic_breakdown(local)
+    # activations under tensor parallelism: a block's heads and MLP width are split, so model
+    # them as the block of a model with N/t heads, K/t kv heads and width F/t (same head dim)
+    m, t = spec.model, mesh.tensor
+    narrow = m if t == 1 else m.replace(num_heads=m.num_heads // t, head_dim=m.resolved_head_dim,
+                                        num_kv_heads=m.num_kv_heads // t,
+                                        intermediate_size=m.intermediate_size // t)
+    acts = analytic_breakdown(dataclasses.replace(local, model=narrow))["components"]
+    frac = param_fraction(spec, mesh)
+    comps = []
+    for c, a in zip(base["components"], acts):
+        c = dict(c) if c["name"] in PARAM_SHAPED else dict(a)
+        if c["name"] in PARAM_SHAPED:
+            c["bytes"] = int(round(c["bytes"] * frac))
+        comps.append(c)
+    if mesh.fsdp > 1:
+        m = spec.model
+        layer = (m.num_params() - m.vocab_size * m.hidden_size * (1 if m.tie_embeddings else 2)
+                 ) // m.num_layers
+        cb = jax.numpy.dtype(spec.precision.compute_dtype).itemsize
+        comps.append({"name": "one layer's gathered weights (fsdp)", "bytes": layer * cb,
+                      "dtype": jax.numpy.dtype(spec.precision.compute_dtype).name,
+                      "phase": "backward", "in_peak": False})
+    phases = {ph: sum(c["bytes"] for c in comps if c["phase"] in ("both", ph))
+              for ph in ("backward", "optimizer")}
+    peak_phase = max(phases, key=phases.get)
+    for c in comps:
+        c["in_peak"] = c["phase"] in ("both", peak_phase)
+    return {"mesh": str(mesh), "devices": math.prod(mesh.sizes), "param_fraction": frac,
+            "local_batch": local.batch_size, "components": comps, "peak_phase": peak_phase,
+            "total": phases[peak_phase]}
+
+
+def compile_per_device(spec: StepSpec, mesh_text: str | None) -> dict:
+    """The train step compiled for the mesh over this host's devices (None, or one device:
+    the single-device step); XLA's per-device memory numbers and the HLO's collectives."""
+    step_cfg, loss_scale = spec.step_config()
+    state = abstract_state(spec)
+    batch = abstract_step_batch(spec)
+    mesh = run_mesh(mesh_text, spec.model, spec.batch_size) if mesh_text else None
+    if mesh is None:
+        par = Placement.single()
+        lowered = par.train_step(step_cfg, state).lower(state, batch)
+    else:
+        par = Placement.on(mesh)
+        state = par.abstract(state)
+        bs = batch_sharding(mesh)
+        batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=bs) for k, v in batch.items()}
+        lowered = par.train_step(step_cfg, state).lower(state, batch)
+    compiled = lowered.compile()
+    stats, flops = compiled_stats(compiled)
+    return {**stats, "flops": flops, "collectives": collective_counts(compiled.as_text())}
+
+
+def collective_counts(hlo: str) -> dict[str, int]:
+    """How many all-gather / reduce-scatter / all-reduce / all-to-all / collective-permute ops
+    the optimized HLO has (static count: an op inside the layer scan runs once per layer)."""
+    names = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+    counts = {n: 0 for n in names}
+    for line in hlo.splitlines():
+        if "=" not in line:
+            continue
+        rhs = line.split("=", 1)[1]
+        for n in names:
+            if f" {n}(" in rhs or f" {n}-start(" in rhs:
+                counts[n] += 1
+    return counts
+
+
+def mesh_report(spec: StepSpec, mesh_text: str | None) -> dict:
+    """Per-device analytic breakdown and compiled numbers of `spec` on the mesh over this host's
+    devices (jaxmem.memory --mesh)."""
+    mesh = resolve(spec, mesh_text)
+    analytic = analytic_per_device(spec, mesh_text, jax.device_count())
+    compiled = compile_per_device(spec, str(mesh) if jax.device_count() > 1 else None)
+    return {"mesh": str(mesh), "devices": jax.device_count(), "backend": jax.default_backend(),
+            "analytic": analytic, "compiled": compiled}
+
+
+def format_mesh_report(r: dict) -> str:
+    mib = 2**20
+    a, c = r["analytic"], r["compiled"]
+    lines = [f"per device: mesh {r['mesh']} ({r['devices']} {r['backend']} devices), local batch "
+             f"{a['local_batch']}, {100 * a['param_fraction']:.1f}% of the params on each device",
+             "", f"{'analytic component':48s} {'MiB':>10s}  phase"]
+    for comp in a["components"]:
+        mark = "" if comp["in_peak"] else "  (not in peak)"
+        lines.append(f"{comp['name']:48s} {comp['bytes'] / mib:10.2f}  {comp['phase']}{mark}")
+    lines += [f"{'analytic peak (' + a['peak_phase'] + ')':48s} {a['total'] / mib:10.2f}", "",
+              "compiled (memory_analysis, per device): " + ", ".join(
+                  f"{k.replace('_bytes', '')} {c[k] / mib:.2f} MiB"
+                  for k in ("argument_bytes", "temp_bytes", "output_bytes", "alias_bytes",
+                            "peak_bytes")),
+              f"analytic / compiled peak: {a['total'] / c['peak_bytes']:.3f}",
+              "collectives in the step's HLO: " + ", ".join(
+                  f"{k} {v}" for k, v in c["collectives"].items())]
+    return "\n".join(lines)
+
+
+def mesh_candidates(spec: StepSpec, devices: int) -> list[MeshSpec]:
+    """Meshes for `devices`, from the least communication to the least memory per device:
+    pure data parallel, then more and more of the devices on fsdp, then tensor=2 with fsdp.
+    Only meshes the model and batch can be split by (MeshSpec.check) are listed."""
+    divisors = [d for d in range(devices, 0, -1) if devices % d == 0]
+    out = [MeshSpec(d, devices // d, 1) for d in divisors]
+    if devices % 2 == 0:
+        out += [MeshSpec(1, devices // 2, 2)]
+    ok = []
+    for m in out:
+        try:
+            m.check(spec.model, spec.batch_size)
+        except ValueError:
+            continue
+        ok.append(m)
+    return ok
+
+
+def fit_mesh(spec: StepSpec, budget_bytes: int, log=None) -> dict:
+    """The first mesh of `mesh_candidates` (over this host's devices) whose per-device compiled
+    peak fits in `budget_bytes`; every candidate tried with its peak. The step itself (batch,
+    remat, precision) stays as given: this chooses the mesh only."""
+    tried = []
+    for m in mesh_candidates(spec, jax.device_count()):
+        compiled = compile_per_device(spec, str(m))
+        fits = compiled["peak_bytes"] <= budget_bytes
+        t = {"mesh": str(m), "peak_bytes": compiled["peak_bytes"], "fits": fits,
+             "collectives": compiled["collectives"]}
+        tried.append(t)
+        if log:
+            log(t)
+        if fits:
+            return {"chosen": t, "tried": tried}
+    return {"chosen": None, "tried": tried}

@@ -1,0 +1,139 @@
+"""The device mesh of a run: `--mesh data=D,fsdp=F,tensor=T` parsed, checked and built.
+
+    spec = MeshSpec.parse("data=2,fsdp=-1")      # -1: this axis takes the devices left over
+    spec.resolve(8)                             # MeshSpec(data=2, fsdp=4, tensor=1)
+    mesh = build_mesh(spec.resolve(n))          # jax Mesh, axes ("data", "fsdp", "tensor")
+
+Axes (docs/distributed.md):
+    data    pure data parallel: params replicated, batch split
+    fsdp    ZeRO-3: params, gradients and optimizer state split, batch split too
+    tensor  Megatron-style: heads / kv heads / MLP width split, the batch is not
+
+The default with more than one device is all of them on `fsdp`; with one device there is no
+mesh at all and the train step is exactly the single-device one (`run_mesh` returns None).
+
+The mesh always has the three axes (size-1 axes cost nothing), so one set of rules covers every
+combination. Its axes are `AxisType.Auto`: `jax.make_mesh` defaults to Explicit axes in current
+JAX, and Explicit mode fails on the embedding gather in jax 0.10.2 (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+
+from jaxmem.config.model import ConfigError, ModelConfig
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
+
+
+class MeshError(ConfigError):
+    """A --mesh value that cannot work here; the message names the flag and the value."""
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """Size of each mesh axis; -1 on at most one axis means 'the rest of the devices'."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    @classmethod
+    def parse(cls, text: str | None) -> "MeshSpec":
+        """'data=2,fsdp=4' -> MeshSpec(data=2, fsdp=4, tensor=1); None/'' -> all on fsdp.
+
+        Axes not named get size 1, unless no axis has -1 and none is named at all."""
+        if not text:
+            return cls()
+        sizes = {}
+        for part in text.split(","):
+            name, eq, value = part.strip().partition("=")
+            name = name.strip()
+            if name not in AXES:
+                raise MeshError(f"--mesh {text!r}: unknown axis {name!r} (axes: {', '.join(AXES)})")
+            if not eq:
+                raise MeshError(f"--mesh {text!r}: expected AXIS=SIZE, got {part.strip()!r}")
+            if name in sizes:
+                raise MeshError(f"--mesh {text!r}: axis {name!r} given twice")
+            try:
+                size = int(value)
+            except ValueError:
+                raise MeshError(f"--mesh {text!r}: size of {name!r} must be an integer, "
+                                f"got {value.strip()!r}") from None
+            if size == 0 or size < -1:
+                raise MeshError(f"--mesh {text!r}: size of {name!r} must be positive or -1")
+            sizes[name] = size
+        if list(sizes.values()).count(-1) > 1:
+            raise MeshError(f"--mesh {text!r}: only one axis may be -1")
+        return cls(**{a: sizes.get(a, 1) for a in AXES})
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        return (self.data, self.fsdp, self.tensor)
+
+    def resolve(self, devices: int, text: str | None = None) -> "MeshSpec":
+        """The spec with -1 replaced so that the product is `devices`; MeshError otherwise."""
+        shown = text if text is not None else str(self)
+        known = math.prod(s for s in self.sizes if s != -1)
+        if -1 in self.sizes:
+            if devices % known:
+                raise MeshError(f"--mesh {shown}: the fixed axes ({known} devices) do not divide "
+                                f"the {devices} devices")
+            return MeshSpec(*(devices // known if s == -1 else s for s in self.sizes))
+        if known != devices:
+            raise MeshError(f"--mesh {shown}: the axis sizes multiply to {known}, but there are "
+                            f"{devices} devices")
+        return self
+
+    @property
+    def batch_shards(self) -> int:
+        """How many pieces the batch is split into (data x fsdp)."""
+        return self.data * self.fsdp
+
+    def check(self, model: ModelConfig, batch_size: int, text: str | None = None) -> None:
+        """MeshError when the model or the batch cannot be split this way."""
+        shown = text if text is not None else str(self)
+        t = self.tensor
+        for name, value in (("num_kv_heads", model.num_kv_heads), ("num_heads", model.num_heads),
+                            ("intermediate_size", model.intermediate_size)):
+            if value % t:
+                raise MeshError(f"--mesh {shown}: tensor={t} does not divide the model's "
+                                f"{name} {value}")
+        if batch_size % self.batch_shards:
+            raise MeshError(f"--mesh {shown}: --batch-size {batch_size} is not divisible by "
+                            f"data x fsdp = {self.batch_shards}")
+
+    def __str__(self) -> str:
+        return ",".join(f"{a}={s}" for a, s in zip(AXES, self.sizes))
+
+
+def build_mesh(spec: MeshSpec, devices=None) -> jax.sharding.Mesh:
+    """A Mesh with axes data, fsdp, tensor (all `AxisType.Auto`) over `devices` (default all)."""
+    devices = jax.devices() if devices is None else list(devices)
+    if math.prod(spec.sizes) != len(devices):
+        raise MeshError(f"--mesh {spec}: needs {math.prod(spec.sizes)} devices, have {len(devices)}")
+    auto = (jax.sharding.AxisType.Auto,) * len(AXES)
+    return jax.make_mesh(spec.sizes, AXES, axis_types=auto, devices=devices)
+
+
+def run_mesh(text: str | None, model: ModelConfig, batch_size: int, devices=None):
+    """The mesh of a run, or None for one device (today's single-device step, bit for bit).
+
+    MeshError (a ConfigError: exit 2 in the CLIs) names --mesh when it cannot work here."""
+    devices = jax.devices() if devices is None else list(devices)
+    spec = MeshSpec.parse(text).resolve(len(devices), text)
+    if len(devices) == 1:
+        return None
+    spec.check(model, batch_size, text)
+    return build_mesh(spec, devices)
+
+
+def mesh_spec(mesh) -> MeshSpec:
+    """The MeshSpec of a mesh built here (None: one device)."""
+    if mesh is None:
+        return MeshSpec(1, 1, 1)
+    return MeshSpec(*(mesh.shape[a] for a in AXES))

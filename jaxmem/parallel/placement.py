@@ -1,0 +1,135 @@
+"""Where a run's arrays live: one device (no mesh) or split over a mesh.
+
+    par = Placement.single()               # one device: today's functions, untouched
+    par = Placement.on(mesh)               # a mesh from jaxmem.parallel.mesh.run_mesh
+    state = par.init_state(step_cfg, loss_scale, seed)
+    step = par.train_step(step_cfg, state) # jit, state donated, in/out shardings
+    state, metrics = step(state, par.batch(numpy_batch))
+    par.host(metrics)                      # numpy values on every process
+
+On a mesh:
+- the state is created directly split (`jit(create_train_state, out_shardings=...)`): no device
+  ever holds a full copy, and the values are bitwise those of the single-device init;
+- the step is jitted with `in_shardings` and `out_shardings` (with inputs placed by
+  `device_put` alone, gradients came back replicated in a probe: always pass out_shardings) and
+  the state donated;
+- the activation rules (jaxmem.parallel.rules.activation_rules) are installed around every call,
+  so they are in place whenever jit traces;
+- a batch is built on each process from its own rows only (`make_array_from_callback` asks for
+  exactly the rows of the devices this process holds), so multi-process runs read the same
+  global batch at the same data position as a single process would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxmem.model.sharding import activation_sharding
+import jaxmem.parallel.rules as R
+from jaxmem.train.run import make_eval_fn
+from jaxmem.train.step import create_train_state, jit_train_step, make_train_step
+
+
+class _WithRules:
+    """A jitted function called (and lowered) with the activation rules installed."""
+
+    def __init__(self, jitted, rules):
+        self._jitted, self._rules = jitted, rules
+
+    def __call__(self, *args):
+        with activation_sharding(self._rules):
+            return self._jitted(*args)
+
+    def lower(self, *args):
+        with activation_sharding(self._rules):
+            return self._jitted.lower(*args)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One device (mesh None) or a mesh; see the module docstring."""
+
+    mesh: Any = None
+
+    @classmethod
+    def single(cls) -> "Placement":
+        return cls(None)
+
+    @classmethod
+    def on(cls, mesh) -> "Placement":
+        return cls(mesh)
+
+    @property
+    def is_main(self) -> bool:
+        """Only process 0 writes config.json, metrics and the progress bar."""
+        return jax.process_index() == 0
+
+    def state_shardings(self, abstract_state):
+        return R.state_shardings(abstract_state, self.mesh)
+
+    def abstract(self, abstract_state):
+        """The restore target: shapes and dtypes with this placement's shardings (single
+        device: unchanged, Orbax restores onto the default device)."""
+        if self.mesh is None:
+            return abstract_state
+        return R.with_shardings(abstract_state, self.mesh)
+
+    def init_state(self, step_cfg, loss_scale, seed: int, params=None):
+        """A fresh state, created split over the mesh. `params` (host arrays, e.g. from
+        --init-from) are first put onto the mesh piece by piece (`device_put` with the params'
+        shardings), so no device receives the whole checkpoint either."""
+        def create(p=None):
+            return create_train_state(step_cfg, loss_scale, seed, params=p)
+
+        if self.mesh is None:
+            return create(params)
+        abstract = jax.eval_shape(create, params) if params is not None else jax.eval_shape(create)
+        shardings = self.state_shardings(abstract)
+        if params is None:
+            return jax.jit(create, out_shardings=shardings)()
+        placed = jax.device_put(params, shardings.params)
+        return jax.jit(create, in_shardings=(shardings.params,), out_shardings=shardings)(placed)
+
+    def train_step(self, step_cfg, like):
+        """The jitted, donated step for states shaped like `like` (a state or its abstract
+        form: its structure depends on the loss scale)."""
+        if self.mesh is None:
+            return jit_train_step(step_cfg)
+        shardings = self.state_shardings(like)
+        jitted = jax.jit(make_train_step(step_cfg), donate_argnums=0,
+                         in_shardings=(shardings, R.batch_sharding(self.mesh)),
+                         out_shardings=(shardings, R.replicated(self.mesh)))
+        return _WithRules(jitted, R.activation_rules(self.mesh, step_cfg.model.vocab_size))
+
+    def eval_fn(self, step_cfg):
+        if self.mesh is None:
+            return make_eval_fn(step_cfg)
+        jitted = jax.jit(make_eval_fn(step_cfg), out_shardings=R.replicated(self.mesh))
+        return _WithRules(jitted, R.activation_rules(self.mesh, step_cfg.model.vocab_size))
+
+    def _place(self, batch: dict, sharding):
+        def one(x):
+            x = np.asarray(x)
+            return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+        return {k: one(v) for k, v in batch.items()}
+
+    def batch(self, batch: dict):
+        """A step batch {name: [K, B, T]} of numpy arrays, placed."""
+        return batch if self.mesh is None else self._place(batch, R.batch_sharding(self.mesh))
+
+    def eval_batch(self, batch: dict):
+        """An eval batch {name: [B, T]}, placed."""
+        return batch if self.mesh is None else self._place(batch, R.eval_batch_sharding(self.mesh))
+
+    def host(self, tree):
+        """Numpy values of replicated arrays (on every process; multi-process arrays are not
+        fully addressable, so read this process's copy)."""
+        def one(x):
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:
+                return np.asarray(x.addressable_data(0))
+            return np.asarray(x)
+        return jax.tree.map(one, tree)

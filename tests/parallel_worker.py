@@ -1,0 +1,84 @@
+"""Runs on 8 simulated CPU devices in a subprocess of tests/test_parallel.py (the test process's
+JAX has already initialized with one device). One process runs every check, so the compiled
+steps are shared and the test pays for one JAX start-up:
+
+    python tests/parallel_worker.py OUT_DIR
+
+writes OUT_DIR/<name>.npz (per-step losses, skipped flags, final params flattened) for the
+single-device run and each mesh, fp32 and amp-fp16, and OUT_DIR/memory.json (per-device compiled
+bytes of the train step for one device and fsdp=8, and the planner's analytic per-device total
+for each mesh). The test asserts; this script only measures.
+"""
+
+import json
+import os
+import sys
+
+os.environ["JAX_NUM_CPU_DEVICES"] = "8"
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+if os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # the test suite's persistent cache (conftest)
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+import numpy as np  # noqa: E402
+
+from jaxmem.config.run import RunConfig  # noqa: E402
+from jaxmem.parallel import Placement, run_mesh  # noqa: E402
+from jaxmem.train.loss import synthetic_batch  # noqa: E402
+from jaxmem.train.run import build_step_config  # noqa: E402
+
+MESHES = {"fsdp8": "fsdp=8", "data2_fsdp4": "data=2,fsdp=4", "tensor2_fsdp4": "tensor=2,fsdp=4",
+          "data8": "data=8"}
+BATCH, SEQ, STEPS = 8, 32, 5
+
+
+def run(cfg: RunConfig, mesh_text, batches):
+    model_cfg, step_cfg, loss_scale = build_step_config(cfg)
+    mesh = None if mesh_text is None else run_mesh(mesh_text, model_cfg, BATCH)
+    par = Placement.single() if mesh is None else Placement.on(mesh)
+    state = par.init_state(step_cfg, loss_scale, 0)
+    step = par.train_step(step_cfg, state)
+    losses, skipped = [], []
+    for b in batches:
+        state, metrics = step(state, par.batch(b))
+        m = par.host(metrics)
+        losses.append(float(m["loss"]))
+        skipped.append(bool(m["skipped"]))
+    params = np.concatenate([np.asarray(x, np.float32).ravel()
+                             for x in jax.tree.leaves(state.params)])
+    return dict(losses=np.array(losses), skipped=np.array(skipped), params=params,
+                applied=int(par.host(state.applied)))
+
+
+def main(out):
+    # warmup 1: full-size updates from step 2 on, so the params really move
+    base = RunConfig().replace({"data.batch_size": BATCH, "data.seq_len": SEQ,
+                                "optim.warmup_steps": 1})
+    vocab = base.model_config().vocab_size
+    batches = []
+    for i in range(STEPS):
+        b = synthetic_batch(jax.random.PRNGKey(100 + i), BATCH, SEQ, vocab, pad_fraction=0.25)
+        batches.append({k: np.asarray(v)[None] for k, v in b.items()})  # [K=1, B, T]
+    # amp-fp16 with an initial scale so large that the first two steps overflow and are skipped (checked on one device)
+    fp16 = base.replace({"precision.mode": "amp-fp16", "precision.loss_scale_init": 2.0**20})
+    for name, cfg, meshes in (("fp32", base, MESHES), ("fp16", fp16, {"fsdp8": "fsdp=8"})):
+        np.savez(os.path.join(out, f"{name}_single.npz"), **run(cfg, None, batches))
+        for key, text in meshes.items():
+            np.savez(os.path.join(out, f"{name}_{key}.npz"), **run(cfg, text, batches))
+    if "--memory" in sys.argv:
+        from jaxmem.memory.spec import StepSpec
+        from jaxmem.parallel.memory import analytic_per_device, compile_per_device
+        spec = StepSpec.from_run_config(RunConfig().replace({"data.batch_size": 16}))
+        report = {"single": compile_per_device(spec, None)}
+        for key, text in MESHES.items():
+            report[key] = compile_per_device(spec, text)
+            report[key]["analytic_total"] = analytic_per_device(spec, text)["total"]
+        report["single"]["analytic_total"] = analytic_per_device(spec, None)["total"]
+        with open(os.path.join(out, "memory.json"), "w") as f:
+            json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
