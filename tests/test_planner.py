@@ -92,12 +92,40 @@ def test_planner_never_recommends_over_budget():
     p_first, p_second = compiled(first)["peak_bytes"], compiled(second)["peak_bytes"]
     assert p_second < p_first
     budget = (p_first + p_second) // 2
-    result = plan(base, 2, budget, mu_dtypes=("fp32",), compile_fn=compiled)
-    tried = result["tried"]
-    assert [t["fits"] for t in tried] == [False, True]  # stops at the first that fits
-    assert tried[0]["peak_bytes"] == p_first > budget
-    assert result["chosen"]["peak_bytes"] == p_second <= budget
-    assert result["spec"].remat.kind == "dots_no_batch"
+    for analytic_first in (False, True):
+        result = plan(base, 2, budget, mu_dtypes=("fp32",), compile_fn=compiled,
+                      analytic_first=analytic_first)
+        tried = result["tried"]
+        assert [t["fits"] for t in tried] == [False, True]  # stops at the first that fits
+        assert tried[0]["peak_bytes"] in (p_first, None) and p_first > budget  # None: analytic
+        assert result["chosen"]["peak_bytes"] == p_second <= budget
+        assert result["spec"].remat.kind == "dots_no_batch"
+
+
+def test_analytic_first_rules_out_only_what_does_not_fit():
+    """Same choice as compiling every candidate, fewer compiles, and each candidate ruled out by
+    the analytic model really is over the budget when compiled."""
+    base = StepSpec(CFG, get_precision("fp32"), RematPolicy(), 4, 24)
+    cache = {}
+
+    def compiled(spec):
+        key = (spec.batch_size, str(spec.remat), spec.mu_dtype)
+        return cache[key] if key in cache else cache.setdefault(key, compile_step(spec))
+
+    # half the smallest peak of the micro-batch-4 candidates: all of those are over it
+    micro4 = [s for s in candidates(base, 4, mu_dtypes=("fp32",)) if s.batch_size == 4]
+    budget = min(compiled(s)["peak_bytes"] for s in micro4) // 2
+    slow = plan(base, 4, budget, mu_dtypes=("fp32",), compile_fn=compiled, analytic_first=False)
+    fast = plan(base, 4, budget, mu_dtypes=("fp32",), compile_fn=compiled)
+    assert slow["spec"] == fast["spec"]
+    assert fast["chosen"] is None or fast["chosen"]["peak_bytes"] <= budget
+    assert fast["compiles"] < slow["compiles"]
+    ruled_out = [t for t in fast["tried"] if t["decided_by"] == "analytic"]
+    assert ruled_out
+    for t in ruled_out:
+        spec = [s for s in candidates(base, 4, mu_dtypes=("fp32",))
+                if (s.batch_size, str(s.remat)) == (t["batch_size"], t["remat"])][0]
+        assert compiled(spec)["peak_bytes"] > budget
 
 
 def test_planner_rejects_with_fake_compiler_and_errors():

@@ -4,7 +4,7 @@
       model      ModelSection      preset + shape overrides  -> ModelConfig (jaxmem.config.model)
       precision  PrecisionSection  precision mode, loss scaling, the skip limit
       remat      RematSection      remat policy of each decoder block
-      optim      OptimConfig       AdamW, warmup + cosine schedule, clipping, mu dtype
+      optim      OptimConfig       optimizer, warmup + cosine schedule, clipping, mu dtype
       data       DataSection       data, tokenizer, batch shape, seed
       run        RunSection        run directory, saving, evaluation, logging
       sample     SampleSection     the text sampled at the end of a run / by jaxmem.generate
@@ -32,6 +32,7 @@ from typing import Any
 from jaxmem.config.model import PRESETS, ConfigError, ModelConfig, get_preset
 
 SCHEMA_VERSION = 2
+OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "lion")  # jaxmem.train.optim.make_optimizer
 
 
 def option(default, help: str, *, flags: tuple[str, ...] | None = None, type=None, choices=None,
@@ -106,9 +107,9 @@ class ModelSection:
 class PrecisionSection:
     """Precision mode and loss scaling (docs/precision.md)."""
 
-    mode: str = option("fp32", "precision mode: fp32, bf16, amp-bf16, amp-fp16, fp8 "
+    mode: str = option("fp32", "precision mode: fp32, bf16, amp-bf16, amp-fp16, fp8, bf16-sr "
                        "(docs/precision.md)", flags=("--precision",), metavar="MODE",
-                       choices=["fp32", "bf16", "amp-bf16", "amp-fp16", "fp8"])
+                       choices=["fp32", "bf16", "amp-bf16", "amp-fp16", "fp8", "bf16-sr"])
     loss_scale: str | None = option(None, "dynamic | static:VALUE | none (default: dynamic for "
                                     "amp-fp16, else none)")
     loss_scale_init: float = option(2.0**16, "initial dynamic loss scale (torch GradScaler's default)",
@@ -162,6 +163,8 @@ class OptimConfig:
                          type="nonneg_float")
     mu_dtype: str | None = option(None, "dtype of Adam's first moment (default: the params' dtype)",
                                   choices=["fp32", "bf16"])
+    optimizer: str = option("adamw", "adamw, adamw8bit (8-bit block-wise moments), adafactor, "
+                            "lion (docs/optimizers.md)", choices=list(OPTIMIZERS))
 
     def __post_init__(self):
         checks = [("lr", self.lr >= 0), ("min_lr", 0 <= self.min_lr),
@@ -174,6 +177,9 @@ class OptimConfig:
                 raise ConfigError(f"optimizer {name}={value!r} is invalid")
         if self.mu_dtype not in (None, "fp32", "bf16", "float32", "bfloat16"):
             raise ConfigError(f"--mu-dtype {self.mu_dtype!r} is invalid; choose fp32 or bf16")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"--optimizer {self.optimizer!r} is invalid; choose one of: "
+                              f"{', '.join(OPTIMIZERS)}")
 
 
 @dataclass(frozen=True)

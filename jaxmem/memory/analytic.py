@@ -10,7 +10,7 @@ it to jax's saved residuals (0.5%) and XLA's compiled peak (15%); docs/memory.md
 
 The model of the peak (what is live when the backward starts):
 
-    peak = state (params, Adam mu and nu, loss scale, counters) + batch
+    peak = state (params, optimizer state, loss scale, counters) + batch
          + gradients (+ the accumulator when grad_accum > 1)
          + compute copy of the params (amp modes: saved by the loss for the backward)
          + activations saved for the backward under the remat policy (per layer x L, plus the
@@ -54,9 +54,29 @@ def _dname(dtype) -> str:
     return jnp.dtype(dtype).name
 
 
+def _state_dtype(spec: StepSpec):
+    """Dtype of the optimizer's moments: the params' (bf16-sr: fp32, no master copy)."""
+    return jnp.float32 if spec.precision.stochastic_rounding else spec.precision.param_dtype
+
+
 def _mu_dtype(spec: StepSpec):
-    return {None: spec.precision.param_dtype, "fp32": jnp.float32, "float32": jnp.float32,
+    return {None: _state_dtype(spec), "fp32": jnp.float32, "float32": jnp.float32,
             "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16}[spec.mu_dtype]
+
+
+def optimizer_state(spec: StepSpec, P: int) -> list[tuple[str, int, str]]:
+    """(name, bytes, dtype) of the optimizer state: AdamW's mu and nu by formula; any other
+    optimizer's leaves counted on its abstract state (jaxmem.memory.optimizer_bytes)."""
+    if spec.optimizer == "adamw" or spec.peft is not None:
+        # LoRA with another optimizer: AdamW-sized, an upper bound (the abstract count below
+        # would be over the whole model, not the adapters)
+        sd = _state_dtype(spec)
+        return [("adam mu", P * _nbytes(_mu_dtype(spec)), _dname(_mu_dtype(spec))),
+                ("adam nu", P * _nbytes(sd), _dname(sd))]
+    from jaxmem.config.run import OptimConfig
+    from jaxmem.memory.optimizer_bytes import optimizer_components
+    optim = OptimConfig(optimizer=spec.optimizer, mu_dtype=spec.mu_dtype)
+    return list(optimizer_components(spec.model, optim, spec.precision))
 
 
 @functools.lru_cache(maxsize=64)
@@ -173,7 +193,7 @@ def analytic_breakdown(spec: StepSpec) -> dict:
     c, p = spec.model, spec.precision
     B, T, K = spec.batch_size, spec.seq_len, spec.grad_accum
     P, Pn = c.num_params(), norm_params(c)
-    pb, cb, mb = _nbytes(p.param_dtype), _nbytes(p.compute_dtype), _nbytes(_mu_dtype(spec))
+    pb, cb = _nbytes(p.param_dtype), _nbytes(p.compute_dtype)
     amp = jnp.dtype(p.param_dtype) != jnp.dtype(p.compute_dtype)
     attention = spec.attention_path
     per_layer = layer_residuals(c, B, T, p.compute_dtype, spec.remat, attention)
@@ -209,7 +229,7 @@ def analytic_breakdown(spec: StepSpec) -> dict:
         layer_bwd += peft_memory.adapter_backward_transient(c, lora, B, T, p.compute_dtype)
     transient = max(logits_group, layer_bwd)
 
-    pd, cdn, md = _dname(p.param_dtype), _dname(p.compute_dtype), _dname(_mu_dtype(spec))
+    pd, cdn = _dname(p.param_dtype), _dname(p.compute_dtype)
     # Two phases; the peak is the larger (XLA reuses buffers, it does not sum them):
     # backward: grads + compute copy + saved activations + the largest transient;
     # optimizer: grads + one params-sized update buffer (activations freed by then).
@@ -220,10 +240,14 @@ def analytic_breakdown(spec: StepSpec) -> dict:
                ("saved activations", saved, _mixed(per_layer + outside)),
                (head if transient == logits_group else "one layer's backward",
                 transient, "float32" if transient == logits_group else _mixed(per_layer + outside))]
-    phase_o = [("gradients", Pt * pb, pd), ("optimizer update buffer", Pt * pb, pd)]
+    # bf16-sr: optax's updates are fp32 (fp32 moments); adamw8bit returns them in the gradients'
+    # dtype (jaxmem.train.optim8bit); either is added to the bf16 weights in fp32, then rounded
+    sr_fp32 = p.stochastic_rounding and spec.optimizer != "adamw8bit"
+    ub, ud = (FP32, "float32") if sr_fp32 else (pb, pd)
+    phase_o = [("gradients", Pt * pb, pd), ("optimizer update buffer", Pt * ub, ud)]
     peak_phase = "backward" if _sum(phase_b) >= _sum(phase_o) else "optimizer"
     persistent = [("params (master)" if lora is None else "LoRA adapters (master)", Pt * pb, pd),
-                  ("adam mu", Pt * mb, md), ("adam nu", Pt * pb, pd),
+                  *optimizer_state(spec, Pt),
                   *([] if lora is None else peft_memory.base_components(c, lora, p.compute_dtype)),
                   ("loss scale", loss_scale, "float32"),
                   ("batch (inputs, targets, mask)", 3 * K * B * T * 4, "int32")]

@@ -62,7 +62,7 @@ def positive_gib(text: str) -> float:
 
 
 MEMORY_FLAGS = {"precision": ("mode",), "data": ("batch_size", "seq_len", "grad_accum"),
-                "optim": ("mu_dtype",), "parallel": ("mesh",)}
+                "optim": ("mu_dtype", "optimizer"), "parallel": ("mesh",)}
 
 
 def build_parser() -> argparse.ArgumentParser:

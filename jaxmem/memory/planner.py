@@ -6,6 +6,13 @@
 
 The decision is on XLA's compiled peak (jaxmem.memory.compiled.compile_step), not on the analytic
 model: the formula explains a peak, the compiler's plan is what the device will be asked for.
+But a compile costs seconds to minutes (hours summed over 8B-sized candidates), so the analytic
+model decides first (analytic-first, the default): a candidate whose analytic peak times the
+lower end of the measured error band (ANALYTIC_BAND) is over the budget cannot fit and is
+rejected without compiling; every other candidate is compiled, in order, and the first whose
+compiled peak fits is chosen. Candidates are tried fastest first, so the search stops there: the
+compiles are the undecided candidates before the fit, plus the fit itself (which is always
+compiled, so the chosen configuration's compiled estimate is known to be within the budget).
 """
 
 from __future__ import annotations
@@ -19,6 +26,16 @@ from jaxmem.model.remat import RematError, RematPolicy, check_offload_supported
 # The selective policy the planner tries between dots_no_batch and full: keep the projections
 # that feed attention and the MLP's two wide inputs (docs/remat.md measures it).
 PLANNER_NAMES = "names:query,key,value,mlp_gate,mlp_up"
+
+
+# compiled peak / analytic peak, measured on the CPU backend: fp32 0.95-1.04 on every preset,
+# 16-bit 1.0-1.55 (CPU bf16 keeps fp32 temporaries; docs/memory.md's tables), tiny at 8 x 512
+# 0.890-1.021 over the 15 candidates of experiments/fit_speed.py (the lowest: full remat);
+# 8-bit optimizers only add temporaries the formula leaves out (ratio up, never down). Only the
+# lower end rules candidates out, so it is the lowest ratio measured, rounded down; a wrong
+# rule-out could only cost speed (a slower candidate chosen), never the budget: the chosen
+# candidate is always compiled.
+ANALYTIC_BAND = (0.88, 1.6)
 
 
 def remat_candidates() -> list[str]:
@@ -40,6 +57,8 @@ def candidates(base: StepSpec, global_batch: int, mu_dtypes=("fp32", "bf16"),
     remat policy (fewest recomputed FLOPs first: none, dots_no_batch, names:..., full, offload),
     then Adam mu dtype (fp32 first; bf16 costs no speed, only moment precision).
     """
+    if base.optimizer not in ("adamw", "lion"):  # no first moment whose dtype could change
+        mu_dtypes = (base.mu_dtype,)
     micros = [b for b in range(global_batch, 0, -1)
               if global_batch % b == 0 and (max_micro is None or b <= max_micro)]
     return [dataclasses.replace(base, batch_size=b, grad_accum=global_batch // b,
@@ -48,22 +67,35 @@ def candidates(base: StepSpec, global_batch: int, mu_dtypes=("fp32", "bf16"),
 
 
 def plan(base: StepSpec, global_batch: int, budget_bytes: int, mu_dtypes=("fp32", "bf16"),
-         max_micro: int | None = None, compile_fn=compile_step, log=None) -> dict:
+         max_micro: int | None = None, compile_fn=compile_step, log=None,
+         analytic_first: bool = True, band: tuple[float, float] = ANALYTIC_BAND) -> dict:
     """Try candidates in order; return the first whose compiled peak <= budget, and the tries.
 
     A candidate whose exact argument bytes (state + batch) already exceed the budget is
-    rejected without compiling: the compiled peak is never below its arguments.
+    rejected without compiling: the compiled peak is never below its arguments. With
+    `analytic_first`, so is one whose analytic peak x band[0] exceeds the budget. Each entry
+    says how it was decided ("decided_by": arguments, analytic or compiled), with its analytic
+    peak; the result counts the compiles.
     """
-    tried = []
+    from jaxmem.memory.analytic import analytic_breakdown
+    tried, compiles = [], 0
     for spec in candidates(base, global_batch, mu_dtypes, max_micro):
         entry = {"batch_size": spec.batch_size, "grad_accum": spec.grad_accum,
                  "remat": str(spec.remat), "mu_dtype": spec.mu_dtype}
         args = argument_bytes(spec)
+        analytic = int(analytic_breakdown(spec)["total_bytes"]) if analytic_first else None
+        entry["analytic_bytes"] = analytic
         if args > budget_bytes:
-            entry.update(fits=False, peak_bytes=None, reason=(
+            entry.update(fits=False, peak_bytes=None, decided_by="arguments", reason=(
                 f"arguments alone {args / GiB:.3f} GiB > budget {budget_bytes / GiB:.3f} GiB "
                 f"(not compiled)"))
+        elif analytic is not None and analytic * band[0] > budget_bytes:
+            entry.update(fits=False, peak_bytes=None, decided_by="analytic", reason=(
+                f"analytic {analytic / GiB:.3f} GiB x {band[0]} (lowest compiled/analytic "
+                f"measured) > budget {budget_bytes / GiB:.3f} GiB (not compiled)"))
         else:
+            compiles += 1
+            entry["decided_by"] = "compiled"
             try:
                 compiled = compile_fn(spec)
             except Exception as e:  # a compile error rejects the candidate, with its message
@@ -79,5 +111,5 @@ def plan(base: StepSpec, global_batch: int, budget_bytes: int, mu_dtypes=("fp32"
         if log:
             log(entry)
         if entry["fits"]:
-            return {"chosen": entry, "spec": spec, "tried": tried}
-    return {"chosen": None, "spec": None, "tried": tried}
+            return {"chosen": entry, "spec": spec, "tried": tried, "compiles": compiles}
+    return {"chosen": None, "spec": None, "tried": tried, "compiles": compiles}

@@ -115,5 +115,5 @@ def format_plan(result: dict, budget_gib: float) -> str:
     for t in result["tried"]:
         mark = "FITS " if t["fits"] else "no   "
         lines.append(f"  {mark} micro {t['batch_size']:>4} x accum {t['grad_accum']:>3}  "
-                     f"remat {t['remat']:<40} mu {t['mu_dtype']:<5} {t['reason']}")
+                     f"remat {t['remat']:<40} mu {str(t['mu_dtype']):<5} {t['reason']}")
     return "\n".join(lines)

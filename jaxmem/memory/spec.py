@@ -34,6 +34,7 @@ class StepSpec:
         jaxmem.model.attention.xla_attention_recomputed) or "cudnn" (flash attention: only the
         output and the softmax statistics are saved);
         None: the path jaxmem.model.attention.attention_path picks for this step's shapes.
+    optimizer: `--optimizer` (adamw, adamw8bit, adafactor, lion).
     """
 
     model: ModelConfig
@@ -46,6 +47,7 @@ class StepSpec:
     attention: str | None = None
     peft: object = None  # jaxmem.peft.lora.LoraSpec: LoRA / QLoRA (None: full fine-tune)
     loss_chunk: int | None = None  # the fused loss's chunk (None: auto; jaxmem.train.fused_loss)
+    optimizer: str = "adamw"
 
     @classmethod
     def from_run_config(cls, cfg: RunConfig, attention: str | None = None) -> "StepSpec":
@@ -53,7 +55,8 @@ class StepSpec:
         d = cfg.data
         return cls(cfg.model_config(), get_precision(cfg.precision.mode),
                    RematPolicy.parse(cfg.remat.policy), d.batch_size, d.seq_len, d.grad_accum,
-                   cfg.optim.mu_dtype, attention, cfg.peft.spec(), cfg.remat.loss_chunk)
+                   cfg.optim.mu_dtype, attention, cfg.peft.spec(), cfg.remat.loss_chunk,
+                   cfg.optim.optimizer)
 
     def run_config(self) -> RunConfig:
         """A RunConfig with this step: the one input jaxmem.train.run.build_step_config takes."""
@@ -61,7 +64,7 @@ class StepSpec:
             "precision.mode": self.precision.name, "remat.policy": str(self.remat),
             "data.batch_size": self.batch_size, "data.seq_len": self.seq_len,
             "data.grad_accum": self.grad_accum, "optim.mu_dtype": self.mu_dtype,
-            "remat.loss_chunk": self.loss_chunk,
+            "remat.loss_chunk": self.loss_chunk, "optim.optimizer": self.optimizer,
             **({} if self.peft is None else {  # LoRA / QLoRA: the peft section (jaxmem.peft)
                 "peft.lora_rank": self.peft.rank, "peft.lora_alpha": self.peft.alpha,
                 "peft.lora_targets": ",".join(self.peft.targets),

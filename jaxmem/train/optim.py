@@ -39,11 +39,25 @@ def decay_mask(params, decay_embeddings: bool = False):
 
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    """`cfg.optimizer` (adamw, adamw8bit, adafactor, lion) with the schedule, decoupled weight
+    decay on `decay_mask`, and clipping first."""
     mu_dtype = {None: None, "fp32": jnp.float32, "float32": jnp.float32,
                 "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16}[cfg.mu_dtype]
-    adamw = optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, mu_dtype=mu_dtype,
-                        weight_decay=cfg.weight_decay,
-                        mask=lambda p: decay_mask(p, cfg.decay_embeddings))
+    mask = lambda p: decay_mask(p, cfg.decay_embeddings)  # noqa: E731
+    if cfg.optimizer == "adamw8bit":
+        from jaxmem.train.optim8bit import adamw_8bit
+        adamw = adamw_8bit(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                           weight_decay=cfg.weight_decay, mask=mask)
+    elif cfg.optimizer == "lion":  # one moment; b2 here is Lion's (0.99 in the paper)
+        adamw = optax.lion(schedule(cfg), b1=cfg.b1, b2=0.99, mu_dtype=mu_dtype,
+                           weight_decay=cfg.weight_decay, mask=mask)
+    elif cfg.optimizer == "adafactor":  # factored second moment, no first moment
+        adamw = optax.adafactor(schedule(cfg), multiply_by_parameter_scale=False,
+                                weight_decay_rate=cfg.weight_decay or None,
+                                weight_decay_mask=mask)
+    else:
+        adamw = optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, mu_dtype=mu_dtype,
+                            weight_decay=cfg.weight_decay, mask=mask)
     if cfg.clip > 0:
         return optax.chain(optax.clip_by_global_norm(cfg.clip), adamw)
     return adamw

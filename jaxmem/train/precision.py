@@ -6,6 +6,9 @@
     amp-bf16   fp32 master                bf16               none
     amp-fp16   fp32 master                fp16               dynamic
     fp8        fp32 master                bf16, fp8 matmuls  none   (jaxmem.model.fp8)
+    bf16-sr    bf16 params, fp32 optimizer bf16               none   (updated weights rounded
+               state (8-bit: see optim8bit)                           stochastically to bf16,
+                                                                      jaxmem.train.stochastic)
 
 In the amp modes the train state holds fp32 params; the loss casts them to the compute dtype
 *inside* the differentiated function, so the gradients come back in fp32 for the fp32 master copy.
@@ -37,6 +40,8 @@ class Precision:
     compute_dtype: dtype the forward and backward matmuls run in.
     loss_scale: the default `--loss-scale` for the mode.
     fp8: route the attention and MLP projections through fp8 matmuls.
+    stochastic_rounding: params + updates are summed in fp32 and rounded stochastically to the
+        param dtype (no master copy); the optimizer state is initialized in fp32.
     """
 
     name: str
@@ -44,6 +49,7 @@ class Precision:
     compute_dtype: jnp.dtype
     loss_scale: str = "none"
     fp8: bool = False
+    stochastic_rounding: bool = False
 
 
 PRECISIONS: dict[str, Precision] = {
@@ -52,6 +58,7 @@ PRECISIONS: dict[str, Precision] = {
     "amp-bf16": Precision("amp-bf16", jnp.float32, jnp.bfloat16),
     "amp-fp16": Precision("amp-fp16", jnp.float32, jnp.float16, loss_scale="dynamic"),
     "fp8": Precision("fp8", jnp.float32, jnp.bfloat16, fp8=True),
+    "bf16-sr": Precision("bf16-sr", jnp.bfloat16, jnp.bfloat16, stochastic_rounding=True),
 }
 
 

@@ -9,7 +9,8 @@ batch: dict of int32 arrays [K, B, T] (K = grad-accumulation micro-batches). Per
         g += grad(scale(loss_k)) w.r.t. the stored params        (params cast to the compute
                                                                     dtype inside the loss)
     g = unscale(g); finite = all_finite(g); grad_norm = |g|
-    if finite: clip, AdamW update                                 (jaxmem.train.optim)
+    if finite: clip, optimizer update                             (jaxmem.train.optim; bf16-sr:
+                                                                   stochastic rounding, .stochastic)
     else:      params and every optimizer leaf stay bitwise as they were (lax.cond)
     loss_scale = loss_scale.adjust(finite)                        (once per optimizer step)
 
@@ -101,13 +102,15 @@ def create_train_state(cfg: StepConfig, loss_scale: LossScale | None = None,
     else:
         params = jax.tree.map(jnp.asarray, params)
     params = cast_floating(params, cfg.precision.param_dtype)
+    # bf16-sr: no fp32 master, but the optimizer state is made from fp32 shapes (its moments fp32)
+    opt_like = cast_floating(params, jnp.float32) if cfg.precision.stochastic_rounding else params
     def zero():  # separate buffers: the state is donated, and one buffer cannot be donated twice
         return jnp.zeros((), jnp.int32)
 
     return TrainState(step=zero(), applied=zero(), skips_in_a_row=zero(), data_position=zero(),
                       rng=jax.random.key_data(state_key) if hasattr(jax.random, "key_data")
                       else state_key,
-                      params=params, opt_state=make_optimizer(cfg.optim).init(params),
+                      params=params, opt_state=make_optimizer(cfg.optim).init(opt_like),
                       loss_scale=loss_scale if loss_scale is not None else NoOpLossScale())
 
 
@@ -151,6 +154,10 @@ def make_train_step(cfg: StepConfig):
 
         def apply(_):
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            if cfg.precision.stochastic_rounding:  # bf16-sr: the key from the state's RNG + step
+                from jaxmem.train.stochastic import apply_updates_sr, step_key
+                key = step_key(state.rng, state.step)
+                return apply_updates_sr(state.params, updates, key), opt_state
             return optax.apply_updates(state.params, updates), opt_state
 
         def skip(_):

@@ -1,0 +1,280 @@
+"""8-bit AdamW (jaxmem.train.optim8bit) and stochastic rounding (jaxmem.train.stochastic): the maps
+against bitsandbytes' algorithm, quantization error bounds, unbiased rounding, skipped steps and
+exact resume with every optimizer."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxmem.train.step as step_mod
+from jaxmem.config.model import ModelConfig
+from jaxmem.train.loss import synthetic_batch
+from jaxmem.train.optim import OptimConfig
+from jaxmem.train.optim8bit import (SIGNED_MAP, UNSIGNED_MAP, Quantized, adamw_8bit,
+                                    create_dynamic_map, dequantize, keeps_fp32, quantize)
+from jaxmem.train.precision import get_precision
+from jaxmem.train.step import StepConfig, create_train_state, jit_train_step
+from jaxmem.train.stochastic import apply_updates_sr, round_bf16
+from runs import SMALL, losses, params_of
+
+CFG = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  max_position_embeddings=64)
+
+
+def bnb_create_dynamic_map(signed=True, max_exponent_bits=7, total_bits=8):
+    """bitsandbytes.functional.create_dynamic_map (0.43), transcribed line by line (torch)."""
+    import torch
+    data = []
+    non_sign_bits = total_bits - (1 if signed else 1)
+    additional_items = 2 ** (non_sign_bits - max_exponent_bits) - 1
+    for i in range(max_exponent_bits):
+        fraction_items = int(2 ** (i + non_sign_bits - max_exponent_bits) + 1 if signed
+                             else 2 ** (i + non_sign_bits - max_exponent_bits + 1) + 1)
+        boundaries = torch.linspace(0.1, 1, fraction_items)
+        means = (boundaries[:-1] + boundaries[1:]) / 2.0
+        data += ((10 ** (-(max_exponent_bits - 1) + i)) * means).tolist()
+        if signed:
+            data += (-(10 ** (-(max_exponent_bits - 1) + i)) * means).tolist()
+    if additional_items > 0:
+        boundaries = torch.linspace(0.1, 1, additional_items + 1)
+        means = (boundaries[:-1] + boundaries[1:]) / 2.0
+        data += ((10 ** (-(max_exponent_bits - 1) + i)) * means).tolist()
+        if signed:
+            data += (-(10 ** (-(max_exponent_bits - 1) + i)) * means).tolist()
+    data.append(0)
+    data.append(1.0)
+    assert len(data) == 2 ** total_bits
+    data += [0] * (256 - len(data))
+    data.sort()
+    return torch.tensor(data).numpy()
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("signed", [True, False])
+def test_maps_equal_bitsandbytes_algorithm_bitwise(signed):
+    np.testing.assert_array_equal(create_dynamic_map(signed), bnb_create_dynamic_map(signed))
+
+
+def test_map_shapes_and_known_values():
+    for qmap in (SIGNED_MAP, UNSIGNED_MAP):
+        assert qmap.shape == (256,) and qmap.dtype == np.float32
+        assert np.all(np.diff(qmap) > 0)  # sorted, no duplicate code
+        assert qmap[-1] == 1.0 and 0.0 in qmap
+    assert UNSIGNED_MAP.min() == 0.0
+    # smallest magnitudes: 10^-6 times the first midpoint of linspace(0.1, 1, .)
+    np.testing.assert_allclose(SIGNED_MAP[0], -0.99296875, rtol=1e-6)
+    np.testing.assert_allclose(np.sort(np.abs(SIGNED_MAP))[1], 0.55e-6, rtol=1e-5)
+    np.testing.assert_allclose(UNSIGNED_MAP[1], 0.325e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(4, 512), (3, 300), (2, 3, 256), (1000,)])
+@pytest.mark.parametrize("signed", [True, False])
+def test_round_trip_error_per_block(shape, signed):
+    """Each value comes back as absmax x the nearest map value: error <= half the widest gap of
+    the map x the block's absmax; each block's absmax itself is exact (1.0 is in both maps)."""
+    qmap = SIGNED_MAP if signed else UNSIGNED_MAP
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x *= 10.0 ** rng.integers(-8, 3, size=shape[:-1] + (1,))  # rows of very different scales
+    if not signed:
+        x = x * x
+    q = quantize(jnp.asarray(x), qmap)
+    nb = -(-shape[-1] // 256)
+    assert q.codes.shape == shape and q.codes.dtype == jnp.uint8
+    assert q.scale.shape == shape[:-1] + (nb,) and q.scale.dtype == jnp.float32
+    back = np.asarray(dequantize(q, qmap))
+    pad = nb * 256 - shape[-1]
+    xb = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(shape[:-1] + (nb, 256))
+    eb = np.pad(np.abs(back - x), [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(xb.shape)
+    absmax = np.abs(xb).max(-1)
+    np.testing.assert_array_equal(np.asarray(q.scale), absmax)
+    half_gap = np.diff(qmap).max() / 2  # 0.0070 (between -0.993 and -0.979)
+    # + 1e-6 x absmax: fp32 rounding of x / absmax and of map x absmax
+    assert np.all(eb.max(-1) <= (half_gap + 1e-6) * absmax)
+    # nearest map value, brute force
+    normed = xb / np.where(absmax == 0, 1, absmax)[..., None]
+    nearest = qmap[np.abs(normed[..., None] - qmap).argmin(-1)] * absmax[..., None]
+    nearest = nearest.reshape(nearest.shape[:-2] + (-1,))[..., : shape[-1]]
+    np.testing.assert_allclose(back, nearest, rtol=1e-6, atol=0)
+
+
+def test_which_leaves_stay_fp32():
+    state = create_train_state(StepConfig(CFG, get_precision("fp32"),
+                                          optim=OptimConfig(optimizer="adamw8bit")))
+    mu = state.opt_state[1][0].mu  # chain(clip, chain(adam8bit, decay, lr))
+    assert isinstance(mu["embed_tokens"], jax.Array)  # embedding: fp32 state
+    assert mu["embed_tokens"].dtype == jnp.float32
+    assert isinstance(mu["norm"]["scale"], jax.Array)  # 32 elements < 4096
+    assert isinstance(mu["layers"]["mlp"]["gate_proj"], Quantized)  # 2 x 32 x 64
+    assert isinstance(mu["lm_head"], Quantized)
+    assert isinstance(mu["layers"]["self_attn"]["q_proj"], jax.Array)  # 2 x 32 x 4 x 8
+    assert not keeps_fp32(("layers", "self_attn", "q_proj"), jnp.zeros((64, 64)))
+    assert keeps_fp32(("layers", "self_attn", "q_proj"), jnp.zeros((63, 64)))
+
+
+def test_adamw8bit_tracks_fp32_adamw():
+    """Same gradients for 30 steps: params within 2% (relative RMS) of optax.adamw's."""
+    rng = np.random.default_rng(1)
+    params = {"layers": {"mlp": {"up_proj": jnp.asarray(
+        rng.standard_normal((4, 64, 128)), jnp.float32)}}}
+    ref, q8 = optax.adamw(1e-2, b1=0.9, b2=0.95), adamw_8bit(1e-2, b1=0.9, b2=0.95)
+    p_ref, p_q8, s_ref, s_q8 = params, params, ref.init(params), q8.init(params)
+    ref_update, q8_update = jax.jit(ref.update), jax.jit(q8.update)
+    assert isinstance(s_q8[0].mu["layers"]["mlp"]["up_proj"], Quantized)
+    for _ in range(30):
+        g = jax.tree_util.tree_map(
+            lambda p: p * 0.1 + jnp.asarray(rng.standard_normal(p.shape), jnp.float32), params)
+        u, s_ref = ref_update(g, s_ref, p_ref)
+        p_ref = optax.apply_updates(p_ref, u)
+        u, s_q8 = q8_update(g, s_q8, p_q8)
+        p_q8 = optax.apply_updates(p_q8, u)
+    a, b = (np.asarray(jax.tree_util.tree_leaves(t)[0]) for t in (p_ref, p_q8))
+    moved = np.sqrt(np.mean((a - np.asarray(params["layers"]["mlp"]["up_proj"])) ** 2))
+    assert np.sqrt(np.mean((a - b) ** 2)) <= 0.02 * moved
+
+
+def test_stochastic_rounding_is_unbiased_and_deterministic():
+    """x between two bf16 neighbours: the mean of 20000 draws is x within 5 standard errors."""
+    lo = np.float32(1.0)
+    ulp = np.float32(2.0 ** -7)  # bf16 spacing in [1, 2)
+    x = jnp.asarray(np.array([lo + f * ulp for f in (0.1, 0.25, 0.5, 0.9)], np.float32))
+    n = 20000
+    xs = jnp.broadcast_to(x, (n, 4))
+    r = np.asarray(round_bf16(xs, jax.random.PRNGKey(0)).astype(jnp.float32))
+    assert set(np.unique(r)) <= {lo, lo + ulp}  # only the two neighbours
+    frac = np.array([0.1, 0.25, 0.5, 0.9])
+    stderr = ulp * np.sqrt(frac * (1 - frac) / n)
+    assert np.all(np.abs(r.mean(0) - np.asarray(x)) <= 5 * stderr), (r.mean(0), np.asarray(x))
+    neg = np.asarray(round_bf16(-xs, jax.random.PRNGKey(3)).astype(jnp.float32))
+    assert np.all(np.abs(neg.mean(0) + np.asarray(x)) <= 5 * stderr)
+    # same key, same bits; another key, other bits; bf16 values and non-finite ones unchanged
+    a = round_bf16(xs, jax.random.PRNGKey(7))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(round_bf16(xs, jax.random.PRNGKey(7))))
+    assert np.any(np.asarray(a) != np.asarray(round_bf16(xs, jax.random.PRNGKey(8))))
+    exact = jnp.asarray([1.0, -3.5, 0.0, jnp.inf, -jnp.inf], jnp.float32)
+    out = np.asarray(round_bf16(exact, jax.random.PRNGKey(1)).astype(jnp.float32))
+    np.testing.assert_array_equal(out, np.asarray(exact))
+    assert np.isnan(np.asarray(round_bf16(jnp.asarray([jnp.nan]), jax.random.PRNGKey(1)))[0])
+
+
+def test_small_updates_survive_in_expectation():
+    """1 + 2^-10 per step (a quarter ulp): round-to-nearest never moves; SR moves on average."""
+    p = {"w": jnp.ones((4096,), jnp.bfloat16)}
+    u = {"w": jnp.full((4096,), 2.0 ** -10, jnp.float32)}
+    assert np.all(np.asarray(optax.apply_updates(p, u)["w"]) == 1.0)
+    q = p
+    for i in range(16):
+        q = apply_updates_sr(q, u, jax.random.PRNGKey(i))
+    np.testing.assert_allclose(np.asarray(q["w"], np.float32).mean(), 1 + 16 * 2.0 ** -10,
+                               rtol=2e-3)
+
+
+def batch(seed=1):
+    x = synthetic_batch(jax.random.PRNGKey(seed), 2, 16, CFG.vocab_size)
+    return jax.tree_util.tree_map(lambda a: a.reshape(1, 2, 16), x)
+
+
+@pytest.mark.parametrize("precision,optimizer", [("fp32", "adamw8bit"), ("bf16-sr", "adamw8bit"),
+                                                 ("bf16-sr", "adamw"), ("fp32", "lion"),
+                                                 ("fp32", "adafactor")])
+def test_skipped_step_leaves_state_bitwise(precision, optimizer, monkeypatch):
+    cfg = StepConfig(CFG, get_precision(precision),
+                     optim=OptimConfig(lr=1e-2, warmup_steps=2, total_steps=20,
+                                       optimizer=optimizer))
+    state = create_train_state(cfg)
+    state, m = jit_train_step(cfg)(state, batch())
+    assert not bool(m["skipped"])
+    before = jax.tree_util.tree_map(np.asarray, state)
+    real = step_mod.token_loss
+    monkeypatch.setattr(step_mod, "token_loss", lambda *a: (real(*a)[0] * jnp.nan, real(*a)[1]))
+    after, m = jit_train_step(cfg)(state, batch(2))
+    assert bool(m["skipped"])
+    for x, y in zip(jax.tree_util.tree_leaves((after.params, after.opt_state, after.rng)),
+                    jax.tree_util.tree_leaves((before.params, before.opt_state, before.rng))):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), y)
+
+
+def test_bf16_sr_state_dtypes_and_loss_goes_down():
+    cfg = StepConfig(CFG, get_precision("bf16-sr"),
+                     optim=OptimConfig(lr=1e-2, warmup_steps=2, total_steps=20))
+    state = create_train_state(cfg)
+    assert {x.dtype for x in jax.tree_util.tree_leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
+    mu = state.opt_state[1][0].mu
+    assert {x.dtype for x in jax.tree_util.tree_leaves(mu)} == {jnp.dtype(jnp.float32)}
+    step = jit_train_step(cfg)
+    first = None
+    for _ in range(8):
+        state, m = step(state, batch())
+        first = float(m["loss"]) if first is None else first
+    assert float(m["loss"]) < first
+
+
+@pytest.mark.parametrize("flags", [pytest.param(["--optimizer", "adamw8bit"],
+                                                marks=pytest.mark.slow),  # bf16-sr's covers it
+                                   ["--optimizer", "adamw8bit", "--precision", "bf16-sr"],
+                                   ["--precision", "bf16-sr"],
+                                   ["--optimizer", "lion", "--lr", "3e-4"],
+                                   ["--optimizer", "adafactor"]])
+def test_resume_is_bitwise_exact(flags, tmp_path, corpus):
+    from jaxmem.train.cli import main
+    args = [*SMALL, "--steps", "4", "--eval-every", "0", "--data", corpus, *flags]
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    assert main([*args, "--out", straight]) == 0
+    assert main([*args, "--out", split, "--stop-at", "2"]) == 0
+    assert main(["--out", split, "--resume"]) == 0
+    assert losses(split) == losses(straight)
+    (s1, p1), (s2, p2) = params_of(split), params_of(straight)
+    assert s1 == s2 == 4
+    for a, b in zip(p1, p2):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("preset,opt_max,state_max", [("llama-3-8b", 2.5, 4.5),
+                                                      ("llama-3.2-1b", 3.4, 5.4)])
+def test_bytes_per_param_from_the_abstract_state(preset, opt_max, state_max):
+    """Measured on the abstract state (jax.eval_shape): 8B 2.425 / 4.425 B/param (its untied
+    embedding, 6.5% of the params, keeps fp32 moments); 1B 3.31 / 5.31 (tied embedding, 21%)."""
+    from jaxmem.config.model import get_preset
+    from jaxmem.memory.optimizer_bytes import state_bytes_per_param
+    r = state_bytes_per_param(get_preset(preset), OptimConfig(optimizer="adamw8bit"),
+                              get_precision("bf16-sr"))
+    assert r["optimizer_bytes_per_param"] <= opt_max and r["train_state_bytes_per_param"] <= state_max
+    # the 8-bit floor: 2 B/param of codes on the non-embedding params, fp32 m and v on the rest
+    floor = 2 * (1 - r["embedding_fraction"]) + 8 * r["embedding_fraction"]
+    assert floor <= r["optimizer_bytes_per_param"] <= floor * 1.03
+    amp = state_bytes_per_param(get_preset(preset), OptimConfig(), get_precision("amp-bf16"))
+    np.testing.assert_allclose(amp["train_state_bytes_per_param"], 12.0, rtol=1e-6)  # + count
+
+
+def test_update_in_pieces_equals_whole_leaf(monkeypatch):
+    """Leaves over CHUNK elements go through lax.map over row pieces (2^24 in use; 2^10 here):
+    the 8-bit update is bitwise the whole-leaf one; SR in pieces still lands on a neighbour."""
+    import jaxmem.train.optim8bit as o8
+    import jaxmem.train.stochastic as sr
+    rng = np.random.default_rng(2)
+    p = {"layers": {"mlp": {"up_proj": jnp.asarray(rng.standard_normal((2, 16, 512)),
+                                                    jnp.bfloat16)}}}
+    g = jax.tree_util.tree_map(lambda x: (x * 0.3 + 0.1).astype(jnp.bfloat16), p)
+    opt = adamw_8bit(1e-2)
+    state = opt.init(jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), p))
+
+    def run():
+        jax.clear_caches()
+        u, s = jax.jit(opt.update)(g, state, p)
+        return u, s, jax.jit(apply_updates_sr)(p, u, jax.random.PRNGKey(0))
+
+    whole = run()
+    monkeypatch.setattr(o8, "CHUNK", 2**10)
+    monkeypatch.setattr(sr, "CHUNK", 2**10)
+    assert o8._num_chunks((2, 16, 512)) == 16
+    pieces = run()
+    for a, b in zip(jax.tree_util.tree_leaves(whole[:2]), jax.tree_util.tree_leaves(pieces[:2])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    exact = (np.asarray(p["layers"]["mlp"]["up_proj"], np.float32)
+             + np.asarray(whole[0]["layers"]["mlp"]["up_proj"], np.float32))
+    got = np.asarray(pieces[2]["layers"]["mlp"]["up_proj"], np.float32)
+    ulp = 2.0 ** (np.floor(np.log2(np.abs(exact) + 1e-30)) - 7)
+    assert np.all(np.abs(got - exact) < ulp)
