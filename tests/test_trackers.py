@@ -279,6 +279,12 @@ def test_tensorboard_after_a_crash_and_continue_has_each_step_once(tmp_path, cor
             return step(state, batch)
         return run
 
+    # both runs within one second (tensorboardX names event files by the second: the second
+    # run reopened and truncated the first one's file; seen in CI)
+    import types
+
+    import tensorboardX.event_file_writer as efw
+    monkeypatch.setattr(efw, "time", types.SimpleNamespace(time=lambda: 1_800_000_000.0))
     out = tmp_path / "r"
     args = [*SMALL, "--data", corpus, "--out", str(out), "--steps", "6", "--save-every", "3"]
     monkeypatch.setattr(loop, "jit_train_step", crash_at_sixth_call)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from pathlib import Path
 
 # metrics.jsonl keys written to TensorBoard / W&B, under these tags
@@ -104,8 +105,12 @@ class Trackers:
             except ImportError:
                 pass  # on by default only where installed: nothing to say
             else:
+                # tensorboardX names event files by the second: a run continued within the
+                # same second would reopen (and truncate) the first file; the nanosecond suffix
+                # keeps every file and sorts them in order for TensorBoard's directory reader
                 tb = SummaryWriter(logdir=str(Path(out) / "tensorboard"), flush_secs=10,
-                                   purge_step=start_step + 1 if start_step else None)
+                                   purge_step=start_step + 1 if start_step else None,
+                                   filename_suffix=f".{time.time_ns()}")
         run = None
         if r.wandb_project:
             try:
