@@ -18,7 +18,9 @@ The model of the peak (what is live when the backward starts):
          + the largest transient: the logits group (logits, exp(logits - max), dlogits, all
            [B, T, V] fp32; with the fused loss, jaxmem.train.fused_loss, those of one chunk) or
            one layer's backward (its recomputed activations plus, on the XLA attention path, the
-           recomputed probabilities of one query chunk and their gradients), whichever is larger
+           recomputed probabilities of one query chunk and their gradients; with LoRA also a
+           quantized layer's dequantized weights and the adapters' [B, T, Out] gradient buffers,
+           jaxmem.peft.memory), whichever is larger
 
 or, if larger, what is live during the optimizer update: state + batch + gradients + one
 params-sized update buffer (activations are freed by then; at full size with remat this phase
@@ -222,8 +224,9 @@ def analytic_breakdown(spec: StepSpec) -> dict:
     layer_bwd = full_layer - _sum(per_layer)
     if attention == "xla":  # the probabilities of one query chunk (jaxmem.model.attention)
         layer_bwd += B * N * query_chunk((B, T, N), T) * T * (3 * FP32 + cb)
-    if lora is not None:  # a quantized layer's weights, dequantized again in its backward
-        layer_bwd += peft_memory.dequant_transient(c, lora, p.compute_dtype)
+    if lora is not None:  # a quantized layer's weights, dequantized again in its backward, and
+        layer_bwd += peft_memory.dequant_transient(c, lora, p.compute_dtype)  # the adapters'
+        layer_bwd += peft_memory.adapter_backward_transient(c, lora, B, T, p.compute_dtype)
     transient = max(logits_group, layer_bwd)
 
     pd, cdn = _dname(p.param_dtype), _dname(p.compute_dtype)
