@@ -176,6 +176,27 @@ def _is_q(x) -> bool:
     return isinstance(x, Quantized)
 
 
+def bias_corrections(count: jax.Array, b1: float, b2: float) -> tuple[jax.Array, jax.Array]:
+    """Adam's 1 - b^t for both moments (fp32), t = the updated count."""
+    return 1 - jnp.asarray(b1, jnp.float32) ** count, 1 - jnp.asarray(b2, jnp.float32) ** count
+
+
+def adam_piece(g, m, v, c1, c2, b1: float, b2: float, eps: float):
+    """One Adam step on (a piece of) a leaf: g any float dtype; m, v Quantized or fp32 arrays of
+    g's shape. Returns (update in promote(g.dtype, bf16), new m, new v); fp32 math throughout.
+    Shared by `scale_by_adam_8bit` and the fused in-place update (jaxmem.train.fused8bit), so the
+    two give bitwise the same moments and updates."""
+    g32 = g.astype(jnp.float32)
+    m32 = dequantize(m, SIGNED_MAP) if _is_q(m) else m
+    v32 = dequantize(v, UNSIGNED_MAP) if _is_q(v) else v
+    m32 = b1 * m32 + (1 - b1) * g32
+    v32 = b2 * v32 + (1 - b2) * g32 * g32
+    u = (m32 / c1) / (jnp.sqrt(v32 / c2) + eps)
+    new_m = quantize(m32, SIGNED_MAP) if _is_q(m) else m32
+    new_v = quantize(v32, UNSIGNED_MAP) if _is_q(v) else v32
+    return u.astype(jnp.promote_types(g.dtype, jnp.bfloat16)), new_m, new_v
+
+
 def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999,
                        eps: float = 1e-8) -> optax.GradientTransformation:
     """optax.scale_by_adam with both moments in 8 bits (fp32 where `keeps_fp32`); bias-corrected."""
@@ -191,19 +212,10 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999,
     def update_fn(updates, state, params=None):
         del params
         count = optax.safe_int32_increment(state.count)
-        c1 = 1 - jnp.asarray(b1, jnp.float32) ** count
-        c2 = 1 - jnp.asarray(b2, jnp.float32) ** count
+        c1, c2 = bias_corrections(count, b1, b2)
 
         def chunk(g, m, v):
-            g32 = g.astype(jnp.float32)
-            m32 = dequantize(m, SIGNED_MAP) if _is_q(m) else m
-            v32 = dequantize(v, UNSIGNED_MAP) if _is_q(v) else v
-            m32 = b1 * m32 + (1 - b1) * g32
-            v32 = b2 * v32 + (1 - b2) * g32 * g32
-            u = (m32 / c1) / (jnp.sqrt(v32 / c2) + eps)
-            new_m = quantize(m32, SIGNED_MAP) if _is_q(m) else m32
-            new_v = quantize(v32, UNSIGNED_MAP) if _is_q(v) else v32
-            return u.astype(jnp.promote_types(g.dtype, jnp.bfloat16)), new_m, new_v
+            return adam_piece(g, m, v, c1, c2, b1, b2, eps)
 
         def one(g, m, v):
             n = _num_chunks(g.shape) if _is_q(m) else 1

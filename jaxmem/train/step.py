@@ -163,7 +163,14 @@ def make_train_step(cfg: StepConfig):
         def skip(_):
             return state.params, state.opt_state
 
-        params, opt_state = jax.lax.cond(finite, apply, skip, None)
+        if cfg.optim.optimizer == "adamw8bit":  # update + apply in place (.fused8bit): no cond
+            from jaxmem.train.fused8bit import fused_adamw8bit_apply
+            from jaxmem.train.stochastic import step_key
+            key = step_key(state.rng, state.step) if cfg.precision.stochastic_rounding else None
+            params, opt_state = fused_adamw8bit_apply(cfg.optim, grads, state.opt_state,
+                                                      state.params, finite, key)
+        else:
+            params, opt_state = jax.lax.cond(finite, apply, skip, None)
         new_state = state.replace(
             step=state.step + 1,
             applied=state.applied + finite.astype(jnp.int32),

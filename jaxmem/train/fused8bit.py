@@ -1,0 +1,114 @@
+"""8-bit AdamW's update and its application in one in-place pass per leaf (`--optimizer adamw8bit`).
+
+    fused_adamw8bit_apply(cfg, grads, opt_state, params, finite, key)
+        -> (new params, new opt_state)       bitwise what the train step's
+                                             optimizer.update + apply_updates[_sr] gives
+
+The optax chain (clip, scale_by_adam_8bit, add_decayed_weights, -lr; jaxmem.train.optim) hands
+whole-leaf arrays from link to link: new codes and scales, the updates, then the new weights,
+each a fresh buffer of the leaf's size while the old ones are still live (and a lax.cond around
+it all for the skip). On llama-3-8b's stacked [L, 4096, 14336] leaves that was ~13 B/element of
+CPU temporaries on top of the state. Here each large leaf is one lax.fori_loop over row pieces
+(the same <= 2^24-element pieces as jaxmem.train.stochastic, so the same random bits) whose carry
+is the leaf's weights, codes and scales: a piece is read with a dynamic slice, clipped, put
+through Adam (optim8bit.adam_piece), decayed, scaled by -lr, added to the weights (stochastically
+rounded under bf16-sr) and written back with a dynamic update slice, so XLA updates the donated
+state buffers in place. The loop runs zero times on a non-finite step: every leaf stays bitwise
+as it was, as the lax.cond skip does.
+
+Each line of `_piece` mirrors one optax link (clip_by_global_norm, add_decayed_weights,
+scale_by_learning_rate, apply_updates), with the same dtypes, so both paths agree bit for bit
+(tested). The optax GradientTransformation (optim8bit.adamw_8bit) stays the reference.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import jaxmem.train.stochastic as sr
+from jaxmem.train.optim import OptimConfig, decay_mask, schedule
+from jaxmem.train.optim8bit import ScaleByAdam8bitState, adam_piece, bias_corrections
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _split_state(cfg: OptimConfig, opt_state):
+    """(clip state or None, adam state, decay state, schedule state) of make_optimizer's chain."""
+    clip_state, inner = opt_state if cfg.clip > 0 else (None, opt_state)
+    adam, decay, sched = inner
+    assert isinstance(adam, ScaleByAdam8bitState), type(adam)
+    return clip_state, adam, decay, sched
+
+
+def fused_adamw8bit_apply(cfg: OptimConfig, grads, opt_state, params, finite: jax.Array,
+                          key: jax.Array | None = None):
+    """make_optimizer(cfg).update + apply, in place; `key` given: bf16 leaves rounded
+    stochastically (jaxmem.train.stochastic's keys); `finite` False: everything unchanged."""
+    clip_state, adam, decay, sched = _split_state(cfg, opt_state)
+    norm = optax.tree.norm if hasattr(optax, "tree") else optax.global_norm
+    g_norm = norm(grads)
+    trigger = jnp.squeeze(g_norm < cfg.clip)
+    count = optax.safe_int32_increment(adam.count)
+    c1, c2 = bias_corrections(count, cfg.b1, cfg.b2)
+    step_size = -1 * schedule(cfg)(sched.count)  # scale_by_learning_rate
+    wd = cfg.weight_decay
+
+    def piece(g, m, v, p, decays, pkey):
+        if cfg.clip > 0:  # clip_by_global_norm
+            g = jax.lax.select(trigger, g, (g / g_norm.astype(g.dtype)) * cfg.clip)
+        u, m, v = adam_piece(g, m, v, c1, c2, cfg.b1, cfg.b2, cfg.eps)
+        if decays and wd != 0.0:  # add_decayed_weights (masked)
+            u = u + wd * p
+        u = jnp.array(step_size, dtype=u.dtype) * u
+        if pkey is None:
+            if key is not None:  # apply_updates_sr's non-bf16 leaves
+                return (p.astype(jnp.float32) + u.astype(jnp.float32)).astype(p.dtype), m, v
+            return jnp.asarray(p + u).astype(p.dtype), m, v  # optax.apply_updates
+        return sr.round_bf16(p.astype(jnp.float32) + u.astype(jnp.float32), pkey), m, v
+
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    cols = [treedef.flatten_up_to(t) for t in (grads, adam.mu, adam.nu,
+                                               decay_mask(params, cfg.decay_embeddings))]
+    new_p, new_m, new_v = [], [], []
+    for i, (p, g, m, v, decays) in enumerate(zip(leaves, *cols)):
+        leaf_key = (jax.random.fold_in(key, i)
+                    if key is not None and p.dtype == jnp.bfloat16 else None)
+        n = sr.row_chunks(p.shape, sr.CHUNK)
+        if n == 1:
+            out = piece(g, m, v, p, decays, leaf_key)
+            out = jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), out, (p, m, v))
+        else:
+            out = _in_place(piece, n, g, m, v, p, decays, leaf_key, finite)
+        for lst, x in zip((new_p, new_m, new_v), out):
+            lst.append(x)
+
+    adam = ScaleByAdam8bitState(count=jnp.where(finite, count, adam.count),
+                                mu=treedef.unflatten(new_m), nu=treedef.unflatten(new_v))
+    sched = sched._replace(count=jnp.where(finite, optax.safe_int32_increment(sched.count),
+                                           sched.count))
+    inner = (adam, decay, sched)
+    return treedef.unflatten(new_p), ((clip_state, inner) if cfg.clip > 0 else inner)
+
+
+def _in_place(piece, n, g, m, v, p, decays, leaf_key, finite):
+    """One leaf through `piece` in n row pieces, the carry (p, m, v) updated slice by slice."""
+    split = lambda x: x.reshape((n, -1, x.shape[-1]))  # noqa: E731  rows -> [n, rows / n, last]
+    # the gradient enters as raw bits, so XLA cannot hoist a whole-leaf fp32 convert out of the loop
+    gs = split(jax.lax.bitcast_convert_type(g, _UINT[g.dtype.itemsize]))
+
+    def body(j, carry):
+        take = lambda x: jax.lax.dynamic_index_in_dim(x, j, 0, keepdims=False)  # noqa: E731
+        put = lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, j, 0)  # noqa: E731
+        pkey = None if leaf_key is None else jax.random.fold_in(leaf_key, j)
+        gj = jax.lax.bitcast_convert_type(take(gs), g.dtype)
+        out = piece(gj, *jax.tree_util.tree_map(take, carry[1:]), take(carry[0]), decays, pkey)
+        pj, mj, vj = out
+        return jax.tree_util.tree_map(put, carry, (pj, mj, vj))
+
+    carry = jax.tree_util.tree_map(split, (p, m, v))
+    trips = jnp.where(finite, n, 0)  # a skipped step runs no piece: the carry stays bitwise
+    out = jax.lax.fori_loop(0, trips, body, carry)
+    shape_of = (p, m, v)
+    return jax.tree_util.tree_map(lambda x, ref: x.reshape(ref.shape), out, shape_of)
