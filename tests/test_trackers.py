@@ -5,6 +5,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -284,7 +285,8 @@ def test_tensorboard_after_a_crash_and_continue_has_each_step_once(tmp_path, cor
     import types
 
     import tensorboardX.event_file_writer as efw
-    monkeypatch.setattr(efw, "time", types.SimpleNamespace(time=lambda: 1_800_000_000.0))
+    now = float(int(time.time()))  # this second: the writers' flush deadlines stay near now
+    monkeypatch.setattr(efw, "time", types.SimpleNamespace(time=lambda: now))
     out = tmp_path / "r"
     args = [*SMALL, "--data", corpus, "--out", str(out), "--steps", "6", "--save-every", "3"]
     monkeypatch.setattr(loop, "jit_train_step", crash_at_sixth_call)
