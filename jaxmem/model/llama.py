@@ -41,7 +41,6 @@ class Attention(nn.Module):
 
     config: ModelConfig
     einsum: Einsum = default_einsum
-    tile_mlp: bool = False
 
     @nn.compact
     def __call__(self, x, cos, sin, mask):
