@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>"]
 
@@ -10,6 +11,8 @@ SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>"]
 def write_tokenizer(d, text: str, vocab_size: int = 300) -> int:
     """A byte-level BPE tokenizer.json trained on `text`, whose post-processor adds BOS as Llama
     3's does; returns its vocabulary size (with the special tokens)."""
+    # the `hf` extra: a test that builds a checkpoint skips without it
+    pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
