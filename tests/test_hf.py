@@ -36,6 +36,14 @@ LLAMA_32_3B = {**LLAMA_32_1B, "head_dim": 128, "hidden_size": 3072, "num_attenti
 LLAMA_3_8B = {**LLAMA_32_1B, "hidden_size": 4096, "intermediate_size": 14336,
               "max_position_embeddings": 8192, "num_hidden_layers": 32, "rope_scaling": None,
               "tie_word_embeddings": False, "head_dim": None}
+# Llama 3.1's config.json files (8B, 70B, 405B): rope_scaling factor 8, 131k positions, untied.
+LLAMA_31_8B = {**LLAMA_32_1B, "hidden_size": 4096, "intermediate_size": 14336,
+               "num_hidden_layers": 32, "tie_word_embeddings": False, "head_dim": None,
+               "rope_scaling": {**LLAMA_32_1B["rope_scaling"], "factor": 8.0}}
+LLAMA_31_70B = {**LLAMA_31_8B, "hidden_size": 8192, "intermediate_size": 28672,
+                "num_attention_heads": 64, "num_hidden_layers": 80}
+LLAMA_31_405B = {**LLAMA_31_8B, "hidden_size": 16384, "intermediate_size": 53248,
+                 "num_attention_heads": 128, "num_hidden_layers": 126}
 LLAMA_2_7B = {"architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "hidden_size": 4096,
               "intermediate_size": 11008, "max_position_embeddings": 4096, "model_type": "llama",
               "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
@@ -48,7 +56,9 @@ def resolved(c):
 
 
 @pytest.mark.parametrize("name, hf", [("llama-3.2-1b", LLAMA_32_1B), ("llama-3.2-3b", LLAMA_32_3B),
-                                      ("llama-3-8b", LLAMA_3_8B), ("llama-2-7b", LLAMA_2_7B)])
+                                      ("llama-3-8b", LLAMA_3_8B), ("llama-2-7b", LLAMA_2_7B),
+                                      ("llama-3.1-8b", LLAMA_31_8B), ("llama-3.1-70b", LLAMA_31_70B),
+                                      ("llama-3.1-405b", LLAMA_31_405B)])
 def test_presets_equal_the_published_configs(name, hf):
     assert resolved(config_from_hf(hf)) == resolved(PRESETS[name])
     assert resolved(config_from_hf(config_to_hf(PRESETS[name]))) == resolved(PRESETS[name])
