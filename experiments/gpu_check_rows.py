@@ -61,43 +61,41 @@ def rows(smoke: bool) -> list[Row]:
         seq8, lora_seq = ("--seq-len", "32"), ("--batch-size", "2", "--seq-len", "32")
         cmp = ("--preset", "tiny", "--num-layers", "1", "--batch-size", "2", "--seq-len", "32",
                "--steps", "2", "--warmup", "1", "--frameworks", "jax", "torch", "--threads", "1")
-        scale = 0.5
     else:
         b1 = ("--preset", "llama-3.2-1b", "--batch-size", "8", "--seq-len", "2048")
         b8, seq8 = ("--preset", "llama-3-8b"), ("--seq-len", "2048")
         lora_seq = ("--batch-size", "1", "--seq-len", "2048")
         cmp = ("--preset", "llama-3.2-1b", "--seq-len", "2048", "--batch-size", "4",
                "--steps", "10")
-        scale = 1.0
     amp = ("--precision", "amp-bf16", "--remat", "full")
     sr8 = ("--precision", "bf16-sr", "--optimizer", "adamw8bit", "--remat", "full")
     lora = ("--lora-rank", "16", "--lora-alpha", "32", *amp, *lora_seq)
     hf_flags = _flags({k: v for k, v in hf_model.items()})
     size = "tiny" if smoke else "llama-3.2-1b"
     return [
-        Row("gpu-tests", "pytest", "pytest -m gpu (the tests marked gpu)", timeout=300 * scale),
+        Row("gpu-tests", "pytest", "pytest -m gpu (the tests marked gpu)", timeout=300),
         Row("1b-adamw", "train", f"{size} amp-bf16 remat full {_bt(b1)} AdamW", (*b1, *amp),
-            timeout=300 * scale),
+            timeout=300),
         Row("1b-adamw8bit", "train", f"same, --optimizer adamw8bit",
-            (*b1, *amp, "--optimizer", "adamw8bit"), timeout=300 * scale),
+            (*b1, *amp, "--optimizer", "adamw8bit"), timeout=300),
         Row("1b-fp8", "train", "same as 1b-adamw, --precision fp8",
-            (*b1, "--precision", "fp8", "--remat", "full"), timeout=300 * scale),
+            (*b1, "--precision", "fp8", "--remat", "full"), timeout=300),
         Row("8b-1x2048", "train", f"{'tiny' if smoke else 'llama-3-8b'} bf16-sr adamw8bit remat "
-            f"full 1x{seq8[1]}", (*b8, *sr8, "--batch-size", "1", *seq8), timeout=420 * scale),
+            f"full 1x{seq8[1]}", (*b8, *sr8, "--batch-size", "1", *seq8), timeout=420),
         Row("8b-4x2048", "train", f"same, 4x{seq8[1]}", (*b8, *sr8, "--batch-size", "4", *seq8),
-            timeout=420 * scale),
+            timeout=420),
         Row("qlora-nf4", "train", f"LoRA r16 on a random {size}-shaped HF checkpoint, NF4 base + "
             f"double quant, amp-bf16 remat full {_bt(lora_seq)}",
             (*lora, "--quantize-base", "nf4", "--double-quant"), hf_flags, hf=True,
-            timeout=300 * scale, needs=("tokenizers", "safetensors")),
+            timeout=300, needs=("tokenizers", "safetensors")),
         Row("lora-bf16", "train", "same LoRA, bf16 base (no quantization)",
-            (*lora, "--quantize-base", "none"), hf_flags, hf=True, timeout=300 * scale,
+            (*lora, "--quantize-base", "none"), hf_flags, hf=True, timeout=300,
             needs=("tokenizers", "safetensors")),
         Row("fp8-diag", "diag", "python -m experiments.fp8_diag --json (why fp8 is slow)",
-            timeout=420 * scale),
+            timeout=420),
         *(Row(f"compare-{r}", "compare", f"experiments.compare amp-bf16 remat {r}: jax, torch "
               f"eager{'' if smoke else ', torch.compile'}",
-              args=(*cmp, "--modes", "amp-bf16", "--remats", r), timeout=480 * scale,
+              args=(*cmp, "--modes", "amp-bf16", "--remats", r), timeout=480,
               needs=("torch",)) for r in ("none", "full")),
         Row("suite", "suite", "the whole test suite (pytest -n 8), every failure by name",
             timeout=1500.0),
@@ -190,7 +188,8 @@ def diag_note(doc: dict) -> str:
 
 
 def _mib(x):
-    return "n/a" if x is None else f"{x / 2**20:,.0f} MiB"
+    return "n/a" if x is None else f"{x / 2**20:,.0f} MiB" if x >= 100 * 2**20 else (
+        f"{x / 2**20:.2f} MiB")
 
 
 def _gib(x):
