@@ -57,7 +57,7 @@ from pathlib import Path
 
 from experiments.gpu_check_rows import (ROOT, Row, compare_numbers, diag_note, last_record,
                                         plan_numbers, pytest_counts, rows, train_metrics)
-from experiments.gpu_check_table import commit, gpu_name, versions, write_report
+from experiments.gpu_check_table import commit, gpu_name, markdown, versions, write_report
 
 PROG = "python -m experiments.gpu_check"
 _clock = time.perf_counter  # the budget's clock (a test replaces it)
@@ -320,6 +320,7 @@ def main(argv=None) -> int:
     pool.shutdown()
     doc["total_s"] = _clock() - t0
     write_report(args.out, doc)
+    print(markdown(doc))  # the table, for the session's notes
     failed = [r["name"] for r in doc["rows"] if r["status"] == "FAILED"]
     print(f"gpu_check: {len(doc['rows'])} rows in {doc['total_s']:.0f} s; wrote "
           f"{args.out / 'gpu_check.md'} and gpu_check.json", file=sys.stderr)

@@ -24,9 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
 
-# Shapes of the random HF checkpoint: the 1B preset's (full) or the tiny HF tests' (smoke).
+# Shapes of the random HF checkpoint: the 1B preset's (full) or a tiny one (smoke); both have more
+# embedding rows than the 300-token tokenizer, as a real checkpoint may.
 HF_SHAPES = {"full": {"preset": "llama-3.2-1b"},
-             "smoke": {"preset": "tiny", "vocab_size": 300, "hidden_size": 64,
+             "smoke": {"preset": "tiny", "vocab_size": 512, "hidden_size": 64,
                        "intermediate_size": 128, "num_layers": 2, "num_heads": 4,
                        "num_kv_heads": 2, "head_dim": 16, "max_position_embeddings": 256}}
 
