@@ -111,13 +111,16 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------- subprocesses
 
 
-def child_env(**extra) -> dict:
+def child_env(cpu_only: bool = False, **extra) -> dict:
     """The environment of every row: this checkout first on PYTHONPATH (no install needed), no
     preallocation (the peak is what the process used, and the planner's background compile
-    never takes 75% of the GPU)."""
+    never takes 75% of the GPU); `cpu_only` (--smoke, the background plans): no GPU at all, so
+    --smoke checks the same thing on a GPU machine as on a CPU one."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
         XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    if cpu_only:
+        env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
     env.update(extra)
     return env
 
@@ -166,7 +169,7 @@ def plan_cmd(row: Row) -> list[str]:
 
 
 def run_plan(row: Row, out: Path, where: str) -> dict:
-    env = child_env(**({"JAX_PLATFORMS": "cpu"} if where == "cpu" else {}))
+    env = child_env(cpu_only=where == "cpu")
     report = out / "logs" / f"{row.name}.plan.json"
     res = run(plan_cmd(row), out / "logs" / f"{row.name}.plan.log", 900, env, stdout=report)
     if res["rc"] != 0 or res["timed_out"]:
@@ -201,7 +204,8 @@ def run_row(row: Row, args, hf: dict) -> dict:
                        if "mark.gpu" in p.read_text())
         if row.kind == "pytest" and not files:
             return {"status": "skipped", "why": "no test is marked gpu"}
-        res = run(pytest_cmd(files, row.kind == "suite"), log, row.timeout, child_env())
+        res = run(pytest_cmd(files, row.kind == "suite"), log, row.timeout,
+                  child_env(args.smoke))
         got = pytest_counts(res["text"])
         bad = got["failed"] + got["errors"]
         ok = not res["timed_out"] and res["rc"] in (0, 5) and not bad
@@ -219,7 +223,7 @@ def run_row(row: Row, args, hf: dict) -> dict:
                                                 "GEMMs, a GPU profile)"}
         stdout = out / "logs" / f"{row.name}.stdout"
         res = run([sys.executable, "-m", "experiments.fp8_diag", "--json"], log, row.timeout,
-                  child_env(), stdout=stdout)
+                  child_env(args.smoke), stdout=stdout)
         lines = [ln for ln in stdout.read_text().splitlines() if ln.strip()][-1:]
         lines = [ln for ln in lines if ln.startswith("{")]  # its last stdout line is the JSON
         if res["rc"] != 0 or not lines:
@@ -231,7 +235,7 @@ def run_row(row: Row, args, hf: dict) -> dict:
         path = out / f"{row.name}.json"
         cmd = [sys.executable, "-m", "experiments.compare", *row.args, "--out", str(path),
                "--timeout", str(row.timeout / 2)]  # per framework run
-        res = run(cmd, log, row.timeout, child_env())
+        res = run(cmd, log, row.timeout, child_env(args.smoke))
         doc = json.loads(path.read_text()) if path.is_file() else {}
         metrics, note, failed = compare_numbers(doc)
         ok = res["rc"] == 0 and not res["timed_out"] and not failed and doc.get("complete")
@@ -245,7 +249,7 @@ def run_row(row: Row, args, hf: dict) -> dict:
     run_dir = out / "runs" / row.name
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a fresh run, never a continuation of an earlier check
-    env = child_env(XLA_PYTHON_CLIENT_MEM_FRACTION=".95")
+    env = child_env(args.smoke, XLA_PYTHON_CLIENT_MEM_FRACTION=".95")
     res = run(train_cmd(row, args, run_dir, hf.get("dir")), log, row.timeout, env)
     metrics = train_metrics(last_record(run_dir / "metrics.jsonl"))
     if not args.keep_runs:
@@ -265,7 +269,7 @@ def make_hf_checkpoint(args, smoke: bool) -> dict:
         shutil.rmtree(d)
     cmd = [sys.executable, "-m", "experiments.gpu_check", "--out", str(args.out),
            "--make-hf", "smoke" if smoke else "full"]
-    res = run(cmd, args.out / "logs" / "make-hf.log", 600, child_env(JAX_PLATFORMS="cpu"))
+    res = run(cmd, args.out / "logs" / "make-hf.log", 600, child_env(cpu_only=True))
     if res["rc"] != 0 or res["timed_out"]:
         return {"error": "making the random HF checkpoint: " + error_line(res, 600), "failed": True}
     return {"dir": d / "hf", "seconds": res["seconds"]}

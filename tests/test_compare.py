@@ -149,6 +149,9 @@ def test_driver_writes_json_and_chart(tmp_path, monkeypatch, capsys):
     subprocess per run, then the JSON document and the chart. On an H100 it once crashed after
     all nine runs on `args.preset` and wrote nothing."""
     monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    # the driver is under test, not the device: CPU on a GPU machine too (workers inherit this)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     out = tmp_path / "res" / "c.json"  # a directory that does not exist yet
     argv = ["--preset", "tiny", "--num-layers", "1", "--batch-size", "2", "--seq-len", "32",
             "--steps", "2", "--warmup", "1", "--modes", "fp32", "--remats", "full",

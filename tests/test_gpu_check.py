@@ -31,7 +31,7 @@ def test_smoke_train_row_with_plan_and_skipped_diag(tmp_path, capsys):
     train, diag = doc["rows"]
     assert (train["name"], train["status"]) == ("1b-adamw", "ok")
     assert train["tokens_per_s"] > 0 and train["eval_loss"] > 0
-    assert train["peak_bytes"] is None and train["mfu"] is None  # CPU: no allocator stats
+    assert train["peak_bytes"] is None and train["mfu"] is None  # --smoke: CPU only
     plan = train["plan"]
     assert plan["where"] == "cpu" and plan["backend"] == "cpu"
     assert plan["compiled_bytes"] > plan["analytic_bytes"] * 0.5 > 0
@@ -199,5 +199,8 @@ def test_children_import_this_checkout():
     env = gpu_check.child_env(X="1")
     assert env["PYTHONPATH"].split(":")[0] == str(gr.ROOT) and env["X"] == "1"
     assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    # --smoke sees no GPU, on a GPU machine too: the same check everywhere
+    cpu = gpu_check.child_env(cpu_only=True)
+    assert cpu["JAX_PLATFORMS"] == "cpu" and cpu["CUDA_VISIBLE_DEVICES"] == ""
     cmd = gpu_check.pytest_cmd([], suite=True)
     assert cmd[:3] == [sys.executable, "-m", "pytest"]
