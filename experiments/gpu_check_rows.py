@@ -202,6 +202,7 @@ def _gib(x):
 
 def make_hf(out: Path, shape: str) -> None:
     """A random Llama checkpoint of HF_SHAPES[shape] in `out` (bf16 safetensors, tokenizer)."""
+    import ml_dtypes
     import numpy as np
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -231,10 +232,10 @@ def make_hf(out: Path, shape: str) -> None:
 
     def leaf(path, s):
         if "scale" in jax.tree_util.keystr(path):
-            return np.ones(s.shape, np.float32)
+            return np.ones(s.shape, ml_dtypes.bfloat16)
         n = math.prod(s.shape)
         reps = np.resize(np.roll(pool, int(rng.integers(pool.size))), n)
-        return reps.reshape(s.shape)
+        return reps.reshape(s.shape).astype(ml_dtypes.bfloat16)  # 2.5 GB for the 1B, not 5
 
     params = jax.tree_util.tree_map_with_path(leaf, abstract_params(config))
     save_hf(out / "hf", config, params, dtype="bfloat16",
