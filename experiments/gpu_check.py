@@ -306,6 +306,8 @@ def main(argv=None) -> int:
         if args.budget and elapsed > args.budget and row.kind != "suite":
             rec.update(status="skipped", why=f"the --budget of {args.budget:.0f} s was spent "
                                               f"(run it alone: --rows {row.name})")
+            if row.name in plans and plans[row.name].cancel():  # no plan for a row not run
+                del plans[row.name]
         else:
             print(f"[{i + 1}/{len(chosen)} {elapsed:5.0f} s] {row.name}: {row.what}",
                   file=sys.stderr, flush=True)
@@ -315,7 +317,8 @@ def main(argv=None) -> int:
                 hf = make_hf_checkpoint(args, args.smoke)
             rec.update(run_row(row, args, hf or {}))
             if args.plan == "gpu" and row.kind == "train":
-                plans[row.name] = pool.submit(run_plan, row, args.out, "gpu")
+                where = "cpu" if args.smoke else "gpu"  # --smoke never uses a GPU
+                plans[row.name] = pool.submit(run_plan, row, args.out, where)
                 plans[row.name].result()  # in sequence: nothing else on the GPU meanwhile
         _say(rec)
         _fill_plans(doc, plans, wait=False)
