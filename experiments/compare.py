@@ -38,7 +38,8 @@ policy string can be given instead (`--remats none "names:query,key"`); torch th
 `selective`.
 
 `--json` prints only the JSON document; results go to a new experiments/results/compare-*_<date>.json
-(never over a tracked file) or to `--out`, and a chart (matplotlib, the `plot` extra: saved
+(never over a tracked file) or to `--out`, rewritten after every run (`"complete": false` until
+the last run and the ratios are in, so a crash loses no finished run), and a chart (matplotlib, the `plot` extra: saved
 activations and tokens/s per mode and remat, a bar per framework) next to it as .png.
 
 Layout: this module is the driver (flags, one subprocess per run, the JSON document);
@@ -174,6 +175,14 @@ def run_in_subprocess(spec: dict, timeout: float) -> dict:
     return json.loads(lines[-1])
 
 
+def write_json(path: Path, doc: dict) -> None:
+    """The document, replaced atomically: a crash while writing leaves the previous version."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
@@ -181,9 +190,33 @@ def main(argv=None) -> int:
         return 0
     specs = specs_from_args(args)
     results = []
+    doc = {"date": datetime.date.today().isoformat(), "device": None,
+           "host": f"{platform.machine()} {os.cpu_count()} cores", "versions": versions(),
+           "args": {k: (str(v) if isinstance(v, Path) else v.to_dict() if k == "config" else v)
+                    for k, v in vars(args).items() if k != "worker"},
+           "selective_policy": {"jax": SELECTIVE, "torch": "SelectiveCheckpoint (mm + attention)"},
+           "complete": False, "results": results, "ratios": []}
+    out = None
+
+    def save() -> None:
+        """Write the document as it stands. Called after every run, so a crash later (another
+        run, the report, the chart) never loses the runs already measured (on a GPU, minutes)."""
+        nonlocal out
+        if args.no_save:
+            return
+        if out is None:  # named after the first run's device (the jax run comes first)
+            run = "quick" if args.quick else args.config.model.preset
+            stem = f"compare-{run}-{(doc['device'] or 'x').split(':')[0]}"
+            out = args.out or new_result_file(stem, companions=(".png",))  # never a tracked file
+        write_json(out, doc)
+
     for spec in specs:
         r = run_in_subprocess(spec, args.timeout)
         results.append(r)
+        doc["device"] = doc["device"] or next(
+            (x["device"] for x in results if x.get("spec", {}).get("framework") == "jax"
+             and "device" in x), None)
+        save()
         if not args.json:
             msg = r.get("error") or (f"saved {mib(r.get('saved_bytes'))} MiB, "
                                      f"{r['tokens_per_s']:,.0f} tok/s, loss {r['loss']:.4f}")
@@ -191,20 +224,11 @@ def main(argv=None) -> int:
                   f"{msg}",
                   file=sys.stderr, flush=True)
     add_mfu(results)
-    rows = add_ratios(results)
-    dev = next((r["device"] for r in results if r.get("spec", {}).get("framework") == "jax"
-                and "device" in r), None)
-    doc = {"date": datetime.date.today().isoformat(), "device": dev,
-           "host": f"{platform.machine()} {os.cpu_count()} cores", "versions": versions(),
-           "args": {k: (str(v) if isinstance(v, Path) else v.to_dict() if k == "config" else v)
-                    for k, v in vars(args).items() if k != "worker"},
-           "selective_policy": {"jax": SELECTIVE, "torch": "SelectiveCheckpoint (mm + attention)"},
-           "results": results, "ratios": rows}
-    if not args.no_save:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        stem = f"compare-{'quick' if args.quick else args.preset}-{(dev or 'x').split(':')[0]}"
-        out = args.out or new_result_file(stem, companions=(".png",))  # never a tracked file
-        out.write_text(json.dumps(doc, indent=1) + "\n")
+    doc["ratios"] = rows = add_ratios(results)
+    doc["complete"] = True
+    save()
+    dev = doc["device"]
+    if out is not None:
         doc["written"] = [str(out)]
         try:
             write_chart(out.with_suffix(".png"), results)

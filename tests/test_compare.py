@@ -1,7 +1,8 @@
 """experiments.compare: one tiny configuration in-process on both sides, the byte counts, the
-report. (The subprocess-per-configuration driver runs in `python -m experiments.compare --quick`.)
+report, and the driver's non-quick path end to end (worker subprocesses, JSON and chart).
 """
 
+import importlib.util
 import json
 
 import jax
@@ -141,6 +142,61 @@ def test_selective_checkpoint_same_gradients():
         torch.testing.assert_close(a, g, rtol=0, atol=0)
     with pytest.raises(ValueError, match="unknown torch remat"):
         tt.set_remat(model, "dots")
+
+
+def test_driver_writes_json_and_chart(tmp_path, monkeypatch, capsys):
+    """The non-`--quick` path (the GPU command's), end to end with the real driver: one
+    subprocess per run, then the JSON document and the chart. On an H100 it once crashed after
+    all nine runs on `args.preset` and wrote nothing."""
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    # the driver is under test, not the device: CPU on a GPU machine too (workers inherit this)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    out = tmp_path / "res" / "c.json"  # a directory that does not exist yet
+    argv = ["--preset", "tiny", "--num-layers", "1", "--batch-size", "2", "--seq-len", "32",
+            "--steps", "2", "--warmup", "1", "--modes", "fp32", "--remats", "full",
+            "--frameworks", "jax", "torch", "--threads", "1", "--out", str(out)]
+    assert compare.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is True and doc["args"]["config"]["model"]["preset"] == "tiny"
+    runs = [(r["spec"]["framework"], r["spec"]["mode"], r["spec"]["remat"]) for r in doc["results"]]
+    assert runs == [("jax", "fp32", "full"), ("torch", "fp32", "full")]
+    for r in doc["results"]:
+        assert "error" not in r, r["error"]
+        assert len(r["losses"]) == 2 and r["tokens_per_s"] > 0 and r["saved_bytes"] > 0
+    # the same weights and batches on both sides: the first losses agree
+    assert abs(doc["results"][0]["losses"][0] - doc["results"][1]["losses"][0]) < 1e-4
+    assert len(doc["ratios"]) == 1 and doc["ratios"][0]["remat"] == "full"
+    assert doc["device"].startswith("cpu")
+    text = capsys.readouterr().out
+    assert f"wrote {out}" in text and "saved jax/torch" in text
+    if importlib.util.find_spec("matplotlib") is None:
+        assert not out.with_suffix(".png").exists()  # the JSON is kept without the plot extra
+    else:
+        assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"wrote {out.with_suffix('.png')}" in text
+
+
+def test_driver_keeps_finished_runs_when_a_later_one_fails(tmp_path, monkeypatch):
+    """The JSON is rewritten after every run: a crash after the first run leaves that run on
+    disk (`complete` false)."""
+    out = tmp_path / "c.json"
+    calls = []
+
+    def fake_run(spec, timeout):
+        if calls:
+            raise RuntimeError("the second run crashed the driver")
+        calls.append(spec)
+        return {"spec": spec, "device": "cpu:fake", "tokens_per_s": 1.0, "saved_bytes": 1,
+                "loss": 1.0}
+
+    monkeypatch.setattr(compare, "run_in_subprocess", fake_run)
+    with pytest.raises(RuntimeError, match="second run"):
+        compare.main(["--preset", "tiny", "--modes", "fp32", "--remats", "none",
+                      "--frameworks", "jax", "torch", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is False and doc["device"] == "cpu:fake"
+    assert [r["spec"]["framework"] for r in doc["results"]] == ["jax"]
 
 
 def test_cli_flags():

@@ -174,6 +174,10 @@ def train(s) -> int:
         if evaluated is not None:
             rec = trackers.with_eval_metrics({**rec, "eval_loss": evaluated})
         mem = device_memory(device)
+        if peak and rec["tokens_per_sec"]:  # GPU: what the end-of-run line prints, per record
+            rec["mfu"] = rec["tokens_per_sec"] * fpt / peak
+        if mem:  # the process's peak so far (experiments.gpu_check reads it from the record)
+            rec["peak_bytes_in_use"] = mem["peak_bytes_in_use"]
         # a skipped (non-finite) step is always recorded: plots and audits count them
         if step % r.log_every == 0 or step == steps or evaluated is not None or rec["skipped"]:
             metrics_file.write(json.dumps(rec) + "\n")

@@ -1,0 +1,206 @@
+"""experiments.gpu_check on CPU: `--smoke` runs the real rows at tiny sizes (the train CLI, the
+planner, the random HF checkpoint, the compare driver, pytest) and writes the table and the JSON;
+a row that fails is named and makes the exit status 1; rows finished before a crash stay on disk.
+"""
+
+import json
+import sys
+
+import pytest
+
+from experiments import gpu_check
+from experiments import gpu_check_rows as gr
+from experiments.gpu_check_table import markdown
+
+
+@pytest.fixture(autouse=True)
+def _no_prealloc(monkeypatch):
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def _doc(out):
+    return json.loads((out / "gpu_check.json").read_text())
+
+
+@pytest.mark.slow  # two tiny train runs and a CPU plan: ~70 s on 2 busy cores
+def test_smoke_train_row_with_plan_and_skipped_diag(tmp_path, capsys):
+    out = tmp_path / "g"
+    assert gpu_check.main(["--smoke", "--out", str(out), "--rows", "1b-adamw", "fp8-diag"]) == 0
+    doc = _doc(out)
+    assert doc["mode"] == "smoke" and doc["total_s"] > 0
+    train, diag = doc["rows"]
+    assert (train["name"], train["status"]) == ("1b-adamw", "ok")
+    assert train["tokens_per_s"] > 0 and train["eval_loss"] > 0
+    assert train["peak_bytes"] is None and train["mfu"] is None  # --smoke: CPU only
+    plan = train["plan"]
+    assert plan["where"] == "cpu" and plan["backend"] == "cpu"
+    assert plan["compiled_bytes"] > plan["analytic_bytes"] * 0.5 > 0
+    assert diag["status"] == "skipped" and diag["why"]
+    md = (out / "gpu_check.md").read_text()
+    assert "| 1b-adamw | ok |" in md and "| fp8-diag | skipped |" in md
+    assert f"{train['tokens_per_s']:,.0f}" in md
+    # the checkpoint is deleted after the row, the record kept
+    assert not (out / "runs" / "1b-adamw" / "checkpoints").exists()
+    assert (out / "runs" / "1b-adamw" / "metrics.jsonl").is_file()
+    assert "gpu_check: 2 rows in" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # every row at tiny size: several minutes on 2 cores
+def test_smoke_every_row(tmp_path):
+    out = tmp_path / "g"
+    rc = gpu_check.main(["--smoke", "--out", str(out), "--plan", "off"])
+    doc = _doc(out)
+    status = {r["name"]: r["status"] for r in doc["rows"]}
+    assert rc == 0, [(r["name"], r.get("error")) for r in doc["rows"] if r["status"] == "FAILED"]
+    assert "suite" not in status and len(status) == 11
+    assert status["fp8-diag"] == "skipped"
+    for name in ("1b-adamw", "1b-adamw8bit", "1b-fp8", "8b-1x2048", "8b-4x2048", "qlora-nf4",
+                 "lora-bf16"):
+        assert status[name] == "ok", name
+    rows = {r["name"]: r for r in doc["rows"]}
+    assert rows["qlora-nf4"]["tokens_per_s"] > 0
+    assert status["gpu-tests"] == "ok" and rows["gpu-tests"]["tests"]["counts"].get("skipped")
+    if status["compare-none"] != "skipped":  # torch installed
+        assert rows["compare-full"]["tokens_per_s"] > 0
+        assert "torch eager" in rows["compare-full"]["note"]
+
+
+def test_a_failing_row_is_named_and_exits_1(tmp_path, monkeypatch, capsys):
+    """A train row with a flag jaxmem.train refuses: FAILED with the error's line, exit 1."""
+    bad = gr.Row("bad", "train", "a precision that does not exist",
+                 ("--preset", "tiny", "--precision", "fp7"), timeout=120)
+    monkeypatch.setattr(gpu_check, "rows", lambda smoke: [bad])
+    out = tmp_path / "g"
+    assert gpu_check.main(["--smoke", "--out", str(out), "--plan", "off"]) == 1
+    (row,) = _doc(out)["rows"]
+    assert row["status"] == "FAILED" and row["error"].startswith("exit 2: ")
+    assert "fp7" in row["error"]
+    err = capsys.readouterr().err
+    assert "gpu_check: FAILED bad: exit 2" in err and "FAILED rows: bad" in err
+    assert "| bad | FAILED |" in (out / "gpu_check.md").read_text()
+
+
+def test_rows_written_as_they_finish(tmp_path, monkeypatch):
+    """The driver dies in the second row: the first row's numbers are already on disk."""
+    def fake_row(row, args, hf):
+        if row.name == "1b-adamw8bit":
+            raise KeyboardInterrupt  # the machine taken away mid-run
+        return {"status": "ok", "seconds": 1.0, "tokens_per_s": 123.0, "peak_bytes": 2**30}
+
+    monkeypatch.setattr(gpu_check, "run_row", fake_row)
+    out = tmp_path / "g"
+    with pytest.raises(KeyboardInterrupt):
+        gpu_check.main(["--smoke", "--out", str(out), "--plan", "off",
+                        "--rows", "1b-adamw", "1b-adamw8bit", "1b-fp8"])
+    rows = _doc(out)["rows"]
+    assert [r["status"] for r in rows] == ["ok", "running", "pending"]
+    assert rows[0]["tokens_per_s"] == 123.0
+    assert "| 1b-adamw | ok | 123 |" in (out / "gpu_check.md").read_text()
+
+
+def test_budget_skips_later_rows_naming_the_flag(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "run_row", lambda row, args, hf: {"status": "ok"})
+    clock = iter([0.0, 0.0])  # start, first row; then 700 s
+    monkeypatch.setattr(gpu_check, "_clock", lambda: next(clock, 700.0))
+    out = tmp_path / "g"
+    assert gpu_check.main(["--out", str(out), "--plan", "off", "--budget", "540",
+                           "--rows", "1b-adamw", "1b-adamw8bit"]) == 0
+    a, b = _doc(out)["rows"]
+    assert a["status"] == "ok" and b["status"] == "skipped"
+    assert "--budget of 540 s" in b["why"] and "--rows 1b-adamw8bit" in b["why"]
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--rows", "nope"], "--rows: unknown row 'nope'"),
+    (["--steps", "2"], "--steps 2: at least 3"),
+])
+def test_bad_flags_exit_2_with_one_line(tmp_path, capsys, argv, msg):
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--out", str(tmp_path / "g"), *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"python -m experiments.gpu_check: error: {msg}")
+    assert not (tmp_path / "g").exists()  # nothing written
+
+
+def test_out_must_be_a_directory(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("kept")
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--out", str(f)])
+    assert e.value.code == 2 and "is not a directory" in capsys.readouterr().err
+    assert f.read_text() == "kept"
+
+
+def test_help_names_every_row_and_flag(capsys):
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--help"])
+    text = capsys.readouterr().out
+    for r in gr.rows(False):
+        assert r.name in text
+    for flag in ("--out", "--rows", "--suite", "--smoke", "--steps", "--plan", "--budget",
+                 "--keep-runs"):
+        assert flag in text
+
+
+# ---------------------------------------------------------------- reading the results back
+
+
+def test_pytest_counts_names_failures_and_errors():
+    text = "\n".join([
+        "[gw3] [ 41%] FAILED tests/test_a.py::test_x[fp32]",
+        "[gw1] [ 42%] PASSED tests/test_a.py::test_y",
+        "[gw0] [ 50%] ERROR tests/test_b.py::test_z",
+        "=========================== short test summary info ============================",
+        "FAILED tests/test_a.py::test_x[fp32] - AssertionError: 1 != 2",
+        "FAILED tests/test_c.py::test_w - ValueError",
+        "ERROR tests/test_b.py::test_z - fixture 'gpu' not found",
+        "==== 2 failed, 40 passed, 3 skipped, 1 error in 12.34s ====",
+    ])
+    got = gr.pytest_counts(text)
+    assert got["counts"] == {"failed": 2, "passed": 40, "skipped": 3, "errors": 1}
+    assert got["failed"] == ["tests/test_a.py::test_x[fp32]", "tests/test_c.py::test_w"]
+    assert got["errors"] == ["tests/test_b.py::test_z"]
+    md = markdown({"mode": "full", "date": "d", "gpu": "NVIDIA H100 80GB HBM3, 81559 MiB",
+                   "host": "h", "commit": "abc", "versions": {"jax": "0.11.2"}, "total_s": 5.0,
+                   "rows": [{"name": "suite", "kind": "suite", "what": "w", "status": "FAILED",
+                             "tests": got, "error": "2 failed, 1 errors"}]})
+    assert "- FAILED tests/test_c.py::test_w" in md and "- ERROR tests/test_b.py::test_z" in md
+    assert "NVIDIA H100 80GB HBM3" in md and "project commit abc" in md
+
+
+def test_compare_and_diag_cells():
+    doc = {"complete": True, "results": [
+        {"spec": {"framework": "jax"}, "tokens_per_s": 37072.0, "mfu": 0.31, "peak_bytes": 2**34,
+         "saved_bytes": 578 * 2**20},
+        {"spec": {"framework": "torch"}, "tokens_per_s": 29955.0, "saved_bytes": 5194 * 2**20,
+         "peak_bytes": None},
+        {"spec": {"framework": "torch-compile"}, "error": "exit 1: boom\nTimeout"}]}
+    metrics, note, failed = gr.compare_numbers(doc)
+    assert metrics == {"tokens_per_s": 37072.0, "mfu": 0.31, "peak_bytes": 2**34}
+    assert note == ("saved for backward jax 578 MiB; torch eager 29,955 tok/s, saved 5,194 MiB, "
+                    "peak n/a")
+    assert failed == ["torch-compile: Timeout"]
+    note = gr.diag_note({"fp8_einsums_traced": 112, "f8_gemm_custom_calls": 0,
+                         "top_kernels": [["loop_convert_fusion", 12.5]], "steps": 3})
+    assert note == ("fp8 einsums traced 112, __cublas$lt$matmul$f8 calls 0; top kernels: "
+                    "loop_convert_fusion 12.5 ms; steps 3")
+
+
+def test_error_line_prefers_the_error():
+    res = {"timed_out": False, "rc": 1, "text": "$ cmd\nstep 1\njaxlib.XlaRuntimeError: "
+           "RESOURCE_EXHAUSTED: Out of memory allocating 7.00GiB\n\nTry python -m jaxmem.memory"}
+    assert gpu_check.error_line(res, 10) == ("exit 1: jaxlib.XlaRuntimeError: RESOURCE_EXHAUSTED: "
+                                             "Out of memory allocating 7.00GiB")
+    assert gpu_check.error_line({**res, "timed_out": True}, 10) == "timed out after 10 s"
+
+
+def test_children_import_this_checkout():
+    env = gpu_check.child_env(X="1")
+    assert env["PYTHONPATH"].split(":")[0] == str(gr.ROOT) and env["X"] == "1"
+    assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    # --smoke sees no GPU, on a GPU machine too: the same check everywhere
+    cpu = gpu_check.child_env(cpu_only=True)
+    assert cpu["JAX_PLATFORMS"] == "cpu" and cpu["CUDA_VISIBLE_DEVICES"] == ""
+    cmd = gpu_check.pytest_cmd([], suite=True)
+    assert cmd[:3] == [sys.executable, "-m", "pytest"]
