@@ -141,6 +141,14 @@ def _operand_type(comps, comp, name) -> str:
     return instr["type"] if instr else "?"
 
 
+def _short(type_: str) -> str:
+    """'(bf16[64,32]{1,0}, s8[1024]{0})' -> 'bf16[64,32]': no layouts, no GEMM workspace."""
+    type_ = re.sub(r"\{[^}]*\}", "", type_)
+    if type_.startswith("("):  # a custom call's tuple: the result, then its workspace
+        type_ = type_[1:].split("]")[0] + "]"
+    return type_
+
+
 def _rank(type_: str) -> int:
     """'bf16[128,64]{1,0}' -> 2."""
     dims = type_.partition("[")[2].partition("]")[0]
@@ -176,13 +184,13 @@ def gemms(comps) -> dict:
             if instr["op"] != "dot" and target not in GEMM_TARGETS:
                 continue
             operands = instr["operands"][:2]
-            op_name = _attr(instr["attrs"], "op_name") or ""
-            key = (target or "dot", instr["type"].split("{")[0],
-                   tuple(_operand_type(comps, comp, o).split("{")[0] for o in operands),
-                   all(_fp8_fed(comps, comp, o) for o in operands), op_name.split("/")[-2:])
-            others[repr(key)] = others.get(repr(key), (key, 0))[0], others.get(repr(key), (key, 0))[1] + 1
+            where = "/".join((_attr(instr["attrs"], "op_name") or "").split("/")[-2:])
+            key = (target or "dot", _short(instr["type"]),
+                   tuple(_short(_operand_type(comps, comp, o)) for o in operands),
+                   all(_fp8_fed(comps, comp, o) for o in operands), where)
+            others[key] = others.get(key, 0) + 1
     rows = [{"op": k[0], "result": k[1], "operands": list(k[2]), "fp8_intended": k[3],
-             "where": "/".join(k[4]), "count": n} for k, n in others.values()]
+             "where": k[4], "count": n} for k, n in others.items()]
     rows.sort(key=lambda r: (not r["fp8_intended"], -r["count"]))
     return {"f8_gemm_custom_calls": f8, "non_fp8_dots": rows}
 
