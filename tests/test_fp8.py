@@ -81,6 +81,24 @@ def test_quantize_round_trip_within_half_ulp(dtype, magnitude):
     assert relative.max() <= u(dtype) * (1 + 1e-6)
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("magnitude", [3e-5, 1.0, 7e3])
+def test_quantize_power_of_two_scale_is_exact(dtype, magnitude):
+    x = normal(SEED, (4096,), magnitude)
+    q, scale = quantize(x, dtype, power_of_two=True)
+    mantissa, _ = np.frexp(float(scale))
+    assert mantissa == 0.5  # a power of two
+    fp8_max = float(ml_dtypes.finfo(dtype).max)
+    amax_q = float(np.abs(np.asarray(q, np.float64)).max())
+    assert fp8_max / 2 < amax_q <= fp8_max  # the amax lands in the format's top octave
+    # x / scale is exact, so q is x rounded once: within half an ulp of x for normal values.
+    x64, back = np.asarray(x, np.float64), np.asarray(q, np.float64) * float(scale)
+    normal_range = np.abs(x64) / float(scale) >= float(ml_dtypes.finfo(dtype).smallest_normal)
+    assert normal_range.mean() > 0.98
+    relative = np.abs(back - x64)[normal_range] / np.abs(x64)[normal_range]
+    assert relative.max() <= u(dtype)
+
+
 def test_quantize_huge_values_saturate_without_nan():
     x = jnp.array([3e38, -3e38, 1e37, 1.0, 0.0], jnp.float32)
     q, scale = quantize(x, E4M3)
@@ -241,6 +259,81 @@ def test_fp8_einsum_backward_uses_fp8_operands():
     upcasts = [str(e.invars[0].aval.dtype) for e in converts]
     upcasts = [dtype for dtype in upcasts if dtype.startswith("float8")]
     assert sorted(upcasts) == ["float8_e4m3fn"] * 4 + ["float8_e5m2"] * 2
+
+
+@pytest.mark.parametrize("subscripts", list(CASES))
+def test_fp8_einsum_products_are_2d_gemms_contracting_the_minor_axis(subscripts):
+    """Forward, dx and dw are each one [M, K] x [N, K] dot: no batch axis, K minor on both
+    (cuBLASLt's fp8 'TN' form), whatever axes the einsum has."""
+    x, w, r = _operands(subscripts)
+    jaxpr = jax.make_jaxpr(jax.grad(_loss(fp8_einsum, subscripts, r), argnums=(0, 1)))(x, w)
+    dots = [e for e in flat_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    assert len(dots) == 3
+    for d in dots:
+        assert d.params["dimension_numbers"] == (((1,), (1,)), ((), ()))
+        assert [v.aval.ndim for v in d.invars] == [2, 2]
+
+
+def _reference_fp8_einsum(subscripts):
+    """The implementation before the 2-D GEMMs: one multi-axis fp32 einsum per product, on the
+    same power-of-two-scaled fp8 operands. The 2-D form must change the layout only."""
+
+    def dq(q, scale):
+        return q.astype(jnp.float32) * scale
+
+    lhs, rest = subscripts.split(",")
+    rhs, out = rest.split("->")
+
+    @jax.custom_vjp
+    def f(x, w):
+        return fwd(x, w)[0]
+
+    def fwd(x, w):
+        (xq, sx), (wq, sw) = quantize(x, power_of_two=True), quantize(w, power_of_two=True)
+        return jnp.einsum(subscripts, dq(xq, sx), dq(wq, sw)), (xq, sx, wq, sw)
+
+    def bwd(res, g):
+        xq, sx, wq, sw = res
+        gq, sg = quantize(g, E5M2, power_of_two=True)
+        return (jnp.einsum(f"{out},{rhs}->{lhs}", dq(gq, sg), dq(wq, sw)),
+                jnp.einsum(f"{lhs},{out}->{rhs}", dq(xq, sx), dq(gq, sg)))
+
+    f.defvjp(fwd, bwd)
+    return lambda subscripts_, x, w: f(x, w)
+
+
+@pytest.mark.parametrize("subscripts", [*CASES, "BTD,BDF->BTF"])
+def test_fp8_einsum_equals_the_multi_axis_einsum_on_the_same_fp8_operands(subscripts):
+    shapes = {**CASES, "BTD,BDF->BTF": ((B, T, D), (B, D, F))}  # a batch index: one batch axis
+    x_shape, w_shape = shapes[subscripts]
+    x, w = normal(SEED, x_shape, 3.0), normal(SEED + 1, w_shape, 0.02)
+    r = normal(SEED + 2, jax.eval_shape(lambda: jnp.einsum(subscripts, x, w)).shape, 1e-4)
+    reference = _reference_fp8_einsum(subscripts)
+    with jax.default_matmul_precision("highest"):  # fp32 products on a GPU too
+        got = jax.value_and_grad(_loss(fp8_einsum, subscripts, r), argnums=(0, 1))(x, w)
+        want = jax.value_and_grad(_loss(reference, subscripts, r), argnums=(0, 1))(x, w)
+    # Same fp8 values, same scales: only the fp32 summation order differs.
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4,
+                                   atol=1e-6 * float(np.abs(np.asarray(b)).max()))
+
+
+def test_fp8_einsum_bf16_gemm_is_computed_and_written_in_bf16():
+    """bf16 operands: the dequantized operands and the dot's result are bf16 (no fp32 result and
+    rounding pass); exact dequantization, so the result is the fp32 product rounded to bf16."""
+    subscripts = "BTD,DF->BTF"
+    x, w, _ = _operands(subscripts, jnp.bfloat16, jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda x, w: fp8_einsum(subscripts, x, w))(x, w)
+    (dot,) = [e for e in flat_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    assert [str(v.aval.dtype) for v in dot.invars] == ["bfloat16", "bfloat16"]
+    assert dot.outvars[0].aval.dtype == jnp.bfloat16
+    y = fp8_einsum(subscripts, x, w)
+    with jax.default_matmul_precision("highest"):
+        y32 = fp8_einsum(subscripts, x.astype(jnp.float32), w.astype(jnp.float32))
+    # Same power-of-two scales for the bf16 and fp32 inputs (their amax is the same value).
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y32), rtol=2**-8,
+                               atol=2**-8 * float(jnp.abs(y32).max()))
 
 
 class _Block(nn.Module):
