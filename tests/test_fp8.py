@@ -374,3 +374,77 @@ def test_fp8_einsum_inside_nn_scan_and_remat():
 def test_fp8_einsum_rejects_unsupported_subscripts(subscripts):
     with pytest.raises(ValueError, match="fp8_einsum"):
         fp8_einsum(subscripts, jnp.ones((B, T, D)), jnp.ones((D, F)))
+
+
+# ---------------------------------------------------------------------------- tiled MLP in fp8
+
+
+def _converts_to_e4m3(jaxpr, in_loop=False):
+    """(operand shape, inside a scan/while body?) for every convert to e4m3 in a jaxpr."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "convert_element_type" and eqn.params["new_dtype"] == E4M3:
+            yield tuple(eqn.invars[0].aval.shape), in_loop
+        loop = in_loop or eqn.primitive.name in ("scan", "while")
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _converts_to_e4m3(sub, loop)
+
+
+def test_tiled_mlp_in_fp8_matches_fp32_and_quantizes_weights_once():
+    """The MLP in 4 sequence tiles through fp8_einsum: values and gradients within fp8's error of
+    the fp32 MLP, and each weight quantized once per pass, outside the loop over tiles."""
+    from jaxmem.model.lean import swiglu
+    from jaxmem.model.tiled import tiled_mlp
+
+    x = normal(SEED, (B, T, D))
+    wg, wu = normal(SEED + 1, (D, F), D**-0.5), normal(SEED + 2, (D, F), D**-0.5)
+    wd = normal(SEED + 3, (F, D), F**-0.5)
+    r = normal(SEED + 4, (B, T, D), 1e-3)
+
+    def fp32_mlp(x, wg, wu, wd):
+        return jnp.einsum("BTF,FD->BTD", swiglu(jnp.einsum("BTD,DF->BTF", x, wg),
+                                                jnp.einsum("BTD,DF->BTF", x, wu)), wd)
+
+    def loss(mlp):
+        return lambda *a: jnp.sum(mlp(*a) * r)
+
+    tiled = lambda x, wg, wu, wd: tiled_mlp(x, wg, wu, wd, fp8_einsum, T // 4)  # noqa: E731
+    with jax.default_matmul_precision("highest"):
+        got = jax.jit(jax.value_and_grad(loss(tiled), argnums=(0, 1, 2, 3)))(x, wg, wu, wd)
+        want = jax.jit(jax.value_and_grad(loss(fp32_mlp), argnums=(0, 1, 2, 3)))(x, wg, wu, wd)
+    assert rel_fro(got[0], want[0]) < 2 * product_bound(E4M3, E4M3)
+    with jax.default_matmul_precision("highest"):
+        y, y32 = tiled(x, wg, wu, wd), fp32_mlp(x, wg, wu, wd)
+    assert 0.005 < rel_fro(y, y32) < 2 * product_bound(E4M3, E4M3)
+    for g, w in zip(got[1], want[1]):
+        # Two fp8 products in a row (gate/up, then down) in each pass: twice one product's bound.
+        assert 0.01 < rel_fro(g, w) < 2 * product_bound(E5M2, E4M3)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss(tiled), argnums=(0, 1, 2, 3)))(x, wg, wu, wd)
+    weights = [(s, loop) for s, loop in _converts_to_e4m3(jaxpr.jaxpr) if s in ((D, F), (F, D))]
+    # 3 weights, quantized once in the forward and once in the backward, never inside the loop.
+    assert sorted(weights) == [((D, F), False)] * 4 + [((F, D), False)] * 2
+    activations = [s for s, loop in _converts_to_e4m3(jaxpr.jaxpr) if loop]
+    assert activations and all(s[1] == T // 4 for s in activations)  # per tile: [B, T/4, *]
+
+
+def test_fp8_model_tiles_its_mlp_under_full_remat(monkeypatch):
+    """fp8 no longer turns the MLP tiling off: with the tile limit lowered, the tiny model's MLP
+    runs in sequence tiles (e4m3 converts of [B, chunk, F] inside a loop) under `full` remat."""
+    from jaxmem.config.model import get_preset
+    from jaxmem.model import tiled
+    from jaxmem.model.llama import Llama
+    from jaxmem.model.remat import RematPolicy
+
+    cfg = get_preset("tiny")
+    monkeypatch.setattr(tiled, "TILE_BYTES", 2 * 8 * cfg.intermediate_size * 4)
+    assert tiled.mlp_tile(2, 32, cfg.intermediate_size) == 8  # 4 tiles of 8
+    tokens = jnp.zeros((2, 32), jnp.int32)
+    model = Llama(cfg, RematPolicy.parse("full"), fp8_einsum)
+    params = jax.eval_shape(lambda: Llama(cfg).init(jax.random.key(0), tokens)["params"])
+    loss = lambda p: jnp.mean(model.apply({"params": p}, tokens))  # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(params)
+    tiles = {s for s, loop in _converts_to_e4m3(jaxpr.jaxpr) if loop and s[:2] == (2, 8)}
+    assert (2, 8, cfg.intermediate_size) in tiles

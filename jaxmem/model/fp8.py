@@ -230,17 +230,21 @@ def _dequant(dtype):
     return jnp.bfloat16 if np.dtype(dtype) == jnp.bfloat16 else jnp.float32
 
 
-def _fp8_einsum_fwd(spec: _Spec, x, w):
+def _forward(spec: _Spec, x, wq, sw):
+    """y = x . (wq * sw) with x quantized here; returns (y, the backward's residuals)."""
     s = spec
     xq, sx = quantize(x, E4M3, power_of_two=True)  # e.g. BTD
-    wq, sw = quantize(w, E4M3, power_of_two=True)  # e.g. DNH
     a = _matrix(xq, s.lhs, s.batch, s.m, s.k)  # e.g. [B*T, D]
     b = _matrix(wq, s.rhs, s.batch, s.n, s.k)  # e.g. [N*H, D]
-    sizes = dict(zip(s.lhs + s.rhs, x.shape + w.shape))
+    sizes = dict(zip(s.lhs + s.rhs, x.shape + wq.shape))
     y = _gemm(a, b, sx, sw, s.out_dtype, _dequant(s.out_dtype))  # e.g. [B*T, N*H]
     y = _unmatrix(y, sizes, s.batch, s.m, s.n, s.out)  # e.g. BTNH
     # Residuals are the fp8 operands (1 byte per element) and two scalars, not x and w.
     return y, (xq, sx, wq, sw)
+
+
+def _fp8_einsum_fwd(spec: _Spec, x, w):
+    return _forward(spec, x, *quantize(w, E4M3, power_of_two=True))  # w e.g. DNH
 
 
 def _fp8_einsum_bwd(spec: _Spec, residuals, g):
@@ -261,6 +265,71 @@ def _fp8_einsum_bwd(spec: _Spec, residuals, g):
 _fp8_einsum.defvjp(_fp8_einsum_fwd, _fp8_einsum_bwd)
 
 
+# A weight quantized once for many products (the MLP's sequence tiles): same GEMMs, but the
+# weight's amax and e4m3 copy come in as arguments instead of being made on every call.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fp8_einsum_quantized(spec: _Spec, x, w, wq, sw):
+    return _forward(spec, x, wq, sw)[0]
+
+
+def _quantized_fwd(spec: _Spec, x, w, wq, sw):
+    return _forward(spec, x, wq, sw)
+
+
+def _quantized_bwd(spec: _Spec, residuals, g):
+    dx, dw = _fp8_einsum_bwd(spec, residuals, g)  # dw goes to w; wq and sw are constants
+    return dx, dw, jnp.zeros_like(residuals[2]), jnp.zeros_like(residuals[3])
+
+
+_fp8_einsum_quantized.defvjp(_quantized_fwd, _quantized_bwd)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class Fp8Weight:
+    """A weight with its e4m3 copy and power-of-two scale, made once by `prepare_weight` and
+    multiplied by many `fp8_einsum`s (a weight object, jaxmem.model.projection.project).
+
+    w: the weight; its gradient is computed as `fp8_einsum` would and flows to it.
+    q, scale: `quantize(stop_gradient(w), E4M3, power_of_two=True)`: not differentiated.
+    """
+
+    w: jax.Array
+    q: jax.Array
+    scale: jax.Array
+
+    def tree_flatten(self):
+        return (self.w, self.q, self.scale), None
+
+    @classmethod
+    def tree_unflatten(cls, _, leaves):
+        return cls(*leaves)
+
+    def project(self, subscripts: str, x: jax.Array, einsum=None) -> jax.Array:
+        """`fp8_einsum(subscripts, x, w)` with the stored e4m3 copy of w (`einsum` is unused:
+        a prepared weight is multiplied in fp8 by construction)."""
+        for counts in _COUNTERS:
+            counts[subscripts] += 1
+        spec = _Spec.parse(subscripts, x, self.w, None)
+        return _fp8_einsum_quantized(spec, x, self.w, self.q, self.scale)
+
+
+def prepare_weight(w, like=None):
+    """`Fp8Weight` for a floating array (quantized once here), anything else unchanged.
+
+    jaxmem.model.tiled calls it once per weight before its loop over sequence tiles, so the
+    tiles share one amax and one e4m3 copy per weight instead of quantizing it tile by tile.
+    like: an earlier result for the same weight: its e4m3 copy and scale are reused, bound to
+    this `w` (the tiled backward differentiates each tile with respect to the weight itself).
+    """
+    if not isinstance(w, jax.Array) or not jnp.issubdtype(w.dtype, jnp.floating):
+        return w
+    if isinstance(like, Fp8Weight):
+        return Fp8Weight(w, like.q, like.scale)
+    q, scale = quantize(jax.lax.stop_gradient(w), E4M3, power_of_two=True)
+    return Fp8Weight(w, q, scale)
+
+
 def fp8_einsum(subscripts: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     """Two-operand einsum with fp8 operands in both passes, for training.
 
@@ -277,3 +346,7 @@ def fp8_einsum(subscripts: str, x: jax.Array, w: jax.Array, out_dtype=None) -> j
     for counts in _COUNTERS:
         counts[subscripts] += 1
     return _fp8_einsum(_Spec.parse(subscripts, x, w, out_dtype), x, w)
+
+
+# The einsum's hook for code that multiplies one weight many times (jaxmem.model.tiled).
+fp8_einsum.prepare_weight = prepare_weight
