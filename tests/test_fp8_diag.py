@@ -11,7 +11,8 @@ import json
 import pytest
 
 from experiments import fp8_diag
-from experiments.fp8_diag import fp8_dots, gemms, lower_step, parse_hlo, top_kernels
+from experiments.fp8_diag import lower_step
+from experiments.fp8_hlo import fp8_dots, gemms, parse_hlo, top_kernels
 
 MODEL_SUBSCRIPTS = {"BTD,DNH->BTNH", "BTD,DKH->BTKH", "BTNH,NHD->BTD", "BTD,DF->BTF",
                     "BTF,FD->BTD"}
@@ -127,9 +128,10 @@ def test_top_kernels_from_a_device_trace(tmp_path):
     run.mkdir(parents=True)
     with gzip.open(run / "host.trace.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
-    rows, source = top_kernels(str(tmp_path), steps=2)
+    rows, source, kinds = top_kernels(str(tmp_path), steps=2)
     assert source == "device kernels"
     assert rows == [["sm90_xmma_gemm_e4m3e4m3", 2.0], ["loop_convert_fusion", 0.25]]
+    assert kinds == {"fp8 gemm": 2.0, "other": 0.25}
     assert top_kernels(str(tmp_path / "none"), steps=1)[0] is None
 
 
@@ -162,3 +164,4 @@ def test_cli_json_on_cpu(capsys):
     dots = sum(d["count"] for d in report["non_fp8_dots"])
     assert dots >= 27  # on CPU every dot stays a plain dot
     assert report["top_kernels"] and all(ms >= 0 for _, ms in report["top_kernels"])
+    assert sum(report["kernel_ms_by_kind"].values()) >= report["top_kernels"][0][1]
