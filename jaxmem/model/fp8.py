@@ -56,7 +56,6 @@ E4M3 = jnp.float8_e4m3fn  # forward operands: 3 mantissa bits, range to 448
 E5M2 = jnp.float8_e5m2  # gradients: 2 mantissa bits, range to 57344 (gradients span more)
 
 
-
 def quantize(x: jax.Array, dtype=E4M3, margin: int = 0,
              power_of_two: bool = False) -> tuple[jax.Array, jax.Array]:
     """Per-tensor current scaling: returns `(q, scale)` with `q` in `dtype` and `x ~= q * scale`.
