@@ -81,6 +81,24 @@ def test_quantize_round_trip_within_half_ulp(dtype, magnitude):
     assert relative.max() <= u(dtype) * (1 + 1e-6)
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("magnitude", [3e-5, 1.0, 7e3])
+def test_quantize_power_of_two_scale_is_exact(dtype, magnitude):
+    x = normal(SEED, (4096,), magnitude)
+    q, scale = quantize(x, dtype, power_of_two=True)
+    mantissa, _ = np.frexp(float(scale))
+    assert mantissa == 0.5  # a power of two
+    fp8_max = float(ml_dtypes.finfo(dtype).max)
+    amax_q = float(np.abs(np.asarray(q, np.float64)).max())
+    assert fp8_max / 2 < amax_q <= fp8_max  # the amax lands in the format's top octave
+    # x / scale is exact, so q is x rounded once: within half an ulp of x for normal values.
+    x64, back = np.asarray(x, np.float64), np.asarray(q, np.float64) * float(scale)
+    normal_range = np.abs(x64) / float(scale) >= float(ml_dtypes.finfo(dtype).smallest_normal)
+    assert normal_range.mean() > 0.98
+    relative = np.abs(back - x64)[normal_range] / np.abs(x64)[normal_range]
+    assert relative.max() <= u(dtype)
+
+
 def test_quantize_huge_values_saturate_without_nan():
     x = jnp.array([3e38, -3e38, 1e37, 1.0, 0.0], jnp.float32)
     q, scale = quantize(x, E4M3)
@@ -243,6 +261,81 @@ def test_fp8_einsum_backward_uses_fp8_operands():
     assert sorted(upcasts) == ["float8_e4m3fn"] * 4 + ["float8_e5m2"] * 2
 
 
+@pytest.mark.parametrize("subscripts", list(CASES))
+def test_fp8_einsum_products_are_2d_gemms_contracting_the_minor_axis(subscripts):
+    """Forward, dx and dw are each one [M, K] x [N, K] dot: no batch axis, K minor on both
+    (cuBLASLt's fp8 'TN' form), whatever axes the einsum has."""
+    x, w, r = _operands(subscripts)
+    jaxpr = jax.make_jaxpr(jax.grad(_loss(fp8_einsum, subscripts, r), argnums=(0, 1)))(x, w)
+    dots = [e for e in flat_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    assert len(dots) == 3
+    for d in dots:
+        assert d.params["dimension_numbers"] == (((1,), (1,)), ((), ()))
+        assert [v.aval.ndim for v in d.invars] == [2, 2]
+
+
+def _reference_fp8_einsum(subscripts):
+    """The implementation before the 2-D GEMMs: one multi-axis fp32 einsum per product, on the
+    same power-of-two-scaled fp8 operands. The 2-D form must change the layout only."""
+
+    def dq(q, scale):
+        return q.astype(jnp.float32) * scale
+
+    lhs, rest = subscripts.split(",")
+    rhs, out = rest.split("->")
+
+    @jax.custom_vjp
+    def f(x, w):
+        return fwd(x, w)[0]
+
+    def fwd(x, w):
+        (xq, sx), (wq, sw) = quantize(x, power_of_two=True), quantize(w, power_of_two=True)
+        return jnp.einsum(subscripts, dq(xq, sx), dq(wq, sw)), (xq, sx, wq, sw)
+
+    def bwd(res, g):
+        xq, sx, wq, sw = res
+        gq, sg = quantize(g, E5M2, power_of_two=True)
+        return (jnp.einsum(f"{out},{rhs}->{lhs}", dq(gq, sg), dq(wq, sw)),
+                jnp.einsum(f"{lhs},{out}->{rhs}", dq(xq, sx), dq(gq, sg)))
+
+    f.defvjp(fwd, bwd)
+    return lambda subscripts_, x, w: f(x, w)
+
+
+@pytest.mark.parametrize("subscripts", [*CASES, "BTD,BDF->BTF"])
+def test_fp8_einsum_equals_the_multi_axis_einsum_on_the_same_fp8_operands(subscripts):
+    shapes = {**CASES, "BTD,BDF->BTF": ((B, T, D), (B, D, F))}  # a batch index: one batch axis
+    x_shape, w_shape = shapes[subscripts]
+    x, w = normal(SEED, x_shape, 3.0), normal(SEED + 1, w_shape, 0.02)
+    r = normal(SEED + 2, jax.eval_shape(lambda: jnp.einsum(subscripts, x, w)).shape, 1e-4)
+    reference = _reference_fp8_einsum(subscripts)
+    with jax.default_matmul_precision("highest"):  # fp32 products on a GPU too
+        got = jax.value_and_grad(_loss(fp8_einsum, subscripts, r), argnums=(0, 1))(x, w)
+        want = jax.value_and_grad(_loss(reference, subscripts, r), argnums=(0, 1))(x, w)
+    # Same fp8 values, same scales: only the fp32 summation order differs.
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4,
+                                   atol=1e-6 * float(np.abs(np.asarray(b)).max()))
+
+
+def test_fp8_einsum_bf16_gemm_is_computed_and_written_in_bf16():
+    """bf16 operands: the dequantized operands and the dot's result are bf16 (no fp32 result and
+    rounding pass); exact dequantization, so the result is the fp32 product rounded to bf16."""
+    subscripts = "BTD,DF->BTF"
+    x, w, _ = _operands(subscripts, jnp.bfloat16, jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda x, w: fp8_einsum(subscripts, x, w))(x, w)
+    (dot,) = [e for e in flat_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    assert [str(v.aval.dtype) for v in dot.invars] == ["bfloat16", "bfloat16"]
+    assert dot.outvars[0].aval.dtype == jnp.bfloat16
+    y = fp8_einsum(subscripts, x, w)
+    with jax.default_matmul_precision("highest"):
+        y32 = fp8_einsum(subscripts, x.astype(jnp.float32), w.astype(jnp.float32))
+    # Same power-of-two scales for the bf16 and fp32 inputs (their amax is the same value).
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y32), rtol=2**-8,
+                               atol=2**-8 * float(jnp.abs(y32).max()))
+
+
 class _Block(nn.Module):
     """A residual MLP block through fp8_einsum, to run under nn.remat + nn.scan."""
 
@@ -281,3 +374,77 @@ def test_fp8_einsum_inside_nn_scan_and_remat():
 def test_fp8_einsum_rejects_unsupported_subscripts(subscripts):
     with pytest.raises(ValueError, match="fp8_einsum"):
         fp8_einsum(subscripts, jnp.ones((B, T, D)), jnp.ones((D, F)))
+
+
+# ---------------------------------------------------------------------------- tiled MLP in fp8
+
+
+def _converts_to_e4m3(jaxpr, in_loop=False):
+    """(operand shape, inside a scan/while body?) for every convert to e4m3 in a jaxpr."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "convert_element_type" and eqn.params["new_dtype"] == E4M3:
+            yield tuple(eqn.invars[0].aval.shape), in_loop
+        loop = in_loop or eqn.primitive.name in ("scan", "while")
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _converts_to_e4m3(sub, loop)
+
+
+def test_tiled_mlp_in_fp8_matches_fp32_and_quantizes_weights_once():
+    """The MLP in 4 sequence tiles through fp8_einsum: values and gradients within fp8's error of
+    the fp32 MLP, and each weight quantized once per pass, outside the loop over tiles."""
+    from jaxmem.model.lean import swiglu
+    from jaxmem.model.tiled import tiled_mlp
+
+    x = normal(SEED, (B, T, D))
+    wg, wu = normal(SEED + 1, (D, F), D**-0.5), normal(SEED + 2, (D, F), D**-0.5)
+    wd = normal(SEED + 3, (F, D), F**-0.5)
+    r = normal(SEED + 4, (B, T, D), 1e-3)
+
+    def fp32_mlp(x, wg, wu, wd):
+        return jnp.einsum("BTF,FD->BTD", swiglu(jnp.einsum("BTD,DF->BTF", x, wg),
+                                                jnp.einsum("BTD,DF->BTF", x, wu)), wd)
+
+    def loss(mlp):
+        return lambda *a: jnp.sum(mlp(*a) * r)
+
+    tiled = lambda x, wg, wu, wd: tiled_mlp(x, wg, wu, wd, fp8_einsum, T // 4)  # noqa: E731
+    with jax.default_matmul_precision("highest"):
+        got = jax.jit(jax.value_and_grad(loss(tiled), argnums=(0, 1, 2, 3)))(x, wg, wu, wd)
+        want = jax.jit(jax.value_and_grad(loss(fp32_mlp), argnums=(0, 1, 2, 3)))(x, wg, wu, wd)
+    assert rel_fro(got[0], want[0]) < 2 * product_bound(E4M3, E4M3)
+    with jax.default_matmul_precision("highest"):
+        y, y32 = tiled(x, wg, wu, wd), fp32_mlp(x, wg, wu, wd)
+    assert 0.005 < rel_fro(y, y32) < 2 * product_bound(E4M3, E4M3)
+    for g, w in zip(got[1], want[1]):
+        # Two fp8 products in a row (gate/up, then down) in each pass: twice one product's bound.
+        assert 0.01 < rel_fro(g, w) < 2 * product_bound(E5M2, E4M3)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss(tiled), argnums=(0, 1, 2, 3)))(x, wg, wu, wd)
+    weights = [(s, loop) for s, loop in _converts_to_e4m3(jaxpr.jaxpr) if s in ((D, F), (F, D))]
+    # 3 weights, quantized once in the forward and once in the backward, never inside the loop.
+    assert sorted(weights) == [((D, F), False)] * 4 + [((F, D), False)] * 2
+    activations = [s for s, loop in _converts_to_e4m3(jaxpr.jaxpr) if loop]
+    assert activations and all(s[1] == T // 4 for s in activations)  # per tile: [B, T/4, *]
+
+
+def test_fp8_model_tiles_its_mlp_under_full_remat(monkeypatch):
+    """fp8 no longer turns the MLP tiling off: with the tile limit lowered, the tiny model's MLP
+    runs in sequence tiles (e4m3 converts of [B, chunk, F] inside a loop) under `full` remat."""
+    from jaxmem.config.model import get_preset
+    from jaxmem.model import tiled
+    from jaxmem.model.llama import Llama
+    from jaxmem.model.remat import RematPolicy
+
+    cfg = get_preset("tiny")
+    monkeypatch.setattr(tiled, "TILE_BYTES", 2 * 8 * cfg.intermediate_size * 4)
+    assert tiled.mlp_tile(2, 32, cfg.intermediate_size) == 8  # 4 tiles of 8
+    tokens = jnp.zeros((2, 32), jnp.int32)
+    model = Llama(cfg, RematPolicy.parse("full"), fp8_einsum)
+    params = jax.eval_shape(lambda: Llama(cfg).init(jax.random.key(0), tokens)["params"])
+    loss = lambda p: jnp.mean(model.apply({"params": p}, tokens))  # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(params)
+    tiles = {s for s, loop in _converts_to_e4m3(jaxpr.jaxpr) if loop and s[:2] == (2, 8)}
+    assert (2, 8, cfg.intermediate_size) in tiles

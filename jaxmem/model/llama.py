@@ -71,7 +71,8 @@ class MLP(nn.Module):
         D, F = self.config.hidden_size, self.config.intermediate_size
         proj = functools.partial(Projection, einsum=self.einsum)  # name, subscripts, shape, fan_in
         chunk = mlp_tile(x.shape[0], x.shape[1], F)
-        if self.tile and self.einsum is default_einsum and chunk < x.shape[1]:
+        tileable = self.einsum is default_einsum or hasattr(self.einsum, "prepare_weight")  # fp8
+        if self.tile and tileable and chunk < x.shape[1]:
             ws = [proj(n, "", shape, fan_in).weight() for n, shape, fan_in in
                   (("gate_proj", (D, F), D), ("up_proj", (D, F), D), ("down_proj", (F, D), F))]
             return tiled_mlp(x, *ws, self.einsum, chunk)  # [B, T, D]

@@ -16,8 +16,10 @@ body once (docs/memory.md).
 
 Used only where it changes nothing else (jaxmem.model.llama decides): under `full` remat (or a
 `names:` policy naming no MLP tag: the tags live inside the tile, where no policy sees them),
-with the plain einsum (fp8's current scaling takes each tensor's amax, which a tile would
-change), and when a [B, T, F] fp32 activation is over TILE_BYTES.
+with the plain einsum or an einsum with a `prepare_weight` hook (fp8), and when a [B, T, F]
+fp32 activation is over TILE_BYTES. fp8 in tiles: each tile's activations get their own
+current scale (a finer scaling than one per tensor, not bitwise the untiled values), and the
+weights are quantized once per call (`prepare_weight`), not once per tile.
 """
 
 from __future__ import annotations
@@ -57,10 +59,20 @@ def _untile(a, T):
     return jnp.moveaxis(a, 0, 1).reshape(B, n * chunk, D)[:, :T]
 
 
+def _prepared(einsum, ws, like=None):
+    """The weights as `einsum` multiplies one weight many times: fp8 quantizes each once here,
+    not once per tile (`prepare_weight`, jaxmem.model.fp8); other einsums take them as they are."""
+    prepare = getattr(einsum, "prepare_weight", None)
+    if prepare is None:
+        return tuple(ws)
+    return tuple(prepare(w, like=p) for w, p in zip(ws, like or (None,) * len(ws)))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def tiled_mlp(x, wg, wu, wd, einsum, chunk):
     """down(silu(x Wg) * (x Wu)) for x [B, T, D], `chunk` sequence positions at a time."""
-    ys = jax.lax.map(lambda xc: _mlp(einsum, xc, wg, wu, wd), _tiles(x, chunk))
+    ws = _prepared(einsum, (wg, wu, wd))
+    ys = jax.lax.map(lambda xc: _mlp(einsum, xc, *ws), _tiles(x, chunk))
     return _untile(ys, x.shape[1])
 
 
@@ -75,10 +87,12 @@ def _is_float(a):
 def _tiled_bwd(einsum, chunk, res, dy):
     x, *ws = res
     ws = tuple(ws)
+    prepared = _prepared(einsum, ws)  # once for all tiles; each tile rebinds it to the weights
 
     def body(acc, c):
         xc, dc = c  # [B, Tc, D] each
-        _, vjp = jax.vjp(lambda xc, *ws: _mlp(einsum, xc, *ws), xc, *ws)
+        _, vjp = jax.vjp(lambda xc, *ws: _mlp(einsum, xc, *_prepared(einsum, ws, prepared)),
+                         xc, *ws)
         dxc, *dws = vjp(dc)
         acc = jax.tree_util.tree_map(
             lambda a, d: a + d.astype(jnp.float32) if _is_float(d) else a, acc, tuple(dws))
