@@ -162,3 +162,20 @@ def test_packed_run_resumes_bitwise_and_records_counts(tmp_path, capsys):
     assert main([*args, "--out", str(tmp_path / "b"), "--stop-at", "2"]) == 0
     assert main(["--out", str(tmp_path / "b"), "--resume"]) == 0
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
+
+
+def test_eval_data_is_the_held_out_split(tmp_path):
+    train_f = jsonl(tmp_path / "train.jsonl", [{"text": "t" * n} for n in (5, 6, 7, 8)])
+    eval_f = jsonl(tmp_path / "eval.jsonl", [{"text": "e" * 9}, {"text": "f" * 3}])
+    train, evals, stats = load_corpus(str(train_f), TOK, TOK.vocab_size, seq_len=16,
+                                      eval_data=str(eval_f))
+    assert (stats["train_examples"], stats["eval_examples"]) == (4, 2)
+    assert stats["eval_source"] == str(eval_f) and stats["eval_trained_tokens"] == 10 + 4
+    batch = evals.eval_batches(2, 16, None, TOK.pad_id)[0]
+    assert set(TOK.decode(batch["inputs"][batch["segment_ids"] > 0])) == {"e", "f"}
+    # text files too: all of --data trains, all of --eval-data evaluates
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("x" * 50)
+    b.write_text("y" * 20)
+    train, evals, stats = load_corpus(str(a), TOK, TOK.vocab_size, seq_len=16, eval_data=str(b))
+    assert train.size == 52 and evals.size == 22 and stats["eval_tokens"] == 22

@@ -24,6 +24,9 @@ class DataSection:
                               ".u32.bin uint32, .npy), or example rows (.jsonl, .json, .parquet: "
                               "text, messages, or prompt + completion); comma-separated lists work "
                               "(default: built-in corpus)")
+    eval_data: str | None = option(None, "held-out data for evaluation, in --data's forms (default: "
+                                   "the last 5%% of --data, at least one window or example)",
+                                   metavar="DATA")
     tokenizer: str | None = option(None, "a Hugging Face `tokenizers` JSON file, copied into the run "
                                    "directory (default: byte-level)")
     data_field: str | None = option(None, "example rows: train on this string field as plain text "

@@ -147,7 +147,8 @@ def load_examples(files, tokenizer, vocab_size: int, *, seq_len: int, eval_fract
 
 def example_options(section) -> dict:
     """load_corpus's example options from a run's DataSection (jaxmem.config.data)."""
-    return dict(data_field=section.data_field, chat_template=section.chat_template,
+    return dict(eval_data=section.eval_data, data_field=section.data_field,
+                chat_template=section.chat_template,
                 train_on=section.train_on, truncate=section.truncate, pack=not section.no_pack)
 
 

@@ -188,6 +188,20 @@ def load_corpus(data: str | None, tokenizer, vocab_size: int, *,
     """
     if not 0.0 <= eval_fraction < 1.0:
         raise DataError(f"eval_fraction must be in [0, 1), got {eval_fraction!r}")
+    eval_data = example_options.pop("eval_data", None)
+    if eval_data is not None:  # --eval-data: all of --data trains, all of eval_data evaluates
+        kw = dict(eval_fraction=0.0, seq_len=seq_len, default_corpus_bytes=default_corpus_bytes,
+                  **example_options)
+        train, _, stats = load_corpus(data, tokenizer, vocab_size, **kw)
+        evals, _, ev = load_corpus(eval_data, tokenizer, vocab_size, **kw)
+        digest = hashlib.sha256((stats["tokens_sha256"] + ev["tokens_sha256"]).encode())
+        held_out = {"eval_source": str(eval_data), "eval_tokens": ev["train_tokens"],
+                    "tokens_sha256": digest.hexdigest()}
+        if ev.get("format") == "examples":
+            held_out.update(eval_examples=ev["train_examples"], eval_rows=ev["train_rows"],
+                            eval_trained_tokens=ev["trained_tokens"],
+                            eval_masked_tokens=ev["masked_tokens"])
+        return train, evals, {**stats, **held_out}
     if seq_len < 1:
         raise DataError(f"seq_len must be >= 1, got {seq_len!r}")
     if tokenizer.vocab_size > vocab_size:
