@@ -222,10 +222,13 @@ def find_chat_template(tokenizer_path=None, explicit=None) -> ChatTemplate | Non
 
 class ChatPromptTokenizer:
     """A tokenizer whose `encode_prompt(text)` is the chat template applied to one user turn with
-    the generation prompt added (`jaxmem.generate --chat`); everything else is the tokenizer's."""
+    the generation prompt added (`jaxmem.generate --chat`), and whose `decode` of ids that start
+    with that prompt gives the reply alone (the rendered template is not the user's text);
+    everything else is the tokenizer's."""
 
     def __init__(self, tokenizer, template: ChatTemplate):
         self._tok, self.template = tokenizer, template
+        self._prompt: list[int] = []
 
     def __getattr__(self, name):
         return getattr(self._tok, name)
@@ -233,7 +236,13 @@ class ChatPromptTokenizer:
     def encode_prompt(self, text: str) -> list[int]:
         rendered = self.template.render([{"role": "user", "content": text or ""}],
                                         add_generation_prompt=True)
-        return list(self._tok.encode(rendered))  # the template writes BOS itself
+        self._prompt = list(self._tok.encode(rendered))  # the template writes BOS itself
+        return list(self._prompt)
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        n = len(self._prompt)
+        return self._tok.decode(ids[n:] if n and ids[:n] == self._prompt else ids)
 
 
 def copy_chat_files(run_dir, tokenizer_path) -> None:

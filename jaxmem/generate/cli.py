@@ -7,7 +7,9 @@ Hugging Face Llama checkpoint directory.
 
 The sampling flags are RunConfig's `sample` section (jaxmem.config.run), the same ones that set
 the sample printed at the end of a training run; their defaults here are the run's own values.
-Temperature 0 is greedy decoding; `--top-k K` samples among the K most likely tokens.
+Temperature 0 is greedy decoding; `--top-k K` samples among the K most likely tokens. `--chat`
+renders `--prompt` as one user turn of the chat template with the generation prompt added, and
+prints the reply alone.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import time
 import jax
 import numpy as np
 
-from jaxmem.data import PackedData, split_eval_batches, train_batcher
+from jaxmem.data import Batcher, PackedData, eval_batches
 from jaxmem.data.chat import copy_chat_files
 from jaxmem.data.examples import describe
 from jaxmem.generate.sampling import generate_text
@@ -110,8 +110,12 @@ def train(s) -> int:
         return 0
 
     pad = s.tokenizer.pad_id
-    batcher = train_batcher(s.train_tokens, d.batch_size, d.seq_len, d.seed, pad_id=pad)
-    evals = split_eval_batches(s.eval_tokens, d.batch_size, d.seq_len, r.eval_batches, pad_id=pad)
+    if isinstance(s.train_tokens, PackedData):  # example rows, packed (jaxmem.data.examples)
+        batcher = s.train_tokens.batcher(d.batch_size, d.seq_len, d.seed, pad)
+        evals = s.eval_tokens.eval_batches(d.batch_size, d.seq_len, r.eval_batches, pad)
+    else:
+        batcher = Batcher(s.train_tokens, d.batch_size, d.seq_len, seed=d.seed, pad_id=pad)
+        evals = eval_batches(s.eval_tokens, d.batch_size, d.seq_len, r.eval_batches, pad_id=pad)
     train_step, eval_fn = ((jit_train_step(step_cfg), make_eval_fn(step_cfg)) if one
                            else (par.train_step(step_cfg, state), par.eval_fn(step_cfg)))
     frozen = () if s.frozen is None else (s.frozen,)  # LoRA: the frozen base (jaxmem.peft)
