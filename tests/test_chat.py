@@ -154,3 +154,41 @@ def test_environment_matches_transformers():
     assert out == render_jinja_template([msgs], chat_template=text)[0][0]
     with pytest.raises(DataError, match="chat template test failed: no system turns"):
         ChatTemplate("{{ raise_exception('no system turns') }}", "test").render([])
+
+
+def test_specials_from_the_tokenizer_when_no_config_names_them(tmp_path):
+    from jaxmem.data.chat import with_tokenizer_specials
+
+    d = tmp_path / "bare"
+    write_chat_tokenizer(d, None)
+    (d / "tokenizer_config.json").unlink()  # only tokenizer.json: no bos_token for the template
+    tok = load_tokenizer(str(d / "tokenizer.json"))
+    t = find_chat_template(str(d / "tokenizer.json"), str(TEMPLATES["llama3"]))
+    assert t.special_tokens == {}
+    with pytest.raises(DataError, match="'bos_token' is undefined"):
+        t.render(CONVERSATIONS[1])
+    filled = with_tokenizer_specials(t, tok)
+    assert filled.special_tokens == {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+    assert filled.render(CONVERSATIONS[1]).startswith("<|begin_of_text|><|start_header_id|>user")
+    given = ChatTemplate(t.text, "x", {"bos_token": "<s>"})  # a config's own name is kept
+    assert with_tokenizer_specials(given, tok).special_tokens["bos_token"] == "<s>"
+
+
+def test_generate_chat_without_a_template_exits_2(tmp_path, capsys):
+    from hf_files import random_params
+    from jaxmem.config.model import PRESETS
+    from jaxmem.generate.cli import main as generate_main
+    from jaxmem.io.hf_export import save_hf
+
+    tok = write_chat_tokenizer(tmp_path / "tok", None)  # tokenizer_config.json, no template
+    cfg = PRESETS["tiny"].replace(vocab_size=400, hidden_size=32, intermediate_size=64,
+                                  num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
+    save_hf(tmp_path / "hf", cfg, random_params(cfg), tokenizer=str(tok))
+    with pytest.raises(SystemExit) as e:
+        generate_main(["--hf", str(tmp_path / "hf"), "--chat", "--prompt", "hi"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"python -m jaxmem.generate: error: --chat: no chat template for "
+                   f"{tmp_path / 'hf' / 'tokenizer.json'}; give one with --chat-template FILE, or "
+                   f"put chat_template.jinja (or a chat_template in tokenizer_config.json) beside "
+                   f"the tokenizer.json"]

@@ -20,6 +20,7 @@ tests/test_chat.py.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -218,6 +219,18 @@ def find_chat_template(tokenizer_path=None, explicit=None) -> ChatTemplate | Non
     if config.is_file() and (text := _config_template(config)) is not None:
         return ChatTemplate(text, f"{config} (chat_template)", specials)
     return None
+
+
+def with_tokenizer_specials(template: ChatTemplate | None, tokenizer) -> ChatTemplate | None:
+    """`template` with bos_token / eos_token filled from the tokenizer where tokenizer_config.json
+    named none (a directory with only tokenizer.json); the file's names take precedence."""
+    id_to_token = getattr(getattr(tokenizer, "_tok", None), "id_to_token", None)
+    if template is None or id_to_token is None:
+        return template
+    names = {k: id_to_token(getattr(tokenizer, k.replace("token", "id")))
+             for k in ("bos_token", "eos_token")}
+    filled = {k: v for k, v in names.items() if v is not None and k not in template.special_tokens}
+    return dataclasses.replace(template, special_tokens={**filled, **template.special_tokens})
 
 
 class ChatPromptTokenizer:

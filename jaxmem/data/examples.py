@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxmem.data.chat import find_chat_template
+from jaxmem.data.chat import find_chat_template, with_tokenizer_specials
 from jaxmem.data.errors import DataError
 from jaxmem.data.formats import read_rows
 from jaxmem.data.masks import encode_row
@@ -73,7 +73,8 @@ def load_examples(files, tokenizer, vocab_size: int, *, seq_len: int, eval_fract
     kinds = {k: sum(r.kind == k for r in rows) for k in ("text", "messages", "pair")}
     needs_template = any(r.kind == "messages" or (r.kind == "pair" and not all(
         isinstance(v, str) for v in r.value)) for r in rows)
-    template = find_chat_template(getattr(tokenizer, "path", None), chat_template) \
+    template = with_tokenizer_specials(
+        find_chat_template(getattr(tokenizer, "path", None), chat_template), tokenizer) \
         if needs_template or chat_template is not None else None
     kept, left_out = [], {"no_trained_tokens": 0, "dropped_too_long": 0, "too_short": 0}
     first_left_out = None

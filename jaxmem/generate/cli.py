@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true",
                    help="apply the chat template to --prompt: one user turn, with the generation "
                         "prompt added (the run's or the checkpoint's template; jaxmem.data.chat)")
+    p.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="with --chat: this Jinja chat template instead of the run's / checkpoint's")
     add_run_flags(p, ["sample"])
     return p
 
@@ -102,13 +104,15 @@ def _chat(p, args, tokenizer, template_file):
     """--chat: the tokenizer whose prompt is the chat template's user turn (else `tokenizer`)."""
     if not args.chat:
         return tokenizer
-    from jaxmem.data.chat import HOW_TO_GIVE_ONE, ChatPromptTokenizer, find_chat_template  # noqa: PLC0415
+    from jaxmem.data.chat import (HOW_TO_GIVE_ONE, ChatPromptTokenizer,  # noqa: PLC0415
+                                  find_chat_template, with_tokenizer_specials)
 
     try:
-        template = find_chat_template(getattr(tokenizer, "path", None), template_file)
+        template = find_chat_template(getattr(tokenizer, "path", None),
+                                      args.chat_template or template_file)
     except DataError as e:
         fail(p, f"--chat: {e}")
     if template is None:
         fail(p, f"--chat: no chat template for {getattr(tokenizer, 'path', 'the byte tokenizer')}; "
                 f"{HOW_TO_GIVE_ONE}")
-    return ChatPromptTokenizer(tokenizer, template)
+    return ChatPromptTokenizer(tokenizer, with_tokenizer_specials(template, tokenizer))
