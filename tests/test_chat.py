@@ -145,10 +145,10 @@ def test_environment_matches_transformers():
     loopcontrols work, trim_blocks / lstrip_blocks are on: as transformers renders it."""
     text = ('{{ messages[0] | tojson }}\n{% for m in messages %}\n  {% if loop.index > 1 %}'
             '{% break %}{% endif %}\n[{{ m.role }}]\n{% endfor %}\n'
-            '{{ strftime_now("%Y") | length }}')
+            '{{ strftime_now("%Y") | length }}{% set ns = namespace(n=dict(a=1)) %}{{ ns.n.a }}')
     msgs = [{"role": "user", "content": "<é>"}, {"role": "assistant", "content": "x"}]
     out = ChatTemplate(text, "test").render(msgs)
-    assert out == '{"role": "user", "content": "<é>"}\n[user]\n4'
+    assert out == '{"role": "user", "content": "<é>"}\n[user]\n41'
     transformers = pytest.importorskip("transformers")
     from transformers.utils.chat_template_utils import render_jinja_template
     assert out == render_jinja_template([msgs], chat_template=text)[0][0]

@@ -83,6 +83,14 @@ def _compile(text: str):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                           sort_keys=sort_keys)
 
+    class TemplateDict:
+        # as transformers: `dict(...)` and `dict.fromkeys(...)`, not the type itself
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
     class Namespace(jinja2.utils.Namespace):
         # as transformers: no underscore attributes (a way out of the sandbox)
         def __init__(*args, **kwargs):
@@ -106,7 +114,7 @@ def _compile(text: str):
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.globals["dict"] = dict
+    env.globals["dict"] = TemplateDict()
     env.globals["namespace"] = Namespace
     try:
         return env.from_string(text)
