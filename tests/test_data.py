@@ -1,5 +1,6 @@
 """Data: tokenizers, sources, the default corpus, packed resumable batches, eval split."""
 
+import json
 import sys
 
 import numpy as np
@@ -318,3 +319,86 @@ def test_bad_batcher_arguments():
         Batcher(STREAM, 2, 16, seed=-1, pad_id=PAD_TOKEN_ID)
     with pytest.raises(DataError, match="position must be >= 0"):
         Batcher(STREAM, 2, 16, pad_id=PAD_TOKEN_ID).batch_at(-1)
+
+
+# ----------------------------------------------------------------------------- packed examples
+
+
+from jaxmem.data.packing import (Examples, PackedBatcher, build_row, cut_pieces,  # noqa: E402
+                                 packed_eval_batches, plan_rows)
+
+
+def _examples(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return Examples.of([(rng.integers(0, 250, n).astype(np.int32), rng.random(n) < 0.7)
+                        for n in lengths])
+
+
+def test_plan_rows_best_fit_decreasing_and_no_pack():
+    assert plan_rows(np.array([10, 6, 5, 4, 3, 2]), 10) == [[0], [1, 3], [2, 4, 5]]
+    assert plan_rows(np.array([3, 3, 3]), 10) == [[0, 1, 2]]
+    assert plan_rows(np.array([10, 6, 5]), 10, pack=False) == [[0], [1], [2]]
+    with pytest.raises(DataError, match="pieces must hold 1 to 10 targets"):
+        plan_rows(np.array([11]), 10)
+
+
+def test_build_row_segments_positions_and_masks():
+    ex = Examples.of([(np.array([1, 2, 3, 4], np.int32), np.array([0, 0, 1, 1], bool)),
+                      (np.array([7, 8, 9], np.int32), np.array([0, 1, 1], bool))])
+    pieces, _ = cut_pieces(ex, 8)
+    r = build_row(ex, pieces, [1, 0], 8, pad_id=256)
+    np.testing.assert_array_equal(r["inputs"], [7, 8, 1, 2, 3, 256, 256, 256])
+    np.testing.assert_array_equal(r["targets"], [8, 9, 2, 3, 4, 256, 256, 256])
+    np.testing.assert_array_equal(r["mask"], [1, 1, 0, 1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(r["segment_ids"], [1, 1, 2, 2, 2, 0, 0, 0])
+    np.testing.assert_array_equal(r["positions"], [0, 1, 0, 1, 2, 0, 0, 0])
+
+
+def test_split_and_drop_and_every_target_once():
+    ex = _examples([5, 40, 17, 18, 2, 1, 9])
+    pieces, counts = cut_pieces(ex, 16, "split")
+    # 40 -> 17 + 17 + 8 tokens (stride 16); 18 -> 17 + 2; the 1-token example has no target
+    assert counts["examples_split"] == 2 and counts["examples_too_short"] == 1
+    dropped, dcounts = cut_pieces(ex, 16, "drop")
+    assert dcounts["examples_dropped"] == 2 and dropped.shape[0] == 4
+    rows = plan_rows(pieces[:, 1] - 1, 16)
+    assert sorted(i for r in rows for i in r) == list(range(pieces.shape[0]))
+    # the (input, target) pairs of all rows are exactly those of the examples, each once
+    got = sorted((int(i), int(t), int(m)) for r in rows
+                 for b in [build_row(ex, pieces, r, 16, pad_id=256)]
+                 for i, t, m, s in zip(b["inputs"], b["targets"], b["mask"], b["segment_ids"]) if s)
+    want = sorted((int(ex.tokens[a + j]), int(ex.tokens[a + j + 1]), int(ex.trained[a + j + 1]))
+                  for a, n in zip(ex.starts[:-1], np.diff(ex.starts)) for j in range(n - 1)
+                  if n > 1)
+    assert got == want
+
+
+def test_packed_batches_are_pure_and_resumable():
+    ex = _examples([5, 9, 3, 12, 7, 4, 6, 8, 2, 10])
+    pieces, _ = cut_pieces(ex, 16)
+    rows = plan_rows(pieces[:, 1] - 1, 16)
+    a = PackedBatcher(ex, pieces, rows, 2, 16, seed=3, pad_id=256)
+    seq = [a.batch_at(p) for p in range(8)]  # several epochs
+    b = PackedBatcher(ex, pieces, rows, 2, 16, seed=3, pad_id=256)
+    for p in (7, 2, 5):  # a resumed batcher at any position: the same batch
+        for k in seq[p]:
+            np.testing.assert_array_equal(b.batch_at(p)[k], seq[p][k])
+    c = PackedBatcher(ex, pieces, rows, 2, 16, seed=4, pad_id=256)
+    assert any(not np.array_equal(c.batch_at(p)["inputs"], seq[p]["inputs"]) for p in range(4))
+    # 56 targets fill 4 rows of 16 (best fit); in batches of 3 the last has 2 padding rows
+    evals = packed_eval_batches(ex, pieces, rows, 3, 16, pad_id=256)
+    assert len(rows) == 4 and len(evals) == 2
+    assert not evals[1]["mask"][1:].any() and not evals[1]["segment_ids"][1:].any()
+    assert evals[1]["mask"][0].any()
+    assert packed_eval_batches(ex, pieces, rows, 4, 16, 1, pad_id=256)[0]["inputs"].shape == (4, 16)
+
+
+def test_no_pack_gives_one_segment_per_row(tmp_path):
+    f = tmp_path / "t.jsonl"
+    f.write_text("".join(json.dumps({"text": "x" * n}) + "\n" for n in (3, 5, 7, 2, 4)))
+    for pack in (True, False):
+        train, _, stats = load_corpus(str(f), TOK, V, seq_len=16, eval_fraction=0.0, pack=pack)
+        assert stats["packed"] is pack and stats["train_rows"] == (2 if pack else 5)
+        b = train.batcher(stats["train_rows"], 16, 0, TOK.pad_id).batch_at(0)  # one epoch
+        assert b["segment_ids"].max() == (3 if pack else 1)
+        assert b["mask"].sum() == stats["trained_tokens"] == 4 + 6 + 8 + 3 + 5

@@ -26,36 +26,15 @@ message naming the version.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from jaxmem.config.data import DataSection  # re-exported: the section lives in its own module
+from jaxmem.config.fields import _positive, option
 from jaxmem.config.model import PRESETS, ConfigError, ModelConfig, get_preset
 
 SCHEMA_VERSION = 2
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "lion")  # jaxmem.train.optim.make_optimizer
-
-
-def option(default, help: str, *, flags: tuple[str, ...] | None = None, type=None, choices=None,
-           metavar: str | None = None, mutable: bool = False, cli: bool = True,
-           store_true: bool = False):
-    """A dataclass field with its CLI metadata.
-
-    flags: option strings (default `--field-name`); each also names the field in a schema-1
-        config.json (whose keys were the train CLI's flag names). mutable: a resumed run may change it (recorded in config.json).
-    cli: False for fields that are configuration but no flag (Adam's betas, for instance).
-    """
-    return field(default=default, metadata=dict(
-        help=help, flags=flags, type=type, choices=choices, metavar=metavar, mutable=mutable,
-        cli=cli, store_true=store_true))
-
-
-def _positive(name: str, value, allow_none: bool = False, allow_zero: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    ok = isinstance(value, int) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
-    if not ok:
-        raise ConfigError(f"{name} must be {'an integer >= 0' if allow_zero else 'a positive integer'}, "
-                          f"got {value!r}")
 
 
 # ----------------------------------------------------------------------------- sections
@@ -180,27 +159,6 @@ class OptimConfig:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer {self.optimizer!r} is invalid; choose one of: "
                               f"{', '.join(OPTIMIZERS)}")
-
-
-@dataclass(frozen=True)
-class DataSection:
-    """Training data and the shape of a step's batch."""
-
-    data: str | None = option(None, "text files, a directory, a glob, or token files (.bin uint16, "
-                              ".u32.bin uint32, .npy); comma-separated lists work (default: "
-                              "built-in corpus)")
-    tokenizer: str | None = option(None, "a Hugging Face `tokenizers` JSON file, copied into the run "
-                                   "directory (default: byte-level)")
-    batch_size: int = option(16, "micro-batch size (sequences)", type="positive_int")
-    seq_len: int = option(128, "tokens per sequence", type="positive_int")
-    grad_accum: int = option(1, "micro-batches per optimizer step (global batch = batch-size x "
-                             "grad-accum)", type="positive_int")
-    seed: int = option(0, "init, data-order and sampling seed", type="nonneg_int")
-
-    def __post_init__(self):
-        for name in ("batch_size", "seq_len", "grad_accum"):
-            _positive(f"--{name.replace('_', '-')}", getattr(self, name))
-        _positive("--seed", self.seed, allow_zero=True)
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,8 @@ import numpy as np
 
 from jaxmem.data.checks import BINARY_SHARE, binary_share, dedupe_files
 from jaxmem.data.errors import DataError
+from jaxmem.data.examples import PackedData, load_examples
+from jaxmem.data.formats import is_example_file
 
 DEFAULT_CORPUS_BYTES = 8_000_000
 DEFAULT_EVAL_FRACTION = 0.05
@@ -172,15 +174,34 @@ def default_corpus_files(max_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
 
 def load_corpus(data: str | None, tokenizer, vocab_size: int, *,
                 eval_fraction: float = DEFAULT_EVAL_FRACTION, seq_len: int = 512,
-                default_corpus_bytes: int = DEFAULT_CORPUS_BYTES):
+                default_corpus_bytes: int = DEFAULT_CORPUS_BYTES, **example_options):
     """(train_tokens, eval_tokens, stats): int32 1-D arrays and a JSON-able dict.
 
     Documents are concatenated in file order. Eval is the tail of the stream: the last
     `eval_fraction` of it, at least one window (seq_len + 1 tokens) but never more than half
     the stream; `eval_fraction=0` gives an empty eval split.
+
+    Example files (.jsonl / .json / .parquet) give `PackedData` splits instead of token arrays
+    (jaxmem.data.examples; `example_options`: data_field, chat_template, train_on, truncate,
+    pack); they cannot be mixed with text or token files. Batches of either: `train_batcher`,
+    `split_eval_batches`.
     """
     if not 0.0 <= eval_fraction < 1.0:
         raise DataError(f"eval_fraction must be in [0, 1), got {eval_fraction!r}")
+    eval_data = example_options.pop("eval_data", None)
+    if eval_data is not None:  # --eval-data: all of --data trains, all of eval_data evaluates
+        kw = dict(eval_fraction=0.0, seq_len=seq_len, default_corpus_bytes=default_corpus_bytes,
+                  **example_options)
+        train, _, stats = load_corpus(data, tokenizer, vocab_size, **kw)
+        evals, _, ev = load_corpus(eval_data, tokenizer, vocab_size, **kw)
+        digest = hashlib.sha256((stats["tokens_sha256"] + ev["tokens_sha256"]).encode())
+        held_out = {"eval_source": str(eval_data), "eval_tokens": ev["train_tokens"],
+                    "tokens_sha256": digest.hexdigest()}
+        if ev.get("format") == "examples":
+            held_out.update(eval_examples=ev["train_examples"], eval_rows=ev["train_rows"],
+                            eval_trained_tokens=ev["trained_tokens"],
+                            eval_masked_tokens=ev["masked_tokens"])
+        return train, evals, {**stats, **held_out}
     if seq_len < 1:
         raise DataError(f"seq_len must be >= 1, got {seq_len!r}")
     if tokenizer.vocab_size > vocab_size:
@@ -188,6 +209,21 @@ def load_corpus(data: str | None, tokenizer, vocab_size: int, *,
                         f"{tokenizer.vocab_size} ids but the model vocab size is {vocab_size}")
     files = default_corpus_files(default_corpus_bytes) if data is None else resolve_sources(data)
     files, duplicates = dedupe_files(files)  # a file reached through a symlink is read once
+    examples = [f for f in files if is_example_file(f)]
+    if examples:
+        others = [f for f in files if not is_example_file(f)]
+        if others:
+            raise DataError(f"--data mixes example rows ({examples[0]}) with text or token files "
+                            f"({others[0]}); give one kind")
+        train, evals, stats = load_examples(files, tokenizer, vocab_size, seq_len=seq_len,
+                                            eval_fraction=eval_fraction, **example_options)
+        return train, evals, {"source": str(data), "files": len(files), **stats,
+                              "duplicate_files_skipped": duplicates[:20],
+                              "tokenizer": getattr(tokenizer, "path", tokenizer.name),
+                              "vocab_size": int(vocab_size)}
+    if example_options.get("data_field") is not None:
+        raise DataError(f"--data-field {example_options['data_field']} needs example rows "
+                        f"(.jsonl, .json, .parquet); {files[0]} is not one")
 
     pieces: list[np.ndarray] = []
     bos = np.asarray([tokenizer.bos_id], np.int32)
@@ -248,3 +284,20 @@ def load_corpus(data: str | None, tokenizer, vocab_size: int, *,
     return train, evals, stats
 
 
+def train_batcher(train, batch_size: int, seq_len: int, seed: int, *, pad_id: int):
+    """The training batches of a split from `load_corpus`: `Batcher` over a token stream, or
+    `PackedBatcher` over packed examples; both have `batch_at(position)`."""
+    from jaxmem.data.batches import Batcher  # noqa: PLC0415
+
+    if isinstance(train, PackedData):
+        return train.batcher(batch_size, seq_len, seed, pad_id)
+    return Batcher(train, batch_size, seq_len, seed, pad_id=pad_id)
+
+
+def split_eval_batches(evals, batch_size: int, seq_len: int, max_batches=None, *, pad_id: int):
+    """The eval batches of a split from `load_corpus` (`eval_batches` for a token stream)."""
+    from jaxmem.data.batches import eval_batches  # noqa: PLC0415
+
+    if isinstance(evals, PackedData):
+        return evals.eval_batches(batch_size, seq_len, max_batches, pad_id)
+    return eval_batches(evals, batch_size, seq_len, max_batches, pad_id=pad_id)

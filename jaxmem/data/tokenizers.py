@@ -31,6 +31,15 @@ class ByteTokenizer:
         """`encode` as an int32 array, without a Python list (fast for megabytes of text)."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """(ids, [(start, end) character offsets of each id in `text`]): a byte's character."""
+        ids, offsets = [], []
+        for i, ch in enumerate(text):
+            b = ch.encode("utf-8")
+            ids.extend(b)
+            offsets.extend([(i, i + 1)] * len(b))
+        return ids, offsets
+
     def encode_prompt(self, text: str) -> list[int]:
         """A prompt's ids: BOS, then the text (as the corpus's documents start)."""
         return [self.bos_id] + self.encode(text)
@@ -94,6 +103,12 @@ class HFTokenizer:
 
     def encode_array(self, text: str) -> np.ndarray:
         return np.asarray(self.encode(text), dtype=np.int32)
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """(ids, [(start, end) character offsets of each id in `text`]), without special tokens
+        added (special tokens written in the text, such as a chat template's, are matched)."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return list(enc.ids), list(enc.offsets)
 
     def encode_prompt(self, text: str) -> list[int]:
         """A prompt's ids with the special tokens the file's post-processor adds (Llama 3's

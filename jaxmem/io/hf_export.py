@@ -32,7 +32,7 @@ DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.f
 DEFAULT_MAX_SHARD_BYTES = 2 << 30
 # Files of a Hugging Face tokenizer that are copied along with tokenizer.json when present.
 TOKENIZER_FILES = (TOKENIZER, "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json")
+                   "chat_template.jinja", "generation_config.json")
 
 
 def _plan_shards(config: ModelConfig, itemsize: int, max_shard_bytes: int) -> list[list[str]]:

@@ -37,6 +37,7 @@ from jaxmem.config.flags import add_run_flags, given_overrides
 from jaxmem.config.run import RunConfig, is_mutable
 from jaxmem.data import DataError, load_corpus, load_tokenizer
 from jaxmem.data.checks import data_warnings
+from jaxmem.data.examples import example_options
 from jaxmem.io.checkpoint import CheckpointError, Checkpointer
 from jaxmem.io.rundir import (CKPT_DIR, CONFIG_FILE, RunError, exit_after_failed_restore, fail,
                               older_steps_hint, read_run_config, run_tokenizer)
@@ -161,7 +162,8 @@ def setup(args, parser) -> Setup:
             raise RunError(f"--tokenizer has {tokenizer.vocab_size} ids but --vocab-size is "
                            f"{model_cfg.vocab_size} (leave it out to use the tokenizer's)")
         train_tokens, eval_tokens, stats = load_corpus(cfg.data.data, tokenizer, model_cfg.vocab_size,
-                                                       seq_len=cfg.data.seq_len)
+                                                       seq_len=cfg.data.seq_len,
+                                                       **example_options(cfg.data))
         d = cfg.data
         for line in data_warnings(stats, d.batch_size * d.seq_len * d.grad_accum,
                                   cfg.optim.total_steps):

@@ -18,7 +18,9 @@ import time
 import jax
 import numpy as np
 
-from jaxmem.data import Batcher, eval_batches
+from jaxmem.data import Batcher, PackedData, eval_batches
+from jaxmem.data.chat import copy_chat_files
+from jaxmem.data.examples import describe
 from jaxmem.generate.sampling import generate_text
 from jaxmem.io.checkpoint import Checkpointer
 from jaxmem.io.rundir import (CKPT_DIR, METRICS_FILE, copy_tokenizer, truncate_metrics,
@@ -98,6 +100,7 @@ def train(s) -> int:
     if main:
         _write_config(s, start)
         copy_tokenizer(out, cfg)  # generate then works from any directory
+        copy_chat_files(out, cfg.data.tokenizer)  # and finds the chat template there
     ckpt = s.ckpt or Checkpointer(out / CKPT_DIR, keep=r.keep)
     end = min(steps, r.stop_at or steps)
     if start >= end:
@@ -107,8 +110,12 @@ def train(s) -> int:
         return 0
 
     pad = s.tokenizer.pad_id
-    batcher = Batcher(s.train_tokens, d.batch_size, d.seq_len, seed=d.seed, pad_id=pad)
-    evals = eval_batches(s.eval_tokens, d.batch_size, d.seq_len, r.eval_batches, pad_id=pad)
+    if isinstance(s.train_tokens, PackedData):  # example rows, packed (jaxmem.data.examples)
+        batcher = s.train_tokens.batcher(d.batch_size, d.seq_len, d.seed, pad)
+        evals = s.eval_tokens.eval_batches(d.batch_size, d.seq_len, r.eval_batches, pad)
+    else:
+        batcher = Batcher(s.train_tokens, d.batch_size, d.seq_len, seed=d.seed, pad_id=pad)
+        evals = eval_batches(s.eval_tokens, d.batch_size, d.seq_len, r.eval_batches, pad_id=pad)
     train_step, eval_fn = ((jit_train_step(step_cfg), make_eval_fn(step_cfg)) if one
                            else (par.train_step(step_cfg, state), par.eval_fn(step_cfg)))
     frozen = () if s.frozen is None else (s.frozen,)  # LoRA: the frozen base (jaxmem.peft)
@@ -144,7 +151,7 @@ def train(s) -> int:
                 else Trackers(steps, False, plain=False))
     say(f"jaxmem: {cfg.init.init_from or cfg.model.preset} ({s.model_cfg.num_params():,} params), {cfg.precision.mode}, "
           f"remat {step_cfg.remat}, {device.platform}: {device.device_kind}; "
-          f"{len(s.train_tokens):,} train tokens; run dir {out}"
+          f"{describe(s.stats, d.seq_len)}; run dir {out}"
           + (f"; {s.step_cfg.peft.describe(state.params)}" if s.frozen is not None else "")
           + (f"; resuming at step {start}" if resumed else "")
           + ("; no committed checkpoint, starting at step 0" if s.continuing and not resumed else ""),
@@ -246,7 +253,9 @@ def train(s) -> int:
     if sm.max_new_tokens and jax.process_count() == 1:  # sharded params: one process only
         params = state.params if s.frozen is None else step_cfg.peft.full_params(s.frozen,
                                                                                   state.params)
-        prompt = sm.prompt if sm.prompt is not None else eval_prompt(s.eval_tokens, s.tokenizer)
+        ev_tokens = (s.eval_tokens.examples.tokens if isinstance(s.eval_tokens, PackedData)
+                     else s.eval_tokens)
+        prompt = sm.prompt if sm.prompt is not None else eval_prompt(ev_tokens, s.tokenizer)
         try:
             sample = generate_text(s.model_cfg, params, s.tokenizer, prompt=prompt,
                                    max_new_tokens=sm.max_new_tokens, temperature=sm.temperature,

@@ -1,0 +1,168 @@
+"""Example rows: `.jsonl`, `.json` (a list of rows) and `.parquet` files, and the kind of each row.
+
+    is_example_file(path)            True for .jsonl / .json / .parquet
+    read_rows(path, data_field)      -> [Row(kind, value, where), ...], one kind per file
+
+A row's kind is read from its fields (a field whose value is null counts as absent, as
+transformers drops None-valued keys):
+
+    text                       {"text": "..."}                      plain text, trained whole
+    messages                   {"messages": [{"role", "content"}]}  roles system / user / assistant
+    pair                       {"prompt": ..., "completion": ...}   each a string or a message list
+
+`data_field="NAME"` reads every row as text from the string field NAME instead. A row of another
+shape, a malformed JSON line, a missing or mistyped field, an unknown role, or a file that mixes
+kinds raises DataError naming the file, the line (`.jsonl`) or row (`.json`, `.parquet`, 1-based)
+and the fields found.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from jaxmem.data.errors import DataError
+
+EXAMPLE_SUFFIXES = (".jsonl", ".json", ".parquet")
+ROLES = ("system", "user", "assistant")
+KIND_FIELDS = {"text": "text", "messages": "messages", "pair": "prompt + completion"}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One example: kind "text" (value: str), "messages" (value: list of {role, content}) or
+    "pair" (value: (prompt, completion), each a str or a message list); `where` is
+    'FILE line N' or 'FILE row N', for messages."""
+
+    kind: str
+    value: object
+    where: str
+
+
+def is_example_file(path) -> bool:
+    return Path(path).suffix.lower() in EXAMPLE_SUFFIXES
+
+
+def _records(path: Path):
+    """(location, record) of each row in the file; DataError on unreadable input."""
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq  # noqa: PLC0415 (optional: the `parquet` extra)
+        except ImportError:
+            raise DataError(f"{path}: reading .parquet files needs pyarrow (pip install "
+                            f"'jaxmem[parquet]')") from None
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as e:  # pyarrow raises ArrowInvalid, OSError ...
+            raise DataError(f"{path}: unreadable parquet file ({str(e).splitlines()[0]})") from None
+        yield from ((f"{path} row {i + 1}", r) for i, r in enumerate(rows))
+        return
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise DataError(f"cannot read data file {path}: {e.strerror or e}") from None
+    if not text.strip():
+        raise DataError(f"data file is empty: {path}")
+    if suffix == ".json":
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} line {e.lineno}: invalid JSON ({e.msg}, column {e.colno})") from None
+        if not isinstance(rows, list):
+            raise DataError(f"{path}: a .json data file must hold a list of rows, got "
+                            f"{type(rows).__name__}")
+        yield from ((f"{path} row {i + 1}", r) for i, r in enumerate(rows))
+        return
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue  # blank lines (a trailing newline) are not rows
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} line {n}: invalid JSON ({e.msg}, column {e.colno})") from None
+        yield f"{path} line {n}", record
+
+
+def _fields(record: dict) -> str:
+    found = [str(k) for k, v in record.items() if v is not None]
+    return ", ".join(found) if found else "none"
+
+
+def _messages(value, where: str, what: str) -> list[dict]:
+    """The validated message list `value` (copies with None-valued keys dropped)."""
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: {what} must be a non-empty list of {{role, content}} messages, "
+                        f"got {type(value).__name__ if value != [] else 'an empty list'}")
+    out = []
+    for i, m in enumerate(value, 1):
+        if not isinstance(m, dict):
+            raise DataError(f"{where}: {what} message {i} is a {type(m).__name__}, not a "
+                            f"{{role, content}} object")
+        m = {k: v for k, v in m.items() if v is not None}
+        for key in ("role", "content"):
+            if key not in m:
+                raise DataError(f"{where}: {what} message {i} has no '{key}' field (fields "
+                                f"found: {_fields(m)})")
+        if m["role"] not in ROLES:
+            raise DataError(f"{where}: {what} message {i} has role {m['role']!r} (expected "
+                            f"{', '.join(ROLES)})")
+        if not isinstance(m["content"], str):
+            raise DataError(f"{where}: {what} message {i} has {type(m['content']).__name__} "
+                            f"content; only string content is supported")
+        out.append(m)
+    return out
+
+
+def _string(record: dict, key: str, where: str) -> str:
+    value = record[key]
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field '{key}' is a {type(value).__name__}, not a string")
+    return value
+
+
+def classify(record, where: str, data_field: str | None = None) -> Row:
+    """The Row of one record (see the module docstring)."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: a row must be a JSON object, got {type(record).__name__}")
+    present = {k for k, v in record.items() if v is not None}
+    if data_field is not None:
+        if data_field not in present:
+            raise DataError(f"{where}: no field '{data_field}' (--data-field; fields found: "
+                            f"{_fields(record)})")
+        return Row("text", _string(record, data_field, where), where)
+    if "messages" in present:
+        return Row("messages", _messages(record["messages"], where, "messages"), where)
+    if "prompt" in present or "completion" in present:
+        for key in ("prompt", "completion"):
+            if key not in present:
+                raise DataError(f"{where}: a prompt/completion row has no '{key}' field (fields "
+                                f"found: {_fields(record)})")
+        pair = tuple(record[k] if isinstance(record[k], str) else _messages(record[k], where, k)
+                     for k in ("prompt", "completion"))
+        return Row("pair", pair, where)
+    if "text" in present:
+        return Row("text", _string(record, "text", where), where)
+    raise DataError(f"{where}: unknown row shape (fields found: {_fields(record)}); expected "
+                    f"text, messages, or prompt + completion (--data-field NAME reads another "
+                    f"text field)")
+
+
+def read_rows(path, data_field: str | None = None) -> list[Row]:
+    """The rows of one example file, all of one kind (DataError otherwise)."""
+    path = Path(path)
+    rows: list[Row] = []
+    for where, record in _records(path):
+        row = classify(record, where, data_field)
+        if rows and row.kind != rows[0].kind:
+            first = rows[0].where.rsplit(" ", 2)
+            raise DataError(f"{where}: a {KIND_FIELDS[row.kind]} row in a file of "
+                            f"{KIND_FIELDS[rows[0].kind]} rows (since {first[-2]} {first[-1]}); "
+                            f"one kind of row per file (fields found: {_fields(record)})")
+        rows.append(row)
+    if not rows:
+        raise DataError(f"data file has no rows: {path}")
+    return rows
