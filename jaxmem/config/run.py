@@ -26,27 +26,15 @@ message naming the version.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from jaxmem.config.fields import option  # noqa: F401  (re-exported)
 from jaxmem.config.model import PRESETS, ConfigError, ModelConfig, get_preset
+from jaxmem.config.sample import SampleSection  # noqa: F401  (re-exported: a RunConfig section)
 
 SCHEMA_VERSION = 2
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "lion")  # jaxmem.train.optim.make_optimizer
-
-
-def option(default, help: str, *, flags: tuple[str, ...] | None = None, type=None, choices=None,
-           metavar: str | None = None, mutable: bool = False, cli: bool = True,
-           store_true: bool = False):
-    """A dataclass field with its CLI metadata.
-
-    flags: option strings (default `--field-name`); each also names the field in a schema-1
-        config.json (whose keys were the train CLI's flag names). mutable: a resumed run may change it (recorded in config.json).
-    cli: False for fields that are configuration but no flag (Adam's betas, for instance).
-    """
-    return field(default=default, metadata=dict(
-        help=help, flags=flags, type=type, choices=choices, metavar=metavar, mutable=mutable,
-        cli=cli, store_true=store_true))
 
 
 def _positive(name: str, value, allow_none: bool = False, allow_zero: bool = False) -> None:
@@ -229,22 +217,6 @@ class RunSection:
     wandb_project: str | None = option(None, "log to this Weights & Biases project (needs wandb; "
                                        "WANDB_MODE=offline keeps it local)", metavar="PROJECT",
                                        mutable=True)
-
-
-@dataclass(frozen=True)
-class SampleSection:
-    """Text sampled from the model: at the end of a run, and by `jaxmem.generate`."""
-
-    prompt: str | None = option(None, "text to continue (default: the end-of-training sample "
-                                "continues the first line of the eval data; jaxmem.generate the "
-                                "run's --prompt, else it samples from BOS alone)")
-    max_new_tokens: int = option(200, "tokens to generate (0: none at the end of a run)",
-                                 flags=("--max-new-tokens", "--sample-tokens"), type="nonneg_int",
-                                 mutable=True)
-    temperature: float = option(0.8, "sampling temperature (0: greedy)", type="nonneg_float",
-                                mutable=True)
-    top_k: int = option(40, "sample among the K most likely tokens (0: all)", type="nonneg_int",
-                        mutable=True)
 
 
 @dataclass(frozen=True)
