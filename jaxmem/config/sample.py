@@ -24,3 +24,11 @@ class SampleSection:
                                 mutable=True)
     top_k: int = option(40, "sample among the K most likely tokens (0: all)", type="nonneg_int",
                         mutable=True)
+    stop: str | None = option(None, "end the text before this string (also at the tokenizer's "
+                              "EOS ids and generation_config.json's)", metavar="STRING",
+                              flags=("--stop", "--sample-stop"),
+                              mutable=True)
+    dtype: str | None = option(None, "compute and KV-cache dtype of sampling (default: bfloat16 "
+                               "on a GPU, float16 for an amp-fp16 run; on CPU the run's compute "
+                               "dtype, float32 for --hf)", flags=("--dtype", "--sample-dtype"),
+                               choices=["float32", "bfloat16", "float16"], mutable=True)

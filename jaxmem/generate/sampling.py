@@ -23,6 +23,7 @@ Temperature 0 is greedy decoding; `top_k` samples among the K most likely tokens
 from __future__ import annotations
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -118,8 +119,12 @@ def new_token_budget(n_prompt: int, max_new_tokens: int, limit: int) -> int:
 
 def generate_ids(config: ModelConfig, params, prompts, max_new_tokens: int,
                  temperature: float = 0.8, top_k: int = 0, seed: int = 0,
-                 compute_dtype=jnp.float32, eos_ids=()) -> list[list[int]]:
+                 compute_dtype=jnp.float32, eos_ids=(), stats: dict | None = None
+                 ) -> list[list[int]]:
     """New ids for each prompt (lists of ids) of one batch, each cut after its first EOS.
+
+    stats: a dict that gets `compile_s` and `run_s` added (the sampler is compiled ahead of
+        time, once per jitted function and argument shapes).
 
     The longest prompt sets the batch's budget: a prompt leaving no room within the model's
     positions raises ValueError (`new_token_budget`); the others are left-padded to it.
@@ -133,13 +138,34 @@ def generate_ids(config: ModelConfig, params, prompts, max_new_tokens: int,
         ids[r, n_prompt - len(p):], valid[r, n_prompt - len(p):] = p, True
     fn = _sampler(config, n_prompt, total, float(temperature), int(top_k),
                   tuple(sorted(int(e) for e in eos_ids)), jnp.dtype(compute_dtype).name)
-    out, steps = fn(params, jnp.asarray(ids), jnp.asarray(valid), jax.random.PRNGKey(seed))
+    args = (params, jnp.asarray(ids), jnp.asarray(valid), jax.random.PRNGKey(seed))
+    t0 = time.perf_counter()
+    compiled = _compiled(fn, args)
+    t1 = time.perf_counter()
+    out, steps = compiled(*args)
     out = np.asarray(out)[:, :int(steps)]
+    if stats is not None:  # compile and run times, for the tokens/s line
+        stats["compile_s"] = stats.get("compile_s", 0.0) + t1 - t0
+        stats["run_s"] = stats.get("run_s", 0.0) + time.perf_counter() - t1
     result = []
     for row in out.tolist():
         ends = [i for i, t in enumerate(row) if t in set(eos_ids)]
         result.append(row[:ends[0] + 1] if ends else row)
     return result
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(fn, args):
+    """fn compiled for args' shapes and dtypes (kept: a batch of the same shapes reuses it)."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    key = (fn, tree, tuple((x.shape, str(x.dtype)) for x in leaves))
+    if key not in _COMPILED:
+        if len(_COMPILED) > 16:
+            _COMPILED.clear()
+        _COMPILED[key] = fn.lower(*args).compile()
+    return _COMPILED[key]
 
 
 def sample_tokens(config: ModelConfig, params, prompt_ids, max_new_tokens: int,
@@ -161,15 +187,21 @@ def sample_tokens_uncached(config: ModelConfig, params, prompt_ids, max_new_toke
                            compute_dtype=jnp.float32) -> list[int]:
     """The sampler before the KV cache: a fixed-size buffer, the whole of it through the model
     for every new token. Kept as the reference the cached path is tested against."""
-    limit = config.max_position_embeddings
     prompt_ids = list(prompt_ids)
     n_prompt = len(prompt_ids)
-    total = n_prompt + new_token_budget(n_prompt, max_new_tokens, limit)
+    total = n_prompt + new_token_budget(n_prompt, max_new_tokens, config.max_position_embeddings)
     buf = jnp.zeros((1, total), jnp.int32).at[0, :n_prompt].set(jnp.asarray(prompt_ids, jnp.int32))
-    model = Llama(config)
-    params = cast_params(params, compute_dtype)
+    run = uncached_sampler(config, n_prompt, total, float(temperature), int(top_k))
+    out = run(cast_params(params, compute_dtype), buf, jax.random.PRNGKey(seed))
+    return [int(t) for t in np.asarray(out)[0]]
 
-    @jax.jit
+
+@functools.lru_cache(maxsize=8)
+def uncached_sampler(config: ModelConfig, n_prompt: int, total: int, temperature: float,
+                     top_k: int):
+    """The old jitted loop: (params, buf [1, total], key) -> buf filled from n_prompt on."""
+    model = Llama(config)
+
     def run(params, buf, key):
         def body(pos, carry):
             buf, key = carry
@@ -180,7 +212,7 @@ def sample_tokens_uncached(config: ModelConfig, params, prompt_ids, max_new_toke
 
         return jax.lax.fori_loop(n_prompt, total, body, (buf, key))[0]
 
-    return [int(t) for t in np.asarray(run(params, buf, jax.random.PRNGKey(seed)))[0]]
+    return jax.jit(run)
 
 
 def cut_at_stop(text: str, stops) -> tuple[str, bool]:
