@@ -112,3 +112,37 @@ def test_bad_prompts_files_exit_2_naming_file_and_line(tmp_path, capsys, content
 def test_output_needs_prompts_file(tmp_path, capsys):
     err = _error(["--hf", str(tmp_path), "--output", str(tmp_path / "o.jsonl")], capsys)
     assert "--output needs --prompts-file" in err
+
+
+def test_a_lora_run_builds_its_quantized_base_once_for_all_prompts(tmp_path, monkeypatch,
+                                                                   capsys):
+    """generate --run on a LoRA run: `lora_params` (which quantizes the base onto the device)
+    runs once per call, whatever the number of prompts and batches."""
+    from types import SimpleNamespace
+
+    import jax
+    import jax.numpy as jnp
+
+    import jaxmem.generate.cli as cli
+    import jaxmem.peft.export as peft_export
+    from jaxmem.config.run import RunConfig
+    from jaxmem.data import ByteTokenizer
+    from jaxmem.model.llama import init_params
+
+    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                      num_kv_heads=1, max_position_embeddings=32)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    run = SimpleNamespace(state=SimpleNamespace(params=None), model_config=cfg,
+                          tokenizer=ByteTokenizer(), config=RunConfig(),
+                          step_config=SimpleNamespace(peft=object(), precision=SimpleNamespace(
+                              compute_dtype=jnp.float32)))
+    built = []
+    monkeypatch.setattr(cli, "load_run", lambda path, step=None: run)
+    monkeypatch.setattr(peft_export, "lora_params", lambda r: built.append(r) or params)
+    src = tmp_path / "p.jsonl"
+    # four prompts of one length: four batches, one compile
+    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in "abcd"))
+    assert cli.main(["--run", "x", "--prompts-file", str(src), "--batch-size", "1",
+                     "--max-new-tokens", "2", "--temperature", "0"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 4
+    assert built == [run]
