@@ -65,7 +65,8 @@ def main(argv=None) -> int:
                                args.repeats)
         result.update(uncached_compile_s=round(c_s, 2), uncached_run_s=round(r_s, 3),
                       uncached_tokens_per_s=round(args.new_tokens / r_s, 1))
-        result["speedup"] = round(result["cached_tokens_per_s"] / result["uncached_tokens_per_s"], 1)
+        ratio = result["cached_tokens_per_s"] / result["uncached_tokens_per_s"]
+        result["speedup"] = round(ratio, 1)
         result["same_tokens"] = int(np.sum(np.asarray(old)[0, P:] == np.asarray(new)[0]))
     print(json.dumps(result))
     return 0
