@@ -31,8 +31,11 @@ def hf_dir(tmp_path_factory):
 
 
 def _main(argv):
+    import jax
+
     from jaxmem.generate.cli import main
-    return main(argv)
+    with jax.default_matmul_precision("highest"):  # fp32 comparisons: no TF32 on a GPU
+        return main(argv)
 
 
 def _error(argv, capsys):
@@ -48,7 +51,8 @@ def test_prompts_file_batches_equal_single_prompts_in_input_order(hf_dir, tmp_pa
     src, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps({"prompt": p, "id": i}) + "\n" for i, p in
                            enumerate(PROMPTS)) + "\n")  # a blank line is skipped
-    common = ["--hf", str(hf_dir), "--temperature", "0", "--max-new-tokens", "6"]
+    common = ["--hf", str(hf_dir), "--temperature", "0", "--max-new-tokens", "6",
+              "--dtype", "float32"]  # a GPU's default is bf16
     assert _main([*common, "--prompts-file", str(src), "--output", str(out),
                   "--batch-size", "2"]) == 0
     err = capsys.readouterr().err
@@ -64,7 +68,7 @@ def test_prompts_file_batches_equal_single_prompts_in_input_order(hf_dir, tmp_pa
 
 def test_stop_string_ends_the_text(hf_dir, tmp_path, capsys):
     common = ["--hf", str(hf_dir), "--temperature", "0", "--max-new-tokens", "8",
-              "--prompt", "hello"]
+              "--dtype", "float32", "--prompt", "hello"]
     assert _main(common) == 0
     full = capsys.readouterr().out.rstrip("\n")
     tail = full[len("hello"):]
