@@ -120,3 +120,38 @@ def test_model_logits_on_the_fallback_equal_the_cpu_path(fresh):
     with pytest.warns(UserWarning, match="no cuDNN on this machine"):
         got = Llama(cfg).apply({"params": params}, tokens)
     np.testing.assert_array_equal(got, want)
+
+
+def test_packed_rows_on_a_simulated_gpu_give_cudnn_the_segment_mask(fresh):
+    """Packed rows: cuDNN is asked (once) with the [B, 1, T, S] segment mask and gets it in the
+    call; where it rejects the mask, the XLA path runs the same segment mask, with one warning."""
+    from jaxmem.model.layers import segment_mask
+
+    fresh.setattr(attn, "_on_gpu", lambda: True)
+    seen = []
+
+    def accepting(q, k, v, mask=None):
+        seen.append(None if mask is None else (mask.shape, mask.dtype))
+        return jnp.zeros_like(q)
+
+    fresh.setattr(attn, "_cudnn_attention", accepting)
+    q, k, v = qkv()
+    seg = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1, 1, 1]], jnp.int32)
+    assert attn.attention_path(q.shape, k.shape, q.dtype, segments=True).path == "cudnn"
+    attn.causal_attention(q, k, v, None, seg)
+    assert seen == [((B, 1, T, T), jnp.bool_)] * 2  # the verdict's probe, then the call
+
+    def rejecting(q, k, v, mask=None):
+        if mask is not None:
+            raise ValueError("bias not supported here")
+        return jnp.zeros_like(q)
+
+    attn._cudnn_verdict.cache_clear()
+    fresh.setattr(attn, "_cudnn_attention", rejecting)
+    with pytest.warns(UserWarning, match="cuDNN rejected packed bfloat16 inputs: ValueError: bias"):
+        got = attn.causal_attention(q, k, v, None, seg)
+    idx = jnp.arange(T)
+    want = jax.nn.dot_product_attention(q, k, v, mask=segment_mask(seg, seg, idx, idx),
+                                        implementation="xla")
+    np.testing.assert_array_equal(got, want)
+    assert attn.attention_path(q.shape, k.shape, q.dtype).path == "cudnn"  # unpacked: still cuDNN

@@ -192,7 +192,7 @@ def test_generate_hf_greedy_matches_argmax(exported, capsys):
 
     d, params = exported
     assert main(["--hf", str(d / "fp32"), "--prompt", "hello", "--temperature", "0",
-                 "--max-new-tokens", "4"]) == 0
+                 "--max-new-tokens", "4", "--dtype", "float32"]) == 0  # GPU default: bf16
     text = capsys.readouterr().out.strip("\n")
     tok = hf_tokenizer(d / "fp32")
     ids = tok.encode_prompt("hello")

@@ -1,7 +1,7 @@
 """Run-config fields with their CLI metadata (`option`) and the integer check the sections share.
 
 Its own module so that each section module (jaxmem.config.run, jaxmem.config.data) can declare
-its fields without importing the others.
+its fields without importing the others (jaxmem.config.sample too).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from typing import Any
 from jaxmem.config.data import DataSection  # re-exported: the section lives in its own module
 from jaxmem.config.fields import _positive, option
 from jaxmem.config.model import PRESETS, ConfigError, ModelConfig, get_preset
+from jaxmem.config.sample import SampleSection  # noqa: F401  (re-exported: a RunConfig section)
 
 SCHEMA_VERSION = 2
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "lion")  # jaxmem.train.optim.make_optimizer
@@ -187,22 +188,6 @@ class RunSection:
     wandb_project: str | None = option(None, "log to this Weights & Biases project (needs wandb; "
                                        "WANDB_MODE=offline keeps it local)", metavar="PROJECT",
                                        mutable=True)
-
-
-@dataclass(frozen=True)
-class SampleSection:
-    """Text sampled from the model: at the end of a run, and by `jaxmem.generate`."""
-
-    prompt: str | None = option(None, "text to continue (default: the end-of-training sample "
-                                "continues the first line of the eval data; jaxmem.generate the "
-                                "run's --prompt, else it samples from BOS alone)")
-    max_new_tokens: int = option(200, "tokens to generate (0: none at the end of a run)",
-                                 flags=("--max-new-tokens", "--sample-tokens"), type="nonneg_int",
-                                 mutable=True)
-    temperature: float = option(0.8, "sampling temperature (0: greedy)", type="nonneg_float",
-                                mutable=True)
-    top_k: int = option(40, "sample among the K most likely tokens (0: all)", type="nonneg_int",
-                        mutable=True)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,8 @@
-"""Text generation: `sample_tokens` / `generate_text` (library) and `python -m jaxmem.generate`."""
+"""Text generation with a KV cache: `generate_ids` / `sample_tokens` / `generate_text`,
+`lower_sample` for the planner (library), and `python -m jaxmem.generate`."""
 
-from jaxmem.generate.sampling import generate_text, sample_tokens
+from jaxmem.generate.sampling import (generate_ids, generate_text, lower_sample, sample_tokens,
+                                      sample_tokens_uncached)
 
-__all__ = ["generate_text", "sample_tokens"]
+__all__ = ["generate_ids", "generate_text", "lower_sample", "sample_tokens",
+           "sample_tokens_uncached"]

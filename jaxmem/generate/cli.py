@@ -1,27 +1,34 @@
 """`python -m jaxmem.generate`: sample text from the newest checkpoint of a run, or from a
-Hugging Face Llama checkpoint directory.
+Hugging Face Llama checkpoint directory, with a KV cache (jaxmem.generate.sampling).
 
     python -m jaxmem.generate --run runs/default --prompt "def main(" --max-new-tokens 200
     python -m jaxmem.generate --hf Llama-3.2-1B --prompt "The capital of France" --temperature 0
+    python -m jaxmem.generate --run runs/lora --prompts-file prompts.jsonl --output out.jsonl
     python -m jaxmem.generate --run runs/chat --chat --prompt "What is the capital of France?"
 
-The sampling flags are RunConfig's `sample` section (jaxmem.config.run), the same ones that set
+The sampling flags are RunConfig's `sample` section (jaxmem.config.sample), the same ones that set
 the sample printed at the end of a training run; their defaults here are the run's own values.
-Temperature 0 is greedy decoding; `--top-k K` samples among the K most likely tokens. `--chat`
-renders `--prompt` as one user turn of the chat template with the generation prompt added, and
-prints the reply alone.
+Temperature 0 is greedy decoding; `--top-k K` samples among the K most likely tokens. Generation
+ends at the tokenizer's EOS ids (and the checkpoint's generation_config.json's), before `--stop`.
+`--prompts-file` reads one JSON object with a "prompt" string per line and writes one line per
+prompt, in order: {"prompt", "completion", "new_tokens", "stop": "eos" | "stop" | "length"}.
+The params (for a LoRA run: the quantized base with the adapters) are built once per call.
+The tokens/s line goes to stderr. `--chat` renders each prompt as one user turn of the chat
+template with the generation prompt added, and prints the reply alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
-from jaxmem.config.flags import add_run_flags, given_overrides
+from jaxmem.config.flags import add_run_flags, given_overrides, positive_int
 from jaxmem.data import DataError
-from jaxmem.generate.sampling import generate_text
+from jaxmem.generate.sampling import complete_text, generate_ids, new_token_budget
+from jaxmem.generate.stopping import eos_ids, sample_dtype
 from jaxmem.io.checkpoint import CheckpointError
 from jaxmem.io.rundir import RunError, exit_after_failed_restore, fail, load_run
 
@@ -35,10 +42,17 @@ def build_parser() -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--run", help="run directory (the --out of jaxmem.train)")
     source.add_argument("--hf", metavar="HF_DIR", help="a Hugging Face Llama checkpoint directory "
-                        "(config.json, safetensors, tokenizer.json), computed in fp32")
+                        "(config.json, safetensors, tokenizer.json)")
     p.add_argument("--step", type=int, default=None, metavar="N",
                    help="with --run: sample from committed checkpoint step N (default: the newest)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--prompts-file", metavar="FILE.jsonl", default=None,
+                   help="generate for every prompt of a JSONL file ({\"prompt\": ...} per line), "
+                        "in batches, and write JSONL (instead of --prompt)")
+    p.add_argument("--output", metavar="FILE", default=None,
+                   help="with --prompts-file: write the JSONL here (default: stdout)")
+    p.add_argument("--batch-size", type=positive_int, default=8, metavar="N",
+                   help="with --prompts-file: prompts per batch (default: 8)")
     p.add_argument("--chat", action="store_true",
                    help="apply the chat template to --prompt: one user turn, with the generation "
                         "prompt added (the run's or the checkpoint's template; jaxmem.data.chat)")
@@ -54,51 +68,113 @@ def main(argv=None) -> int:
     overrides = {k.split(".")[1]: v for k, v in given_overrides(args).items()}
     if overrides.get("max_new_tokens", 1) <= 0:
         p.error(f"--max-new-tokens must be positive, got {overrides['max_new_tokens']}")
+    if args.prompts_file is None and args.output is not None:
+        fail(p, "--output needs --prompts-file (a single --prompt is printed)")
+    if args.prompts_file is not None and "prompt" in overrides:
+        fail(p, "give --prompt or --prompts-file, not both")
+    prompts = read_prompts(p, args.prompts_file) if args.prompts_file else None
     if args.hf is not None:
-        return _generate_hf(p, args, overrides)
-    try:
-        run = load_run(Path(args.run), step=args.step)
-        params = run.state.params
-        if run.step_config.peft is not None:  # LoRA: the adapters on the run's own base
-            from jaxmem.peft.export import lora_params
-            params = lora_params(run)
-    except CheckpointError as e:
-        exit_after_failed_restore(p, str(e).splitlines()[0])
-    except (RunError, DataError, ValueError) as e:
-        fail(p, str(e).splitlines()[0])
-    sm = dataclasses.replace(run.config.sample, **overrides)
-    tokenizer = _chat(p, args, run.tokenizer, run.config.data.chat_template)
-    try:
-        text = generate_text(run.model_config, params, tokenizer, sm.prompt,
-                             sm.max_new_tokens, sm.temperature, sm.top_k, args.seed,
-                             run.step_config.precision.compute_dtype,
-                             note=lambda m: print(m, file=sys.stderr))
-    except ValueError as e:  # a prompt longer than the model's context
-        fail(p, f"--prompt: {e}")
-    print(text)
+        from jaxmem.config.run import SampleSection  # noqa: PLC0415
+        from jaxmem.io.hf import hf_tokenizer, load_hf  # noqa: PLC0415
+
+        try:
+            model_config, params = load_hf(args.hf)
+            tokenizer = _chat(p, args, hf_tokenizer(args.hf), None)
+            eos = eos_ids(tokenizer, args.hf)
+        except (DataError, ValueError) as e:  # HFError is a ValueError
+            fail(p, str(e).splitlines()[0])
+        sm, run_dtype = dataclasses.replace(SampleSection(), **overrides), "float32"
+    else:
+        try:
+            run = load_run(Path(args.run), step=args.step)
+            params = run.state.params
+            if run.step_config.peft is not None:  # LoRA: the adapters on the run's own base,
+                from jaxmem.peft.export import lora_params  # built (quantized) once per call
+                params = lora_params(run)
+            eos = eos_ids(run.tokenizer, run.config.init.init_from)
+        except CheckpointError as e:
+            exit_after_failed_restore(p, str(e).splitlines()[0])
+        except (RunError, DataError, ValueError) as e:
+            fail(p, str(e).splitlines()[0])
+        model_config = run.model_config
+        tokenizer = _chat(p, args, run.tokenizer, run.config.data.chat_template)
+        sm, run_dtype = (dataclasses.replace(run.config.sample, **overrides),
+                         run.step_config.precision.compute_dtype)
+    dtype = sample_dtype(sm.dtype, run_dtype)
+    if prompts is None:
+        prompts = [(None, sm.prompt or "")]
+    rows, stats = _generate(p, model_config, params, tokenizer, prompts, sm, args, eos, dtype)
+    if args.prompts_file is None:
+        print(rows[0]["completion" if args.chat else "text"])
+    else:
+        lines = "".join(json.dumps({k: r[k] for k in ("prompt", "completion", "new_tokens",
+                                                       "stop")}, ensure_ascii=False) + "\n"
+                        for r in rows)
+        if args.output is None:
+            sys.stdout.write(lines)
+        else:
+            try:
+                Path(args.output).write_text(lines)
+            except OSError as e:
+                fail(p, f"--output {args.output}: {e.strerror or e}")
+    n = sum(r["new_tokens"] for r in rows)
+    print(f"generated {n} tokens for {len(rows)} prompt(s) in {stats['run_s']:.2f} s: "
+          f"{n / max(stats['run_s'], 1e-9):,.1f} tokens/s ({dtype.name}, KV cache; compile "
+          f"{stats['compile_s']:.1f} s)", file=sys.stderr)
     return 0
 
 
-def _generate_hf(p, args, overrides) -> int:
-    """Sample from a Hugging Face directory with its own tokenizer (jaxmem.io.hf)."""
-    from jaxmem.config.run import SampleSection  # noqa: PLC0415
-    from jaxmem.io.hf import hf_tokenizer, load_hf  # noqa: PLC0415
-
+def read_prompts(p, path) -> list[tuple[int, str]]:
+    """(line number, prompt) of every non-blank line; bad lines exit 2 naming file and line."""
     try:
-        model_config, params = load_hf(args.hf)
-        tokenizer = _chat(p, args, hf_tokenizer(args.hf), None)
-    except (DataError, ValueError) as e:  # HFError is a ValueError
-        fail(p, str(e).splitlines()[0])
-    sm = dataclasses.replace(SampleSection(), **overrides)
-    try:
-        text = generate_text(model_config, params, tokenizer, sm.prompt, sm.max_new_tokens,
-                             sm.temperature, sm.top_k, args.seed,
-                             note=lambda m: print(m, file=sys.stderr))
-    except ValueError as e:  # a prompt longer than the model's context
-        fail(p, f"--prompt: {e}")
-    print(text)
-    return 0
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        fail(p, f"--prompts-file {path}: {getattr(e, 'strerror', None) or e}")
+    out = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            fail(p, f"{path}:{n}: not JSON ({e.msg})")
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            found = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
+            fail(p, f"{path}:{n}: expected an object with a \"prompt\" string, found {found}")
+        out.append((n, row["prompt"]))
+    if not out:
+        fail(p, f"{path}: no prompts")
+    return out
 
+
+def _generate(p, config, params, tokenizer, prompts, sm, args, eos, dtype):
+    """Rows of {prompt, text, completion, new_tokens, stop} in input order, and timing stats.
+    Prompts of similar length share a batch (less left padding)."""
+    encoded = [(n, text, tokenizer.encode_prompt(text)) for n, text in prompts]
+    limit = config.max_position_embeddings
+    for n, _, ids in encoded:
+        try:
+            budget = new_token_budget(len(ids), sm.max_new_tokens, limit)
+        except ValueError as e:  # a prompt longer than the model's context
+            fail(p, f"{args.prompts_file}:{n}: {e}" if n else f"--prompt: {e}")
+        if budget < sm.max_new_tokens and n is None:
+            print(f"note: output shortened to {budget} new tokens (asked {sm.max_new_tokens}): "
+                  f"the prompt's {len(ids)} tokens + the new ones fill the model's {limit} "
+                  f"positions", file=sys.stderr)
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][2]))
+    rows, stats = [None] * len(encoded), {}
+    for b in range(0, len(order), args.batch_size):
+        idx = order[b:b + args.batch_size]
+        new = generate_ids(config, params, [encoded[i][2] for i in idx], sm.max_new_tokens,
+                           sm.temperature, min(sm.top_k, config.vocab_size), args.seed, dtype,
+                           eos, stats=stats)
+        for i, ids in zip(idx, new):
+            text, tail, stopped = complete_text(tokenizer, encoded[i][2], ids,
+                                                (sm.stop,) if sm.stop else ())
+            why = "stop" if stopped else ("eos" if ids and ids[-1] in eos else "length")
+            rows[i] = dict(prompt=encoded[i][1], text=text, completion=tail,
+                           new_tokens=len(ids), stop=why)
+    return rows, stats
 
 def _chat(p, args, tokenizer, template_file):
     """--chat: the tokenizer whose prompt is the chat template's user turn (else `tokenizer`)."""
@@ -116,3 +192,4 @@ def _chat(p, args, tokenizer, template_file):
         fail(p, f"--chat: no chat template for {getattr(tokenizer, 'path', 'the byte tokenizer')}; "
                 f"{HOW_TO_GIVE_ONE}")
     return ChatPromptTokenizer(tokenizer, with_tokenizer_specials(template, tokenizer))
+

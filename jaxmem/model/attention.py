@@ -1,7 +1,18 @@
 """Causal attention: cuDNN's fused flash attention where it applies, XLA's everywhere else.
 
-    causal_attention(q, k, v, mask)   the path `attention_path` picks for these shapes and dtype
-    attention_path(q, kv, dtype, ..)  which path a call takes and, if not cuDNN, why not
+    causal_attention(q, k, v, mask, segment_ids)   the path `attention_path` picks for these
+                                                   shapes and dtype
+    attention_path(q, kv, dtype, ..)               which path a call takes and, if not cuDNN, why
+    masked_attention(q, k, v, mask)                no custom VJP, any [B, 1, T, S] mask: decoding
+                                                   against a KV cache (jaxmem.generate)
+
+Packed rows (`segment_ids` [B, T]: 0 = padding, 1, 2, ... = the k-th example of the row) attend
+causally within their own segment only: mask = causal AND seg_q == seg_kv AND seg_kv != 0
+(`layers.segment_mask`). `jax.nn.dot_product_attention` takes no segment ids (jax 0.10.2 and
+0.11), so every path gets that mask as a dense boolean: the XLA path builds it inside the custom
+VJP from the [B, T] ids (the residual is the ids, never [B, T, T]), the query-chunked path one
+[B, 1, Tq, S] chunk at a time, and the cuDNN path as the `mask` that jax turns into a dense
+bias (cuDNN's packed layout, q/kv offsets, exists only in a private jax module; not used).
 
 `jax.nn.dot_product_attention(implementation=None)` always takes the XLA path (jax 0.10), so the
 cuDNN kernel is asked for explicitly, on a GPU, for bf16/fp16 inputs with the causal mask only.
@@ -24,22 +35,26 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxmem.model.layers import cpu_lacks
+from jaxmem.model.layers import cpu_lacks, segment_mask
 
 
-def _xla_attention(q, k, v, mask):
+def _xla_attention(q, k, v, mask, segment_ids=None):
     """XLA's attention: logits and softmax in fp32, the [B, N, T, S] probabilities materialized
     (in query chunks of [B, N, Tq, S] when they are large: `query_chunk`)."""
     chunk = query_chunk(q.shape, k.shape[1])
     if chunk < q.shape[1]:
-        return _chunked_attention(q, k, v, mask, chunk)
+        return _chunked_attention(q, k, v, mask, segment_ids, chunk)
+    if segment_ids is not None:
+        idx = jnp.arange(q.shape[1])  # [T]
+        packed = segment_mask(segment_ids, segment_ids, idx, idx)  # [B, 1, T, T]
+        mask = packed if mask is None else mask & packed
     if mask is None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True)
     return jax.nn.dot_product_attention(q, k, v, mask=mask)
 
 
 @jax.custom_vjp
-def xla_attention_recomputed(q, k, v, mask):
+def xla_attention_recomputed(q, k, v, mask, segment_ids=None):
     """`_xla_attention` whose backward recomputes the probabilities instead of keeping them.
 
     Flash attention (cuDNN, PyTorch's SDPA) keeps only its inputs and output for the backward;
@@ -54,20 +69,20 @@ def xla_attention_recomputed(q, k, v, mask):
     QK^T again (measured with saved_residuals). The backward below only ever sees the
     residuals its forward returns, whatever the enclosing policy.
     """
-    return _xla_attention(q, k, v, mask)
+    return _xla_attention(q, k, v, mask, segment_ids)
 
 
-def _xla_attention_fwd(q, k, v, mask):
-    return _xla_attention(q, k, v, mask), (q, k, v, mask)
+def _xla_attention_fwd(q, k, v, mask, segment_ids=None):
+    return _xla_attention(q, k, v, mask, segment_ids), (q, k, v, mask, segment_ids)
 
 
 def _xla_attention_bwd(res, d_ctx):
-    q, k, v, mask = res
+    q, k, v, mask, seg = res
     chunk = query_chunk(q.shape, k.shape[1])
     if chunk < q.shape[1]:
-        return (*_chunked_attention_bwd(q, k, v, mask, d_ctx, chunk), None)
-    _, vjp = jax.vjp(lambda q, k, v: _xla_attention(q, k, v, mask), q, k, v)
-    return (*vjp(d_ctx), None)  # the mask is boolean: no cotangent
+        return (*_chunked_attention_bwd(q, k, v, mask, seg, d_ctx, chunk), None, None)
+    _, vjp = jax.vjp(lambda q, k, v: _xla_attention(q, k, v, mask, seg), q, k, v)
+    return (*vjp(d_ctx), None, None)  # the mask is boolean, the ids integers: no cotangents
 
 
 # Above this many bytes of fp32 probabilities [B, N, T, S], attention runs in query chunks of
@@ -90,16 +105,29 @@ def _query_chunks(q, chunk):
     return jnp.moveaxis(q.reshape(B, n, chunk, *q.shape[2:]), 1, 0)
 
 
-def _chunk_mask(mask, start, chunk, S):
+def _chunk_mask(mask, seg, start, chunk, S):
     """The [B|1, 1, Tq, S] mask of the query rows start..start+Tq, built inside the scan body
     (a stacked mask is broadcast by dot_product_attention to [n, B, K, G, Tq, S]: measured 512 MiB
-    at llama-3.2-1b, B=4, T=2048). Padded rows (past T) attend causally and are dropped."""
+    at llama-3.2-1b, B=4, T=2048). Padded rows (past T) attend causally and are dropped.
+    seg: segment ids [B, n * Tq] (zero-padded by `_pad_ids`) or None."""
     pos = start + jnp.arange(chunk)  # [Tq]
-    causal = (pos[:, None] >= jnp.arange(S))[None, None]  # [1, 1, Tq, S]
+    if seg is None:
+        m = (pos[:, None] >= jnp.arange(S))[None, None]  # [1, 1, Tq, S]
+    else:
+        seg_q = jax.lax.dynamic_slice_in_dim(seg, start, chunk, axis=1)  # [B, Tq]
+        m = segment_mask(seg_q, seg[:, :S], pos, jnp.arange(S))  # [B, 1, Tq, S]
     if mask is None:
-        return causal
+        return m
     rows = jax.lax.dynamic_slice_in_dim(mask, start, chunk, axis=2)  # mask padded: _pad_rows
-    return causal & rows  # [B, 1, Tq, S]
+    return m & rows  # [B, 1, Tq, S]
+
+
+def _pad_ids(seg, chunk):
+    """[B, T] -> [B, n * Tq], padded with 0 (padding: the padded rows are dropped)."""
+    if seg is None:
+        return None
+    T = seg.shape[1]
+    return jnp.pad(seg, [(0, 0), (0, -(-T // chunk) * chunk - T)])
 
 
 def _pad_rows(mask, chunk):
@@ -118,15 +146,32 @@ def _chunk_attention(q, k, v, mask):
     dot_product_attention it was broadcast to [B, K, G, Tq, S] and jax kept that per chunk
     (measured: a 512 MiB boolean stack at llama-3.2-1b, B=4, T=2048; why, below)."""
     B, Tq, N, H = q.shape
+    probs = chunk_probabilities(q, k, mask).astype(v.dtype)  # [B, K, G, Tq, S]
+    return jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(B, Tq, N, H)
+
+
+def chunk_probabilities(q, k, mask):
+    """fp32 attention probabilities [B, K, G, Tq, S] of q [B, Tq, N, H] over k [B, S, K, H]."""
+    B, Tq, N, H = q.shape
     K = k.shape[2]
     qg = q.reshape(B, Tq, K, N // K, H)  # [B, Tq, K, G, H]
     logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
     # An additive bias, not jnp.where: under the block's remat jax kept where's boolean
     # [B, K, G, Tq, S] for every chunk (measured: 512 MiB stacked); an add keeps nothing.
+    # exp(-1e30 - max) is exactly 0 in fp32, so a masked key's weight is exactly 0.
     bias = jnp.where(mask, 0.0, -1e30).astype(jnp.float32)[:, :, None]  # [B|1, 1, 1, Tq, S]
     logits = logits * H ** -0.5 + bias
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)  # [B, K, G, Tq, S]
-    return jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(B, Tq, N, H)
+    return jax.nn.softmax(logits, axis=-1)  # [B, K, G, Tq, S]
+
+
+def masked_attention(q, k, v, mask):
+    """q [B, T, N, H] over k, v [B, S, K, H] with a boolean mask [B|1, 1, T, S] -> [B, T, N, H].
+
+    No custom VJP and no chunks: for decoding against a KV cache (T is the prompt or 1), where
+    nothing is differentiated."""
+    if cpu_lacks(q.dtype):
+        q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
+    return _chunk_attention(q, k, v, mask)
 
 
 def _from_chunks(a, T):
@@ -135,26 +180,27 @@ def _from_chunks(a, T):
     return jnp.moveaxis(a, 0, 1).reshape(B, n * chunk, *a.shape[3:])[:, :T]
 
 
-def _chunked_attention(q, k, v, mask, chunk):
+def _chunked_attention(q, k, v, mask, seg, chunk):
     """`_xla_attention` one query chunk at a time (a scan): [B, N, Tq, S] probabilities at once."""
-    qs, mask = _query_chunks(q, chunk), _pad_rows(mask, chunk)
+    qs, mask, seg = _query_chunks(q, chunk), _pad_rows(mask, chunk), _pad_ids(seg, chunk)
     starts = jnp.arange(qs.shape[0]) * chunk
 
     def body(_, c):
         qc, start = c  # [B, Tq, N, H], []
-        return None, _chunk_attention(qc, k, v, _chunk_mask(mask, start, chunk, k.shape[1]))
+        return None, _chunk_attention(qc, k, v, _chunk_mask(mask, seg, start, chunk, k.shape[1]))
 
     return _from_chunks(jax.lax.scan(body, None, (qs, starts))[1], q.shape[1])
 
 
-def _chunked_attention_bwd(q, k, v, mask, d_ctx, chunk):
+def _chunked_attention_bwd(q, k, v, mask, seg, d_ctx, chunk):
     """(dq, dk, dv), recomputing one query chunk's probabilities at a time; dk, dv summed in fp32."""
     qs, ds, mask = _query_chunks(q, chunk), _query_chunks(d_ctx, chunk), _pad_rows(mask, chunk)
+    seg = _pad_ids(seg, chunk)
     starts = jnp.arange(qs.shape[0]) * chunk
 
     def body(acc, c):
         qc, start, dc = c
-        mc = _chunk_mask(mask, start, chunk, k.shape[1])
+        mc = _chunk_mask(mask, seg, start, chunk, k.shape[1])
         _, vjp = jax.vjp(lambda qc, k, v: _chunk_attention(qc, k, v, mc), qc, k, v)
         dqc, dkc, dvc = vjp(dc)
         return (acc[0] + dkc.astype(jnp.float32), acc[1] + dvc.astype(jnp.float32)), dqc
@@ -167,9 +213,13 @@ def _chunked_attention_bwd(q, k, v, mask, d_ctx, chunk):
 xla_attention_recomputed.defvjp(_xla_attention_fwd, _xla_attention_bwd)
 
 
-def _cudnn_attention(q, k, v):
-    """cuDNN flash attention, causal (raises at trace time for what cuDNN does not support)."""
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+def _cudnn_attention(q, k, v, mask=None):
+    """cuDNN flash attention, causal (raises at trace time for what cuDNN does not support).
+
+    mask: the packed rows' [B, 1, T, S] boolean mask or None; jax hands it to cuDNN as a dense
+    bias added to the causal kernel's logits (bf16/fp16 [B, 1, T, S]: 8 MiB per row at T=2048)."""
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                        implementation="cudnn")
 
 
 def _on_gpu() -> bool:
@@ -191,10 +241,12 @@ class AttentionPath:
     rejected: bool = False
 
 
-def attention_path(q_shape, kv_shape, dtype, causal_only: bool = True) -> AttentionPath:
+def attention_path(q_shape, kv_shape, dtype, causal_only: bool = True,
+                   segments: bool = False) -> AttentionPath:
     """The path `causal_attention` takes for q [B, T, N, H], k and v [B, S, K, H] in `dtype`.
 
     causal_only: no padding mask is given (the cuDNN path here handles the causal mask only).
+    segments: the rows are packed (segment ids given): cuDNN gets the segment mask as a bias.
     """
     dtype = jnp.dtype(dtype)
     if not causal_only:
@@ -203,19 +255,23 @@ def attention_path(q_shape, kv_shape, dtype, causal_only: bool = True) -> Attent
         return AttentionPath("xla", f"the backend is {jax.default_backend()}, not gpu")
     if dtype not in (jnp.bfloat16, jnp.float16):
         return AttentionPath("xla", f"{dtype.name} inputs (cuDNN takes bf16/fp16)")
-    return _cudnn_verdict(tuple(q_shape), tuple(kv_shape), dtype.name)
+    return _cudnn_verdict(tuple(q_shape), tuple(kv_shape), dtype.name, segments)
 
 
 @functools.lru_cache(maxsize=None)
-def _cudnn_verdict(q_shape: tuple, kv_shape: tuple, dtype_name: str) -> AttentionPath:
+def _cudnn_verdict(q_shape: tuple, kv_shape: tuple, dtype_name: str,
+                   segments: bool = False) -> AttentionPath:
     """Ask cuDNN, once per shape and dtype, whether it takes these inputs (nothing is computed)."""
     q = jax.ShapeDtypeStruct(q_shape, jnp.dtype(dtype_name))  # [B, T, N, H]
     kv = jax.ShapeDtypeStruct(kv_shape, jnp.dtype(dtype_name))  # [B, S, K, H]
+    mask = (jax.ShapeDtypeStruct((q_shape[0], 1, q_shape[1], kv_shape[1]), jnp.bool_),) \
+        if segments else ()  # [B, 1, T, S]
+    what = "packed " if segments else ""
     try:
-        jax.eval_shape(_cudnn_attention, q, kv, kv)
-    except Exception as e:  # unsupported head dim / GPU generation / cuDNN version
+        jax.eval_shape(_cudnn_attention, q, kv, kv, *mask)
+    except Exception as e:  # unsupported head dim / GPU generation / cuDNN version / the bias
         first_line = (str(e).strip().splitlines() or [""])[0]
-        return AttentionPath("xla", f"cuDNN rejected {dtype_name} inputs: "
+        return AttentionPath("xla", f"cuDNN rejected {what}{dtype_name} inputs: "
                                     f"{type(e).__name__}: {first_line}", rejected=True)
     return AttentionPath("cudnn")
 
@@ -223,18 +279,24 @@ def _cudnn_verdict(q_shape: tuple, kv_shape: tuple, dtype_name: str) -> Attentio
 _WARNED: set[str] = set()
 
 
-def causal_attention(q, k, v, mask):
+def causal_attention(q, k, v, mask, segment_ids=None):
     """Causal attention of q [B, T, N, H] with k, v [B, S, K, H] (GQA natively) -> [B, T, N, H].
 
     mask: [B, 1, T, S] boolean (`layers.attention_mask`) or None for the causal mask only.
+    segment_ids: [B, T] int (0 = padding) for packed rows, or None: a query attends only to
+        keys of its own segment (`layers.segment_mask`), on every path.
     """
     if cpu_lacks(q.dtype):
         q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
-    choice = attention_path(q.shape, k.shape, q.dtype, causal_only=mask is None)
+    choice = attention_path(q.shape, k.shape, q.dtype, causal_only=mask is None,
+                            segments=segment_ids is not None)
     if choice.path == "cudnn":
-        return _cudnn_attention(q, k, v)
+        if segment_ids is None:
+            return _cudnn_attention(q, k, v)
+        idx = jnp.arange(q.shape[1])  # [T]
+        return _cudnn_attention(q, k, v, segment_mask(segment_ids, segment_ids, idx, idx))
     if choice.rejected and choice.reason not in _WARNED:
         _WARNED.add(choice.reason)
         warnings.warn(f"attention falls back from cuDNN to XLA (first seen for q {q.shape}, "
                       f"k/v {k.shape}): {choice.reason}", stacklevel=2)
-    return xla_attention_recomputed(q, k, v, mask)
+    return xla_attention_recomputed(q, k, v, mask, segment_ids)

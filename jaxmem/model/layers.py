@@ -1,4 +1,4 @@
-"""Small building blocks of the decoder: RMSNorm, rotary position embeddings, the attention mask.
+"""Small building blocks of the decoder: RMSNorm, rotary position embeddings, the attention masks.
 
 Each is a few lines of math with no parameters of its own except RMSNorm's `scale`. They compute
 their statistics in fp32 whatever the input dtype (PyTorch autocast does the same for norms and
@@ -87,3 +87,32 @@ def attention_mask(padding_mask: jax.Array | None, seq_len: int) -> jax.Array | 
     mask = causal[None] & padding_mask.astype(bool)[:, None, :]  # [B, T, S]
     mask = mask | jnp.eye(seq_len, dtype=bool)[None]
     return mask[:, None]  # [B, 1, T, S]
+
+
+def segment_mask(seg_q: jax.Array, seg_k: jax.Array, q_index: jax.Array,
+                 k_index: jax.Array) -> jax.Array:
+    """[B, 1, Tq, S] boolean mask of packed rows: causal AND same segment AND key not padding.
+
+    seg_q [B, Tq], seg_k [B, S]: segment ids (0 = padding, 1, 2, ... = the k-th example of the
+    row); q_index [Tq], k_index [S]: the rows' positions in the sequence (what causality compares).
+    A padding query attends to itself only, so no softmax row is empty (no NaN); its output is
+    ignored by the loss, and no real query ever sees a key of another segment or of padding.
+    """
+    causal = q_index[:, None] >= k_index[None, :]  # [Tq, S]
+    same = (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_k[:, None, :] != 0)  # [B, Tq, S]
+    diag = q_index[:, None] == k_index[None, :]  # [Tq, S]
+    return ((causal[None] & same) | diag[None])[:, None]  # [B, 1, Tq, S]
+
+
+def cache_mask(kv_valid: jax.Array, index, n_new: int) -> jax.Array:
+    """[B, 1, T, S] mask of `n_new` new tokens written at cache slots index..index+T-1.
+
+    kv_valid [B, S]: True for cache slots that hold a real token (left-padded prompts leave
+    False slots at the front of a row). A new token sees the valid slots up to its own; a padded
+    one sees itself (no empty softmax row; its output is never used).
+    """
+    slots = jnp.arange(kv_valid.shape[1])  # [S]
+    q_slot = index + jnp.arange(n_new)  # [T]
+    causal = q_slot[:, None] >= slots[None, :]  # [T, S]
+    diag = q_slot[:, None] == slots[None, :]  # [T, S]
+    return ((causal[None] & kv_valid[:, None, :]) | diag[None])[:, None]  # [B, 1, T, S]

@@ -27,9 +27,10 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem.config.model import ModelConfig
-from jaxmem.model.attention import causal_attention
+from jaxmem.model.attention import causal_attention, masked_attention
 from jaxmem.model.lean import swiglu
-from jaxmem.model.layers import RMSNorm, apply_rope, attention_mask, rope_tables, scaled_normal
+from jaxmem.model.layers import (RMSNorm, apply_rope, attention_mask, cache_mask, rope_tables,
+                                 scaled_normal)
 from jaxmem.model.projection import Einsum, Projection, default_einsum, logits_einsum, project
 from jaxmem.model.remat import RematPolicy
 from jaxmem.model.sharding import constrain
@@ -43,7 +44,13 @@ class Attention(nn.Module):
     einsum: Einsum = default_einsum
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask):
+    def __call__(self, x, cos, sin, mask, segment_ids=None, cache=None, cache_index=None):
+        """-> (output [B, T, D], the updated (k, v) cache or None).
+
+        cache: (k, v), each [B, S, K, H] in the compute dtype: this call's keys and values are
+            written at slots cache_index..cache_index+T-1 and the queries attend to the cache
+            under `mask` ([B, 1, T, S], layers.cache_mask). None: self-attention over x.
+        """
         c = self.config
         D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.resolved_head_dim
         proj = functools.partial(Projection, einsum=self.einsum)  # name, subscripts, shape, fan_in
@@ -53,9 +60,15 @@ class Attention(nn.Module):
         q = checkpoint_name(apply_rope(q, cos, sin), "query")
         k = checkpoint_name(apply_rope(k, cos, sin), "key")
         v = checkpoint_name(v, "value")
-        ctx = causal_attention(q, k, v, mask)  # [B, T, N, H]
+        if cache is None:
+            ctx = causal_attention(q, k, v, mask, segment_ids)  # [B, T, N, H]
+        else:  # decoding: write this call's k, v into the cache, attend to all of it
+            k_cache, v_cache = (jax.lax.dynamic_update_slice_in_dim(
+                buf, new.astype(buf.dtype), cache_index, axis=1) for buf, new in zip(cache, (k, v)))
+            cache = (k_cache, v_cache)  # [B, S, K, H] each
+            ctx = masked_attention(q.astype(k_cache.dtype), k_cache, v_cache, mask)  # [B, T, N, H]
         ctx = checkpoint_name(ctx.astype(q.dtype), "attn_context")
-        return proj("o_proj", "BTNH,NHD->BTD", (N, H, D), N * H)(ctx)  # [B, T, D]
+        return proj("o_proj", "BTNH,NHD->BTD", (N, H, D), N * H)(ctx), cache  # [B, T, D]
 
 
 class MLP(nn.Module):
@@ -92,14 +105,15 @@ class DecoderBlock(nn.Module):
     tile_mlp: bool = False
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask):
+    def __call__(self, x, cos, sin, mask, segment_ids=None, cache=None, cache_index=None):
         c = self.config
         h = checkpoint_name(RMSNorm(c.rms_norm_eps, name="input_layernorm")(x), "attn_norm")
-        a = Attention(c, self.einsum, name="self_attn")(h, cos, sin, mask)
+        a, cache = Attention(c, self.einsum, name="self_attn")(h, cos, sin, mask, segment_ids,
+                                                               cache, cache_index)
         x = x + checkpoint_name(a, "attn_out")
         h = checkpoint_name(RMSNorm(c.rms_norm_eps, name="post_attention_layernorm")(x), "mlp_norm")
         x = x + checkpoint_name(MLP(c, self.einsum, self.tile_mlp, name="mlp")(h), "mlp_out")
-        return constrain(x, "block"), None  # [B, T, D], the scan carry
+        return constrain(x, "block"), cache  # [B, T, D] the scan carry; this layer's cache
 
 
 class Llama(nn.Module):
@@ -110,11 +124,20 @@ class Llama(nn.Module):
     einsum: Einsum = default_einsum
 
     @nn.compact
-    def __call__(self, tokens, padding_mask=None, positions=None, return_hidden=False):
+    def __call__(self, tokens, padding_mask=None, positions=None, return_hidden=False,
+                 segment_ids=None, cache=None, cache_index=None, kv_valid=None):
         """tokens [B, T] int -> logits [B, T, V] fp32.
 
         padding_mask [B, T]: True for real tokens, False for padding (None: no padding).
-        positions [B, T]: RoPE positions (default 0..T-1).
+        positions [B, T]: RoPE positions (default 0..T-1); for packed rows they restart at 0 in
+            each segment.
+        segment_ids [B, T]: packed rows (0 = padding, k = the k-th example): attention stays
+            within a segment on every path (jaxmem.model.attention); padding_mask is then unused
+            (segment 0 is the padding).
+        cache, cache_index, kv_valid: decode against a KV cache (jaxmem.generate.sampling):
+            cache = (k, v), each [L, B, S, K, H] in the compute dtype; the T tokens are written at
+            slots cache_index.., kv_valid [B, S] says which slots hold real tokens (this call's
+            included). Returns (logits [B, V] of the last position only, the updated cache).
         return_hidden: return (final hidden states [B, T, D], the head, its layout) instead of
             the logits, for a loss that applies the head itself in chunks
             (jaxmem.train.fused_loss): the tied embedding [V, D] with "VD", or the lm_head
@@ -130,17 +153,20 @@ class Llama(nn.Module):
             positions = jnp.broadcast_to(jnp.arange(T), (B, T))
         cos, sin = rope_tables(positions, c.resolved_head_dim, c.rope_theta,
                                c.llama3_rope)  # [B, T, H/2]
-        mask = attention_mask(padding_mask, T)
+        if cache is not None:
+            return self._decode(x, cos, sin, cache, cache_index, kv_valid, embed)
+        mask = None if segment_ids is not None else attention_mask(padding_mask, T)
 
         block = DecoderBlock
         if self.remat.enabled:
             block = nn.remat(DecoderBlock, policy=self.remat.jax_policy(), prevent_cse=False)
         stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                        in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_layers)
+                        in_axes=(nn.broadcast,) * 4, length=c.num_layers)
         # Tile the MLP only where no remat policy wants its tagged activations (jaxmem.model.tiled)
         tile = self.remat.kind == "full" or (self.remat.kind == "names" and not any(
             t.startswith("mlp_") for t in self.remat.names))
-        x, _ = stack(c, self.einsum, tile, name="layers")(x, cos, sin, mask)  # [B, T, D]
+        x, _ = stack(c, self.einsum, tile, name="layers")(x, cos, sin, mask,
+                                                          segment_ids)  # [B, T, D]
 
         x = RMSNorm(c.rms_norm_eps, name="norm")(x)
         # The head multiplies in fp32 accumulation to fp32 logits whatever the compute dtype.
@@ -154,6 +180,23 @@ class Llama(nn.Module):
                 return x, head.weight(), "DV"  # [B, T, D], [D, V] (or a weight object)
             logits = head(x)
         return constrain(logits, "logits")  # [B, T, V] fp32
+
+    def _decode(self, x, cos, sin, cache, cache_index, kv_valid, embed):
+        """The blocks over the cache (no remat: nothing is differentiated), then the head on the
+        last position only: [B, V], never [B, T, V] (a prompt's prefill included)."""
+        c = self.config
+        mask = cache_mask(kv_valid, cache_index, x.shape[1])  # [B, 1, T, S]
+        stack = nn.scan(DecoderBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                        in_axes=(nn.broadcast,) * 4 + (0, nn.broadcast), length=c.num_layers)
+        x, cache = stack(c, self.einsum, False, name="layers")(
+            x, cos, sin, mask, None, cache, cache_index)  # [B, T, D], ([L, B, S, K, H],) * 2
+        x = RMSNorm(c.rms_norm_eps, name="norm")(x[:, -1:])  # [B, 1, D]
+        if c.tie_embeddings:
+            logits = project("BTD,DV->BTV", x, embed.T, logits_einsum)  # [B, 1, V]
+        else:
+            logits = Projection("lm_head", "BTD,DV->BTV", (c.hidden_size, c.vocab_size),
+                                c.hidden_size, logits_einsum)(x)  # [B, 1, V]
+        return logits[:, 0], cache  # [B, V] fp32
 
 
 def init_params(config: ModelConfig, rng: jax.Array, seq_len: int = 8):

@@ -22,6 +22,7 @@ from jaxmem.data import Batcher, PackedData, eval_batches
 from jaxmem.data.chat import copy_chat_files
 from jaxmem.data.examples import describe
 from jaxmem.generate.sampling import generate_text
+from jaxmem.generate.stopping import eos_ids, sample_dtype
 from jaxmem.io.checkpoint import Checkpointer
 from jaxmem.io.rundir import (CKPT_DIR, METRICS_FILE, copy_tokenizer, truncate_metrics,
                               write_run_config)
@@ -259,8 +260,11 @@ def train(s) -> int:
         try:
             sample = generate_text(s.model_cfg, params, s.tokenizer, prompt=prompt,
                                    max_new_tokens=sm.max_new_tokens, temperature=sm.temperature,
-                                   top_k=sm.top_k, seed=d.seed,
-                                   compute_dtype=step_cfg.precision.compute_dtype, note=print)
+                                   top_k=sm.top_k, seed=d.seed, note=print,
+                                   compute_dtype=sample_dtype(sm.dtype,
+                                                              step_cfg.precision.compute_dtype),
+                                   eos_ids=eos_ids(s.tokenizer, cfg.init.init_from),
+                                   stop=(sm.stop,) if sm.stop else ())
         except ValueError as e:  # a --prompt longer than the model's context: the run is saved
             print(f"sample skipped: {e}")
         else:

@@ -5,6 +5,12 @@ A batch is a dict of int arrays [B, T]: `inputs`, `targets`, and `mask` (1 for r
 (`attention_padding=True`, for left-padded batches): with right padding the causal mask already
 hides padded keys from every real query.
 
+Packed batches carry two more int32 keys: `segment_ids` (0 = padding, k = the k-th example of
+the row) and `positions` (0 at each example's first token). They go to the model as they are:
+attention stays within a segment and RoPE restarts per example, so a packed row's loss and
+gradients are those of its examples run one by one (tests/test_packing.py). Without them the
+model is called exactly as before (bitwise).
+
 `token_loss` is the loss of the train step (jaxmem.train.step) and of every memory and remat
 measurement (jaxmem.memory.compiled, tests/test_remat.py, tests/test_planner.py), so what is
 measured is what trains.
@@ -49,14 +55,16 @@ def token_loss(model, params, batch, attention_padding: bool = False, compute_dt
     if compute_dtype is not None:
         params = cast_params(params, compute_dtype)
     pad = batch["mask"] if attention_padding else None
+    packed = {k: batch[k] for k in ("segment_ids", "positions") if k in batch}  # [B, T] each
     B, T = batch["inputs"].shape
     chunk = resolve_loss_chunk(loss_chunk, B, T, model.config)
     if chunk:
         x, head, layout = model.apply({"params": params}, batch["inputs"], padding_mask=pad,
-                                      return_hidden=True)  # [B, T, D], [V, D] or [D, V]
+                                      return_hidden=True, **packed)  # [B, T, D], [V, D] or [D, V]
         return fused_cross_entropy(x, head, batch["targets"], batch["mask"], chunk,
                                    layout=layout)
-    logits = model.apply({"params": params}, batch["inputs"], padding_mask=pad)  # [B, T, V] fp32
+    logits = model.apply({"params": params}, batch["inputs"], padding_mask=pad,
+                         **packed)  # [B, T, V] fp32
     return cross_entropy(logits, batch["targets"], batch["mask"])
 
 
@@ -70,7 +78,8 @@ def synthetic_batch(rng: jax.Array, batch_size: int, seq_len: int, vocab_size: i
             "mask": jnp.broadcast_to(mask, (batch_size, seq_len))}
 
 
-def abstract_batch(batch_size: int, seq_len: int):
-    """Batch shapes for ahead-of-time compilation."""
+def abstract_batch(batch_size: int, seq_len: int, packed: bool = False):
+    """Batch shapes for ahead-of-time compilation (packed: with segment_ids and positions)."""
     s = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
-    return {"inputs": s, "targets": s, "mask": s}
+    keys = ("inputs", "targets", "mask") + (("segment_ids", "positions") if packed else ())
+    return {k: s for k in keys}
