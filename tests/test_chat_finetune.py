@@ -102,7 +102,9 @@ def test_generate_chat_answers_a_user_turn(chat_run, capsys):
     prompt_ids = chat.encode_prompt(q)
     assert run.tokenizer.decode(prompt_ids[:1]) == "" and prompt_ids[0] == run.tokenizer.bos_id
     assert run.tokenizer.decode(prompt_ids).endswith(q + "assistant\n\n")  # specials skipped
-    want = generate_text(CFG, lora_params(run), chat, q, 6, temperature=0.0)
+    from jaxmem.generate.stopping import eos_ids  # the CLI also stops at the checkpoint's EOS ids
+    want = generate_text(CFG, lora_params(run), chat, q, 6, temperature=0.0,
+                         eos_ids=eos_ids(run.tokenizer, run.config.init.init_from))
     assert text == want.strip()
     # the reply alone: the prompt's ids are not decoded back (--chat prints what the model said)
     assert q not in text and chat.decode(prompt_ids + [5, 6]) == run.tokenizer.decode([5, 6])
