@@ -85,6 +85,11 @@ def test_given_params_are_placed_in_their_dtype_and_used_as_they_are():
     _assert_bitwise(state.params, host)
     # the optimizer state does not depend on the values: the fresh one
     _assert_bitwise(state.opt_state, create_train_state(cfg, NoOpLossScale()).opt_state)
+    # the given params are donated: the state's params are the same buffers, not a copy
+    fn = state_creation_fn(cfg, NoOpLossScale(), 0, with_params=True)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host)
+    m = jax.jit(fn, donate_argnums=0).lower(abstract).compile().memory_analysis()
+    assert m.alias_size_in_bytes == _state_bytes(abstract) == m.argument_size_in_bytes
 
 
 def test_loss_curve_unchanged_from_the_eager_state():
