@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 _CALLS = ("jit", "pjit", "closed_call")
+_SCAN_PARAMS = {"jaxpr", "num_consts", "num_carry", "length", "reverse", "unroll"}
+_DROP = getattr(jex, "DropVar", ())  # isinstance(v, ()) is False: nothing dropped
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 
 
@@ -68,7 +70,7 @@ def _random_bits(key, bit_width: int, shape):
     (then the op itself runs)."""
     size = math.prod(shape)
     if (bit_width != 32 or key.shape != () or size >= 2**32 or not shape
-            or not jax.config.jax_threefry_partitionable
+            or not getattr(jax.config, "jax_threefry_partitionable", False)
             or "threefry" not in str(jax.random.key_impl(key))):
         return None
     k = jax.random.key_data(key)  # [2] uint32
@@ -97,7 +99,7 @@ class _Eval:
             if name in _CALLS and isinstance(p.get("jaxpr", p.get("call_jaxpr")), jex.ClosedJaxpr):
                 sub = p.get("jaxpr", p.get("call_jaxpr"))
                 outs = self.run(sub.jaxpr, sub.consts, vals)
-            elif name == "scan":
+            elif name == "scan" and _SCAN_PARAMS <= set(p):
                 casts = [cast_returned and v not in used for v in eqn.outvars[p["num_carry"]:]]
                 outs = self._scan(p, vals, casts)
             elif name == "random_bits":
@@ -109,7 +111,7 @@ class _Eval:
                     vals, params = [*params[0], *vals], params[1]
                 outs = eqn.primitive.bind(*vals, **params)
                 outs = outs if eqn.primitive.multiple_results else [outs]
-            env.update((v, x) for v, x in zip(eqn.outvars, outs) if not isinstance(v, jex.DropVar))
+            env.update((v, x) for v, x in zip(eqn.outvars, outs) if not isinstance(v, _DROP))
         return [read(v) for v in jaxpr.outvars]
 
     def _scan(self, p, vals, casts):
