@@ -289,3 +289,64 @@ def test_sigkill_during_save_keeps_last_committed_step(tmp_path):
     assert ck.latest_step() == 2 and ck.restore(2, abstract)[1] == {"step": 2}
     ck.close()
     assert not [n for n in os.listdir(directory) if re.search(r"orbax-checkpoint-tmp", n)]
+
+
+# ----------------------------------------------------------------------------- asynchronous saves
+
+def test_async_save_lets_the_caller_donate_the_buffers_and_commits_the_saved_values(tmp_path):
+    """save(wait=False) returns once the arrays are on the host: the train step may donate the
+    state while Orbax writes, and the step restores to the values at the save."""
+    state = jax.tree.map(jnp.copy, make_state(2))  # fresh buffers: this test donates them
+    host = jax.tree.map(np.array, state)
+    abstract = jax.eval_shape(lambda: state)
+    ck = Checkpointer(tmp_path / "c", keep=2)
+    pause = ck.save(5, state, {"step": 5}, wait=False)
+    assert pause == ck.last_pause_s and pause >= 0 and ck.last_write_s is None
+    step = jax.jit(lambda s: jax.tree.map(lambda x: x + 1 if x.dtype != jnp.uint32 else x, s),
+                   donate_argnums=0)
+    for _ in range(3):  # what the loop does next: the saved buffers are donated
+        state = step(state)
+    jax.block_until_ready(state)
+    write = ck.wait()
+    assert write is not None and write >= pause and ck.last_write_s == write
+    assert ck.wait() is None  # nothing in flight any more
+    assert ck.all_steps() == [5]
+    restored, meta = ck.restore(5, abstract)
+    assert_bitwise_equal(restored, host)
+    assert meta == {"step": 5}
+    ck.close()
+    ck.close()  # closing twice is harmless
+
+
+def test_a_step_in_flight_is_listed_only_once_committed(tmp_path):
+    ck = Checkpointer(tmp_path / "c", keep=3)
+    ck.save(1, make_state(), {"step": 1}, wait=False)
+    # listing waits for the write: whatever it lists is committed on disk
+    assert ck.latest_step() == 1 and ck.last_write_s is not None
+    assert (tmp_path / "c" / "1").is_dir()
+    assert not [p for p in os.listdir(tmp_path / "c") if "tmp" in p]
+    ck.save(2, make_state(), {"step": 2}, wait=False)
+    while ck.poll() is None:  # poll never blocks; it gives the write time once committed
+        time.sleep(0.01)
+    assert ck.last_write_s is not None and (tmp_path / "c" / "2").is_dir()
+    ck.close()
+
+
+# ------------------------------------------------------------------- restore into target types
+
+def test_restore_into_the_targets_dtypes_and_shardings(tmp_path):
+    """Leaves come back in the abstract state's dtypes and on its shardings (here a one-device
+    mesh's NamedSharding; multi-device meshes: tests/test_parallel.py), not as saved."""
+    state = make_state()
+    ck = Checkpointer(tmp_path / "c")
+    ck.save(1, state, {}, wait=True)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+    named = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named), state)
+    restored, _ = ck.restore(1, target)
+    for x, t in zip(jax.tree.leaves(restored), jax.tree.leaves(target)):
+        assert isinstance(x, jax.Array) and x.dtype == t.dtype and x.sharding == named
+    assert_bitwise_equal(restored, state)
+    # a bf16 leaf is restored as bf16, as the target says
+    assert restored.params["layers"]["w"].dtype == jnp.bfloat16
+    ck.close()

@@ -132,3 +132,18 @@ def test_batches_pad_with_the_tokenizers_own_pad_id(tmp_path, corpus, monkeypatc
     # row 1 is window 1: tokens 9, 10, then padding with id 0 (masked out of the loss)
     np.testing.assert_array_equal(batch["inputs"][1], [9, 10, 0, 0, 0, 0, 0, 0])
     np.testing.assert_array_equal(batch["mask"][1], [1, 0, 0, 0, 0, 0, 0, 0])
+
+
+def test_saves_are_asynchronous_and_their_pause_is_logged(tmp_path, corpus, capsys):
+    """Each save step's record has the seconds the loop was held (`save_pause_s`); the run ends
+    only after its last write committed (every save step is on disk when main returns)."""
+    out = str(tmp_path / "run")
+    assert main([*SMALL, *STEPS, "--data", corpus, "--out", out, "--save-every", "2"]) == 0
+    assert ckpts(out) == [2, 4, 6]
+    assert not [d for d in os.listdir(Path(out) / "checkpoints") if "tmp" in d]
+    recs = [json.loads(l) for l in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    pauses = {r["step"]: r["save_pause_s"] for r in recs if "save_pause_s" in r}
+    assert sorted(pauses) == [2, 4]  # the last step's save follows its record: in the summary
+    assert all(0 <= p < 60 for p in pauses.values())
+    summary = [l for l in capsys.readouterr().out.splitlines() if l.startswith("checkpoints: ")]
+    assert len(summary) == 1 and summary[0].startswith("checkpoints: 3 saved; the loop paused ")

@@ -17,6 +17,16 @@ Orbax uses `CommitFileTemporaryPath` instead: no rename, the step counts once
 `commit_success.txt` exists.) Nothing here unpickles anything: Orbax stores arrays with
 TensorStore and metadata as JSON.
 
+Asynchronous saves (`save(..., wait=False)`, what the train loop does): Orbax's
+`CheckpointManager` (async checkpointing on, the default of orbax 0.12.8) returns from `save`
+once every array is copied to host memory (its "blocking" part: `replica_slices.
+transfer_arrays_to_host`, `np.asarray` of each shard), then writes the files and commits in a
+background thread; the device buffers may be donated to the next train step right away.
+`last_pause_s` is the time `save` held the caller, `last_write_s` the time until the step was
+committed (known at `poll()` or `wait()`). A step in flight is not committed: `all_steps`,
+`latest_step`, `restore` and `delete` wait for it first, and `close()` waits before releasing
+Orbax, so a run that ends, or stops on SIGTERM / Ctrl-C, exits only after its last save is on disk.
+
 State leaves should be arrays: jax arrays (any dtype, bf16 and int32 scalars included) or numpy
 arrays. Keep the RNG as `jax.random.key_data(key)` (uint32) and the step and data position as
 int32 jax scalars. Pytree nodes (dicts, NamedTuples such as optax states, registered
@@ -29,6 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -129,25 +140,33 @@ class Checkpointer:
         except Exception as e:
             raise CheckpointError(
                 f"cannot open checkpoint directory {self.directory}: {_first_line(e)}") from e
+        self._in_flight: float | None = None  # perf_counter() at the start of an unfinished save
+        self.last_pause_s: float | None = None
+        self.last_write_s: float | None = None
+        self._closed = False
 
     def _step_path(self, step: int) -> Path:
         return self.directory / str(step)
 
     def all_steps(self) -> list[int]:
-        """Committed steps, oldest first."""
+        """Committed steps, oldest first (a save in flight is waited for first)."""
+        self.wait()
         return sorted(int(s) for s in self._manager.all_steps())
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None (in-flight and killed saves are never listed)."""
+        """The newest committed step, or None (a save in flight is waited for first; a killed
+        save is never listed)."""
+        self.wait()
         return self._manager.latest_step()
 
-    def save(self, step: int, state, meta: dict[str, Any], wait: bool = True) -> None:
-        """Save `state` (a pytree of arrays) and `meta` (a JSON-able dict) as `step`.
+    def save(self, step: int, state, meta: dict[str, Any], wait: bool = True) -> float:
+        """Save `state` (a pytree of arrays) and `meta` (a JSON-able dict) as `step`; returns
+        the seconds the call held the caller (`last_pause_s`).
 
-        With wait=False the write continues in a background thread and the next `save`,
-        `wait()` or `close()` waits for it. Whether Orbax has copied the arrays to the host
-        before returning depends on its version and options, so this module does not promise
-        it: call `wait()` before donating or deleting the saved buffers.
+        With wait=False the files are written in a background thread once the arrays are on
+        the host (see the module docstring): the caller may go on, donating the saved buffers
+        included. The next `save`, `wait()` or `close()` waits for it; `poll()` tells when it
+        committed.
         """
         step = int(step)
         path = self._step_path(step)
@@ -156,28 +175,48 @@ class Checkpointer:
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"checkpoint step {step} meta is not JSON-serializable "
                                   f"({_first_line(e)}); path {path}") from e
+        self.wait()  # the previous save: its write time, and Orbax would wait anyway
         if step in self._manager.all_steps():
             raise CheckpointError(f"checkpoint step {step} already exists at {path}")
+        start = time.perf_counter()
         try:
             saved = self._manager.save(step, args=ocp.args.Composite(**{
                 _STATE: ocp.args.StandardSave(state),
                 _META: ocp.args.JsonSave(meta),
             }))
-            if wait:
-                self._manager.wait_until_finished()
         except Exception as e:
             raise CheckpointError(f"cannot save checkpoint step {step} to {path}: "
                                   f"{_first_line(e)}") from e
         if not saved:
             raise CheckpointError(f"Orbax declined to save checkpoint step {step} to {path}")
+        self.last_pause_s, self.last_write_s = time.perf_counter() - start, None
+        self._in_flight = start
+        if wait:
+            self.wait()
+        return self.last_pause_s
 
-    def wait(self) -> None:
-        """Block until a background save has committed."""
+    def poll(self) -> float | None:
+        """The write time (s) of the save in flight once Orbax has committed it, else None.
+        Cheap: no waiting (orbax without `is_saving_in_progress`: None until `wait()`)."""
+        in_progress = getattr(self._manager, "is_saving_in_progress", None)
+        if self._in_flight is None or in_progress is None or in_progress():
+            return None
+        return self.wait()
+
+    def wait(self) -> float | None:
+        """Block until a background save has committed; returns its write time (s), or None
+        when no save was in flight."""
+        if self._in_flight is None:
+            return None
         try:
             self._manager.wait_until_finished()
         except Exception as e:
+            self._in_flight = None
             raise CheckpointError(f"background checkpoint save in {self.directory} failed: "
                                   f"{_first_line(e)}") from e
+        self.last_write_s = time.perf_counter() - self._in_flight
+        self._in_flight = None
+        return self.last_write_s
 
     def restore(self, step: int, abstract) -> tuple[Any, dict[str, Any]]:
         """(state, meta) of committed `step`. `abstract` is a pytree with the state's structure
@@ -189,7 +228,7 @@ class Checkpointer:
         """
         step = int(step)
         path = self._step_path(step)
-        committed = self.all_steps()
+        committed = self.all_steps()  # waits for a save in flight
         if step not in committed:
             raise CheckpointError(f"no committed checkpoint step {step} at {path} "
                                   f"(committed steps: {committed or 'none'})")
@@ -210,13 +249,17 @@ class Checkpointer:
 
     def delete(self, step: int) -> None:
         """Delete committed `step` (resuming from an older step replaces the later ones)."""
+        self.wait()
         self._manager.delete(int(step))
 
     def close(self) -> None:
-        """Wait for any background save, then release Orbax's threads."""
+        """Wait for any background save to commit, then release Orbax's threads (once)."""
+        if self._closed:
+            return
         try:
-            self._manager.wait_until_finished()
+            self.wait()
         finally:
+            self._closed = True
             self._manager.close()
 
     def __enter__(self):

@@ -199,15 +199,33 @@ class Llama(nn.Module):
         return logits[:, 0], cache  # [B, V] fp32
 
 
-def init_params(config: ModelConfig, rng: jax.Array, seq_len: int = 8):
-    """fp32 parameters for `config` (allocates them)."""
+def init_params(config: ModelConfig, rng: jax.Array, seq_len: int = 8, dtype=None):
+    """Parameters for `config` (allocates them): Flax's fp32 init, or with `dtype` every
+    floating leaf in `dtype`.
+
+    With `dtype` (fp32 too) the values are bitwise Flax's init cast to `dtype`, evaluated by
+    jaxmem.model.typed_init: no fp32 copy of a bf16 model, no full-size threefry buffers on
+    CPU. llama-3-8b in bf16 compiles on CPU to 14.96 GiB of output and 0.58 GiB of
+    temporaries: `jax.jit(lambda k: init_params(cfg, k, dtype=jnp.bfloat16)).lower(key).compile()`.
+    """
     tokens = jnp.zeros((1, min(seq_len, config.max_position_embeddings)), jnp.int32)
-    return jax.jit(lambda key: Llama(config).init(key, tokens)["params"])(rng)
+
+    def init(key):
+        return Llama(config).init(key, tokens)["params"]
+
+    if dtype is None:
+        return jax.jit(init)(rng)
+    from jaxmem.model.typed_init import init_in_dtype
+    return jax.jit(lambda key: init_in_dtype(init, key, dtype))(rng)
 
 
-def abstract_params(config: ModelConfig):
+def abstract_params(config: ModelConfig, dtype=None):
     """Parameter shapes and dtypes as `jax.ShapeDtypeStruct`s, without allocating anything."""
-    return jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0), seq_len=1))
+    abstract = jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0), seq_len=1))
+    if dtype is None:
+        return abstract
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype) if jnp.issubdtype(
+        x.dtype, jnp.floating) else x, abstract)
 
 
 def count_params(params) -> int:

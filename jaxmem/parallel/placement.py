@@ -8,8 +8,9 @@
     par.host(metrics)                      # numpy values on every process
 
 On a mesh:
-- the state is created directly split (`jit(create_train_state, out_shardings=...)`): no device
-  ever holds a full copy, and the values are bitwise those of the single-device init;
+- the state is created directly split (`jit(state_creation_fn(...), out_shardings=...)`, the
+  same function as on one device): no device ever holds a full copy, and the values are
+  bitwise those of the single-device init;
 - the step is jitted with `in_shardings` and `out_shardings` (with inputs placed by
   `device_put` alone, gradients came back replicated in a probe: always pass out_shardings) and
   the state donated;
@@ -31,7 +32,8 @@ import numpy as np
 from jaxmem.model.sharding import activation_sharding
 import jaxmem.parallel.rules as R
 from jaxmem.train.run import make_eval_fn
-from jaxmem.train.step import create_train_state, jit_train_step, make_train_step
+from jaxmem.train.step import (create_train_state, jit_train_step, make_train_step,
+                               state_creation_fn)
 
 
 class _WithRules:
@@ -78,21 +80,33 @@ class Placement:
             return abstract_state
         return R.with_shardings(abstract_state, self.mesh)
 
-    def init_state(self, step_cfg, loss_scale, seed: int, params=None):
-        """A fresh state, created split over the mesh. `params` (host arrays, e.g. from
-        --init-from) are first put onto the mesh piece by piece (`device_put` with the params'
-        shardings), so no device receives the whole checkpoint either."""
-        def create(p=None):
-            return create_train_state(step_cfg, loss_scale, seed, params=p)
-
+    def state_creation(self, step_cfg, loss_scale, seed: int, with_params: bool = False):
+        """The jitted state creation (`jaxmem.train.step.state_creation_fn`) with this
+        placement's `out_shardings`: what `init_state` runs and what a planner compiles
+        (`.lower().compile().memory_analysis()`, per device on a mesh)."""
+        fn = state_creation_fn(step_cfg, loss_scale, seed, with_params=with_params)
         if self.mesh is None:
-            return create(params)
-        abstract = jax.eval_shape(create, params) if params is not None else jax.eval_shape(create)
-        shardings = self.state_shardings(abstract)
+            return jax.jit(fn, donate_argnums=(0,) if with_params else ())
+        # the same shapes with or without given params: take them from the fresh state's
+        shardings = self.state_shardings(
+            jax.eval_shape(state_creation_fn(step_cfg, loss_scale, seed)))
+        if not with_params:
+            return jax.jit(fn, out_shardings=shardings)
+        return jax.jit(fn, in_shardings=(shardings.params,), out_shardings=shardings,
+                       donate_argnums=0)
+
+    def init_state(self, step_cfg, loss_scale, seed: int, params=None):
+        """A fresh state, created under jit (on a mesh: directly split, with out_shardings).
+        `params` (host arrays in the storage dtype, e.g. from --init-from) are put on the
+        device(s) piece by piece (`device_put` with the params' shardings: no device receives
+        the whole checkpoint) and donated to the jit, so they are not copied again."""
+        if self.mesh is None:
+            return create_train_state(step_cfg, loss_scale, seed, params=params)
         if params is None:
-            return jax.jit(create, out_shardings=shardings)()
-        placed = jax.device_put(params, shardings.params)
-        return jax.jit(create, in_shardings=(shardings.params,), out_shardings=shardings)(placed)
+            return self.state_creation(step_cfg, loss_scale, seed)()
+        abstract = jax.eval_shape(state_creation_fn(step_cfg, loss_scale, seed))
+        placed = jax.device_put(params, self.state_shardings(abstract).params)
+        return self.state_creation(step_cfg, loss_scale, seed, with_params=True)(placed)
 
     def train_step(self, step_cfg, like):
         """The jitted, donated step for states shaped like `like` (a state or its abstract

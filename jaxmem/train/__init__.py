@@ -1,6 +1,7 @@
 """Training: the state, the one jitted step, its loss, loss scale, precision and optimizer.
 
-    step         TrainState, StepConfig, create_train_state, make_train_step, jit_train_step
+    step         TrainState, StepConfig, create_train_state (under jit; state_creation_fn is the
+                 function it compiles, for planners), make_train_step, jit_train_step
     loss         cross_entropy, token_loss (the step's loss), synthetic / abstract batches
     loss_scale   no-op, static and dynamic loss scales (torch GradScaler semantics)
     precision    precision modes, cast_params
@@ -13,9 +14,10 @@ from jaxmem.train.loss import cross_entropy, token_loss
 from jaxmem.train.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale, parse_loss_scale
 from jaxmem.train.precision import PRECISIONS, Precision, cast_params, get_precision
 from jaxmem.train.run import abstract_train_state, build_step_config, make_eval_fn
-from jaxmem.train.step import StepConfig, TrainState, create_train_state, jit_train_step, make_train_step
+from jaxmem.train.step import (StepConfig, TrainState, create_train_state, jit_train_step,
+                               make_train_step, state_creation_fn)
 
 __all__ = ["DynamicLossScale", "NoOpLossScale", "PRECISIONS", "Precision", "StaticLossScale",
            "StepConfig", "TrainState", "abstract_train_state", "build_step_config", "cast_params",
            "create_train_state", "cross_entropy", "get_precision", "jit_train_step", "make_eval_fn",
-           "make_train_step", "parse_loss_scale", "token_loss"]
+           "make_train_step", "parse_loss_scale", "state_creation_fn", "token_loss"]

@@ -43,8 +43,11 @@ def init_from_overrides(overrides: dict) -> dict:
 
 def init_params_from(hf_dir: str, model: ModelConfig, dtype=np.float32) -> dict:
     """The checkpoint's weights as numpy params of `model` in `dtype` (the mode's storage dtype:
-    a bf16 run of an 8B model never holds an fp32 copy on the host). HFError names a missing
-    shard or tensor, or a wrong shape."""
+    a bf16 run of an 8B model never holds an fp32 copy on the host, converted tensor by tensor).
+    The train state takes them as they are: put on the device(s) leaf by leaf in that dtype and
+    donated to the jitted state creation (jaxmem.train.step.create_train_state,
+    Placement.init_state), so the device never holds another copy either. HFError names a
+    missing shard or tensor, or a wrong shape."""
     hf = config_from_hf(read_hf_config(hf_dir))
     if hf != model:
         raise HFError(f"--init-from {hf_dir}: its config.json no longer matches the run's model")

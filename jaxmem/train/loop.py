@@ -5,6 +5,11 @@ data position and the count of non-finite steps in a row from the train state (t
 each step's metrics, read while the next step runs), never from host counters that a resume
 would reset. A step is saved at most once: a save step that is also the last step (`--stop-at`,
 a signal, the end) is not saved twice.
+
+Saves are asynchronous (jaxmem.io.checkpoint): the loop pauses only while Orbax copies the state
+to host memory (`save_pause_s` in the saved step's metrics record), then trains on while the
+files are written; the end of the run, `--stop-at` and SIGTERM / Ctrl-C wait for the last write
+to commit before the process exits, and a summary line gives the pauses and write times.
 """
 
 from __future__ import annotations
@@ -136,12 +141,30 @@ def train(s) -> int:
         return float(sum(t for t, _ in totals) / max(sum(c for _, c in totals), 1.0))
 
     saved_step = start if resumed else None
+    saves = {"pause": [], "write": []}  # seconds: the loop held by each save, each write
 
     def save(st, step):
+        """Start writing `step` (asynchronous); the seconds the loop was held, or None when
+        this step was saved already."""
         nonlocal saved_step
-        if step != saved_step:  # a step is saved once, even when a save step ends the run
-            ckpt.save(step, st, {"step": step, "config": cfg.to_dict()}, wait=True)
-            saved_step = step
+        if step == saved_step:  # a step is saved once, even when a save step ends the run
+            return None
+        ckpt.save(step, st, {"step": step, "config": cfg.to_dict()}, wait=False)
+        saves["pause"].append(ckpt.last_pause_s)
+        saved_step = step
+        return saves["pause"][-1]
+
+    def written(seconds):
+        if seconds is not None:
+            saves["write"].append(seconds)
+
+    def save_summary():
+        written(ckpt.wait())  # the last write is committed before the process goes on or exits
+        if saves["pause"]:
+            p, w = saves["pause"], saves["write"]
+            say(f"checkpoints: {len(p)} saved; the loop paused {sum(p) / len(p):.2f} s per "
+                f"save (max {max(p):.2f}), writing took {sum(w) / max(len(w), 1):.2f} s "
+                f"(max {max(w, default=0):.2f}) in the background")
 
     if main:
         truncate_metrics(out, start)  # records after the checkpoint are about to be redone
@@ -168,7 +191,7 @@ def train(s) -> int:
     def tokens_per_sec():
         return tokens_per_step * timing["steps"] / timing["seconds"] if timing["seconds"] else 0.0
 
-    def record(step, metrics, seconds, evaluated=None):
+    def record(step, metrics, seconds, evaluated=None, save_pause=None):
         """Host side of a finished step: progress bar, metrics.jsonl, the skip counter."""
         nonlocal skips_run
         m = {k: float(v) for k, v in par.host(metrics).items()}
@@ -181,13 +204,16 @@ def train(s) -> int:
                "tokens_per_sec": tokens_per_sec()}
         if evaluated is not None:
             rec = trackers.with_eval_metrics({**rec, "eval_loss": evaluated})
+        if save_pause is not None:
+            rec["save_pause_s"] = round(save_pause, 4)
         mem = device_memory(device)
         if peak and rec["tokens_per_sec"]:  # GPU: what the end-of-run line prints, per record
             rec["mfu"] = rec["tokens_per_sec"] * fpt / peak
         if mem:  # the process's peak so far (experiments.gpu_check reads it from the record)
             rec["peak_bytes_in_use"] = mem["peak_bytes_in_use"]
         # a skipped (non-finite) step is always recorded: plots and audits count them
-        if step % r.log_every == 0 or step == steps or evaluated is not None or rec["skipped"]:
+        if (step % r.log_every == 0 or step == steps or evaluated is not None or rec["skipped"]
+                or save_pause is not None):
             metrics_file.write(json.dumps(rec) + "\n")
             metrics_file.flush()
             rate = timing["seconds"] / timing["steps"] if timing["steps"] else None
@@ -208,14 +234,15 @@ def train(s) -> int:
                 last = record(*pending)
             pending, t_last = (step, metrics, now - t_last), now
             bar.update(1)
+            written(ckpt.poll())  # a background write committed: its time, no waiting
             due_eval = step == steps or (r.eval_every and step % r.eval_every == 0)
             due_save = r.save_every and step % r.save_every == 0 and step < steps
             if due_eval or due_save:
                 if due_eval:
                     eval_loss = evaluate(state)
-                last, pending = record(*pending, evaluated=eval_loss if due_eval else None), None
-                if due_save:
-                    save(state, step)
+                pause = save(state, step) if due_save else None
+                last, pending = record(*pending, evaluated=eval_loss if due_eval else None,
+                                       save_pause=pause), None
                 t_last = time.perf_counter()  # evaluation and saving are not step time
         if pending is not None:
             last = record(*pending)
@@ -230,6 +257,7 @@ def train(s) -> int:
                   f"the newest checkpoint in {out / CKPT_DIR} is untouched.", file=sys.stderr)
             return 1
         save(state, step)
+        save_summary()
         ckpt.close()
     metrics_file.close()
     trackers.close()

@@ -136,6 +136,17 @@ def quantize(x: jax.Array, qmap: np.ndarray) -> Quantized:
     return Quantized(codes=codes, scale=scale)
 
 
+def quantized_zeros(shape, qmap: np.ndarray) -> Quantized:
+    """`quantize(zeros(shape), qmap)` from the shape alone: every code the one of 0.0, every
+    scale 0. The quantize itself kept fp32 temporaries of the leaf's size at init (llama-3-8b
+    state creation compiled to 40.5 GiB of temporaries on CPU; with this, 0.58)."""
+    mids = np.append((qmap[1:] + qmap[:-1]) / 2, np.inf).astype(np.float32)
+    code = int(np.sum(mids < np.float32(0.0)))  # what _nearest_code gives for 0.0
+    nb = -(-shape[-1] // _block_size(shape))
+    return Quantized(codes=jnp.full(shape, code, jnp.uint8),
+                     scale=jnp.zeros(tuple(shape[:-1]) + (nb,), jnp.float32))
+
+
 def dequantize(q: Quantized, qmap: np.ndarray) -> jax.Array:
     """fp32 values of `q` (the inverse of `quantize` up to the map's resolution)."""
     block = _block_size(q.codes.shape)
@@ -203,8 +214,9 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999,
 
     def init_fn(params):
         def zeros(path, p, qmap):
-            z = jnp.zeros(p.shape, jnp.float32)
-            return z if keeps_fp32(path, p) else quantize(z, qmap)
+            if keeps_fp32(path, p):
+                return jnp.zeros(p.shape, jnp.float32)
+            return quantized_zeros(p.shape, qmap)
         mu = jax.tree_util.tree_map_with_path(lambda k, p: zeros(k, p, SIGNED_MAP), params)
         nu = jax.tree_util.tree_map_with_path(lambda k, p: zeros(k, p, UNSIGNED_MAP), params)
         return ScaleByAdam8bitState(count=jnp.zeros((), jnp.int32), mu=mu, nu=nu)

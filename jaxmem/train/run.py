@@ -13,7 +13,7 @@ from jaxmem.model.remat import RematPolicy
 from jaxmem.train.loss import cross_entropy
 from jaxmem.train.loss_scale import LossScale, parse_loss_scale
 from jaxmem.train.precision import cast_params, get_precision
-from jaxmem.train.step import StepConfig, create_train_state
+from jaxmem.train.step import StepConfig, state_creation_fn
 
 
 def build_step_config(cfg: RunConfig) -> tuple[ModelConfig, StepConfig, LossScale]:
@@ -38,8 +38,9 @@ def build_step_config(cfg: RunConfig) -> tuple[ModelConfig, StepConfig, LossScal
 
 
 def abstract_train_state(cfg: StepConfig, loss_scale, seed: int = 0):
-    """The train state's shapes and dtypes (for Orbax restore), allocating nothing."""
-    return jax.eval_shape(lambda: create_train_state(cfg, loss_scale, seed))
+    """The train state's shapes and dtypes (for Orbax restore), allocating nothing: the shapes
+    of the program that creates it (`state_creation_fn`)."""
+    return jax.eval_shape(state_creation_fn(cfg, loss_scale, seed))
 
 
 def make_eval_fn(cfg: StepConfig):

@@ -1,0 +1,128 @@
+"""A Flax init evaluated straight into the params' storage dtype, bitwise the fp32 init cast.
+
+    params = init_in_dtype(lambda key: Llama(cfg).init(key, tokens)["params"], key, jnp.bfloat16)
+
+equals `cast(init(key), bf16)` bit for bit, but under `jax.jit` no fp32 copy of the model is
+ever held. Two things in a plain init hold one:
+
+- Flax's `nn.scan` init is one `lax.scan` whose per-layer outputs are the params, stacked
+  [L, ...] in fp32; a cast after it holds the whole fp32 stack (7 GiB for llama-3-8b's gate
+  projection). Here each top-level scan is re-run with its returned floating outputs (params,
+  read by no later op) cast inside the loop body: one layer's fp32 slice at a time.
+- XLA:CPU lowers threefry (jax.random's hash) as a rolled loop whose carries are full-size
+  uint32 arrays: four 2 GiB buffers for the 8B embedding. Here `random_bits` of the default
+  (partitionable threefry, 32-bit) kind is the same hash written out in 20 rounds, which XLA
+  fuses with the normal transform and the cast into one loop. GPUs lower threefry unrolled
+  already; the values are the same (same algorithm, same counters).
+
+How: the init is traced to a jaxpr and evaluated op by op (`_Eval`), inlining `jit` calls,
+re-running scans through `lax.scan`, replacing `random_bits`; every other op is bound as it is.
+Anything not recognised falls back to the op itself (correct values, only more memory), and
+tests/test_state_init.py checks the values bitwise against Flax's init.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+
+_CALLS = ("jit", "pjit", "closed_call")
+_SCAN_PARAMS = {"jaxpr", "num_consts", "num_carry", "length", "reverse", "unroll"}
+_DROP = getattr(jex, "DropVar", ())  # isinstance(v, ()) is False: nothing dropped
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def init_in_dtype(init, key, dtype):
+    """`init(key)` with every floating leaf in `dtype`, built without an fp32 copy of the tree
+    (see the module docstring). Call it under `jax.jit`."""
+    closed = jax.make_jaxpr(init)(key)
+    out_tree = jax.tree_util.tree_structure(jax.eval_shape(init, key))
+    outs = _Eval(jnp.dtype(dtype)).run(closed.jaxpr, closed.consts, [key], cast_returned=True)
+    return jax.tree_util.tree_unflatten(out_tree, [_cast(x, dtype) for x in outs])
+
+
+def _cast(x, dtype):
+    return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
+def _threefry2x32(k1, k2, x1, x2):
+    """The Threefry-2x32 hash (20 rounds), unrolled: jax.random's own algorithm
+    (jax/_src/random/threefry2x32.py), so the bits are the same."""
+    def rotl(v, d):
+        return (v << np.uint32(d)) | (v >> np.uint32(32 - d))
+
+    ks = [k1, k2, k1 ^ k2 ^ np.uint32(0x1BD11BDA)]
+    x = [x1 + ks[0], x2 + ks[1]]
+    for i in range(5):
+        for r in _ROTATIONS[i % 2]:
+            x[0] = x[0] + x[1]
+            x[1] = x[0] ^ rotl(x[1], r)
+        x = [x[0] + ks[(i + 1) % 3], x[1] + ks[(i + 2) % 3] + np.uint32(i + 1)]
+    return x
+
+
+def _random_bits(key, bit_width: int, shape):
+    """32-bit partitionable threefry random bits of `shape`, or None where this does not apply
+    (then the op itself runs)."""
+    size = math.prod(shape)
+    if (bit_width != 32 or key.shape != () or size >= 2**32 or not shape
+            or not getattr(jax.config, "jax_threefry_partitionable", False)
+            or "threefry" not in str(jax.random.key_impl(key))):
+        return None
+    k = jax.random.key_data(key)  # [2] uint32
+    counts = jax.lax.iota(jnp.uint32, size).reshape(shape)  # the flat index: high word 0
+    b1, b2 = _threefry2x32(k[0], k[1], jnp.zeros(shape, jnp.uint32), counts)
+    return b1 ^ b2
+
+
+class _Eval:
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def run(self, jaxpr, consts, args, cast_returned=False):
+        """Evaluate `jaxpr`; with cast_returned, top-level scans emit their returned floating
+        outputs in self.dtype."""
+        env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+        used = {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, jex.Literal)}
+
+        def read(v):
+            return v.val if isinstance(v, jex.Literal) else env[v]
+
+        for eqn in jaxpr.eqns:
+            vals = [read(v) for v in eqn.invars]
+            name, p = eqn.primitive.name, eqn.params
+            outs = None
+            if name in _CALLS and isinstance(p.get("jaxpr", p.get("call_jaxpr")), jex.ClosedJaxpr):
+                sub = p.get("jaxpr", p.get("call_jaxpr"))
+                outs = self.run(sub.jaxpr, sub.consts, vals)
+            elif name == "scan" and _SCAN_PARAMS <= set(p):
+                casts = [cast_returned and v not in used for v in eqn.outvars[p["num_carry"]:]]
+                outs = self._scan(p, vals, casts)
+            elif name == "random_bits":
+                bits = _random_bits(vals[0], p["bit_width"], tuple(p["shape"]))
+                outs = None if bits is None else [bits]
+            if outs is None:
+                params = eqn.primitive.get_bind_params(p)
+                if isinstance(params, tuple):  # older jax: (subfuns, params)
+                    vals, params = [*params[0], *vals], params[1]
+                outs = eqn.primitive.bind(*vals, **params)
+                outs = outs if eqn.primitive.multiple_results else [outs]
+            env.update((v, x) for v, x in zip(eqn.outvars, outs) if not isinstance(v, _DROP))
+        return [read(v) for v in jaxpr.outvars]
+
+    def _scan(self, p, vals, casts):
+        nc, nk, body = p["num_consts"], p["num_carry"], p["jaxpr"]
+        consts = vals[:nc]
+
+        def step(carry, xs):
+            out = self.run(body.jaxpr, body.consts, [*consts, *carry, *xs])
+            ys = [_cast(y, self.dtype) if c else y for y, c in zip(out[nk:], casts)]
+            return list(out[:nk]), ys
+
+        carry, ys = jax.lax.scan(step, list(vals[nc:nc + nk]), list(vals[nc + nk:]),
+                                 length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+        return [*carry, *ys]
