@@ -30,8 +30,14 @@ def sample_tokens(config: ModelConfig, params, prompt_ids, max_new_tokens: int,
     n_prompt = len(prompt_ids)
     total = n_prompt + new_token_budget(n_prompt, max_new_tokens, limit)
     buf = jnp.zeros((1, total), jnp.int32).at[0, :n_prompt].set(jnp.asarray(prompt_ids, jnp.int32))
-    model = Llama(config)
     params = cast_params(params, compute_dtype)
+    run = _sampler(config, n_prompt, total, temperature, top_k)
+    return [int(t) for t in np.asarray(run(params, buf, jax.random.PRNGKey(seed)))[0]]
+
+
+def _sampler(config: ModelConfig, n_prompt: int, total: int, temperature: float, top_k: int):
+    """jit(params, buf [1, total] int32, key) -> buf with positions n_prompt.. filled."""
+    model = Llama(config)
 
     @jax.jit
     def run(params, buf, key):
@@ -51,7 +57,20 @@ def sample_tokens(config: ModelConfig, params, prompt_ids, max_new_tokens: int,
 
         return jax.lax.fori_loop(n_prompt, total, body, (buf, key))[0]
 
-    return [int(t) for t in np.asarray(run(params, buf, jax.random.PRNGKey(seed)))[0]]
+    return run
+
+
+def lower_sample(config: ModelConfig, params, n_prompt: int, total: int, *, compute_dtype,
+                 temperature: float = 0.0, top_k: int = 0) -> jax.stages.Lowered:
+    """The sampler `sample_tokens` runs for a prompt of `n_prompt` ids and `total` positions,
+    lowered (not run) for its params cast to `compute_dtype`; params may be abstract
+    (jax.ShapeDtypeStruct). `.compile().memory_analysis()` is what the sample holds
+    (jaxmem.memory.phases plans the end-of-run sample with it)."""
+    # cast_params on shapes: the dtypes sample_tokens' cast gives, nothing allocated
+    params = jax.eval_shape(lambda p: cast_params(p, compute_dtype), params)
+    buf = jax.ShapeDtypeStruct((1, total), jnp.int32)
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    return _sampler(config, n_prompt, total, temperature, top_k).lower(params, buf, key)
 
 
 def new_token_budget(n_prompt: int, max_new_tokens: int, limit: int) -> int:
