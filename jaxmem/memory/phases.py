@@ -152,13 +152,26 @@ def _held_outside(spec: StepSpec) -> dict:
             "sample": state_bytes - same + frozen}
 
 
+def _compile_phase(name: str, spec: StepSpec, sample: SampleShape) -> dict:
+    if name == "state":
+        return compile_state(spec)
+    if name == "eval":
+        return compile_eval(spec)
+    limit = spec.model.max_position_embeddings
+    return compile_sample(spec, sample.n_prompt(limit), sample.total(limit), sample.temperature,
+                          sample.top_k)
+
+
 def run_phases(spec: StepSpec, sample: SampleShape | None = None, compile: bool = False,
-               step_compiled: dict | None = None, step_measured: int | None = None) -> dict:
+               step_compiled: dict | None = None, step_measured: int | None = None,
+               cache: dict | None = None) -> dict:
     """Every phase with its analytic total and, where compiled, its compiled total; the run's
     peak is the largest phase (compiled numbers where there are any, else analytic).
 
     step_compiled: compile_step(spec)'s result (the step is compiled by its caller);
     step_measured: the step's measured peak (--measure on a GPU), which then stands for it.
+    cache: a dict kept across calls that vary only the micro-batch, remat and accumulation (the
+    planner's candidates): state and sample are compiled once per mu dtype, eval per micro-batch.
     Returns {"phases": [{name, what, analytic_bytes, compiled_bytes, outside_bytes,
     program_compiled}], "peak_bytes", "peak_phase", "peak_source"}.
     """
@@ -173,14 +186,10 @@ def run_phases(spec: StepSpec, sample: SampleShape | None = None, compile: bool 
         if name == "step" and step_compiled is not None:
             compiled, source = int(step_compiled["peak_bytes"]), "compiled"
         elif compile and name != "step":
-            if name == "state":
-                program = compile_state(spec)
-            elif name == "eval":
-                program = compile_eval(spec)
-            else:
-                limit = spec.model.max_position_embeddings
-                program = compile_sample(spec, sample.n_prompt(limit), sample.total(limit),
-                                         sample.temperature, sample.top_k)
+            key = (name, spec.mu_dtype, spec.batch_size if name == "eval" else None)
+            program = (cache or {}).get(key) or _compile_phase(name, spec, sample)
+            if cache is not None:
+                cache[key] = program
             compiled, source = program["peak_bytes"] + outside[name], "compiled"
         if name == "step" and step_measured:
             compiled, source = int(step_measured), "measured"
