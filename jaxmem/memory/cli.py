@@ -18,6 +18,11 @@ donated), three views of its memory and the rule of thumb:
                   mixed-precision Adam, "6x the fp32 weights" = 24 B/param; each with its ratio
                   to the compiled (or measured) peak
 
+Then the run's phases (jaxmem.memory.phases): making the state, the step, evaluation (the fused
+loss on one [B, T] batch) and the end-of-run sample (`--max-new-tokens`), each with what the run
+holds outside its program; analytic, and compiled for the step and, with `--compile`, for the
+other three. The verdict is on the largest phase, and so is `--fit`'s choice.
+
 `--fit GIB --global-batch N` runs the planner instead (jaxmem.memory.planner.plan): candidates from
 fastest to most frugal, the first whose *compiled* peak fits is printed with its breakdown, with
 every rejected candidate and why; exit 1 when nothing fits.
