@@ -24,7 +24,11 @@ The model of the peak (what is live when the backward starts):
 
 or, if larger, what is live during the optimizer update: state + batch + gradients + one
 params-sized update buffer (activations are freed by then; at full size with remat this phase
-sets the peak: 5 x 4 B/param in fp32).
+sets the peak: 5 x 4 B/param in fp32); adamw8bit updates in place (jaxmem.train.fused8bit), so
+only its small leaves and one piece of a large one (update_8bit_working_set).
+
+One layer's backward includes, where the policy recomputes the MLP, its backward's working set
+(mlp_backward): the lean SwiGLU keeps fewer residuals than its backward allocates.
 
 Sizes are in bytes. Axis letters follow docs/architecture.md.
 """
@@ -318,8 +322,8 @@ def analytic_breakdown(spec: StepSpec) -> dict:
     ub, ud = (FP32, "float32") if sr_fp32 else (pb, pd)
     phase_o = [("gradients", Pt * pb, pd), ("optimizer update buffer", Pt * ub, ud)]
     if spec.optimizer == "adamw8bit" and lora is None:  # updated in place (.fused8bit)
-        phase_o[1] = ("8-bit update: small leaves + one piece", update_8bit_working_set(c),
-                      "float32")
+        phase_o[1] = ("optimizer update in place: small leaves + one piece",
+                      update_8bit_working_set(c), "float32")
     peak_phase = "backward" if _sum(phase_b) >= _sum(phase_o) else "optimizer"
     persistent = [("params (master)" if lora is None else "LoRA adapters (master)", Pt * pb, pd),
                   *optimizer_state(spec, Pt),

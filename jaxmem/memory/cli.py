@@ -136,12 +136,12 @@ def _verdict(report: dict) -> list[str]:
     others = ", ".join(f"{r['name']} {_gib(r)}" for r in ph["phases"])
     return verdict_lines(ph["peak_bytes"], ph["peak_source"], report["backend"],
                          report["precision"]) + [
-        f"  the largest phase of the run: {ph['peak_phase']} ({others} GiB)"]
+        f"  the run's largest phase: {ph['peak_phase']} (GiB: {others}; a = analytic)"]
 
 
 def _gib(row) -> str:
     n = row["compiled_bytes"] if row["compiled_bytes"] is not None else row["analytic_bytes"]
-    return f"{n / GiB:.2f}" + ("" if row["compiled_bytes"] is not None else " analytic")
+    return f"{n / GiB:.2f}" + ("" if row["compiled_bytes"] is not None else "a")
 
 
 def _phases(args, cfg, spec, report, cache=None) -> dict:
