@@ -65,7 +65,7 @@ def test_eval_phase_not_above_step_small():
 
 @pytest.mark.slow
 def test_1b_eval_and_sample_phases_not_above_step():
-    """llama-3.2-1b amp-bf16 full 8 x 2048, compile only (CPU, ~3 min here): measured 2026-11-23,
+    """llama-3.2-1b amp-bf16 full 8 x 2048, compile only (CPU: 34 s alone, ~2.5 min under load here): measured 2026-11-23,
     step 25.50 GiB, eval phase 19.00 (the old full-logits eval: see docs/memory.md), sample 21.44."""
     spec = StepSpec(get_preset("llama-3.2-1b"), get_precision("amp-bf16"),
                     RematPolicy.parse("full"), 8, 2048)
