@@ -36,7 +36,9 @@ def test_verdict_names_sizes_and_headroom(monkeypatch):
 
 
 def test_breakdown_prints_header_and_verdict(capsys):
-    assert main([*SMALL, "--precision", "amp-bf16", "--remat", "full", "--batch-size", "2"]) == 0
+    # --compile: every phase compiled, so the verdict is a compiled one whichever is largest
+    assert main([*SMALL, "--precision", "amp-bf16", "--remat", "full", "--batch-size", "2",
+                 "--compile"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("jaxmem.memory: tiny (") and out[0].endswith(
         " params), precision amp-bf16, remat full")
@@ -46,8 +48,30 @@ def test_breakdown_prints_header_and_verdict(capsys):
     assert max(map(len, out)) <= 120
 
 
+def test_breakdown_prints_the_phases_and_the_largest_decides(capsys):
+    """The run's phases after the step; --compile compiles all of them; the verdict is on the
+    largest; no sample phase with --max-new-tokens 0."""
+    assert main([*SMALL, "--batch-size", "2", "--compile", "--max-new-tokens", "8",
+                 "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    ph = r["phases"]
+    rows = {p["name"]: p for p in ph["phases"]}
+    assert list(rows) == ["state", "step", "eval", "sample"]
+    assert all(p["compiled_bytes"] > 0 for p in rows.values())
+    assert rows["step"]["compiled_bytes"] == r["compiled"]["peak_bytes"]
+    largest = max(rows.values(), key=lambda p: p["compiled_bytes"])
+    assert (ph["peak_phase"], ph["peak_bytes"]) == (largest["name"], largest["compiled_bytes"])
+    assert r["verdict"][0].startswith(f"verdict: compiled peak {ph['peak_bytes'] / GiB:.2f} GiB")
+    assert r["verdict"][-1].startswith(f"  the run's largest phase: {ph['peak_phase']} (GiB:")
+    assert main([*SMALL, "--batch-size", "2", "--max-new-tokens", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "phases of the run" in out and "\n  sample " not in out and "\n* sample" not in out
+    assert "\n  state " in out or "\n* state " in out
+
+
 def test_fit_prints_candidates_once_and_the_train_command(capsys):
-    args = [*SMALL, "--fit", "0.004", "--global-batch", "4"]
+    # no end-of-run sample: at this toy size its phase (1 x 264 tokens) would be the largest
+    args = [*SMALL, "--fit", "0.004", "--global-batch", "4", "--max-new-tokens", "0"]
     code = main(args)
     cap = capsys.readouterr()
     assert "tried micro" not in cap.err and "micro" not in cap.err  # the list goes to stdout once

@@ -59,11 +59,13 @@ def test_saved_activations_match_jax(precision, remat):
     assert np_rel < 0.005, (formula, jax_saved_bytes(spec))
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
-def test_analytic_within_15_percent_of_compiled(remat):
-    """fp32 on CPU (bf16 is emulated there, docs/memory.md): tiny preset, 2 x 256 tokens."""
-    spec = StepSpec(get_preset("tiny"), get_precision("fp32"), RematPolicy.parse(remat), 2, 256,
-                    attention="xla")
+@pytest.mark.parametrize("remat, batch", [("none", 2), ("full", 2), ("full", 8)])
+def test_analytic_within_15_percent_of_compiled(remat, batch):
+    """fp32 on CPU (bf16 is emulated there, docs/memory.md): tiny preset, B x 256 tokens.
+    Measured 2026-11-23: none 2 x 256 1.083, full 2 x 256 1.101, full 8 x 256 1.066 (0.838
+    before the MLP backward's working set was counted)."""
+    spec = StepSpec(get_preset("tiny"), get_precision("fp32"), RematPolicy.parse(remat), batch,
+                    256, attention="xla")
     compiled = compile_step(spec)["peak_bytes"]
     ratio = analytic_breakdown(spec)["total_bytes"] / compiled
     assert 0.85 <= ratio <= 1.15, ratio

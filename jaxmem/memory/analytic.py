@@ -24,7 +24,11 @@ The model of the peak (what is live when the backward starts):
 
 or, if larger, what is live during the optimizer update: state + batch + gradients + one
 params-sized update buffer (activations are freed by then; at full size with remat this phase
-sets the peak: 5 x 4 B/param in fp32).
+sets the peak: 5 x 4 B/param in fp32); adamw8bit updates in place (jaxmem.train.fused8bit), so
+only its small leaves and one piece of a large one (update_8bit_working_set).
+
+One layer's backward includes, where the policy recomputes the MLP, its backward's working set
+(mlp_backward): the lean SwiGLU keeps fewer residuals than its backward allocates.
 
 Sizes are in bytes. Axis letters follow docs/architecture.md.
 """
@@ -33,12 +37,14 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 
 from jaxmem.config.model import ModelConfig
 from jaxmem.memory.spec import StepSpec
 from jaxmem.model.llama import abstract_params
 from jaxmem.model.attention import query_chunk
+from jaxmem.model.tiled import mlp_tile
 from jaxmem.model.remat import RematError, RematPolicy
 from jaxmem.train.fused_loss import resolve_loss_chunk, vocab_chunk
 from jaxmem.model.roles import count_by_role
@@ -176,6 +182,75 @@ def outside_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: Rema
     return out
 
 
+def mlp_tiled(spec: StepSpec) -> int:
+    """The MLP's sequence tile when the step runs it tiled (jaxmem.model.tiled; the rule of
+    jaxmem.model.llama: `full` remat or a `names:` policy without MLP tags, the plain einsum,
+    [B, T, F] fp32 over TILE_BYTES), else 0."""
+    r, c = spec.remat, spec.model
+    if not (r.kind == "full" or (r.kind == "names" and not any(
+            t.startswith("mlp_") for t in r.names))):
+        return 0
+    if spec.precision.fp8 or spec.peft is not None:  # another einsum: never tiled
+        return 0
+    tile = mlp_tile(spec.batch_size, spec.seq_len, c.intermediate_size)
+    return tile if tile < spec.seq_len else 0
+
+
+# [B, T, F] buffers the MLP's backward holds besides the 3 recomputed activations (gate, up,
+# their product): d(product), d(gate), d(up) and the SwiGLU backward's sigmoid / silu products
+# (jaxmem.model.lean). Read off XLA's buffer assignment on the CPU (docs/memory.md: 8-9 [B, T, F]
+# buffers in all); fitted on fp32 compiles of tiny with F 384 -> 768 -> 1536 (9.1 [B, T, F] per
+# F step). The lean SwiGLU keeps 3 instead of autodiff's 6, so counting only the recomputed
+# residuals (as before) left the analytic peak 16% under the compiled one (tiny, 8 x 256, full).
+MLP_BACKWARD_BUFFERS = 6
+
+
+def mlp_backward(spec: StepSpec) -> int:
+    """Bytes of the MLP backward's working set beyond the recomputed residuals: 6 [B, T, F]
+    (tiled: 9 [B, Tc, F], the tile's recomputed activations included, and the 3 full-length
+    ones are not materialized, so they are taken back out of the recomputed set)."""
+    c, B, T = spec.model, spec.batch_size, spec.seq_len
+    F, cb = c.intermediate_size, _nbytes(spec.precision.compute_dtype)
+    r = spec.remat
+    recomputed = r.kind == "full" or (r.kind == "names" and not {"mlp_gate", "mlp_up"} <= set(r.names))
+    if not recomputed:  # gate and up saved (none, dots*, offload): measured, nothing beyond them
+        return 0
+    tile = mlp_tiled(spec)
+    if tile:
+        # tiled only where no policy saves an MLP tag: the 3 are in the recomputed set
+        return (3 + MLP_BACKWARD_BUFFERS) * B * tile * F * cb - 3 * B * T * F * cb
+    return MLP_BACKWARD_BUFFERS * B * T * F * cb
+
+
+# fp32 bytes per element the 8-bit update holds while it works on a leaf or a piece: the
+# gradient, the dequantized moments, the update and the new weight (jaxmem.train.fused8bit).
+# Fitted on CPU compiles, fp32, full remat, 1 x 16 tokens (docs/memory.md): a model whose leaves
+# are all done whole held 5.03 x its params of fp32 beyond the gradients; with pieces of 2^16
+# elements the same model held no params-sized buffer at all.
+UPDATE_8BIT_BYTES = 20
+
+
+def update_8bit_working_set(c: ModelConfig) -> int:
+    """What adamw8bit's in-place update holds beyond the state and the gradients.
+
+    fused8bit updates a leaf of more than stochastic.CHUNK elements in row pieces, in place on
+    the donated state: one piece's working set at a time. A smaller leaf is updated whole and
+    written back with a select (a skipped step keeps it), and XLA keeps the working sets of all
+    of them live together (measured on the CPU; unverified on a GPU). So: 20 B x (elements of the
+    leaves updated whole + the largest piece). At llama-3-8b that is 0.31 GiB (every matrix is
+    in pieces), not the params-sized update buffer optax's update needs (14.96 GiB).
+    """
+    from jaxmem.train.stochastic import CHUNK, row_chunks
+    whole, piece = 0, 0
+    for leaf in jax.tree_util.tree_leaves(abstract_params(c)):
+        n = row_chunks(leaf.shape, CHUNK)
+        if n == 1:
+            whole += leaf.size
+        else:
+            piece = max(piece, leaf.size // n)
+    return UPDATE_8BIT_BYTES * (whole + piece)
+
+
 def _mixed(items) -> str:
     """The one dtype of `items`, or their dtypes joined with '+'."""
     names = sorted({d for _, b, d in items if b and d not in ("mixed", "bool")})
@@ -224,6 +299,7 @@ def analytic_breakdown(spec: StepSpec) -> dict:
     layer_bwd = full_layer - _sum(per_layer)
     if attention == "xla":  # the probabilities of one query chunk (jaxmem.model.attention)
         layer_bwd += B * N * query_chunk((B, T, N), T) * T * (3 * FP32 + cb)
+    layer_bwd += mlp_backward(spec)
     if lora is not None:  # a quantized layer's weights, dequantized again in its backward, and
         layer_bwd += peft_memory.dequant_transient(c, lora, p.compute_dtype)  # the adapters'
         layer_bwd += peft_memory.adapter_backward_transient(c, lora, B, T, p.compute_dtype)
@@ -245,6 +321,9 @@ def analytic_breakdown(spec: StepSpec) -> dict:
     sr_fp32 = p.stochastic_rounding and spec.optimizer != "adamw8bit"
     ub, ud = (FP32, "float32") if sr_fp32 else (pb, pd)
     phase_o = [("gradients", Pt * pb, pd), ("optimizer update buffer", Pt * ub, ud)]
+    if spec.optimizer == "adamw8bit" and lora is None:  # updated in place (.fused8bit)
+        phase_o[1] = ("optimizer update in place: small leaves + one piece",
+                      update_8bit_working_set(c), "float32")
     peak_phase = "backward" if _sum(phase_b) >= _sum(phase_o) else "optimizer"
     persistent = [("params (master)" if lora is None else "LoRA adapters (master)", Pt * pb, pd),
                   *optimizer_state(spec, Pt),

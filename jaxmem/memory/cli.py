@@ -18,6 +18,11 @@ donated), three views of its memory and the rule of thumb:
                   mixed-precision Adam, "6x the fp32 weights" = 24 B/param; each with its ratio
                   to the compiled (or measured) peak
 
+Then the run's phases (jaxmem.memory.phases): making the state, the step, evaluation (the fused
+loss on one [B, T] batch) and the end-of-run sample (`--max-new-tokens`), each with what the run
+holds outside its program; analytic, and compiled for the step and, with `--compile`, for the
+other three. The verdict is on the largest phase, and so is `--fit`'s choice.
+
 `--fit GIB --global-batch N` runs the planner instead (jaxmem.memory.planner.plan): candidates from
 fastest to most frugal, the first whose *compiled* peak fits is printed with its breakdown, with
 every rejected candidate and why; exit 1 when nothing fits.
@@ -43,6 +48,7 @@ import sys
 from jaxmem.config.flags import add_run_flags, given_overrides, positive_int
 from jaxmem.config.run import RunConfig
 from jaxmem.memory.measure import measure_in_subprocess, run_worker
+from jaxmem.memory.phases import SampleShape, format_phases, run_phases
 from jaxmem.memory.planner import plan
 from jaxmem.memory.report import format_plan, format_report, step_report
 from jaxmem.memory.spec import GiB, StepSpec
@@ -62,7 +68,8 @@ def positive_gib(text: str) -> float:
 
 
 MEMORY_FLAGS = {"precision": ("mode",), "data": ("batch_size", "seq_len", "grad_accum"),
-                "optim": ("mu_dtype", "optimizer"), "parallel": ("mesh",)}
+                "optim": ("mu_dtype", "optimizer"), "parallel": ("mesh",),
+                "sample": ("max_new_tokens", "temperature", "top_k")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "The model, precision, remat and batch flags are jaxmem.train's, with the "
                     "same defaults; with --fit, --batch-size is the largest micro-batch tried "
                     "and --mu-dtype (when not given) tries fp32 then bf16.")
-    add_run_flags(p, ["model", "precision", "remat", "optim", "data", "peft", "parallel"], only=MEMORY_FLAGS)
+    add_run_flags(p, ["model", "precision", "remat", "optim", "data", "peft", "parallel", "sample"],
+                  only=MEMORY_FLAGS)
     p.add_argument("--devices", type=positive_int, default=None, metavar="N",
                    help="CPU backend: compile for N simulated devices of this host (with --mesh: "
                         "the per-device breakdown, jaxmem.parallel.memory)")
@@ -82,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences per optimizer step; sets --grad-accum = global / batch size")
     g.add_argument("--fit", type=positive_gib, default=None, metavar="GIB",
                    help="plan: the fastest configuration whose compiled peak fits in GIB GiB")
+    g.add_argument("--compile", action="store_true",
+                   help="also compile the run's other phases (making the state, evaluation, the "
+                        "end-of-run sample; the step is always compiled): the verdict and --fit "
+                        "then use their compiled peaks instead of the analytic ones")
     g.add_argument("--measure", action="store_true",
                    help="also run real steps in a subprocess and read the device's peak memory")
     g.add_argument("--worker", default=None, metavar="JSON", help=argparse.SUPPRESS)
@@ -119,10 +131,27 @@ def _resolve(parser, args):
 
 
 def _verdict(report: dict) -> list[str]:
+    """The verdict on the run's largest phase (jaxmem.memory.phases), and which one it is."""
+    ph = report["phases"]
+    others = ", ".join(f"{r['name']} {_gib(r)}" for r in ph["phases"])
+    return verdict_lines(ph["peak_bytes"], ph["peak_source"], report["backend"],
+                         report["precision"]) + [
+        f"  the run's largest phase: {ph['peak_phase']} (GiB: {others}; a = analytic)"]
+
+
+def _gib(row) -> str:
+    n = row["compiled_bytes"] if row["compiled_bytes"] is not None else row["analytic_bytes"]
+    return f"{n / GiB:.2f}" + ("" if row["compiled_bytes"] is not None else "a")
+
+
+def _phases(args, cfg, spec, report, cache=None) -> dict:
     measured = (report.get("measured") or {}).get("peak_bytes")
-    return verdict_lines(measured or report["compiled"]["peak_bytes"],
-                         "measured" if measured else "compiled", report["backend"],
-                         report["precision"])
+    return run_phases(spec, SampleShape.of(cfg), compile=args.compile,
+                      step_compiled=report["compiled"], step_measured=measured, cache=cache)
+
+
+def _unit_of(report) -> str:
+    return "GiB" if report["compiled"]["peak_bytes"] >= GiB else "MiB"
 
 
 def _short(remat: str) -> str:
@@ -186,12 +215,14 @@ def main(argv=None) -> int:
     if args.fit is None:
         measured = measure_in_subprocess(spec) if args.measure else None
         report = step_report(spec, measured=measured)
+        report["phases"] = _phases(args, cfg, spec, report)
         report["verdict"] = _verdict(report)
         if args.json:
             print(json.dumps(report, indent=2))
         else:
             print(header_line(cfg, spec, report["params"]) + "\n")
             print(format_report(report))
+            print("\n" + format_phases(report["phases"], _unit_of(report)))
             print("\n" + "\n".join(report["verdict"]))
         _plot(parser, args.plot, [report], [f"{spec.remat}, micro {spec.batch_size}"])
         return 0
@@ -200,9 +231,12 @@ def main(argv=None) -> int:
     log = None if args.json or not sys.stderr.isatty() else (
         lambda t: print(f"  tried micro {t['batch_size']} remat {t['remat']} mu {t['mu_dtype']}: "
                         f"{t['reason']}", file=sys.stderr, flush=True))
+    cache = {}
     result = plan(spec, global_batch, int(args.fit * GiB),
                   mu_dtypes=(spec.mu_dtype,) if spec.mu_dtype else ("fp32", "bf16"),
-                  max_micro=max_micro, log=log)
+                  max_micro=max_micro, log=log,
+                  phases_fn=lambda c, compiled: run_phases(c, SampleShape.of(cfg), args.compile,
+                                                           compiled, cache=cache))
     chosen = result["spec"]
     out = {"budget_gib": args.fit, "global_batch": global_batch, "tried": [
         {k: v for k, v in t.items() if k != "compiled"} for t in result["tried"]]}
@@ -210,6 +244,8 @@ def main(argv=None) -> int:
         measured = measure_in_subprocess(chosen) if args.measure else None
         out["chosen"] = step_report(chosen, compiled=result["chosen"]["compiled"],
                                     measured=measured)
+        out["chosen"]["phases"] = (result["chosen"]["phases"] if measured is None else
+                                   _phases(args, cfg, chosen, out["chosen"], cache))
     else:
         out["chosen"] = None
     if chosen is not None:
@@ -227,6 +263,7 @@ def main(argv=None) -> int:
                   f"  {out['train_command']}\n")
             print(header_line(cfg, chosen, out["chosen"]["params"]) + "\n")
             print(format_report(out["chosen"], unit="GiB"))
+            print("\n" + format_phases(out["chosen"]["phases"]))
             print("\n" + "\n".join(out["chosen"]["verdict"]))
     if args.plot:
         compiled = [(dataclasses.replace(spec, batch_size=t["batch_size"],

@@ -7,6 +7,9 @@
                                without compiling it
     grad_step_report(...)      the gradient of the train step's loss alone (fp32), for the remat
                                measurements (docs/remat.md)
+    compile_state(spec)        the program that makes the train state (jaxmem.memory.phases)
+    compile_eval(spec)         the eval function of a run (make_eval_fn: the fused loss)
+    compile_sample(spec, ...)  the end-of-run sampler (jaxmem.generate.sampling.lower_sample)
 
 Both compile the code that trains: `jaxmem.train.step.jit_train_step` and
 `jaxmem.train.loss.token_loss` (causal-only attention, padding removed by the loss mask), so a
@@ -23,8 +26,8 @@ from jaxmem.memory.spec import StepSpec
 from jaxmem.model.llama import Llama, abstract_params, count_params
 from jaxmem.model.remat import RematPolicy, check_offload_supported
 from jaxmem.train.loss import abstract_batch, token_loss
-from jaxmem.train.run import abstract_train_state
-from jaxmem.train.step import jit_train_step
+from jaxmem.train.run import abstract_train_state, make_eval_fn
+from jaxmem.train.step import jit_train_step, state_creation_fn
 
 
 def compiled_stats(compiled) -> tuple[dict, float]:
@@ -69,10 +72,7 @@ def abstract_frozen(spec: StepSpec):
 
 def argument_bytes(spec: StepSpec) -> int:
     """Exact bytes of the step's arguments; a lower bound of the compiled peak."""
-    leaves = jax.tree_util.tree_leaves((abstract_state(spec), abstract_step_batch(spec),
-                                        abstract_frozen(spec)))
-    return sum(int(x.size) * x.dtype.itemsize if x.dtype not in (jnp.uint4, jnp.int4)
-               else int(x.size) // 2 for x in leaves)
+    return tree_bytes((abstract_state(spec), abstract_step_batch(spec), abstract_frozen(spec)))
 
 
 def compile_step(spec: StepSpec) -> dict:
@@ -115,3 +115,46 @@ def grad_step_report(config: ModelConfig, remat: RematPolicy | str, batch_size: 
         "compiled": stats,
         "flops": flops,
     }
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of the leaves of a pytree of arrays or ShapeDtypeStructs (4-bit types packed)."""
+    return sum(int(x.size) * x.dtype.itemsize if x.dtype not in (jnp.uint4, jnp.int4)
+               else int(x.size) // 2 for x in jax.tree_util.tree_leaves(tree))
+
+
+def state_program(step_cfg, loss_scale, seed: int = 0, out_shardings=None):
+    """The program a run makes its train state with, jitted (`out_shardings` under a mesh):
+    `jaxmem.train.step.state_creation_fn`, the function `create_train_state` and
+    `Placement.init_state` jit too, so the state phase plans what the run executes."""
+    return jax.jit(state_creation_fn(step_cfg, loss_scale, seed), out_shardings=out_shardings)
+
+
+def compile_state(spec: StepSpec, seed: int = 0) -> dict:
+    """XLA's memory numbers of making the train state (output: the state; no arguments)."""
+    return compiled_stats(state_program(*spec.step_config(), seed).lower().compile())[0]
+
+
+def compile_eval(spec: StepSpec) -> dict:
+    """XLA's memory numbers of the run's eval function on one [B, T] batch (make_eval_fn)."""
+    fn = make_eval_fn(spec.step_config()[0])
+    lowered = fn.lower(abstract_state(spec).params, abstract_batch(spec.batch_size, spec.seq_len),
+                       abstract_frozen(spec))
+    return compiled_stats(lowered.compile())[0]
+
+
+def sample_params(spec: StepSpec):
+    """The params the end-of-run sample is given, as ShapeDtypeStructs: the state's; for LoRA
+    the plain model's (an upper bound: the run passes the frozen base with adapters)."""
+    return abstract_params(spec.model) if spec.peft is not None else abstract_state(spec).params
+
+
+def compile_sample(spec: StepSpec, n_prompt: int, total: int, temperature: float = 0.0,
+                   top_k: int = 0) -> dict:
+    """XLA's memory numbers of the end-of-run sampler for `total` positions (arguments: the
+    params in the compute dtype, the token buffer, the key)."""
+    from jaxmem.generate.sampling import lower_sample
+    lowered = lower_sample(spec.model, sample_params(spec), n_prompt, total,
+                           compute_dtype=spec.precision.compute_dtype, temperature=temperature,
+                           top_k=min(top_k, spec.model.vocab_size))
+    return compiled_stats(lowered.compile())[0]

@@ -68,7 +68,8 @@ def candidates(base: StepSpec, global_batch: int, mu_dtypes=("fp32", "bf16"),
 
 def plan(base: StepSpec, global_batch: int, budget_bytes: int, mu_dtypes=("fp32", "bf16"),
          max_micro: int | None = None, compile_fn=compile_step, log=None,
-         analytic_first: bool = True, band: tuple[float, float] = ANALYTIC_BAND) -> dict:
+         analytic_first: bool = True, band: tuple[float, float] = ANALYTIC_BAND,
+         phases_fn=None) -> dict:
     """Try candidates in order; return the first whose compiled peak <= budget, and the tries.
 
     A candidate whose exact argument bytes (state + batch) already exceed the budget is
@@ -76,6 +77,10 @@ def plan(base: StepSpec, global_batch: int, budget_bytes: int, mu_dtypes=("fp32"
     `analytic_first`, so is one whose analytic peak x band[0] exceeds the budget. Each entry
     says how it was decided ("decided_by": arguments, analytic or compiled), with its analytic
     peak; the result counts the compiles.
+
+    phases_fn(spec, compiled) -> jaxmem.memory.phases.run_phases' dict: the whole run decides,
+    not the step alone: a compiled candidate fits when the largest phase (state, step, eval,
+    sample) is within the budget (entry "run_peak_bytes", "peak_phase").
     """
     from jaxmem.memory.analytic import analytic_breakdown
     tried, compiles = [], 0
@@ -103,9 +108,17 @@ def plan(base: StepSpec, global_batch: int, budget_bytes: int, mu_dtypes=("fp32"
                 entry.update(fits=False, peak_bytes=None, reason=f"compile error: {msg[:200]}")
             else:
                 peak = int(compiled["peak_bytes"])
-                fits = peak <= budget_bytes
+                run_peak, what = peak, "compiled peak"
+                if phases_fn is not None:  # the largest phase of the run decides
+                    phases = phases_fn(spec, compiled)
+                    run_peak = phases["peak_bytes"]
+                    entry.update(run_peak_bytes=run_peak, peak_phase=phases["peak_phase"],
+                                 phases=phases)
+                    if phases["peak_phase"] != "step":
+                        what = f"{phases['peak_phase']} phase ({phases['peak_source']}) peak"
+                fits = run_peak <= budget_bytes
                 entry.update(fits=fits, peak_bytes=peak, compiled=compiled, reason=(
-                    f"compiled peak {peak / GiB:.3f} GiB {'<=' if fits else '>'} budget "
+                    f"{what} {run_peak / GiB:.3f} GiB {'<=' if fits else '>'} budget "
                     f"{budget_bytes / GiB:.3f} GiB"))
         tried.append(entry)
         if log:

@@ -10,9 +10,9 @@ import jax
 from jaxmem.config.model import ConfigError, ModelConfig
 from jaxmem.config.run import RunConfig
 from jaxmem.model.remat import RematPolicy
-from jaxmem.train.loss import cross_entropy
+from jaxmem.train.loss import token_loss
 from jaxmem.train.loss_scale import LossScale, parse_loss_scale
-from jaxmem.train.precision import cast_params, get_precision
+from jaxmem.train.precision import get_precision
 from jaxmem.train.step import StepConfig, state_creation_fn
 
 
@@ -44,16 +44,23 @@ def abstract_train_state(cfg: StepConfig, loss_scale, seed: int = 0):
 
 
 def make_eval_fn(cfg: StepConfig):
-    """jit(params, batch[, frozen base]) -> (sum of token losses, tokens), in the mode's
-    compute dtype."""
+    """jit(params, batch[, frozen base]) -> (sum of token losses, tokens), fp32.
+
+    The loss is the train step's own call, `token_loss(model, params, batch,
+    cfg.attention_padding, compute_dtype, cfg.loss_chunk)`: the LM head fused into the loss
+    (jaxmem.train.fused_loss) with the run's `--loss-chunk`, so evaluation never holds the
+    [B, T, V] fp32 logits (llama-3.2-1b at 8 x 2048: 8.4 GB) and its peak stays under the
+    step's (tests/test_phases.py); the whole batch dict goes in, as in the step, so whatever
+    the loss reads from it (packed batches' segment ids and positions) reaches the model.
+    """
     model = cfg.build_model()
+    compute_dtype = cfg.precision.compute_dtype
 
     @jax.jit
     def eval_fn(params, batch, frozen=None):
-        p = cast_params(params, cfg.precision.compute_dtype)
-        if cfg.peft is not None:  # LoRA: params are the adapters, `frozen` the base
-            p = cfg.peft.full_params(frozen, p)
-        logits = model.apply({"params": p}, batch["inputs"])
-        return cross_entropy(logits, batch["targets"], batch["mask"])
+        dtype = compute_dtype
+        if cfg.peft is not None:  # LoRA: params are the adapters, `frozen` the base; no dropout
+            params, dtype = cfg.peft.full_params(frozen, params, compute_dtype), None
+        return token_loss(model, params, batch, cfg.attention_padding, dtype, cfg.loss_chunk)
 
     return eval_fn
