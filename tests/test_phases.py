@@ -78,7 +78,7 @@ def test_1b_eval_and_sample_phases_not_above_step():
 
 def test_phases_compiled_and_the_largest_decides():
     """tiny amp-bf16, 2 x 64: each phase compiled; the run's peak is the largest of them; the
-    state program outputs exactly the state; the sampler's arguments are the params in bf16."""
+    state program outputs exactly the state; the sampler's arguments are the stored params."""
     spec = StepSpec(get_preset("tiny", num_layers=2), get_precision("amp-bf16"),
                     RematPolicy.parse("full"), 2, 64)
     step = compile_step(spec)
@@ -92,13 +92,13 @@ def test_phases_compiled_and_the_largest_decides():
     out = compile_state(spec)["output_bytes"]  # the state, plus XLA's few bytes of alignment
     assert tree_bytes(state) <= out <= tree_bytes(state) + 1024, (out, tree_bytes(state))
     sample = rows["sample"]["program"]
-    from jaxmem.memory.analytic import norm_params
-    bf16_params = 2 * spec.model.num_params() + 2 * norm_params(spec.model)  # norms stay fp32
+    # the KV-cache sampler takes the fp32 master params as stored (cast to bf16 inside), the
+    # prompt's ids (int32) and validity (bool), and the key
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-    assert sample["argument_bytes"] == bf16_params + 4 * (64 + 16) + key.size * 4
+    assert sample["argument_bytes"] == tree_bytes(state.params) + 64 * (4 + 1) + key.size * 4
     # the state (fp32 master + Adam) is held by the loop around the eval and sample programs
-    # (the fp32 norm scales are passed as they are: the same buffers, not counted twice)
-    assert rows["sample"]["outside_bytes"] == tree_bytes(state) - 4 * norm_params(spec.model)
+    # (the params are the sampler's arguments: the same buffers, not counted twice)
+    assert rows["sample"]["outside_bytes"] == tree_bytes(state) - tree_bytes(state.params)
     assert rows["eval"]["outside_bytes"] == tree_bytes(state) - tree_bytes(state.params)
 
 
@@ -125,8 +125,9 @@ def test_sampler_lowering_is_the_sampler():
     prompt = [1, 5, 9]
     out = sample_tokens(c, params, prompt, 6, temperature=0.0)
     compiled = lower_sample(c, params, 3, 9, compute_dtype=jnp.float32).compile()
-    buf = jnp.zeros((1, 9), jnp.int32).at[0, :3].set(jnp.asarray(prompt))
-    assert [int(t) for t in np.asarray(compiled(params, buf, jax.random.PRNGKey(0)))[0]] == out
+    ids, valid = jnp.asarray([prompt], jnp.int32), jnp.ones((1, 3), bool)
+    new = compiled(params, ids, valid, jax.random.PRNGKey(0))[0]  # (new ids [1, 6], steps)
+    assert prompt + [int(t) for t in np.asarray(new)[0]] == out
     assert len(out) == 9 and out[:3] == prompt
 
 

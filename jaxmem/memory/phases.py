@@ -40,7 +40,6 @@ from jaxmem.model.attention import query_chunk
 from jaxmem.model.llama import abstract_params
 from jaxmem.model.remat import RematPolicy
 from jaxmem.train.fused_loss import resolve_loss_chunk
-from jaxmem.train.precision import cast_params
 
 PHASES = ("state", "step", "eval", "sample")
 # The end-of-run sample's prompt, in tokens: its default is the first line of the eval data cut
@@ -142,12 +141,9 @@ def _held_outside(spec: StepSpec) -> dict:
     state = abstract_state(spec)
     state_bytes, param_bytes = tree_bytes(state), tree_bytes(state.params)
     frozen = tree_bytes(abstract_frozen(spec)) if spec.peft is not None else 0
-    cast = jax.eval_shape(lambda q: cast_params(q, spec.precision.compute_dtype),
-                          sample_params(spec))
-    # sampler arguments that are the state's own buffers (a cast to the same dtype is a no-op)
-    same = 0 if spec.peft is not None else sum(
-        tree_bytes(x) for x, y in zip(jax.tree_util.tree_leaves(state.params),
-                                      jax.tree_util.tree_leaves(cast)) if x.dtype == y.dtype)
+    # the sampler takes the params as stored and casts them inside its program (a temporary):
+    # its arguments are the state's own buffers; for LoRA, a plain model's params (upper bound)
+    same = 0 if spec.peft is not None else param_bytes
     return {"state": frozen, "step": 0, "eval": state_bytes - param_bytes,
             "sample": state_bytes - same + frozen}
 
