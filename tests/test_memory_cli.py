@@ -14,6 +14,7 @@ from jaxmem.memory import StepSpec, measure
 from jaxmem.memory.cli import main
 from jaxmem.model.remat import RematPolicy
 from jaxmem.train.precision import get_precision
+from testenv import subprocess_env
 
 
 def test_json_output_fields(capsys):
@@ -43,7 +44,7 @@ def test_table_output(capsys):
 ])
 def test_bad_input_exits_2(argv, needle):
     p = subprocess.run([sys.executable, "-m", "jaxmem.memory", *argv], capture_output=True,
-                       text=True)
+                       text=True, env=subprocess_env())
     assert p.returncode == 2
     assert needle in p.stderr
 

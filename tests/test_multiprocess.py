@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from runs import SMALL, error_line, losses
+from testenv import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 # batch 8: divisible by every mesh below; a save at step 2 of 4
@@ -21,11 +22,8 @@ FLAGS[FLAGS.index("--batch-size") + 1] = "8"
 
 
 def _env(devices=None):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    env.pop("JAX_NUM_CPU_DEVICES", None)
-    if devices:
-        env["JAX_NUM_CPU_DEVICES"] = str(devices)
-    return env
+    """Simulated CPU devices (JAX_PLATFORMS=cpu: on a GPU machine JAX would take the GPU)."""
+    return subprocess_env(cpu_devices=devices, cpu=True)
 
 
 def train(args, devices=None, timeout=300):

@@ -13,6 +13,7 @@ from jaxmem.memory import (StepSpec, analytic_breakdown, candidates, compile_ste
 from jaxmem.memory.cli import main
 from jaxmem.train.precision import get_precision
 from jaxmem.model.remat import TAGS, RematPolicy
+from testenv import subprocess_env
 
 try:  # jax 0.10 keeps it private; print_saved_residuals is the public printer of the same list
     from jax._src.ad_checkpoint import saved_residuals
@@ -59,6 +60,10 @@ def test_saved_activations_match_jax(precision, remat):
     assert np_rel < 0.005, (formula, jax_saved_bytes(spec))
 
 
+@pytest.mark.cpu_only(reason="the analytic model is held to XLA:CPU's buffer assignment here; "
+                             "a GPU compile assigns buffers differently (8B: 49.21 GiB on an "
+                             "H100 vs 83.95 on CPU); on a GPU test_measured_peak_near_compiled "
+                             "checks the plan")
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_analytic_within_15_percent_of_compiled(remat):
     """fp32 on CPU (bf16 is emulated there, docs/memory.md): tiny preset, 2 x 256 tokens."""
@@ -76,7 +81,9 @@ def test_candidate_order():
     assert keys[:3] == [(4, "none", "fp32"), (4, "none", "bf16"), (4, "dots_no_batch", "fp32")]
     assert [s.batch_size for s in c] == sorted((s.batch_size for s in c), reverse=True)
     assert all(s.batch_size * s.grad_accum == 4 for s in c)
-    assert "offload" not in {s.remat.kind for s in c}  # CPU cannot offload
+    import jax
+    if jax.default_backend() == "cpu":  # a GPU has pinned host memory: offload comes last there
+        assert "offload" not in {s.remat.kind for s in c}  # CPU cannot offload
 
 
 def test_planner_never_recommends_over_budget():
@@ -102,6 +109,10 @@ def test_planner_never_recommends_over_budget():
         assert result["spec"].remat.kind == "dots_no_batch"
 
 
+@pytest.mark.cpu_only(reason="the rule-out band (planner.ANALYTIC_BAND) holds the toy's analytic "
+                             "peak to XLA:CPU's compiled one; a GPU compile of this few-MiB toy "
+                             "also holds the cuBLAS workspace (up to 32 MiB on Hopper), which the "
+                             "analytic model leaves out, so nothing would be ruled out there")
 def test_analytic_first_rules_out_only_what_does_not_fit():
     """Same choice as compiling every candidate, fewer compiles, and each candidate ruled out by
     the analytic model really is over the budget when compiled."""
@@ -148,7 +159,8 @@ def test_planner_rejects_with_fake_compiler_and_errors():
 def test_cli_nothing_fits_exits_1():
     """A budget below the state itself: every candidate is rejected without compiling."""
     p = subprocess.run([sys.executable, "-m", "jaxmem.memory", "--preset", "tiny", "--seq-len", "32",
-                        "--fit", "0.001", "--global-batch", "2"], capture_output=True, text=True)
+                        "--fit", "0.001", "--global-batch", "2"], capture_output=True, text=True,
+                       env=subprocess_env())
     assert p.returncode == 1, p.stderr
     assert "nothing fits in 0.001 GiB" in p.stderr
     assert p.stdout.count("arguments alone") == len(candidates(
@@ -187,7 +199,8 @@ def test_json_fields(capsys):
     (["--precision", "fp64"], "--precision"),
 ])
 def test_bad_input_exits_2(argv, needle):
-    p = subprocess.run([sys.executable, "-m", "jaxmem.memory", *argv], capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "jaxmem.memory", *argv], capture_output=True, text=True,
+                       env=subprocess_env())
     assert p.returncode == 2
     last = p.stderr.strip().splitlines()[-1]
     assert needle in last, p.stderr

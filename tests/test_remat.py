@@ -85,8 +85,10 @@ def test_measured_memory_and_flops_order():
     temp = {p: r[p]["compiled"]["temp_bytes"] for p in r}
     flops = {p: r[p]["flops"] for p in r}
     assert temp["none"] > temp["dots"] > temp["full"]
+    assert flops["none"] < flops["dots"] < flops["full"]
+    assert r["none"]["params"] == r["full"]["params"]
+    if jax.default_backend() != "cpu":
+        return  # the ratio below was measured on XLA:CPU; a GPU compile fuses differently
     # was /4 before SwiGLU/RMSNorm/RoPE kept only their inputs (jaxmem.model.lean), which
     # shrank `none` (21.0 MB vs full 7.1 MB after, measured)
     assert temp["full"] <= temp["none"] / 2.5
-    assert flops["none"] < flops["dots"] < flops["full"]
-    assert r["none"]["params"] == r["full"]["params"]

@@ -14,6 +14,7 @@ import pytest
 from jaxmem.train.cli import main
 
 from runs import SMALL, error_line, losses, params_of  # noqa: E402
+from testenv import subprocess_env
 
 
 def test_short_run_end_to_end(tmp_path, corpus, capsys):
@@ -63,8 +64,11 @@ def test_sigterm_saves_and_resume_matches(tmp_path, corpus):
     straight = tmp_path / "straight"
     assert main([*args, "--out", str(straight)]) == 0
     run = tmp_path / "run"
+    # its own process (a JAX of its own): matmul precision and GPU determinism from TEST_ENV,
+    # as this process has them, or its losses would not equal the in-process straight run's
     proc = subprocess.Popen([sys.executable, "-m", "jaxmem.train", *args, "--out", str(run)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=subprocess_env())
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
@@ -94,7 +98,7 @@ def test_too_many_consecutive_skips_stops_with_error(tmp_path, corpus, capsys):
 
 def run_cli(*argv):
     return subprocess.run([sys.executable, "-m", "jaxmem.train", *argv], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, env=subprocess_env())
 
 
 @pytest.fixture(scope="module")
