@@ -59,7 +59,7 @@ def test_step_0_with_an_nf4_base_is_the_dequantized_base(base):
     assert float(jnp.abs(_logits(dense) - _logits(base)).max()) > 1e-3  # 4 bits is not exact
 
 
-@pytest.mark.parametrize("quantize", ["none", "nf4"])
+@pytest.mark.parametrize("quantize", ["none", pytest.param("nf4", marks=pytest.mark.slow)])
 def test_only_adapters_move_and_the_base_is_bitwise_unchanged(base, quantize):
     spec = LoraSpec(rank=4, targets=("q", "v", "o", "down"), quantize=quantize, dropout=0.1)
     cfg = StepConfig(CFG, get_precision("fp32"), peft=spec)
@@ -86,7 +86,7 @@ def test_only_adapters_move_and_the_base_is_bitwise_unchanged(base, quantize):
 
 
 
-@pytest.mark.parametrize("quantize", ["none", "nf4"])
+@pytest.mark.parametrize("quantize", ["none", pytest.param("nf4", marks=pytest.mark.slow)])
 def test_fused_loss_step_equals_the_unfused_one(base, quantize):
     """The fused LM-head loss (on by default) under LoRA: the head is never an adapter target,
     so a step with chunks of 4 positions moves the adapters as the [B, T, V] logits step does

@@ -37,10 +37,11 @@ def test_table_output(capsys):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--remat", "bogus"], "unknown remat policy 'bogus'"),
-    (["--preset", "huge"], "--preset"),
-    (["--batch-size", "0"], "--batch-size"),
-    (["--seq-len", "100000"], "--seq-len 100000 exceeds"),
-    (["--num-heads", "3"], "num_heads"),
+    # a JAX process each; slow: the first runs by default
+    pytest.param(["--preset", "huge"], "--preset", marks=pytest.mark.slow),
+    pytest.param(["--batch-size", "0"], "--batch-size", marks=pytest.mark.slow),
+    pytest.param(["--seq-len", "100000"], "--seq-len 100000 exceeds", marks=pytest.mark.slow),
+    pytest.param(["--num-heads", "3"], "num_heads", marks=pytest.mark.slow),
 ])
 def test_bad_input_exits_2(argv, needle):
     p = subprocess.run([sys.executable, "-m", "jaxmem.memory", *argv], capture_output=True,
@@ -64,8 +65,8 @@ def test_spec_json_round_trip(spec):
 
 @pytest.mark.parametrize("flags", [
     ["--fi", "40", "--global-batch", "4"],  # the old argv rewriter kept --fi: the child refused
-    ["--fi", "40", "--glob", "4"],
-    ["--fit=40", "--glob=4"],
+    pytest.param(["--fi", "40", "--glob", "4"], marks=pytest.mark.slow),
+    pytest.param(["--fit=40", "--glob=4"], marks=pytest.mark.slow),
     ["--glob", "4"],  # no planner: batch 2 x accum 2
 ])
 def test_measure_worker_gets_the_chosen_spec(flags, monkeypatch):

@@ -105,9 +105,13 @@ def test_killing_a_process_ends_the_other_naming_it(tmp_path, corpus):
 
 @pytest.mark.parametrize("args, devices, message", [
     (["--mesh", "fsdp=2"], None, "--mesh fsdp=2: the axis sizes multiply to 2, but there are 1 devices"),
-    (["--mesh", "pipe=2"], None, "--mesh 'pipe=2': unknown axis 'pipe' (axes: data, fsdp, tensor)"),
-    (["--mesh", "tensor=4"], 4, "--mesh tensor=4: tensor=4 does not divide the model's num_kv_heads 2"),
-    (["--num-processes", "2"], None, "--num-processes needs --coordinator HOST:PORT"),
+    # a JAX process each; slow: the first runs by default
+    pytest.param(["--mesh", "pipe=2"], None,
+                 "--mesh 'pipe=2': unknown axis 'pipe' (axes: data, fsdp, tensor)", marks=pytest.mark.slow),
+    pytest.param(["--mesh", "tensor=4"], 4,
+                 "--mesh tensor=4: tensor=4 does not divide the model's num_kv_heads 2", marks=pytest.mark.slow),
+    pytest.param(["--num-processes", "2"], None, "--num-processes needs --coordinator HOST:PORT",
+                 marks=pytest.mark.slow),
 ])
 def test_bad_parallel_input_exits_2_with_one_line(tmp_path, corpus, args, devices, message):
     out = tmp_path / "run"

@@ -193,6 +193,7 @@ def test_one_device_placement_is_todays_step():
     assert par.batch(numpy_batch) is numpy_batch and par.eval_batch(numpy_batch) is numpy_batch
 
 
+@pytest.mark.slow  # two JAX subprocesses, 4 meshes compiled in each
 def test_memory_fit_searches_meshes():
     """`--fit GIB --devices 4`: meshes from pure data parallel towards all-fsdp, then tensor=2;
     with a budget nothing meets every candidate is compiled and the exit is 1; with a budget just

@@ -46,7 +46,7 @@ def jax_saved_bytes(spec: StepSpec) -> int:
 
 
 @pytest.mark.skipif(saved_residuals is None, reason="jax has no saved_residuals")
-@pytest.mark.parametrize("precision", ["fp32", "amp-bf16", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "amp-bf16", pytest.param("bf16", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("remat", ["none", "full", "dots", "dots_no_batch",
                                    "names:query,key,value,mlp_gate,mlp_up", "names:" + ",".join(TAGS)])
 def test_saved_activations_match_jax(precision, remat):
@@ -113,6 +113,7 @@ def test_planner_never_recommends_over_budget():
                              "peak to XLA:CPU's compiled one; a GPU compile of this few-MiB toy "
                              "also holds the cuBLAS workspace (up to 32 MiB on Hopper), which the "
                              "analytic model leaves out, so nothing would be ruled out there")
+@pytest.mark.slow  # a dozen compiles
 def test_analytic_first_rules_out_only_what_does_not_fit():
     """Same choice as compiling every candidate, fewer compiles, and each candidate ruled out by
     the analytic model really is over the budget when compiled."""
@@ -167,6 +168,7 @@ def test_cli_nothing_fits_exits_1():
         StepSpec(get_preset("tiny"), get_precision("fp32"), RematPolicy(), 1, 32), 2))
 
 
+@pytest.mark.slow  # a compile here and another in the --measure subprocess
 def test_json_fields(capsys):
     assert main(["--preset", "tiny", "--num-layers", "2", "--batch-size", "2", "--seq-len", "32",
                  "--precision", "amp-bf16", "--grad-accum", "2", "--mu-dtype", "bf16",
@@ -192,11 +194,14 @@ def test_json_fields(capsys):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--fit", "-1", "--global-batch", "4"], "argument --fit: expected a positive number of GiB"),
-    (["--fit", "0"], "--fit"),
+    # a JAX process each; slow: the first and the divisibility check run by default
+    pytest.param(["--fit", "0"], "--fit", marks=pytest.mark.slow),
     (["--global-batch", "10", "--batch-size", "4"], "--global-batch 10 is not divisible by --batch-size 4"),
-    (["--fit", "8", "--global-batch", "10", "--batch-size", "4"], "--global-batch 10 is not divisible"),
-    (["--global-batch", "8", "--batch-size", "4", "--grad-accum", "3"], "--global-batch 8 != "),
-    (["--precision", "fp64"], "--precision"),
+    pytest.param(["--fit", "8", "--global-batch", "10", "--batch-size", "4"],
+                 "--global-batch 10 is not divisible", marks=pytest.mark.slow),
+    pytest.param(["--global-batch", "8", "--batch-size", "4", "--grad-accum", "3"],
+                 "--global-batch 8 != ", marks=pytest.mark.slow),
+    pytest.param(["--precision", "fp64"], "--precision", marks=pytest.mark.slow),
 ])
 def test_bad_input_exits_2(argv, needle):
     p = subprocess.run([sys.executable, "-m", "jaxmem.memory", *argv], capture_output=True, text=True,

@@ -12,7 +12,8 @@ from jaxmem.model.remat import TAGS, RematError, RematPolicy
 
 CFG = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
                   max_position_embeddings=64)
-POLICIES = ["full", "dots", "dots_no_batch", "names:query,key,value", "names:" + ",".join(TAGS)]
+POLICIES = ["full", "dots", pytest.param("dots_no_batch", marks=pytest.mark.slow),
+            pytest.param("names:query,key,value", marks=pytest.mark.slow), pytest.param("names:" + ",".join(TAGS), marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ def assert_trees_equal(a, b):
         np.testing.assert_array_equal(x, y)
 
 
-@pytest.mark.parametrize("poison", [jnp.inf, jnp.nan])
+@pytest.mark.parametrize("poison", [jnp.inf, pytest.param(jnp.nan, marks=pytest.mark.slow)])
 def test_non_finite_step_changes_nothing_and_halves_scale(poison, monkeypatch):
     cfg, state = state_for("amp-fp16")
     step = jit_train_step(cfg)
@@ -137,7 +137,8 @@ def test_no_weight_decay_on_norms_and_embeddings():
     assert decay_mask(s.params, decay_embeddings=True)["embed_tokens"]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "amp-bf16", "amp-fp16", "fp8"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow), "amp-bf16",
+                                       pytest.param("amp-fp16", marks=pytest.mark.slow), pytest.param("fp8", marks=pytest.mark.slow)])
 def test_every_mode_lowers_the_loss(precision):
     cfg, state = state_for(precision)
     step = jit_train_step(cfg)

@@ -24,6 +24,7 @@ def records(run):
     return [json.loads(l) for l in (Path(run) / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # CLI runs
 def test_plain_lines_when_stdout_is_not_a_terminal_and_eval_perplexity(tmp_path, corpus, capsys):
     out = tmp_path / "r"
     assert main([*QUIET, "--data", corpus, "--out", str(out), "--steps", "6", "--log-every", "2",
@@ -47,6 +48,7 @@ def test_plain_lines_when_stdout_is_not_a_terminal_and_eval_perplexity(tmp_path,
     assert not (out / "tensorboard").exists()
 
 
+@pytest.mark.slow  # CLI runs
 def test_tensorboard_events_equal_metrics_jsonl(tmp_path, corpus):
     pytest.importorskip("tensorboardX")
     ea = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
@@ -66,6 +68,7 @@ def test_tensorboard_events_equal_metrics_jsonl(tmp_path, corpus):
         np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=1e-6)
 
 
+@pytest.mark.slow  # CLI runs
 def test_wandb_offline_files_are_written(tmp_path, corpus, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -80,6 +83,7 @@ def test_wandb_offline_files_are_written(tmp_path, corpus, monkeypatch):
         "jaxmem-test"
 
 
+@pytest.mark.slow  # CLI runs
 def test_out_of_memory_prints_one_paragraph_and_the_run_continues(tmp_path, corpus, capsys,
                                                                    monkeypatch):
     import jaxmem.train.loop as loop
@@ -127,6 +131,7 @@ def _corrupt(step_dir: Path):
     big.write_bytes(big.read_bytes()[:16])
 
 
+@pytest.mark.slow  # CLI runs
 def test_failed_restore_names_older_steps_and_resume_step_uses_one(tmp_path, corpus, capsys):
     out = tmp_path / "r"
     base = [*SMALL, "--data", corpus, "--out", str(out), "--steps", "6", "--save-every", "2",
@@ -174,6 +179,7 @@ def _tokenizer(tmp_path):
     return tmp_path / "tok.json", len(vocab)
 
 
+@pytest.mark.slow  # CLI runs
 def test_vocab_size_comes_from_the_tokenizer_and_the_file_is_copied(tmp_path, capsys):
     tok, n = _tokenizer(tmp_path)
     (tmp_path / "d.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 200)
@@ -192,6 +198,7 @@ def test_vocab_size_comes_from_the_tokenizer_and_the_file_is_copied(tmp_path, ca
     assert "--vocab-size is 11" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # CLI runs
 def test_data_warnings_binary_small_and_symlinks(tmp_path, capsys):
     d = tmp_path / "d"
     d.mkdir()
@@ -209,6 +216,7 @@ def test_data_warnings_binary_small_and_symlinks(tmp_path, capsys):
 
 
 
+@pytest.mark.slow  # CLI runs
 def test_ten_failing_restores_in_one_process_leave_no_stray_tracebacks(tmp_path, corpus):
     out = tmp_path / "r"
     assert main([*SMALL, "--data", corpus, "--out", str(out), "--steps", "2", "--save-every", "1",
@@ -248,6 +256,7 @@ def test_oom_message_names_estimate_device_and_fit_command():
     assert msg.count("\n") == 2  # one paragraph, the command on its own line
 
 
+@pytest.mark.slow  # CLI runs
 def test_progress_bar_only_on_a_terminal_and_trackers_optional(tmp_path, corpus, monkeypatch):
     import io
 
@@ -267,6 +276,7 @@ def test_progress_bar_only_on_a_terminal_and_trackers_optional(tmp_path, corpus,
     assert not (out / "tensorboard").exists() and not (out / "wandb").exists()
 
 
+@pytest.mark.slow  # CLI runs
 def test_tensorboard_after_a_crash_and_continue_has_each_step_once(tmp_path, corpus, monkeypatch):
     pytest.importorskip("tensorboardX")
     ea = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")

@@ -38,6 +38,7 @@ def test_short_run_end_to_end(tmp_path, corpus, capsys):
     assert sorted(os.listdir(out / "checkpoints")) == ["6"]
 
 
+@pytest.mark.slow  # three CLI runs (amp-fp16)
 def test_resume_is_bitwise_exact_even_after_a_skipped_step(tmp_path, corpus):
     # A scale of 2**40 overflows fp16: the first steps are skipped until the scale has backed
     # off, so the interruption at step 2 lands right after a skipped step. (fp32 resume is
@@ -59,6 +60,7 @@ def test_resume_is_bitwise_exact_even_after_a_skipped_step(tmp_path, corpus):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow  # a 40-step run, a subprocess run and a resume
 def test_sigterm_saves_and_resume_matches(tmp_path, corpus):
     args = [*SMALL, "--data", corpus, "--steps", "40"]
     straight = tmp_path / "straight"
@@ -83,6 +85,7 @@ def test_sigterm_saves_and_resume_matches(tmp_path, corpus):
     assert losses(run) == losses(straight)
 
 
+@pytest.mark.slow  # a CLI run (amp-fp16); test_resume checks the count too
 def test_too_many_consecutive_skips_stops_with_error(tmp_path, corpus, capsys):
     out = tmp_path / "run"
     code = main([*SMALL, "--data", corpus, "--out", str(out), "--steps", "20",
@@ -148,6 +151,7 @@ def test_unknown_flag_exits_2_in_a_subprocess(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow  # CLI runs and a subprocess
 def test_resume_refuses_changed_shapes_and_corrupt_checkpoints(tmp_path, corpus, capsys):
     out = tmp_path / "run"
     args = [*SMALL, "--data", corpus, "--out", str(out), "--steps", "2"]
