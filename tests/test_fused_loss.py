@@ -59,7 +59,7 @@ def test_fused_equals_unfused_head_and_hidden(chunk, layout):
     assert np.all(np.asarray(g1[0])[2, 3:] == 0)
 
 
-@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("tied", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_fused_equals_unfused_whole_model(tied):
     """Through the whole model: loss and the gradient of every parameter, with padding."""
     cfg = dataclasses.replace(get_preset("tiny", num_layers=2), tie_embeddings=tied)

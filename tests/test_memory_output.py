@@ -46,6 +46,7 @@ def test_breakdown_prints_header_and_verdict(capsys):
     assert max(map(len, out)) <= 120
 
 
+@pytest.mark.slow  # the planner compiles its candidates
 def test_fit_prints_candidates_once_and_the_train_command(capsys):
     args = [*SMALL, "--fit", "0.004", "--global-batch", "4"]
     code = main(args)

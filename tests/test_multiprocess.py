@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # batch 8: divisible by every mesh below; a save at step 2 of 4
 FLAGS = list(SMALL) + ["--steps", "4", "--save-every", "2"]
 FLAGS[FLAGS.index("--batch-size") + 1] = "8"
+SLOW = pytest.mark.slow
 
 
 def _env(devices=None):
@@ -107,11 +108,11 @@ def test_killing_a_process_ends_the_other_naming_it(tmp_path, corpus):
     (["--mesh", "fsdp=2"], None, "--mesh fsdp=2: the axis sizes multiply to 2, but there are 1 devices"),
     # a JAX process each; slow: the first runs by default
     pytest.param(["--mesh", "pipe=2"], None,
-                 "--mesh 'pipe=2': unknown axis 'pipe' (axes: data, fsdp, tensor)", marks=pytest.mark.slow),
+                 "--mesh 'pipe=2': unknown axis 'pipe' (axes: data, fsdp, tensor)", marks=SLOW),
     pytest.param(["--mesh", "tensor=4"], 4,
-                 "--mesh tensor=4: tensor=4 does not divide the model's num_kv_heads 2", marks=pytest.mark.slow),
+                 "--mesh tensor=4: tensor=4 does not divide the model's num_kv_heads 2", marks=SLOW),
     pytest.param(["--num-processes", "2"], None, "--num-processes needs --coordinator HOST:PORT",
-                 marks=pytest.mark.slow),
+                 marks=SLOW),
 ])
 def test_bad_parallel_input_exits_2_with_one_line(tmp_path, corpus, args, devices, message):
     out = tmp_path / "run"

@@ -179,7 +179,8 @@ def batch(seed=1):
 SLOW = pytest.mark.slow  # more compiles of the train step: CI runs them (-m "slow or not slow")
 
 
-@pytest.mark.parametrize("precision,optimizer", [("fp32", "adamw8bit"), ("bf16-sr", "adamw8bit"),
+@pytest.mark.parametrize("precision,optimizer", [("fp32", "adamw8bit"),
+                                                 pytest.param("bf16-sr", "adamw8bit", marks=SLOW),
                                                  pytest.param("bf16-sr", "adamw", marks=SLOW),
                                                  pytest.param("fp32", "lion", marks=SLOW),
                                                  pytest.param("fp32", "adafactor", marks=SLOW)])
@@ -285,7 +286,8 @@ def test_update_in_pieces_equals_whole_leaf(monkeypatch):
     assert np.all(np.abs(got - exact) < ulp)
 
 
-@pytest.mark.parametrize("precision,clip", [("fp32", 0.05), ("bf16-sr", 0.05),
+@pytest.mark.parametrize("precision,clip", [("fp32", 0.05),
+                                            pytest.param("bf16-sr", 0.05, marks=SLOW),
                                             pytest.param("bf16-sr", 0.0, marks=SLOW),
                                             pytest.param("amp-bf16", 1e3, marks=SLOW)])
 def test_fused_in_place_update_is_bitwise_the_optax_chain(precision, clip, monkeypatch):

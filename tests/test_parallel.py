@@ -126,6 +126,7 @@ def test_per_device_memory(worker):
     assert mem["data8"]["collectives"]["all-gather"] == 0 and mem["data8"]["collectives"]["all-reduce"] > 0
 
 
+@pytest.mark.slow  # a JAX subprocess compiling on 2 simulated devices
 def test_memory_cli_per_device(tmp_path):
     """`jaxmem.memory --mesh fsdp=2 --devices 2`: per-device numbers from a compile on 2
     simulated devices; without enough devices, exit 2 naming --mesh."""

@@ -46,7 +46,8 @@ def jax_saved_bytes(spec: StepSpec) -> int:
 
 
 @pytest.mark.skipif(saved_residuals is None, reason="jax has no saved_residuals")
-@pytest.mark.parametrize("precision", ["fp32", "amp-bf16", pytest.param("bf16", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("amp-bf16", marks=pytest.mark.slow),
+                                       pytest.param("bf16", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("remat", ["none", "full", "dots", "dots_no_batch",
                                    "names:query,key,value,mlp_gate,mlp_up", "names:" + ",".join(TAGS)])
 def test_saved_activations_match_jax(precision, remat):

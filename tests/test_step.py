@@ -83,6 +83,7 @@ def test_clipping_sees_unscaled_gradients():
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=2e-7)
 
 
+@pytest.mark.slow  # two more train-step compiles
 def test_amp_fp16_update_close_to_fp32():
     cfg_a, a = state_for("amp-fp16")
     cfg_b, b = state_for("fp32")
@@ -137,8 +138,10 @@ def test_no_weight_decay_on_norms_and_embeddings():
     assert decay_mask(s.params, decay_embeddings=True)["embed_tokens"]
 
 
-@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow), "amp-bf16",
-                                       pytest.param("amp-fp16", marks=pytest.mark.slow), pytest.param("fp8", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow),
+                                       pytest.param("amp-bf16", marks=pytest.mark.slow),
+                                       pytest.param("amp-fp16", marks=pytest.mark.slow),
+                                       pytest.param("fp8", marks=pytest.mark.slow)])
 def test_every_mode_lowers_the_loss(precision):
     cfg, state = state_for(precision)
     step = jit_train_step(cfg)
