@@ -255,6 +255,7 @@ def test_bytes_per_param_from_the_abstract_state(preset, opt_max, state_max):
     np.testing.assert_allclose(amp["train_state_bytes_per_param"], 12.0, rtol=1e-6)  # + count
 
 
+@pytest.mark.slow  # 8 s of CPU cold
 def test_update_in_pieces_equals_whole_leaf(monkeypatch):
     """Leaves over CHUNK elements go through lax.map over row pieces (2^24 in use; 2^10 here):
     the 8-bit update is bitwise the whole-leaf one; SR in pieces still lands on a neighbour."""
