@@ -258,6 +258,7 @@ class _Block(nn.Module):
         return x + fp8_einsum("BTF,FD->BTD", h, w_down), None  # (B, T, D)
 
 
+@pytest.mark.slow  # two gradient compiles
 def test_fp8_einsum_inside_nn_scan_and_remat():
     layers = 3
     stack = nn.scan(nn.remat(_Block), variable_axes={"params": 0}, split_rngs={"params": True},

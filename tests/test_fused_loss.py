@@ -108,7 +108,8 @@ def test_resolve_loss_chunk_rule():
     assert resolve_loss_chunk(None, 2, 64, tiny) == 64  # V=259 > D=128: one chunk
 
 
-@pytest.mark.parametrize("vocab, limit_tokens, path", [(37, 20, "sequence"), (40, 10, "vocab")])
+@pytest.mark.parametrize("vocab, limit_tokens, path", [
+    pytest.param(37, 20, "sequence", marks=pytest.mark.slow), (40, 10, "vocab")])
 def test_both_backward_paths(monkeypatch, vocab, limit_tokens, path):
     """The backward over vocabulary slices (V=40: 4 slices of 10) and over sequence chunks with
     a summed d(head) (V=37 is prime: no slice fits, `vocab_chunk` gives 0) both equal autodiff."""

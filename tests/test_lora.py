@@ -59,7 +59,8 @@ def test_step_0_with_an_nf4_base_is_the_dequantized_base(base):
     assert float(jnp.abs(_logits(dense) - _logits(base)).max()) > 1e-3  # 4 bits is not exact
 
 
-@pytest.mark.parametrize("quantize", ["none", pytest.param("nf4", marks=pytest.mark.slow)])
+@pytest.mark.slow  # three train steps of two configurations
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
 def test_only_adapters_move_and_the_base_is_bitwise_unchanged(base, quantize):
     spec = LoraSpec(rank=4, targets=("q", "v", "o", "down"), quantize=quantize, dropout=0.1)
     cfg = StepConfig(CFG, get_precision("fp32"), peft=spec)

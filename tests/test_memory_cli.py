@@ -29,6 +29,7 @@ def test_json_output_fields(capsys):
     assert c["argument_bytes"] >= 4 * r["params"]
 
 
+@pytest.mark.slow  # a compile; test_json_output_fields covers the report
 def test_table_output(capsys):
     main(["--num-layers", "1", "--batch-size", "1", "--seq-len", "16"])
     out = capsys.readouterr().out

@@ -65,7 +65,7 @@ def test_saved_activations_match_jax(precision, remat):
                              "a GPU compile assigns buffers differently (8B: 49.21 GiB on an "
                              "H100 vs 83.95 on CPU); on a GPU test_measured_peak_near_compiled "
                              "checks the plan")
-@pytest.mark.parametrize("remat", ["none", "full"])
+@pytest.mark.parametrize("remat", [pytest.param("none", marks=pytest.mark.slow), "full"])
 def test_analytic_within_15_percent_of_compiled(remat):
     """fp32 on CPU (bf16 is emulated there, docs/memory.md): tiny preset, 2 x 256 tokens."""
     spec = StepSpec(get_preset("tiny"), get_precision("fp32"), RematPolicy.parse(remat), 2, 256,
@@ -87,6 +87,7 @@ def test_candidate_order():
         assert "offload" not in {s.remat.kind for s in c}  # CPU cannot offload
 
 
+@pytest.mark.slow  # two compiles: 9 s of CPU cold
 def test_planner_never_recommends_over_budget():
     small = CFG.replace(num_layers=2)
     base = StepSpec(small, get_precision("fp32"), RematPolicy(), 2, 64)
@@ -158,6 +159,7 @@ def test_planner_rejects_with_fake_compiler_and_errors():
     assert "> budget" in reasons[1] and result["chosen"]["peak_bytes"] == 5 * 10**6
 
 
+@pytest.mark.slow  # a JAX subprocess
 def test_cli_nothing_fits_exits_1():
     """A budget below the state itself: every candidate is rejected without compiling."""
     p = subprocess.run([sys.executable, "-m", "jaxmem.memory", "--preset", "tiny", "--seq-len", "32",

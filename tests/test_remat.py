@@ -13,9 +13,8 @@ from jaxmem.model.remat import TAGS, RematError, RematPolicy
 CFG = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
                   max_position_embeddings=64)
 SLOW = pytest.mark.slow  # a gradient compile each: CI runs them (-m "slow or not slow")
-POLICIES = ["full", pytest.param("dots", marks=SLOW), pytest.param("dots_no_batch", marks=SLOW),
-            pytest.param("names:query,key,value", marks=SLOW),
-            pytest.param("names:" + ",".join(TAGS), marks=SLOW)]
+POLICIES = [pytest.param(p, marks=SLOW) for p in ("full", "dots", "dots_no_batch",
+                                                  "names:query,key,value", "names:" + ",".join(TAGS))]
 
 
 @pytest.fixture(scope="module")
