@@ -100,6 +100,7 @@ def test_round_trip_error_per_block(shape, signed):
     np.testing.assert_allclose(back, nearest, rtol=1e-6, atol=0)
 
 
+@pytest.mark.slow  # eager state creation: 6.5 s of CPU cold
 def test_which_leaves_stay_fp32():
     state = create_train_state(StepConfig(CFG, get_precision("fp32"),
                                           optim=OptimConfig(optimizer="adamw8bit")))
@@ -202,6 +203,7 @@ def test_skipped_step_leaves_state_bitwise(precision, optimizer, monkeypatch):
         np.testing.assert_array_equal(np.asarray(x), y)
 
 
+@pytest.mark.slow  # a compile and 8 steps: 10 s of CPU cold
 def test_bf16_sr_state_dtypes_and_loss_goes_down():
     cfg = StepConfig(CFG, get_precision("bf16-sr"),
                      optim=OptimConfig(lr=1e-2, warmup_steps=2, total_steps=20))

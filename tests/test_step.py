@@ -68,6 +68,7 @@ def test_overflow_from_a_too_large_scale_is_skipped():
     assert_trees_equal(state.params, before)
 
 
+@pytest.mark.slow  # two train-step compiles: 11 s of CPU cold
 def test_clipping_sees_unscaled_gradients():
     """A static scale of 1024 with clip 0.05 must give the update of no scale with clip 0.05."""
     opt = OptimConfig(lr=1e-2, warmup_steps=0, total_steps=10, clip=0.05)
@@ -94,6 +95,7 @@ def test_amp_fp16_update_close_to_fp32():
     assert a.params["embed_tokens"].dtype == jnp.float32  # fp32 master weights
 
 
+@pytest.mark.slow  # two train-step compiles: 11 s of CPU cold
 def test_grad_accumulation_equals_one_large_batch():
     big = batch(k=1, b=8)
     micro = jax.tree_util.tree_map(lambda a: a.reshape(4, 2, 16), big)
