@@ -1,11 +1,26 @@
+"""The suite's backend-awareness and shared fixtures.
+
+- Before JAX starts: tests/testenv.py's TEST_ENV (matmul precision `highest`, no GPU
+  preallocation, deterministic GPU ops) goes into os.environ, so this process, every xdist
+  worker and every subprocess a test or the library starts get it.
+- Markers (pyproject.toml): `gpu` and `torch` skip where there is no GPU / no PyTorch;
+  `cpu_only(reason=...)` skips a check of a fact of the CPU backend (bf16 emulated, no cuDNN,
+  no allocator stats) on any other backend, with its reason; `slow` is left out of the default
+  selection (`-m "not slow"` in addopts; `-m "slow or not slow"` runs everything, as CI does).
+"""
+
 import importlib.util
 import os
 import tempfile
 from pathlib import Path
 
-import jax
-import numpy as np
-import pytest
+from testenv import with_test_env
+
+os.environ.update(with_test_env(os.environ))
+
+import jax  # noqa: E402  (after the environment above: JAX reads it when it starts)
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -20,12 +35,20 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 def pytest_collection_modifyitems(config, items):
     has_torch = importlib.util.find_spec("torch") is not None
-    has_gpu = any(d.platform == "gpu" for d in jax.devices())
+    backend = jax.default_backend()
     for item in items:
         if "torch" in item.keywords and not has_torch:
             item.add_marker(pytest.mark.skip(reason="PyTorch is not installed"))
-        if "gpu" in item.keywords and not has_gpu:
+        if "gpu" in item.keywords and backend != "gpu":
             item.add_marker(pytest.mark.skip(reason="no GPU"))
+        mark = item.get_closest_marker("cpu_only")
+        if mark is not None:
+            reason = mark.kwargs.get("reason") or (mark.args[0] if mark.args else "")
+            if not reason:
+                raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.cpu_only needs a reason")
+            if backend != "cpu":
+                item.add_marker(pytest.mark.skip(
+                    reason=f"a fact of the CPU backend (this is {backend}): {reason}"))
 
 
 @pytest.fixture(scope="session")

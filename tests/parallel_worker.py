@@ -15,6 +15,7 @@ import os
 import sys
 
 os.environ["JAX_NUM_CPU_DEVICES"] = "8"
+os.environ["JAX_PLATFORMS"] = "cpu"  # simulated devices: on a GPU machine JAX would take the GPU
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")

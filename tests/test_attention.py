@@ -35,6 +35,7 @@ def fresh(monkeypatch):
     attn._cudnn_verdict.cache_clear()
 
 
+@pytest.mark.cpu_only(reason="on a GPU, bf16/fp16 inputs take cuDNN")
 def test_cpu_takes_xla_and_says_why():
     for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
         choice = attn.attention_path((B, T, N, H), (B, T, K, H), dtype)
@@ -90,7 +91,8 @@ def test_planner_plans_for_the_path_taken(fresh):
     cfg = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, max_position_embeddings=64)
     spec = StepSpec(cfg, get_precision("amp-bf16"), RematPolicy(), batch_size=2, seq_len=16)
-    assert spec.attention_path == "xla"  # CPU
+    fresh.setattr(attn, "_on_gpu", lambda: False)  # a CPU, on a GPU machine too
+    assert spec.attention_path == "xla"
     fresh.setattr(attn, "_on_gpu", lambda: True)
     fresh.setattr(attn, "_cudnn_attention", lambda q, k, v: q)
     assert spec.attention_path == "cudnn"
@@ -110,6 +112,7 @@ def test_model_logits_on_the_fallback_equal_the_cpu_path(fresh):
                       num_kv_heads=2, max_position_embeddings=16)
     params = cast_params(init_params(cfg, jax.random.PRNGKey(0)), jnp.bfloat16)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 8), 0, cfg.vocab_size)
+    fresh.setattr(attn, "_on_gpu", lambda: False)  # the XLA path, on a GPU machine too
     want = Llama(cfg).apply({"params": params}, tokens)
     fresh.setattr(attn, "_on_gpu", lambda: True)
 

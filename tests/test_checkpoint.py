@@ -21,6 +21,7 @@ import optax
 import pytest
 
 from jaxmem.io.checkpoint import Checkpointer, CheckpointError, abstract_state
+from testenv import subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -249,8 +250,8 @@ CHILD = textwrap.dedent("""
 
 def test_sigkill_during_save_keeps_last_committed_step(tmp_path):
     directory = tmp_path / "ckpt"
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(directory)], env=env,
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(directory)],
+                             env=subprocess_env(cpu=True),
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert child.stdout.readline().strip() == "saved 1"

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxmem.dtypes import table as dtypes
+from testenv import subprocess_env
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,7 +136,7 @@ def test_default_is_text(capsys):
 def test_bad_format_exits_2():
     proc = subprocess.run(
         [sys.executable, "-m", "jaxmem.dtypes", "--format", "xml"],
-        capture_output=True, text=True, check=False, cwd=REPO,
+        capture_output=True, text=True, check=False, cwd=REPO, env=subprocess_env(),
     )
     assert proc.returncode == 2
     assert proc.stdout == ""

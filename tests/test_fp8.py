@@ -242,8 +242,12 @@ def test_fp8_einsum_under_jit_and_checkpoint():
     jitted = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
     remat = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1)))(x, w)
     for a, b, c in zip(eager, jitted, remat):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=0)
-        np.testing.assert_allclose(np.asarray(c), np.asarray(a), rtol=1e-6, atol=0)
+        # On a GPU with fp8 (H100) XLA rewrites the jitted dots into cuBLASLt fp8 gemms, which
+        # apply the scales after the sum; eager runs each op alone (an fp32 gemm of the upcast
+        # operands): the same math rounded in another order, so entries near zero need an atol.
+        atol = 0 if jax.default_backend() == "cpu" else 1e-6 * float(np.abs(np.asarray(a)).max())
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=atol)
+        np.testing.assert_allclose(np.asarray(c), np.asarray(a), rtol=1e-6, atol=atol)
 
 
 def test_fp8_einsum_backward_uses_fp8_operands():
@@ -347,6 +351,7 @@ class _Block(nn.Module):
         return x + fp8_einsum("BTF,FD->BTD", h, w_down), None  # (B, T, D)
 
 
+@pytest.mark.slow  # two gradient compiles
 def test_fp8_einsum_inside_nn_scan_and_remat():
     layers = 3
     stack = nn.scan(nn.remat(_Block), variable_axes={"params": 0}, split_rngs={"params": True},
@@ -367,7 +372,10 @@ def test_fp8_einsum_inside_nn_scan_and_remat():
     np.testing.assert_allclose(float(value), float(value_ref), rtol=1e-6)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
         assert got.shape[0] == layers
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-9)
+        # a GPU: scan + remat and the unrolled layers are two programs whose fp8 gemms XLA fuses
+        # and orders differently (see test_fp8_einsum_under_jit_and_checkpoint)
+        atol = 1e-9 if jax.default_backend() == "cpu" else 1e-6 * float(np.abs(want).max())
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=atol)
 
 
 @pytest.mark.parametrize("subscripts", ["BTD,DF", "BTD,DF->BTE", "BTD,EF->BTF", "BTDD,DF->BTF"])

@@ -59,7 +59,7 @@ def test_fused_equals_unfused_head_and_hidden(chunk, layout):
     assert np.all(np.asarray(g1[0])[2, 3:] == 0)
 
 
-@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("tied", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_fused_equals_unfused_whole_model(tied):
     """Through the whole model: loss and the gradient of every parameter, with padding."""
     cfg = dataclasses.replace(get_preset("tiny", num_layers=2), tie_embeddings=tied)
@@ -71,8 +71,11 @@ def test_fused_equals_unfused_whole_model(tied):
         total, n = token_loss(model, p, batch, loss_chunk=chunk)
         return total / n
 
-    v0, g0 = jax.value_and_grad(loss)(params, 0)
-    v1, g1 = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, 7)  # 24 = 3 x 7 + 3
+    # both jitted: an eager reference compiles each op of the model's backward alone (measured
+    # 22 s of CPU with a cold compilation cache, most of this test's time)
+    grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    v0, g0 = grad(params, 0)
+    v1, g1 = grad(params, 7)  # 24 = 3 x 7 + 3
     np.testing.assert_allclose(v1, v0, rtol=RTOL)
     _assert_trees_close(g1, g0)
     assert ("lm_head" in params) == (not tied)
@@ -105,7 +108,8 @@ def test_resolve_loss_chunk_rule():
     assert resolve_loss_chunk(None, 2, 64, tiny) == 64  # V=259 > D=128: one chunk
 
 
-@pytest.mark.parametrize("vocab, limit_tokens, path", [(37, 20, "sequence"), (40, 10, "vocab")])
+@pytest.mark.parametrize("vocab, limit_tokens, path", [
+    pytest.param(37, 20, "sequence", marks=pytest.mark.slow), (40, 10, "vocab")])
 def test_both_backward_paths(monkeypatch, vocab, limit_tokens, path):
     """The backward over vocabulary slices (V=40: 4 slices of 10) and over sequence chunks with
     a summed d(head) (V=37 is prime: no slice fits, `vocab_chunk` gives 0) both equal autodiff."""
@@ -141,6 +145,7 @@ def test_loss_chunk_flag_validation():
         RunConfig().replace({"remat.loss_chunk": -3})
 
 
+@pytest.mark.slow  # two compiles of an 8192-token-vocabulary step: 11 s of CPU cold
 @pytest.mark.parametrize("tied", [True, False])
 def test_memory_model_and_compiled_step_know_the_fused_loss(monkeypatch, tied):
     """A big-vocabulary toy step with 1 MiB chunks (16 sequence positions, 1024-token vocabulary

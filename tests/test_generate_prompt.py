@@ -18,6 +18,7 @@ def model():
     return cfg, params
 
 
+@pytest.mark.slow  # token-by-token generation: 15 s of CPU cold
 def test_prompt_is_kept_whole_and_the_output_is_shortened_with_a_note(model):
     cfg, params = model
     prompt = list(range(1, 41))  # 40 of the model's 48 positions

@@ -59,6 +59,7 @@ def fp8_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # two fp8 CLI runs: 57 s of CPU cold
 def test_fp8_run_resumes_and_reports_gradients(fp8_run, capsys):
     recs = [json.loads(l) for l in (fp8_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3, 4]

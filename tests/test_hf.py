@@ -290,6 +290,7 @@ def test_save_hf_refuses_a_directory_holding_a_checkpoint(exported):
     assert sorted(p.name for p in (d / "bf16").iterdir()) == before
 
 
+@pytest.mark.slow  # three CLI runs
 def test_init_from_run_resumes_bitwise_without_the_weights(exported, tmp_path, corpus):
     """An --init-from run stopped at step 1 and resumed (the checkpoint's weights deleted
     meanwhile) ends bitwise equal to an uninterrupted one: after step 0 the run reads only its

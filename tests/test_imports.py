@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from testenv import subprocess_env
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("jaxmem", "experiments")
 
@@ -81,7 +82,7 @@ def test_every_module_imports_in_any_order(order):
         random.Random(0).shuffle(names)
     code = "import importlib\nfor m in %r:\n    importlib.import_module(m)\n" % names
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+                       timeout=300, env=subprocess_env())
     assert p.returncode == 0, p.stderr[-2000:]
 
 

@@ -83,6 +83,7 @@ def test_swiglu_keeps_three_ffn_tensors_without_remat():
     assert none.bytes < L * 6 * B * T * F * 4 + L * 8 * B * T * D * 4
 
 
+@pytest.mark.slow  # two gradient compiles: 13 s of CPU cold
 def test_tiled_mlp_and_chunked_attention_under_full_remat(monkeypatch):
     """`full` remat with the MLP tiled and attention in query chunks (limits lowered so the tiny
     model takes both paths; 3 tiles of 7 for T=20, the last padded): the loss and every

@@ -59,6 +59,7 @@ def test_step_0_with_an_nf4_base_is_the_dequantized_base(base):
     assert float(jnp.abs(_logits(dense) - _logits(base)).max()) > 1e-3  # 4 bits is not exact
 
 
+@pytest.mark.slow  # three train steps of two configurations
 @pytest.mark.parametrize("quantize", ["none", "nf4"])
 def test_only_adapters_move_and_the_base_is_bitwise_unchanged(base, quantize):
     spec = LoraSpec(rank=4, targets=("q", "v", "o", "down"), quantize=quantize, dropout=0.1)
@@ -86,6 +87,7 @@ def test_only_adapters_move_and_the_base_is_bitwise_unchanged(base, quantize):
 
 
 
+@pytest.mark.slow  # two steps of two configurations: 20 s of CPU cold
 @pytest.mark.parametrize("quantize", ["none", "nf4"])
 def test_fused_loss_step_equals_the_unfused_one(base, quantize):
     """The fused LM-head loss (on by default) under LoRA: the head is never an adapter target,

@@ -14,6 +14,7 @@ from jaxmem.memory import StepSpec, measure
 from jaxmem.memory.cli import main
 from jaxmem.model.remat import RematPolicy
 from jaxmem.train.precision import get_precision
+from testenv import subprocess_env
 
 
 def test_json_output_fields(capsys):
@@ -28,6 +29,7 @@ def test_json_output_fields(capsys):
     assert c["argument_bytes"] >= 4 * r["params"]
 
 
+@pytest.mark.slow  # a compile; test_json_output_fields covers the report
 def test_table_output(capsys):
     main(["--num-layers", "1", "--batch-size", "1", "--seq-len", "16"])
     out = capsys.readouterr().out
@@ -36,14 +38,15 @@ def test_table_output(capsys):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--remat", "bogus"], "unknown remat policy 'bogus'"),
-    (["--preset", "huge"], "--preset"),
-    (["--batch-size", "0"], "--batch-size"),
-    (["--seq-len", "100000"], "--seq-len 100000 exceeds"),
-    (["--num-heads", "3"], "num_heads"),
+    # a JAX process each; slow: the first runs by default
+    pytest.param(["--preset", "huge"], "--preset", marks=pytest.mark.slow),
+    pytest.param(["--batch-size", "0"], "--batch-size", marks=pytest.mark.slow),
+    pytest.param(["--seq-len", "100000"], "--seq-len 100000 exceeds", marks=pytest.mark.slow),
+    pytest.param(["--num-heads", "3"], "num_heads", marks=pytest.mark.slow),
 ])
 def test_bad_input_exits_2(argv, needle):
     p = subprocess.run([sys.executable, "-m", "jaxmem.memory", *argv], capture_output=True,
-                       text=True)
+                       text=True, env=subprocess_env())
     assert p.returncode == 2
     assert needle in p.stderr
 
@@ -62,9 +65,10 @@ def test_spec_json_round_trip(spec):
 
 
 @pytest.mark.parametrize("flags", [
-    ["--fi", "40", "--global-batch", "4"],  # the old argv rewriter kept --fi: the child refused
-    ["--fi", "40", "--glob", "4"],
-    ["--fit=40", "--glob=4"],
+    # the old argv rewriter kept --fi: the child refused
+    pytest.param(["--fi", "40", "--global-batch", "4"], marks=pytest.mark.slow),
+    pytest.param(["--fi", "40", "--glob", "4"], marks=pytest.mark.slow),
+    pytest.param(["--fit=40", "--glob=4"], marks=pytest.mark.slow),
     ["--glob", "4"],  # no planner: batch 2 x accum 2
 ])
 def test_measure_worker_gets_the_chosen_spec(flags, monkeypatch):

@@ -48,6 +48,7 @@ def test_breakdown_prints_header_and_verdict(capsys):
     assert max(map(len, out)) <= 120
 
 
+@pytest.mark.slow  # compiles the four phases
 def test_breakdown_prints_the_phases_and_the_largest_decides(capsys):
     """The run's phases after the step; --compile compiles all of them; the verdict is on the
     largest; no sample phase with --max-new-tokens 0."""
@@ -69,6 +70,7 @@ def test_breakdown_prints_the_phases_and_the_largest_decides(capsys):
     assert "\n  state " in out or "\n* state " in out
 
 
+@pytest.mark.slow  # the planner compiles its candidates
 def test_fit_prints_candidates_once_and_the_train_command(capsys):
     # no end-of-run sample: at this toy size its phase (1 x 264 tokens) would be the largest
     args = [*SMALL, "--fit", "0.004", "--global-batch", "4", "--max-new-tokens", "0"]

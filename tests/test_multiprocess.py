@@ -13,19 +13,18 @@ import numpy as np
 import pytest
 
 from runs import SMALL, error_line, losses
+from testenv import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 # batch 8: divisible by every mesh below; a save at step 2 of 4
 FLAGS = list(SMALL) + ["--steps", "4", "--save-every", "2"]
 FLAGS[FLAGS.index("--batch-size") + 1] = "8"
+SLOW = pytest.mark.slow
 
 
 def _env(devices=None):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    env.pop("JAX_NUM_CPU_DEVICES", None)
-    if devices:
-        env["JAX_NUM_CPU_DEVICES"] = str(devices)
-    return env
+    """Simulated CPU devices (JAX_PLATFORMS=cpu: on a GPU machine JAX would take the GPU)."""
+    return subprocess_env(cpu_devices=devices, cpu=True)
 
 
 def train(args, devices=None, timeout=300):
@@ -107,9 +106,13 @@ def test_killing_a_process_ends_the_other_naming_it(tmp_path, corpus):
 
 @pytest.mark.parametrize("args, devices, message", [
     (["--mesh", "fsdp=2"], None, "--mesh fsdp=2: the axis sizes multiply to 2, but there are 1 devices"),
-    (["--mesh", "pipe=2"], None, "--mesh 'pipe=2': unknown axis 'pipe' (axes: data, fsdp, tensor)"),
-    (["--mesh", "tensor=4"], 4, "--mesh tensor=4: tensor=4 does not divide the model's num_kv_heads 2"),
-    (["--num-processes", "2"], None, "--num-processes needs --coordinator HOST:PORT"),
+    # a JAX process each; slow: the first runs by default
+    pytest.param(["--mesh", "pipe=2"], None,
+                 "--mesh 'pipe=2': unknown axis 'pipe' (axes: data, fsdp, tensor)", marks=SLOW),
+    pytest.param(["--mesh", "tensor=4"], 4,
+                 "--mesh tensor=4: tensor=4 does not divide the model's num_kv_heads 2", marks=SLOW),
+    pytest.param(["--num-processes", "2"], None, "--num-processes needs --coordinator HOST:PORT",
+                 marks=SLOW),
 ])
 def test_bad_parallel_input_exits_2_with_one_line(tmp_path, corpus, args, devices, message):
     out = tmp_path / "run"

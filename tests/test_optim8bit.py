@@ -100,6 +100,7 @@ def test_round_trip_error_per_block(shape, signed):
     np.testing.assert_allclose(back, nearest, rtol=1e-6, atol=0)
 
 
+@pytest.mark.slow  # eager state creation: 6.5 s of CPU cold
 def test_which_leaves_stay_fp32():
     state = create_train_state(StepConfig(CFG, get_precision("fp32"),
                                           optim=OptimConfig(optimizer="adamw8bit")))
@@ -176,9 +177,14 @@ def batch(seed=1):
     return jax.tree_util.tree_map(lambda a: a.reshape(1, 2, 16), x)
 
 
-@pytest.mark.parametrize("precision,optimizer", [("fp32", "adamw8bit"), ("bf16-sr", "adamw8bit"),
-                                                 ("bf16-sr", "adamw"), ("fp32", "lion"),
-                                                 ("fp32", "adafactor")])
+SLOW = pytest.mark.slow  # more compiles of the train step: CI runs them (-m "slow or not slow")
+
+
+@pytest.mark.parametrize("precision,optimizer", [("fp32", "adamw8bit"),
+                                                 pytest.param("bf16-sr", "adamw8bit", marks=SLOW),
+                                                 pytest.param("bf16-sr", "adamw", marks=SLOW),
+                                                 pytest.param("fp32", "lion", marks=SLOW),
+                                                 pytest.param("fp32", "adafactor", marks=SLOW)])
 def test_skipped_step_leaves_state_bitwise(precision, optimizer, monkeypatch):
     cfg = StepConfig(CFG, get_precision(precision),
                      optim=OptimConfig(lr=1e-2, warmup_steps=2, total_steps=20,
@@ -197,6 +203,7 @@ def test_skipped_step_leaves_state_bitwise(precision, optimizer, monkeypatch):
         np.testing.assert_array_equal(np.asarray(x), y)
 
 
+@pytest.mark.slow  # a compile and 8 steps: 10 s of CPU cold
 def test_bf16_sr_state_dtypes_and_loss_goes_down():
     cfg = StepConfig(CFG, get_precision("bf16-sr"),
                      optim=OptimConfig(lr=1e-2, warmup_steps=2, total_steps=20))
@@ -218,6 +225,7 @@ def test_bf16_sr_state_dtypes_and_loss_goes_down():
                                    ["--precision", "bf16-sr"],
                                    ["--optimizer", "lion", "--lr", "3e-4"],
                                    ["--optimizer", "adafactor"]])
+@pytest.mark.slow  # three CLI runs each
 def test_resume_is_bitwise_exact(flags, tmp_path, corpus):
     from jaxmem.train.cli import main
     args = [*SMALL, "--steps", "4", "--eval-every", "0", "--data", corpus, *flags]
@@ -249,6 +257,7 @@ def test_bytes_per_param_from_the_abstract_state(preset, opt_max, state_max):
     np.testing.assert_allclose(amp["train_state_bytes_per_param"], 12.0, rtol=1e-6)  # + count
 
 
+@pytest.mark.slow  # 8 s of CPU cold
 def test_update_in_pieces_equals_whole_leaf(monkeypatch):
     """Leaves over CHUNK elements go through lax.map over row pieces (2^24 in use; 2^10 here):
     the 8-bit update is bitwise the whole-leaf one; SR in pieces still lands on a neighbour."""
@@ -280,8 +289,10 @@ def test_update_in_pieces_equals_whole_leaf(monkeypatch):
     assert np.all(np.abs(got - exact) < ulp)
 
 
-@pytest.mark.parametrize("precision,clip", [("fp32", 0.05), ("bf16-sr", 0.05), ("bf16-sr", 0.0),
-                                            ("amp-bf16", 1e3)])
+@pytest.mark.parametrize("precision,clip", [("fp32", 0.05),
+                                            pytest.param("bf16-sr", 0.05, marks=SLOW),
+                                            pytest.param("bf16-sr", 0.0, marks=SLOW),
+                                            pytest.param("amp-bf16", 1e3, marks=SLOW)])
 def test_fused_in_place_update_is_bitwise_the_optax_chain(precision, clip, monkeypatch):
     """The train step's fused adamw8bit pass (jaxmem.train.fused8bit: one in-place loop per leaf)
     against optimizer.update + apply_updates[_sr], 3 steps: codes, scales and counts bitwise;

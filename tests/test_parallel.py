@@ -5,7 +5,6 @@ already initialized with one device, and the device count must be set before JAX
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from jaxmem.config.model import get_preset
 from jaxmem.parallel.mesh import MeshError, MeshSpec
 from jaxmem.parallel.rules import leaf_spec
 from jax.sharding import PartitionSpec as P
+from testenv import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = ("fsdp8", "data2_fsdp4", "tensor2_fsdp4", "data8")
@@ -62,7 +62,7 @@ def test_sharding_rules_by_role_and_shape():
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     out = tmp_path_factory.mktemp("parallel")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = subprocess_env(cpu_devices=8)  # simulated CPU devices, on a GPU machine too
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "parallel_worker.py"), str(out),
                            "--memory"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=900)
@@ -126,11 +126,12 @@ def test_per_device_memory(worker):
     assert mem["data8"]["collectives"]["all-gather"] == 0 and mem["data8"]["collectives"]["all-reduce"] > 0
 
 
+@pytest.mark.slow  # a JAX subprocess compiling on 2 simulated devices
 def test_memory_cli_per_device(tmp_path):
     """`jaxmem.memory --mesh fsdp=2 --devices 2`: per-device numbers from a compile on 2
     simulated devices; without enough devices, exit 2 naming --mesh."""
     small = ["--num-layers", "2", "--batch-size", "4", "--seq-len", "32"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env = subprocess_env(cpu=True)
     run = lambda *a: subprocess.run([sys.executable, "-m", "jaxmem.memory", *small, *a], cwd=ROOT,
                                     env=env, capture_output=True, text=True, timeout=300)
     proc = run("--mesh", "fsdp=2", "--devices", "2", "--json")
@@ -193,11 +194,12 @@ def test_one_device_placement_is_todays_step():
     assert par.batch(numpy_batch) is numpy_batch and par.eval_batch(numpy_batch) is numpy_batch
 
 
+@pytest.mark.slow  # two JAX subprocesses, 4 meshes compiled in each
 def test_memory_fit_searches_meshes():
     """`--fit GIB --devices 4`: meshes from pure data parallel towards all-fsdp, then tensor=2;
     with a budget nothing meets every candidate is compiled and the exit is 1; with a budget just
     above the smallest per-device peak the first candidate under it is chosen."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env = subprocess_env(cpu=True)
 
     def fit(gib):
         proc = subprocess.run([sys.executable, "-m", "jaxmem.memory", "--num-layers", "2",

@@ -1,6 +1,7 @@
 """The memory planner knows LoRA and quantized bases: exact argument bytes (4-bit codes packed),
 the analytic peak close to XLA's compiled one, and the ordering full > LoRA > int8 > NF4."""
 
+import jax
 import pytest
 
 from jaxmem.config.run import RunConfig
@@ -38,6 +39,8 @@ def test_spec_round_trips_through_json(reports):
 def test_argument_bytes_exact_and_analytic_close_to_compiled(reports, name):
     spec, analytic, compiled = reports[name]
     assert argument_bytes(spec) == compiled["argument_bytes"]
+    if jax.default_backend() != "cpu":
+        return  # the ratios below are XLA:CPU's buffer assignment (a GPU compile differs)
     ratio = analytic["total_bytes"] / compiled["peak_bytes"]
     # measured (CPU, jax 0.10.2) on this toy with the fused loss and lean residuals: full 0.84,
     # LoRA 0.84, int8 0.94, NF4 0.94 (LoRA was 0.66 before the adapters' backward transient was

@@ -13,6 +13,7 @@ from jaxmem.memory import (StepSpec, analytic_breakdown, candidates, compile_ste
 from jaxmem.memory.cli import main
 from jaxmem.train.precision import get_precision
 from jaxmem.model.remat import TAGS, RematPolicy
+from testenv import subprocess_env
 
 try:  # jax 0.10 keeps it private; print_saved_residuals is the public printer of the same list
     from jax._src.ad_checkpoint import saved_residuals
@@ -45,7 +46,8 @@ def jax_saved_bytes(spec: StepSpec) -> int:
 
 
 @pytest.mark.skipif(saved_residuals is None, reason="jax has no saved_residuals")
-@pytest.mark.parametrize("precision", ["fp32", "amp-bf16", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("amp-bf16", marks=pytest.mark.slow),
+                                       pytest.param("bf16", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("remat", ["none", "full", "dots", "dots_no_batch",
                                    "names:query,key,value,mlp_gate,mlp_up", "names:" + ",".join(TAGS)])
 def test_saved_activations_match_jax(precision, remat):
@@ -59,7 +61,12 @@ def test_saved_activations_match_jax(precision, remat):
     assert np_rel < 0.005, (formula, jax_saved_bytes(spec))
 
 
-@pytest.mark.parametrize("remat, batch", [("none", 2), ("full", 2), ("full", 8)])
+@pytest.mark.cpu_only(reason="the analytic model is held to XLA:CPU's buffer assignment here; "
+                             "a GPU compile assigns buffers differently (8B: 49.21 GiB on an "
+                             "H100 vs 83.95 on CPU); on a GPU test_measured_peak_near_compiled "
+                             "checks the plan")
+@pytest.mark.parametrize("remat, batch", [pytest.param("none", 2, marks=pytest.mark.slow),
+                                          ("full", 2), pytest.param("full", 8, marks=pytest.mark.slow)])
 def test_analytic_within_15_percent_of_compiled(remat, batch):
     """fp32 on CPU (bf16 is emulated there, docs/memory.md): tiny preset, B x 256 tokens.
     Measured 2026-11-23: none 2 x 256 1.083, full 2 x 256 1.101, full 8 x 256 1.066 (0.838
@@ -78,9 +85,12 @@ def test_candidate_order():
     assert keys[:3] == [(4, "none", "fp32"), (4, "none", "bf16"), (4, "dots_no_batch", "fp32")]
     assert [s.batch_size for s in c] == sorted((s.batch_size for s in c), reverse=True)
     assert all(s.batch_size * s.grad_accum == 4 for s in c)
-    assert "offload" not in {s.remat.kind for s in c}  # CPU cannot offload
+    import jax
+    if jax.default_backend() == "cpu":  # a GPU has pinned host memory: offload comes last there
+        assert "offload" not in {s.remat.kind for s in c}  # CPU cannot offload
 
 
+@pytest.mark.slow  # two compiles: 9 s of CPU cold
 def test_planner_never_recommends_over_budget():
     small = CFG.replace(num_layers=2)
     base = StepSpec(small, get_precision("fp32"), RematPolicy(), 2, 64)
@@ -104,6 +114,11 @@ def test_planner_never_recommends_over_budget():
         assert result["spec"].remat.kind == "dots_no_batch"
 
 
+@pytest.mark.cpu_only(reason="the rule-out band (planner.ANALYTIC_BAND) holds the toy's analytic "
+                             "peak to XLA:CPU's compiled one; a GPU compile of this few-MiB toy "
+                             "also holds the cuBLAS workspace (up to 32 MiB on Hopper), which the "
+                             "analytic model leaves out, so nothing would be ruled out there")
+@pytest.mark.slow  # a dozen compiles
 def test_analytic_first_rules_out_only_what_does_not_fit():
     """Same choice as compiling every candidate, fewer compiles, and each candidate ruled out by
     the analytic model really is over the budget when compiled."""
@@ -147,16 +162,19 @@ def test_planner_rejects_with_fake_compiler_and_errors():
     assert "> budget" in reasons[1] and result["chosen"]["peak_bytes"] == 5 * 10**6
 
 
+@pytest.mark.slow  # a JAX subprocess
 def test_cli_nothing_fits_exits_1():
     """A budget below the state itself: every candidate is rejected without compiling."""
     p = subprocess.run([sys.executable, "-m", "jaxmem.memory", "--preset", "tiny", "--seq-len", "32",
-                        "--fit", "0.001", "--global-batch", "2"], capture_output=True, text=True)
+                        "--fit", "0.001", "--global-batch", "2"], capture_output=True, text=True,
+                       env=subprocess_env())
     assert p.returncode == 1, p.stderr
     assert "nothing fits in 0.001 GiB" in p.stderr
     assert p.stdout.count("arguments alone") == len(candidates(
         StepSpec(get_preset("tiny"), get_precision("fp32"), RematPolicy(), 1, 32), 2))
 
 
+@pytest.mark.slow  # a compile here and another in the --measure subprocess
 def test_json_fields(capsys):
     assert main(["--preset", "tiny", "--num-layers", "2", "--batch-size", "2", "--seq-len", "32",
                  "--precision", "amp-bf16", "--grad-accum", "2", "--mu-dtype", "bf16",
@@ -182,14 +200,18 @@ def test_json_fields(capsys):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--fit", "-1", "--global-batch", "4"], "argument --fit: expected a positive number of GiB"),
-    (["--fit", "0"], "--fit"),
+    # a JAX process each; slow: the first and the divisibility check run by default
+    pytest.param(["--fit", "0"], "--fit", marks=pytest.mark.slow),
     (["--global-batch", "10", "--batch-size", "4"], "--global-batch 10 is not divisible by --batch-size 4"),
-    (["--fit", "8", "--global-batch", "10", "--batch-size", "4"], "--global-batch 10 is not divisible"),
-    (["--global-batch", "8", "--batch-size", "4", "--grad-accum", "3"], "--global-batch 8 != "),
-    (["--precision", "fp64"], "--precision"),
+    pytest.param(["--fit", "8", "--global-batch", "10", "--batch-size", "4"],
+                 "--global-batch 10 is not divisible", marks=pytest.mark.slow),
+    pytest.param(["--global-batch", "8", "--batch-size", "4", "--grad-accum", "3"],
+                 "--global-batch 8 != ", marks=pytest.mark.slow),
+    pytest.param(["--precision", "fp64"], "--precision", marks=pytest.mark.slow),
 ])
 def test_bad_input_exits_2(argv, needle):
-    p = subprocess.run([sys.executable, "-m", "jaxmem.memory", *argv], capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "jaxmem.memory", *argv], capture_output=True, text=True,
+                       env=subprocess_env())
     assert p.returncode == 2
     last = p.stderr.strip().splitlines()[-1]
     assert needle in last, p.stderr

@@ -77,7 +77,8 @@ def _flat(tree):
             for k, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-@pytest.mark.parametrize("cfg", [PRESETS["tiny"], TIED], ids=["tiny", "tied"])
+@pytest.mark.parametrize("cfg", [PRESETS["tiny"], pytest.param(TIED, marks=pytest.mark.slow)],
+                         ids=["tiny", "tied"])
 def test_init_is_bitwise_the_plain_param_declarations(cfg):
     """Same paths, shapes and values as plain `self.param` declarations in the same scopes."""
     key = jax.random.PRNGKey(0)

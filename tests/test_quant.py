@@ -115,7 +115,10 @@ def test_backward_does_not_keep_every_layers_dequantized_weight():
     dense_weights = L * D * D * 4
     custom, plain = temp(True), temp(False)
     assert plain >= dense_weights  # the plain backward saved every layer's fp32 weight
-    # measured (CPU, jax 0.10.2): custom 1.45 MB (the packed codes, one layer's weight
-    # at a time) vs plain 12.7 MB; with uint4 codes 3.3 MB (XLA unpacked the stack to uint8)
-    assert custom < dense_weights / 4, (custom, plain)
     assert plain - custom >= 0.75 * dense_weights, (custom, plain)
+    # measured (CPU, jax 0.10.2): custom 1.45 MB (the packed codes, one layer's weight
+    # at a time) vs plain 12.7 MB; with uint4 codes 3.3 MB (XLA unpacked the stack to uint8).
+    # Not on a GPU: its temp also holds the cuBLAS workspace (up to 32 MiB on Hopper), a constant
+    # that the difference above cancels but this absolute bound does not.
+    if jax.default_backend() == "cpu":
+        assert custom < dense_weights / 4, (custom, plain)

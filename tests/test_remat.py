@@ -12,7 +12,9 @@ from jaxmem.model.remat import TAGS, RematError, RematPolicy
 
 CFG = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
                   max_position_embeddings=64)
-POLICIES = ["full", "dots", "dots_no_batch", "names:query,key,value", "names:" + ",".join(TAGS)]
+SLOW = pytest.mark.slow  # a gradient compile each: CI runs them (-m "slow or not slow")
+POLICIES = [pytest.param(p, marks=SLOW) for p in ("full", "dots", "dots_no_batch",
+                                                  "names:query,key,value", "names:" + ",".join(TAGS))]
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +87,10 @@ def test_measured_memory_and_flops_order():
     temp = {p: r[p]["compiled"]["temp_bytes"] for p in r}
     flops = {p: r[p]["flops"] for p in r}
     assert temp["none"] > temp["dots"] > temp["full"]
+    assert flops["none"] < flops["dots"] < flops["full"]
+    assert r["none"]["params"] == r["full"]["params"]
+    if jax.default_backend() != "cpu":
+        return  # the ratio below was measured on XLA:CPU; a GPU compile fuses differently
     # was /4 before SwiGLU/RMSNorm/RoPE kept only their inputs (jaxmem.model.lean), which
     # shrank `none` (21.0 MB vs full 7.1 MB after, measured)
     assert temp["full"] <= temp["none"] / 2.5
-    assert flops["none"] < flops["dots"] < flops["full"]
-    assert r["none"]["params"] == r["full"]["params"]

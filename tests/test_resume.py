@@ -21,6 +21,7 @@ def ckpts(out):
     return sorted(int(s) for s in os.listdir(Path(out) / "checkpoints"))
 
 
+@pytest.mark.slow  # CLI runs
 def test_stop_at_on_a_save_step_saves_once(tmp_path, corpus, capsys):
     out = str(tmp_path / "run")
     args = [*SMALL, *STEPS, "--data", corpus, "--out", out, "--save-every", "2"]
@@ -37,6 +38,7 @@ def test_stop_at_on_a_save_step_saves_once(tmp_path, corpus, capsys):
     assert losses(out) == losses(straight)
 
 
+@pytest.mark.slow  # CLI runs
 def test_signal_landing_on_a_save_step_saves_once(tmp_path, corpus, monkeypatch, capsys):
     original = loop.Checkpointer.save
 
@@ -52,6 +54,7 @@ def test_signal_landing_on_a_save_step_saves_once(tmp_path, corpus, monkeypatch,
     assert ckpts(out) == [2]
 
 
+@pytest.mark.slow  # CLI runs
 def test_run_that_died_before_its_first_checkpoint_restarts_with_the_same_command(
         tmp_path, corpus, monkeypatch, capsys):
     out = str(tmp_path / "run")
@@ -73,6 +76,7 @@ def test_run_that_died_before_its_first_checkpoint_restarts_with_the_same_comman
     assert losses(out) == losses(straight)
 
 
+@pytest.mark.slow  # CLI runs
 def test_resume_alone_uses_the_saved_config_and_refuses_schedule_changes(tmp_path, corpus, capsys):
     out = str(tmp_path / "run")
     args = [*SMALL, *STEPS, "--data", corpus, "--lr", "0.002"]
@@ -101,6 +105,7 @@ def test_resume_alone_uses_the_saved_config_and_refuses_schedule_changes(tmp_pat
     assert [x for x in losses(straight) if x[0] in steps_logged_by_both] == losses(out)
 
 
+@pytest.mark.slow  # CLI runs
 def test_skip_count_survives_resume(tmp_path, corpus, capsys):
     """The limit on non-finite steps in a row counts from the device state, across a resume."""
     out = str(tmp_path / "run")
@@ -115,6 +120,7 @@ def test_skip_count_survives_resume(tmp_path, corpus, capsys):
     assert max(s for s, *_ in losses(out)) in (4, 5)
 
 
+@pytest.mark.slow  # CLI runs
 def test_batches_pad_with_the_tokenizers_own_pad_id(tmp_path, corpus, monkeypatch):
     class Tok(ByteTokenizer):
         pad_id = 0  # not the byte tokenizer's 256

@@ -38,7 +38,7 @@ def assert_trees_equal(a, b):
         np.testing.assert_array_equal(x, y)
 
 
-@pytest.mark.parametrize("poison", [jnp.inf, jnp.nan])
+@pytest.mark.parametrize("poison", [jnp.inf, pytest.param(jnp.nan, marks=pytest.mark.slow)])
 def test_non_finite_step_changes_nothing_and_halves_scale(poison, monkeypatch):
     cfg, state = state_for("amp-fp16")
     step = jit_train_step(cfg)
@@ -68,6 +68,7 @@ def test_overflow_from_a_too_large_scale_is_skipped():
     assert_trees_equal(state.params, before)
 
 
+@pytest.mark.slow  # two train-step compiles: 11 s of CPU cold
 def test_clipping_sees_unscaled_gradients():
     """A static scale of 1024 with clip 0.05 must give the update of no scale with clip 0.05."""
     opt = OptimConfig(lr=1e-2, warmup_steps=0, total_steps=10, clip=0.05)
@@ -83,6 +84,7 @@ def test_clipping_sees_unscaled_gradients():
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=2e-7)
 
 
+@pytest.mark.slow  # two more train-step compiles
 def test_amp_fp16_update_close_to_fp32():
     cfg_a, a = state_for("amp-fp16")
     cfg_b, b = state_for("fp32")
@@ -93,6 +95,7 @@ def test_amp_fp16_update_close_to_fp32():
     assert a.params["embed_tokens"].dtype == jnp.float32  # fp32 master weights
 
 
+@pytest.mark.slow  # two train-step compiles: 11 s of CPU cold
 def test_grad_accumulation_equals_one_large_batch():
     big = batch(k=1, b=8)
     micro = jax.tree_util.tree_map(lambda a: a.reshape(4, 2, 16), big)
@@ -137,7 +140,10 @@ def test_no_weight_decay_on_norms_and_embeddings():
     assert decay_mask(s.params, decay_embeddings=True)["embed_tokens"]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "amp-bf16", "amp-fp16", "fp8"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow),
+                                       pytest.param("amp-bf16", marks=pytest.mark.slow),
+                                       pytest.param("amp-fp16", marks=pytest.mark.slow),
+                                       pytest.param("fp8", marks=pytest.mark.slow)])
 def test_every_mode_lowers_the_loss(precision):
     cfg, state = state_for(precision)
     step = jit_train_step(cfg)

@@ -14,6 +14,7 @@ import pytest
 from jaxmem.train.cli import main
 
 from runs import SMALL, error_line, losses, params_of  # noqa: E402
+from testenv import subprocess_env
 
 
 def test_short_run_end_to_end(tmp_path, corpus, capsys):
@@ -37,6 +38,7 @@ def test_short_run_end_to_end(tmp_path, corpus, capsys):
     assert sorted(os.listdir(out / "checkpoints")) == ["6"]
 
 
+@pytest.mark.slow  # three CLI runs (amp-fp16)
 def test_resume_is_bitwise_exact_even_after_a_skipped_step(tmp_path, corpus):
     # A scale of 2**40 overflows fp16: the first steps are skipped until the scale has backed
     # off, so the interruption at step 2 lands right after a skipped step. (fp32 resume is
@@ -58,13 +60,17 @@ def test_resume_is_bitwise_exact_even_after_a_skipped_step(tmp_path, corpus):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow  # a 40-step run, a subprocess run and a resume
 def test_sigterm_saves_and_resume_matches(tmp_path, corpus):
     args = [*SMALL, "--data", corpus, "--steps", "40"]
     straight = tmp_path / "straight"
     assert main([*args, "--out", str(straight)]) == 0
     run = tmp_path / "run"
+    # its own process (a JAX of its own): matmul precision and GPU determinism from TEST_ENV,
+    # as this process has them, or its losses would not equal the in-process straight run's
     proc = subprocess.Popen([sys.executable, "-m", "jaxmem.train", *args, "--out", str(run)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=subprocess_env())
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
@@ -79,6 +85,7 @@ def test_sigterm_saves_and_resume_matches(tmp_path, corpus):
     assert losses(run) == losses(straight)
 
 
+@pytest.mark.slow  # a CLI run (amp-fp16); test_resume checks the count too
 def test_too_many_consecutive_skips_stops_with_error(tmp_path, corpus, capsys):
     out = tmp_path / "run"
     code = main([*SMALL, "--data", corpus, "--out", str(out), "--steps", "20",
@@ -94,7 +101,7 @@ def test_too_many_consecutive_skips_stops_with_error(tmp_path, corpus, capsys):
 
 def run_cli(*argv):
     return subprocess.run([sys.executable, "-m", "jaxmem.train", *argv], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, env=subprocess_env())
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +151,7 @@ def test_unknown_flag_exits_2_in_a_subprocess(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow  # CLI runs and a subprocess
 def test_resume_refuses_changed_shapes_and_corrupt_checkpoints(tmp_path, corpus, capsys):
     out = tmp_path / "run"
     args = [*SMALL, "--data", corpus, "--out", str(out), "--steps", "2"]

@@ -1,0 +1,109 @@
+"""The test suite's environment, for this process and the subprocesses tests start (imported by
+name, like runs.py: pytest puts tests/ on sys.path).
+
+The suite runs on a CPU (development, CI) and on a GPU machine (`experiments.gpu_check --suite`:
+`pytest -n 8` on one GPU). What differs there, and what this module pins:
+
+- fp32 matmuls run in reduced precision (TF32) unless asked otherwise: every process of the
+  suite runs with `JAX_DEFAULT_MATMUL_PRECISION=highest` (and `NVIDIA_TF32_OVERRIDE=0` for
+  cuBLAS/cuDNN calls outside XLA's precision config). XLA:CPU ignores the setting: on a CPU it
+  changes nothing.
+- each JAX process preallocates 75% of the GPU: 8 pytest workers plus the subprocesses their
+  tests start run out of memory. `XLA_PYTHON_CLIENT_PREALLOCATE=false` everywhere.
+- GPU scatter-adds (the embedding gradient) use atomics, so two runs of one program may differ
+  in the last bit; the bitwise resume tests compare two runs. `--xla_gpu_deterministic_ops=true`
+  (an XLA flag every backend's flag parser knows; it changes nothing on a CPU).
+- where JAX has only the CPU, XLA:CPU generates code at LLVM -O0 (`CPU_FAST_COMPILE_FLAG`):
+  compiling is most of the suite's time; the flag changes no HLO, no buffer assignment.
+- multi-device tests simulate devices on the CPU: their subprocesses must say `JAX_PLATFORMS=cpu`,
+  or JAX picks the one GPU and the mesh does not fit (`subprocess_env(cpu_devices=N)`).
+
+`conftest.py` applies `TEST_ENV` to os.environ before JAX starts, so the pytest process (and
+every worker of pytest-xdist) and anything it starts inherit it; `subprocess_env` builds the
+environment for a test's own subprocess explicitly, so a test reads what its child gets.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TEST_ENV = {
+    "JAX_DEFAULT_MATMUL_PRECISION": "highest",
+    "NVIDIA_TF32_OVERRIDE": "0",
+    "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+}
+DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true"
+# Only where JAX can take nothing but the CPU: LLVM's -O0 for XLA:CPU's generated code. The suite's
+# programs are tiny and compiled once each, so compiling is most of its time; measured (2-core CPU,
+# jax 0.10.2, cold cache) tests/test_lean.py::test_lean_ops_match_autodiff_fp32 took 4.7 s of CPU
+# with it, 11.3 s without. HLO passes, buffer assignment and so memory_analysis() do not depend on
+# it; set JAXMEM_TEST_LLVM_OPT=1 to test with XLA's default code generation.
+CPU_FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
+
+
+def _cpu_only_machine(env: dict) -> bool:
+    """No GPU/TPU plugin for JAX is installed, or JAX is told to use the CPU."""
+    import importlib.util
+    if env.get("JAX_PLATFORMS", "").strip() == "cpu":
+        return True
+    plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin",
+               "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13", "libtpu")
+    for name in plugins:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return False
+        except (ImportError, ValueError):
+            pass
+    return True
+
+
+def with_test_env(env: dict) -> dict:
+    """`env` with TEST_ENV set (overriding) and the test flags added to XLA_FLAGS."""
+    env = dict(env)
+    env.update(TEST_ENV)
+    flags = env.get("XLA_FLAGS", "").split()
+    if not any(f.startswith("--xla_gpu_deterministic_ops") for f in flags):
+        flags.append(DETERMINISTIC_FLAG)
+    if (_cpu_only_machine(env) and env.get("JAXMEM_TEST_LLVM_OPT", "0") == "0"
+            and not any(f.startswith("--xla_backend_optimization_level") for f in flags)):
+        flags.append(CPU_FAST_COMPILE_FLAG)
+    env["XLA_FLAGS"] = " ".join(flags)
+    return env
+
+
+def subprocess_env(cpu_devices: int | None = None, cpu: bool = False, **extra: str) -> dict:
+    """The environment for a subprocess a test starts: this process's, with TEST_ENV, the
+    checkout first on PYTHONPATH, and
+
+    cpu_devices: N simulated CPU devices (`JAX_PLATFORMS=cpu`, `JAX_NUM_CPU_DEVICES=N`): on a
+        GPU machine JAX would otherwise take the GPU, which has one device.
+    cpu: `JAX_PLATFORMS=cpu` without setting a device count (one device, or the child sets it).
+    extra: more variables (a value of None removes the variable).
+    """
+    env = with_test_env(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(
+        os.pathsep) if p and p != str(ROOT)])
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    if cpu or cpu_devices:
+        env["JAX_PLATFORMS"] = "cpu"
+    if cpu_devices:
+        env["JAX_NUM_CPU_DEVICES"] = str(cpu_devices)
+    for k, v in extra.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    return env
+
+
+def backend() -> str:
+    """JAX's default backend in this process ("cpu", "gpu", "tpu")."""
+    import jax
+    return jax.default_backend()
+
+
+def on_gpu() -> bool:
+    return backend() == "gpu"
