@@ -188,7 +188,8 @@ def train_cmd(row: Row, args, run_dir: Path, hf_dir: Path | None) -> list[str]:
 def pytest_cmd(files: list[str], suite: bool) -> list[str]:
     cmd = [sys.executable, "-m", "pytest", "-rfE", "-p", "no:cacheprovider"]
     if suite:  # -v: every failure named as it happens, so a timeout still lists them
-        return cmd + (["-n", "8"] if importlib.util.find_spec("xdist") else []) + ["-v"]
+        return (cmd + (["-n", "8"] if importlib.util.find_spec("xdist") else [])
+                + ["-v", "-m", "slow or not slow"])  # every test, as CI runs them
     return cmd + ["-q", "-m", "gpu", *files]
 
 
