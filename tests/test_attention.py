@@ -106,6 +106,7 @@ def test_planner_plans_for_the_path_taken(fresh):
     assert spec.attention_path == "xla"
 
 
+@pytest.mark.slow  # 4.2 s cold on 2 cores (default run kept under 5 min)
 def test_model_logits_on_the_fallback_equal_the_cpu_path(fresh):
     """The whole model through a rejected cuDNN call: same logits as the plain CPU run."""
     cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,

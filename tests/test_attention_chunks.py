@@ -14,6 +14,7 @@ from jaxmem.model.layers import attention_mask
 
 
 @pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.slow  # 2.9 s cold on 2 cores (default run kept under 5 min)
 def test_chunked_attention_equals_unchunked(monkeypatch, padded):
     B, T, N, K, H = 2, 13, 4, 2, 8
     kq, kk, kv, kd = jax.random.split(jax.random.PRNGKey(0), 4)

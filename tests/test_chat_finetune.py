@@ -47,6 +47,7 @@ def chat_run(tmp_path_factory):
     return hf, out
 
 
+@pytest.mark.slow  # 8.9 s cold on 2 cores (default run kept under 5 min)
 def test_qlora_on_conversations_lowers_the_assistant_eval_loss(chat_run):
     from jaxmem.data import load_corpus, split_eval_batches
     from jaxmem.data.examples import example_options
@@ -85,6 +86,7 @@ def test_qlora_on_conversations_lowers_the_assistant_eval_loss(chat_run):
     assert tuned < base - 1.0, (base, tuned)
 
 
+@pytest.mark.slow  # 3.0 s cold on 2 cores (default run kept under 5 min)
 def test_generate_chat_answers_a_user_turn(chat_run, capsys):
     from jaxmem.data.chat import ChatPromptTokenizer, find_chat_template
     from jaxmem.generate.cli import main as generate_main

@@ -52,6 +52,7 @@ def pair():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # 6.3 s cold on 2 cores (default run kept under 5 min)
 def test_same_weights_same_batches_same_losses(pair):
     j, t = pair
     assert len(j["losses"]) == len(t["losses"]) == 3 and not any(j["skipped"] + t["skipped"])
@@ -153,6 +154,7 @@ def test_selective_checkpoint_same_gradients():
         tt.set_remat(model, "dots")
 
 
+@pytest.mark.slow  # 14.5 s cold on 2 cores (default run kept under 5 min)
 def test_driver_writes_json_and_chart(tmp_path, monkeypatch, capsys):
     """The non-`--quick` path (the GPU command's), end to end with the real driver: one
     subprocess per run, then the JSON document and the chart. On an H100 it once crashed after

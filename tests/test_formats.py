@@ -145,6 +145,7 @@ def test_data_flags_round_trip_through_config_json():
         build_parser().parse_args(["--train-on", "user"])
 
 
+@pytest.mark.slow  # 12.3 s cold on 2 cores (default run kept under 5 min)
 def test_packed_run_resumes_bitwise_and_records_counts(tmp_path, capsys):
     """A run of 4 steps on packed text rows, and one stopped at 2 and resumed: the same losses;
     config.json's data_stats and the header carry the trained / masked counts."""

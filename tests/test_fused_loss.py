@@ -33,6 +33,7 @@ def _assert_trees_close(a, b, rtol=RTOL):
 
 @pytest.mark.parametrize("layout", ["DV", "VD"])
 @pytest.mark.parametrize("chunk", [1, 5, 16, 40])
+@pytest.mark.slow  # 3.5 s cold on 2 cores (default run kept under 5 min)
 def test_fused_equals_unfused_head_and_hidden(chunk, layout):
     """Direct: value, d(hidden), d(head); V=37 and T=16 not divisible by most chunks; padding."""
     B, T, D, V = 3, 16, 8, 37
@@ -110,6 +111,7 @@ def test_resolve_loss_chunk_rule():
 
 @pytest.mark.parametrize("vocab, limit_tokens, path", [
     pytest.param(37, 20, "sequence", marks=pytest.mark.slow), (40, 10, "vocab")])
+@pytest.mark.slow  # 3.1 s cold on 2 cores (default run kept under 5 min)
 def test_both_backward_paths(monkeypatch, vocab, limit_tokens, path):
     """The backward over vocabulary slices (V=40: 4 slices of 10) and over sequence chunks with
     a summed d(head) (V=37 is prime: no slice fits, `vocab_chunk` gives 0) both equal autodiff."""

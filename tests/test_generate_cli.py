@@ -47,6 +47,7 @@ def _error(argv, capsys):
     return err[0]
 
 
+@pytest.mark.slow  # 3.0 s cold on 2 cores (default run kept under 5 min)
 def test_prompts_file_batches_equal_single_prompts_in_input_order(hf_dir, tmp_path, capsys):
     src, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps({"prompt": p, "id": i}) + "\n" for i, p in

@@ -185,6 +185,7 @@ def test_bad_checkpoint_dirs_exit_2_with_one_line(exported, tmp_path, capsys, ho
         assert "names shard" in err
 
 
+@pytest.mark.slow  # 9.4 s cold on 2 cores (default run kept under 5 min)
 def test_generate_hf_greedy_matches_argmax(exported, capsys):
     pytest.importorskip("tokenizers")
     from jaxmem.generate.cli import main
@@ -203,6 +204,7 @@ def test_generate_hf_greedy_matches_argmax(exported, capsys):
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "amp-bf16", "amp-fp16", "fp8"])
+@pytest.mark.slow  # 14.9 s cold on 2 cores (default run kept under 5 min)
 def test_init_from_weights_start_the_state_in_every_precision_mode(exported, mode):
     """Step 0's params are the checkpoint's, cast to the mode's storage dtype (bitwise), and the
     first step's loss is the checkpoint model's loss (fp32: 1e-6; other modes: 2e-2)."""

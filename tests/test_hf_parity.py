@@ -115,6 +115,7 @@ def test_logits_equal_transformers(checkpoints, name):
         assert np.abs(permuted - ref).max() > 10 * ATOL
 
 
+@pytest.mark.slow  # 6.4 s cold on 2 cores (default run kept under 5 min)
 def test_finetuned_export_loads_in_transformers(checkpoints, tmp_path, corpus, capsys):
     """train --init-from (a few fp32 steps) -> export -> transformers: same logits as jaxmem's;
     generate --run and --hf on the export agree greedily."""

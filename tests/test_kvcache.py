@@ -30,6 +30,7 @@ def init(cfg):
 
 
 @pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.slow  # 3.2 s cold on 2 cores (default run kept under 5 min)
 def test_greedy_with_the_cache_equals_the_old_path_token_for_token(tied):
     cfg = config(tied)
     params = init(cfg)
@@ -51,6 +52,7 @@ def test_sampling_with_the_cache_draws_what_the_old_path_draws():
     assert got == want
 
 
+@pytest.mark.slow  # 3.7 s cold on 2 cores (default run kept under 5 min)
 def test_a_left_padded_batch_equals_each_prompt_alone():
     """Prompts of 5, 2 and 8 tokens in one batch (left-padded, per-row positions) give each
     prompt's own greedy continuation."""

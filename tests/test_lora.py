@@ -44,6 +44,7 @@ def test_step_0_logits_equal_the_base_exactly(base):
     np.testing.assert_array_equal(_logits(full), _logits(base))
 
 
+@pytest.mark.slow  # 3.5 s cold on 2 cores (default run kept under 5 min)
 def test_step_0_with_an_nf4_base_is_the_dequantized_base(base):
     spec = LoraSpec(rank=4, quantize="nf4")
     frozen = base_on_device(base, spec, jnp.float32)

@@ -71,6 +71,7 @@ def test_spec_json_round_trip(spec):
     pytest.param(["--fit=40", "--glob=4"], marks=pytest.mark.slow),
     ["--glob", "4"],  # no planner: batch 2 x accum 2
 ])
+@pytest.mark.slow  # 3.0 s cold on 2 cores (default run kept under 5 min)
 def test_measure_worker_gets_the_chosen_spec(flags, monkeypatch):
     """Abbreviated flags reach the measurement: the child measures exactly the parent's spec.
 

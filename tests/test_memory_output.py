@@ -35,6 +35,7 @@ def test_verdict_names_sizes_and_headroom(monkeypatch):
     assert usable_gib(24) == pytest.approx(22.8)
 
 
+@pytest.mark.slow  # 6.6 s cold on 2 cores (default run kept under 5 min)
 def test_breakdown_prints_header_and_verdict(capsys):
     # --compile: every phase compiled, so the verdict is a compiled one whichever is largest
     assert main([*SMALL, "--precision", "amp-bf16", "--remat", "full", "--batch-size", "2",
@@ -100,6 +101,7 @@ def test_train_command_has_only_changed_fields():
     assert cmd == "python -m jaxmem.train --precision amp-bf16 --batch-size 4"
 
 
+@pytest.mark.slow  # 7.7 s cold on 2 cores (default run kept under 5 min)
 def test_plot_has_one_stacked_bar_per_configuration(tmp_path):
     pytest.importorskip("matplotlib")
     from jaxmem.memory.report import step_report

@@ -185,6 +185,7 @@ SLOW = pytest.mark.slow  # more compiles of the train step: CI runs them (-m "sl
                                                  pytest.param("bf16-sr", "adamw", marks=SLOW),
                                                  pytest.param("fp32", "lion", marks=SLOW),
                                                  pytest.param("fp32", "adafactor", marks=SLOW)])
+@pytest.mark.slow  # 8.3 s cold on 2 cores (default run kept under 5 min)
 def test_skipped_step_leaves_state_bitwise(precision, optimizer, monkeypatch):
     cfg = StepConfig(CFG, get_precision(precision),
                      optim=OptimConfig(lr=1e-2, warmup_steps=2, total_steps=20,
@@ -293,6 +294,7 @@ def test_update_in_pieces_equals_whole_leaf(monkeypatch):
                                             pytest.param("bf16-sr", 0.05, marks=SLOW),
                                             pytest.param("bf16-sr", 0.0, marks=SLOW),
                                             pytest.param("amp-bf16", 1e3, marks=SLOW)])
+@pytest.mark.slow  # 4.2 s cold on 2 cores (default run kept under 5 min)
 def test_fused_in_place_update_is_bitwise_the_optax_chain(precision, clip, monkeypatch):
     """The train step's fused adamw8bit pass (jaxmem.train.fused8bit: one in-place loop per leaf)
     against optimizer.update + apply_updates[_sr], 3 steps: codes, scales and counts bitwise;

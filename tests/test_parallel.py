@@ -169,6 +169,7 @@ def test_process_flags_and_cluster_detection(monkeypatch):
     assert cluster_name() == "Slurm"
 
 
+@pytest.mark.slow  # 3.8 s cold on 2 cores (default run kept under 5 min)
 def test_one_device_placement_is_todays_step():
     """No mesh: the single-device step lowers to exactly today's program, the init is bitwise
     today's, and batches pass through untouched."""

@@ -70,6 +70,7 @@ def _eval_losses(run):
     return loss(zero_b), loss(run.state.params)
 
 
+@pytest.mark.slow  # 19.9 s cold on 2 cores (default run kept under 5 min)
 def test_qlora_fine_tune_lowers_the_eval_loss(qlora):
     hf, out = qlora
     run = load_run(out)
@@ -116,6 +117,7 @@ def _adapter_logits(run, tokens):
 TOKENS = np.random.default_rng(0).integers(0, 300, (2, 24))
 
 
+@pytest.mark.slow  # 3.0 s cold on 2 cores (default run kept under 5 min)
 def test_merge_equals_the_adapter_forward_and_uses_the_original_base(qlora, capsys):
     _, out = qlora
     run = load_run(out)
@@ -157,6 +159,7 @@ def test_peft_loads_the_adapters_onto_the_base_with_the_same_logits(qlora, tmp_p
                                    rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # 3.0 s cold on 2 cores (default run kept under 5 min)
 def test_generate_from_a_lora_run_uses_adapters_on_its_base(qlora, capsys):
     from jaxmem.generate.cli import main as generate_main
     from jaxmem.generate.sampling import generate_text

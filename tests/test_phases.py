@@ -24,6 +24,7 @@ WIDE_VOCAB = ModelConfig(vocab_size=16384, hidden_size=64, intermediate_size=128
 
 
 @pytest.mark.parametrize("loss_chunk", [None, 32])
+@pytest.mark.slow  # 4.4 s cold on 2 cores (default run kept under 5 min)
 def test_eval_fused_loss_equals_full_logits(loss_chunk):
     """make_eval_fn (token_loss, fused LM head) gives the old eval's value: full [B, T, V] fp32
     logits through cross_entropy, tiny preset, fp32, with padding; measured max rel diff ~1e-7."""
@@ -48,6 +49,7 @@ def _eval_phase(spec) -> int:
     return compile_eval(spec)["peak_bytes"] + tree_bytes(state) - tree_bytes(state.params)
 
 
+@pytest.mark.slow  # 6.8 s cold on 2 cores (default run kept under 5 min)
 def test_eval_phase_not_above_step_small():
     """The fast stand-in of the 1B check: amp-bf16, full remat, V = 256 D, the loss in chunks of
     32 positions (at 1B x 8 x 2048 the automatic chunk is 65 of 2048): the eval phase stays
@@ -76,6 +78,7 @@ def test_1b_eval_and_sample_phases_not_above_step():
     assert r["peak_phase"] == "step" and r["peak_bytes"] == step["peak_bytes"]
 
 
+@pytest.mark.slow  # 8.7 s cold on 2 cores (default run kept under 5 min)
 def test_phases_compiled_and_the_largest_decides():
     """tiny amp-bf16, 2 x 64: each phase compiled; the run's peak is the largest of them; the
     state program outputs exactly the state; the sampler's arguments are the stored params."""
@@ -131,6 +134,7 @@ def test_sampler_lowering_is_the_sampler():
     assert len(out) == 9 and out[:3] == prompt
 
 
+@pytest.mark.slow  # 4.9 s cold on 2 cores (default run kept under 5 min)
 def test_adamw8bit_update_has_no_params_sized_buffer(monkeypatch):
     """The in-place 8-bit update (jaxmem.train.fused8bit) in row pieces: the compiled step holds
     no params-sized update buffer. Pieces of 2^12 elements stand in for the 2^24 of full-size

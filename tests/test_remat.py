@@ -80,6 +80,7 @@ def test_offload_is_refused_on_cpu():
         RematPolicy.parse("offload").jax_policy()
 
 
+@pytest.mark.slow  # 4.5 s cold on 2 cores (default run kept under 5 min)
 def test_measured_memory_and_flops_order():
     """XLA's own numbers: temp bytes none > dots > full, FLOPs the other way (see docs/remat.md)."""
     cfg = CFG.replace(num_layers=8, hidden_size=128, intermediate_size=384)

@@ -140,6 +140,7 @@ def test_batches_pad_with_the_tokenizers_own_pad_id(tmp_path, corpus, monkeypatc
     np.testing.assert_array_equal(batch["mask"][1], [1, 0, 0, 0, 0, 0, 0, 0])
 
 
+@pytest.mark.slow  # 3.5 s cold on 2 cores (default run kept under 5 min)
 def test_saves_are_asynchronous_and_their_pause_is_logged(tmp_path, corpus, capsys):
     """Each save step's record has the seconds the loop was held (`save_pause_s`); the run ends
     only after its last write committed (every save step is on disk when main returns)."""

@@ -92,6 +92,7 @@ def test_given_params_are_placed_in_their_dtype_and_used_as_they_are():
     assert m.alias_size_in_bytes == _state_bytes(abstract) == m.argument_size_in_bytes
 
 
+@pytest.mark.slow  # 5.5 s cold on 2 cores (default run kept under 5 min)
 def test_loss_curve_unchanged_from_the_eager_state():
     cfg = StepConfig(TINY, get_precision("fp32"), optim=OptimConfig(optimizer="adamw8bit",
                                                                      total_steps=10))
@@ -118,6 +119,7 @@ def _state_bytes(abstract) -> int:
 @pytest.mark.parametrize("preset,mode,optimizer,bound", [
     ("llama-3-8b", "bf16-sr", "adamw8bit", 1.05),
     ("llama-3.2-1b", "amp-bf16", "adamw", 1.05)])
+@pytest.mark.slow  # 2.9 s cold on 2 cores (default run kept under 5 min)
 def test_state_creation_compiles_to_the_state_plus_at_most_5_percent(preset, mode, optimizer,
                                                                       bound):
     """CPU compile only (no allocation): jit(state_creation_fn) peak = output + temporaries.

@@ -353,6 +353,7 @@ def test_decay_conventions_match():
 
 @TIED
 @pytest.mark.parametrize("eps", [1e-3, 1e-8])
+@pytest.mark.slow  # 13.4 s cold on 2 cores (default run kept under 5 min)
 def test_one_adamw_step_matches_torch(tied, eps):
     """Params after one fp32 AdamW step, jaxmem vs torch on the same weights and batch.
 

@@ -17,6 +17,7 @@ from runs import SMALL, error_line, losses, params_of  # noqa: E402
 from testenv import subprocess_env
 
 
+@pytest.mark.slow  # 4.6 s cold on 2 cores (default run kept under 5 min)
 def test_short_run_end_to_end(tmp_path, corpus, capsys):
     out = tmp_path / "run"
     assert main([*SMALL, "--data", corpus, "--out", str(out), "--steps", "6", "--eval-every", "3",
