@@ -47,7 +47,42 @@ def batch_at(tokens: np.ndarray, seed: int, batch_size: int, seq_len: int, posit
     return Batcher(tokens, batch_size, seq_len, seed, pad_id=pad_id).batch_at(position)
 
 
-class Batcher:
+class EpochRows:
+    """Batches of `batch_size` rows out of `num_windows`, each epoch in its own seeded order:
+    `batch_at(position)` is pure (only the epoch permutations are cached). A subclass sets
+    `num_windows`, `batch_size`, `seed`, `_perms` and says what row `index` is (`_row`)."""
+
+    num_windows: int
+    batch_size: int
+    seed: int
+    _perms: OrderedDict
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            self._perms[epoch] = epoch_permutation(self.seed, epoch, self.num_windows)
+            while len(self._perms) > 4:
+                self._perms.popitem(last=False)
+        return self._perms[epoch]
+
+    def epoch(self, position: int) -> float:
+        """Epochs completed (fractional) before batch `position`."""
+        return position * self.batch_size / self.num_windows
+
+    def batch_at(self, position: int) -> dict:
+        if position < 0:
+            raise DataError(f"batch position must be >= 0, got {position}")
+        rows = []
+        for k in range(position * self.batch_size, (position + 1) * self.batch_size):
+            epoch, i = divmod(k, self.num_windows)
+            rows.append(self._row(int(self._perm(epoch)[i])))
+        return self._stack(rows)
+
+    @staticmethod
+    def _stack(rows):
+        return _stack(rows)
+
+
+class Batcher(EpochRows):
     """Packed training batches of shape [batch_size, seq_len] from a token stream.
 
     `batch_at(position)` is pure; the class only caches epoch permutations. Save `position + 1`
@@ -69,25 +104,8 @@ class Batcher:
         self.num_windows = num_windows(tokens.size, seq_len)
         self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
 
-    def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            self._perms[epoch] = epoch_permutation(self.seed, epoch, self.num_windows)
-            while len(self._perms) > 4:
-                self._perms.popitem(last=False)
-        return self._perms[epoch]
-
-    def epoch(self, position: int) -> float:
-        """Epochs completed (fractional) before batch `position`."""
-        return position * self.batch_size / self.num_windows
-
-    def batch_at(self, position: int) -> dict:
-        if position < 0:
-            raise DataError(f"batch position must be >= 0, got {position}")
-        rows = []
-        for k in range(position * self.batch_size, (position + 1) * self.batch_size):
-            epoch, i = divmod(k, self.num_windows)
-            rows.append(window(self.tokens, int(self._perm(epoch)[i]), self.seq_len, self.pad_id))
-        return _stack(rows)
+    def _row(self, index: int) -> dict:
+        return window(self.tokens, index, self.seq_len, self.pad_id)
 
     def iterate(self, start: int = 0):
         """Batches start, start + 1, ... forever."""

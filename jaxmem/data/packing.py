@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxmem.data.batches import epoch_permutation
+from jaxmem.data.batches import EpochRows
 from jaxmem.data.errors import DataError
 
 KEYS = ("inputs", "targets", "mask", "segment_ids", "positions")
@@ -146,7 +146,7 @@ def _stack(rows: list[dict]) -> dict:
     return {k: np.stack([r[k] for r in rows]) for k in KEYS}
 
 
-class PackedBatcher:
+class PackedBatcher(EpochRows):
     """Training batches [batch_size, seq_len] of packed rows; `batch_at(position)` is pure (the
     class caches epoch permutations), as `jaxmem.data.batches.Batcher`."""
 
@@ -161,25 +161,12 @@ class PackedBatcher:
         self.num_windows = len(rows)  # the name Batcher uses: rows visited once per epoch
         self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
 
-    def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            self._perms[epoch] = epoch_permutation(self.seed, epoch, self.num_windows)
-            while len(self._perms) > 4:
-                self._perms.popitem(last=False)
-        return self._perms[epoch]
+    def _row(self, index: int) -> dict:
+        return build_row(self.ex, self.pieces, self.rows[index], self.seq_len, self.pad_id)
 
-    def epoch(self, position: int) -> float:
-        return position * self.batch_size / self.num_windows
-
-    def batch_at(self, position: int) -> dict:
-        if position < 0:
-            raise DataError(f"batch position must be >= 0, got {position}")
-        out = []
-        for k in range(position * self.batch_size, (position + 1) * self.batch_size):
-            epoch, i = divmod(k, self.num_windows)
-            out.append(build_row(self.ex, self.pieces, self.rows[int(self._perm(epoch)[i])],
-                                 self.seq_len, self.pad_id))
-        return _stack(out)
+    @staticmethod
+    def _stack(rows):
+        return _stack(rows)
 
 
 def packed_eval_batches(ex: Examples, pieces: np.ndarray, rows: list[list[int]], batch_size: int,
