@@ -1,10 +1,8 @@
 """The chat walkthrough of docs/finetune.md, end to end on a tiny random Hugging Face checkpoint
 with the Llama 3.2 chat template: QLoRA NF4 on tests/data/chat_tiny.jsonl (packed, loss on the
 assistant turns only) lowers the eval loss on the held-out assistant tokens, `generate --chat`
-answers a user turn, and peft loads the exported adapters.
-
-Until the `packing` branch lands, the model ignores segment_ids / positions (attention crosses
-the packed conversations); this test does not depend on it.
+answers a user turn, peft loads the exported adapters, and transformers' greedy generate on the
+merged export says what `jaxmem.generate --chat` says.
 """
 
 import json
@@ -130,3 +128,41 @@ def test_peft_loads_the_chat_adapters(chat_run, tmp_path):
         plain = transformers.LlamaForCausalLM.from_pretrained(
             str(hf), dtype=torch.float32)(tokens).logits.numpy()
     assert np.isfinite(tuned).all() and np.abs(tuned - plain).max() > 1e-2
+
+
+@pytest.mark.torch
+@pytest.mark.slow  # the merged export and transformers' generate
+def test_transformers_generate_on_the_merged_export_equals_generate_chat(chat_run, tmp_path,
+                                                                         capsys):
+    """The walkthrough's last step: the merged export, loaded by transformers, says greedily
+    what `jaxmem.generate --hf MERGED --chat` says (fp32 both sides, the same chat prompt ids)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from jaxmem.data.chat import ChatPromptTokenizer, find_chat_template
+    from jaxmem.export.cli import main as export_main
+    from jaxmem.generate.cli import main as generate_main
+    from jaxmem.generate.stopping import eos_ids
+    from jaxmem.io.hf import hf_tokenizer
+
+    _, out = chat_run
+    merged = tmp_path / "merged"
+    assert export_main(["--run", str(out), "--out", str(merged)]) == 0
+    q, n = "What is the capital of France?", 8
+    capsys.readouterr()
+    assert generate_main(["--hf", str(merged), "--chat", "--prompt", q, "--max-new-tokens",
+                          str(n), "--temperature", "0", "--dtype", "float32"]) == 0
+    reply = capsys.readouterr().out.strip()
+
+    tok = hf_tokenizer(str(merged))
+    chat = ChatPromptTokenizer(tok, find_chat_template(str(merged / "tokenizer.json")))
+    prompt = chat.encode_prompt(q)
+    model = transformers.LlamaForCausalLM.from_pretrained(str(merged), dtype=torch.float32).eval()
+    eos = list(eos_ids(tok, str(merged)))
+    with torch.no_grad():
+        ids = model.generate(torch.as_tensor([prompt]), max_new_tokens=n, do_sample=False,
+                             eos_token_id=eos, pad_token_id=eos[0])[0].tolist()
+    new = ids[len(prompt):]
+    if new and new[-1] in eos:  # both stop at the first EOS; the reply does not print it
+        new = new[:-1]
+    assert len(new) > 0
+    assert reply == tok.decode(new).strip()
