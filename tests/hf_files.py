@@ -42,3 +42,17 @@ def random_params(config, seed=0):
         return 1 + 0.1 * x if "scale" in jax.tree_util.keystr(path) else x * 0.2
 
     return jax.tree_util.tree_map_with_path(leaf, abstract_params(config))
+
+
+def peft_model_of_run(hf_dir, run_dir, out_dir):
+    """A LoRA run's adapters exported in PEFT's layout to `out_dir` (jaxmem.export
+    --adapters-only) and loaded by peft onto the HF base in `hf_dir`, fp32, eval mode."""
+    import peft
+    import torch
+    import transformers
+
+    from jaxmem.export.cli import main as export_main
+
+    assert export_main(["--run", str(run_dir), "--out", str(out_dir), "--adapters-only"]) == 0
+    base = transformers.LlamaForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    return peft.PeftModel.from_pretrained(base, str(out_dir)).eval()

@@ -114,14 +114,11 @@ def test_generate_chat_answers_a_user_turn(chat_run, capsys):
 def test_peft_loads_the_chat_adapters(chat_run, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
-    from jaxmem.export.cli import main as export_main
+    pytest.importorskip("peft")
+    from hf_files import peft_model_of_run
 
     hf, out = chat_run
-    adapters = tmp_path / "adapters"
-    assert export_main(["--run", str(out), "--out", str(adapters), "--adapters-only"]) == 0
-    base = transformers.LlamaForCausalLM.from_pretrained(str(hf), dtype=torch.float32)
-    model = peft.PeftModel.from_pretrained(base, str(adapters)).eval()
+    model = peft_model_of_run(hf, out, tmp_path / "adapters")
     tokens = torch.as_tensor(np.random.default_rng(0).integers(0, 390, (1, 16)))
     with torch.no_grad():
         tuned = model(tokens).logits.numpy()
