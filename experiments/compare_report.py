@@ -70,7 +70,7 @@ def add_mfu(results: list[dict]) -> None:
     """r["mfu"] = model FLOPs/s over the device's dense peak for the mode's compute dtype
     (jaxmem.perf); None on CPU and for fp32 runs, which are not MFU runs."""
     from jaxmem.perf import flops_per_token, peak_flops
-    from jaxmem.train.precision import get_precision
+    from jaxmem.model.precision import get_precision
     for r in results:
         if "error" in r:
             continue

@@ -60,7 +60,7 @@ def initial_params(spec: dict):
     process only needs the weights): the same key split as jaxmem.train.step.create_train_state."""
     import jax
     from jaxmem.model import init_params
-    from jaxmem.train.precision import cast_floating, get_precision
+    from jaxmem.model.precision import cast_floating, get_precision
     cfg = run_config(spec)
     init_key, _ = jax.random.split(jax.random.PRNGKey(cfg.data.seed))
     return cast_floating(init_params(cfg.model_config(), init_key),
@@ -104,7 +104,7 @@ def run_jax(spec: dict) -> dict:
     import jax
     import jax.numpy as jnp
     from jaxmem.memory.compiled import compiled_stats
-    from jaxmem.train.precision import cast_params
+    from jaxmem.model.precision import cast_params
     from jaxmem.train.step import jit_train_step
 
     cfg, state = jax_params(spec)

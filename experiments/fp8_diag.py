@@ -47,7 +47,7 @@ from jaxmem.config.model import PRESETS, get_preset
 from jaxmem.model.fp8 import count_traced
 from jaxmem.model.remat import RematError, RematPolicy
 from jaxmem.train.loss import abstract_batch, synthetic_batch
-from jaxmem.train.precision import PRECISIONS, get_precision
+from jaxmem.model.precision import PRECISIONS, get_precision
 from jaxmem.train.step import StepConfig, create_train_state, jit_train_step
 
 # ------------------------------------------------------------------------------ the step

@@ -37,7 +37,7 @@ def spec_for(preset: str, precision: str, remat: str):
     from jaxmem.config.model import get_preset
     from jaxmem.memory.spec import StepSpec
     from jaxmem.model import RematPolicy
-    from jaxmem.train.precision import get_precision
+    from jaxmem.model.precision import get_precision
     model = get_preset(preset)
     if model.max_position_embeddings < SEQ:
         model = model.replace(max_position_embeddings=SEQ)

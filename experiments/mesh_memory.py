@@ -6,7 +6,7 @@ For 1, 2, 4 and 8 simulated CPU devices (one subprocess per device count: the co
 before JAX starts) and the meshes fsdp=N, data=N, tensor=2 x fsdp=N/2 and data=2 x fsdp=N/2, the
 full train step (fp32, AdamW, state donated) is compiled ahead of time for the mesh and its
 per-device `memory_analysis()` is printed next to the planner's analytic per-device peak
-(jaxmem.parallel.memory) and the count of all-gather / reduce-scatter / all-reduce ops in the
+(jaxmem.memory.mesh) and the count of all-gather / reduce-scatter / all-reduce ops in the
 optimized HLO (a static count: ops inside the layer scan run once per layer). Prints a markdown
 table and writes experiments/results/mesh_memory_<date>.json.
 """
@@ -40,7 +40,7 @@ def worker(n: int, preset: str, batch: int, seq: int) -> list[dict]:
 
     from jaxmem.config.run import RunConfig
     from jaxmem.memory.spec import StepSpec
-    from jaxmem.parallel.memory import analytic_per_device, compile_per_device
+    from jaxmem.memory.mesh import analytic_per_device, compile_per_device
 
     spec = StepSpec.from_run_config(RunConfig().replace(
         {"model.preset": preset, "data.batch_size": batch, "data.seq_len": seq}))

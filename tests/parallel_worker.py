@@ -70,7 +70,7 @@ def main(out):
             np.savez(os.path.join(out, f"{name}_{key}.npz"), **run(cfg, text, batches))
     if "--memory" in sys.argv:
         from jaxmem.memory.spec import StepSpec
-        from jaxmem.parallel.memory import analytic_per_device, compile_per_device
+        from jaxmem.memory.mesh import analytic_per_device, compile_per_device
         spec = StepSpec.from_run_config(RunConfig().replace({"data.batch_size": 16}))
         report = {"single": compile_per_device(spec, None)}
         for key, text in MESHES.items():

@@ -24,7 +24,7 @@ def losses(run):
 
 
 def params_of(run):
-    from jaxmem.io.rundir import load_run
+    from jaxmem.train.rundir import load_run
     import jax
     state = load_run(Path(run)).state
     return int(state.step), [np.asarray(x) for x in jax.tree_util.tree_leaves(state.params)]

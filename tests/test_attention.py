@@ -13,7 +13,7 @@ import pytest
 from jaxmem.config.model import ModelConfig
 from jaxmem.model import attention as attn
 from jaxmem.model import Llama, init_params
-from jaxmem.train.precision import cast_params, get_precision
+from jaxmem.model.precision import cast_params, get_precision
 from jaxmem.model.remat import RematPolicy
 
 B, T, N, K, H = 2, 8, 4, 2, 16

@@ -16,7 +16,7 @@ from chat_files import CHAT_FILE, write_chat_tokenizer
 from hf_files import random_params
 from jaxmem.config.model import PRESETS
 from jaxmem.io.hf_export import save_hf
-from jaxmem.io.rundir import load_run
+from jaxmem.train.rundir import load_run
 from jaxmem.train.cli import main
 
 pytest.importorskip("tokenizers")
@@ -88,7 +88,7 @@ def test_qlora_on_conversations_lowers_the_assistant_eval_loss(chat_run):
 def test_generate_chat_answers_a_user_turn(chat_run, capsys):
     from jaxmem.data.chat import ChatPromptTokenizer, find_chat_template
     from jaxmem.generate.cli import main as generate_main
-    from jaxmem.generate.sampling import generate_text
+    from jaxmem.decode.sampling import generate_text
     from jaxmem.peft.export import lora_params
 
     _, out = chat_run
@@ -102,7 +102,7 @@ def test_generate_chat_answers_a_user_turn(chat_run, capsys):
     prompt_ids = chat.encode_prompt(q)
     assert run.tokenizer.decode(prompt_ids[:1]) == "" and prompt_ids[0] == run.tokenizer.bos_id
     assert run.tokenizer.decode(prompt_ids).endswith(q + "assistant\n\n")  # specials skipped
-    from jaxmem.generate.stopping import eos_ids  # the CLI also stops at the checkpoint's EOS ids
+    from jaxmem.decode.stopping import eos_ids  # the CLI also stops at the checkpoint's EOS ids
     want = generate_text(CFG, lora_params(run), chat, q, 6, temperature=0.0,
                          eos_ids=eos_ids(run.tokenizer, run.config.init.init_from))
     assert text == want.strip()
@@ -138,7 +138,7 @@ def test_transformers_generate_on_the_merged_export_equals_generate_chat(chat_ru
     from jaxmem.data.chat import ChatPromptTokenizer, find_chat_template
     from jaxmem.export.cli import main as export_main
     from jaxmem.generate.cli import main as generate_main
-    from jaxmem.generate.stopping import eos_ids
+    from jaxmem.decode.stopping import eos_ids
     from jaxmem.io.hf import hf_tokenizer
 
     _, out = chat_run

@@ -21,7 +21,7 @@ from jaxmem.config.model import ModelConfig, get_preset  # noqa: E402
 from jaxmem.memory.residuals import saved_residual_bytes  # noqa: E402
 from jaxmem.model import Llama, RematPolicy, abstract_params  # noqa: E402
 from jaxmem.perf import flops_per_token, peak_flops  # noqa: E402
-from jaxmem.train.precision import cast_params, get_precision  # noqa: E402
+from jaxmem.model.precision import cast_params, get_precision  # noqa: E402
 
 # The specs the driver makes for these flags (each carries the run's jaxmem RunConfig).
 SPECS = compare.specs_from_args(compare.parse_args(

@@ -158,7 +158,7 @@ def test_memory_model_and_compiled_step_know_the_fused_loss(monkeypatch, tied):
     from jaxmem.train import fused_loss
     monkeypatch.setattr(fused_loss, "AUTO_CHUNK_BYTES", 2**20)
     from jaxmem.model.remat import RematPolicy
-    from jaxmem.train.precision import get_precision
+    from jaxmem.model.precision import get_precision
     cfg = dataclasses.replace(get_preset("tiny", num_layers=1, vocab_size=8192),
                               tie_embeddings=tied)
     specs = {c: StepSpec(cfg, get_precision("fp32"), RematPolicy.parse("full"), 2, 128,

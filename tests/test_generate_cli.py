@@ -87,7 +87,7 @@ def test_stop_string_ends_the_text(hf_dir, tmp_path, capsys):
 def test_eos_ids_include_generation_config_json(hf_dir, tmp_path):
     import shutil
 
-    from jaxmem.generate.stopping import eos_ids
+    from jaxmem.decode.stopping import eos_ids
     from jaxmem.io.hf import hf_tokenizer
 
     d = tmp_path / "hf"

@@ -5,7 +5,7 @@ import pytest
 
 from jaxmem.config.model import get_preset
 from jaxmem.data import ByteTokenizer
-from jaxmem.generate.sampling import generate_text, new_token_budget, sample_tokens
+from jaxmem.decode.sampling import generate_text, new_token_budget, sample_tokens
 from jaxmem.model.llama import Llama
 
 

@@ -211,7 +211,7 @@ def test_init_from_weights_start_the_state_in_every_precision_mode(exported, mod
     from jaxmem.config.run import RunConfig
     from jaxmem.train.init_from import init_from_overrides, init_params_from
     from jaxmem.train.loss import synthetic_batch, token_loss
-    from jaxmem.train.precision import cast_floating
+    from jaxmem.model.precision import cast_floating
     from jaxmem.train.run import build_step_config
     from jaxmem.train.step import create_train_state, jit_train_step
 

@@ -121,7 +121,7 @@ def test_finetuned_export_loads_in_transformers(checkpoints, tmp_path, corpus, c
     generate --run and --hf on the export agree greedily."""
     from jaxmem.export.cli import main as export
     from jaxmem.generate.cli import main as generate
-    from jaxmem.io.rundir import load_run
+    from jaxmem.train.rundir import load_run
     from jaxmem.train.cli import main as train
 
     run, out = tmp_path / "run", tmp_path / "export"

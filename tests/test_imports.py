@@ -109,3 +109,39 @@ def test_readme_layout_table_names_every_package():
                  or (p.suffix == ".py" and p.name != "__init__.py"))
     missing = [name for name in top if f"`jaxmem/{name}`" not in table]
     assert not missing, f"README's layout table lacks {missing}"
+
+
+def layers() -> list[set[str]]:
+    """The package order docs/architecture.md states, bottom first: its `layers:` line, e.g.
+    `layers: dtypes, config -> model -> ...` (a comma joins packages on one level)."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    line = next(s for s in doc.splitlines() if s.strip(" `").startswith("layers:"))
+    return [{p.strip() for p in level.split(",")}
+            for level in line.split("layers:", 1)[1].strip(" `").split("->")]
+
+
+def package_of(module: str) -> str | None:
+    """jaxmem.train.loop -> 'train'; jaxmem.perf -> 'perf'; the root jaxmem -> None."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "jaxmem" and len(parts) > 1 else None
+
+
+def test_packages_import_downward_only():
+    """Each package of jaxmem/ imports only packages on lower levels of the stated order (a
+    deferred import inside a function counts), so no two packages import each other and any
+    part imports without what sits above it (the optimizer without the trainer, the sampler
+    without the CLI). The root `jaxmem/__init__.py` re-exports public names lazily and is left
+    out."""
+    order = layers()
+    level = {p: i for i, ps in enumerate(order) for p in ps}
+    mods = {m: p for m, p in modules().items() if m.startswith("jaxmem.")}
+    packages = {package_of(m) for m in mods}
+    assert packages <= set(level), f"docs/architecture.md's layers line lacks {packages - set(level)}"
+    wrong = []
+    for m, p in mods.items():
+        a = package_of(m)
+        for d in project_imports(m, p):
+            b = package_of(d)
+            if b is not None and b != a and level[b] >= level[a]:
+                wrong.append(f"{m} imports {d} ({a} is not above {b})")
+    assert not wrong, "\n".join(sorted(set(wrong)))

@@ -1,4 +1,4 @@
-"""Generation with a KV cache (jaxmem.generate.sampling) against the old sampler, which runs the
+"""Generation with a KV cache (jaxmem.decode.sampling) against the old sampler, which runs the
 whole buffer through the model for every token (`sample_tokens_uncached`, the reference).
 
     python -m pytest -q tests/test_kvcache.py
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxmem.config.model import ModelConfig
-from jaxmem.generate.sampling import (generate_ids, init_cache, lower_sample, sample_tokens,
+from jaxmem.decode.sampling import (generate_ids, init_cache, lower_sample, sample_tokens,
                                       sample_tokens_uncached, uncached_sampler)
 from jaxmem.model.llama import Llama, abstract_params
 
@@ -109,7 +109,7 @@ def test_cache_is_gqa_shaped_in_the_compute_dtype_and_no_full_logits():
 def test_bf16_prefill_logits_are_the_fp32_models_within_bf16_rounding():
     """The prefill through a bf16 cache gives the last position's logits of the plain fp32
     model within bf16 rounding, and hands back a bf16 cache (CPU numerics, not a GPU number)."""
-    from jaxmem.train.precision import cast_params
+    from jaxmem.model.precision import cast_params
 
     cfg = config(False)
     params = init(cfg)

@@ -13,11 +13,11 @@ from jaxmem.config.model import ModelConfig
 from jaxmem.config.run import RunConfig
 from jaxmem.model import Llama, init_params
 from jaxmem.peft.base import base_on_device, base_sha256, check_base
-from jaxmem.peft.lora import LoraSpec, LoraWeight, merge
+from jaxmem.peft.lora import LoraSpec, LoraWeight, merge, spec_of
 from jaxmem.peft.quant import QuantizedWeight, dequantize_layers
 from jaxmem.train.cli import main
 from jaxmem.train.loss import synthetic_batch
-from jaxmem.train.precision import get_precision
+from jaxmem.model.precision import get_precision
 from jaxmem.train.step import StepConfig, create_train_state, jit_train_step
 from runs import SMALL, error_line, losses, params_of
 
@@ -172,5 +172,5 @@ def test_config_section_round_trips():
     cfg = RunConfig().replace({"peft.lora_rank": 8, "peft.quantize_base": "int8",
                                "peft.lora_targets": "q,v"})
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
-    spec = cfg.peft.spec()
-    assert spec.targets == ("q", "v") and spec.scale == 2.0 and RunConfig().peft.spec() is None
+    spec = spec_of(cfg.peft)
+    assert spec.targets == ("q", "v") and spec.scale == 2.0 and spec_of(RunConfig().peft) is None

@@ -13,7 +13,7 @@ from jaxmem.config.model import ModelConfig, get_preset
 from jaxmem.memory import StepSpec, measure
 from jaxmem.memory.cli import main
 from jaxmem.model.remat import RematPolicy
-from jaxmem.train.precision import get_precision
+from jaxmem.model.precision import get_precision
 from testenv import subprocess_env
 
 

@@ -14,7 +14,7 @@ from jaxmem.train.loss import synthetic_batch
 from jaxmem.train.optim import OptimConfig
 from jaxmem.train.optim8bit import (SIGNED_MAP, UNSIGNED_MAP, Quantized, adamw_8bit,
                                     create_dynamic_map, dequantize, keeps_fp32, quantize)
-from jaxmem.train.precision import get_precision
+from jaxmem.model.precision import get_precision
 from jaxmem.train.step import StepConfig, create_train_state, jit_train_step
 from jaxmem.train.stochastic import apply_updates_sr, round_bf16
 from runs import SMALL, losses, params_of

@@ -178,7 +178,7 @@ def test_one_device_placement_is_todays_step():
     from jaxmem.memory.compiled import abstract_state, abstract_step_batch
     from jaxmem.memory.spec import StepSpec
     from jaxmem.parallel.mesh import run_mesh
-    from jaxmem.parallel.placement import Placement
+    from jaxmem.train.placement import Placement
     from jaxmem.train.step import create_train_state, jit_train_step
 
     spec = StepSpec.from_run_config(RunConfig().replace({"data.batch_size": 2, "data.seq_len": 8}))

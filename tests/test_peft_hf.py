@@ -13,7 +13,7 @@ import pytest
 
 from jaxmem.config.model import PRESETS
 from jaxmem.io.hf_export import save_hf
-from jaxmem.io.rundir import load_run
+from jaxmem.train.rundir import load_run
 from jaxmem.model import Llama
 from jaxmem.peft.base import base_on_device
 from jaxmem.peft.export import merged_params, run_base
@@ -161,7 +161,7 @@ def test_peft_loads_the_adapters_onto_the_base_with_the_same_logits(qlora, tmp_p
 @pytest.mark.slow  # 3.0 s cold on 2 cores (default run kept under 5 min)
 def test_generate_from_a_lora_run_uses_adapters_on_its_base(qlora, capsys):
     from jaxmem.generate.cli import main as generate_main
-    from jaxmem.generate.sampling import generate_text
+    from jaxmem.decode.sampling import generate_text
     from jaxmem.peft.export import lora_params
 
     _, out = qlora

@@ -15,7 +15,7 @@ from jaxmem.memory.phases import SampleShape, analytic_phases, run_phases
 from jaxmem.model.llama import init_params
 from jaxmem.model.remat import RematPolicy
 from jaxmem.train.loss import cross_entropy, synthetic_batch
-from jaxmem.train.precision import get_precision
+from jaxmem.model.precision import get_precision
 from jaxmem.train.run import make_eval_fn
 
 # A vocabulary much wider than the model, so that [B, T, V] logits dominate an unfused eval.
@@ -122,7 +122,7 @@ def test_analytic_phases_follow_the_config():
 def test_sampler_lowering_is_the_sampler():
     """lower_sample compiles the program sample_tokens runs: greedy tokens from the lowered and
     compiled program equal sample_tokens' (tiny, fp32)."""
-    from jaxmem.generate.sampling import lower_sample, sample_tokens
+    from jaxmem.decode.sampling import lower_sample, sample_tokens
     c = get_preset("tiny", num_layers=1)
     params = init_params(c, jax.random.PRNGKey(3))
     prompt = [1, 5, 9]

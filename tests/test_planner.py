@@ -11,7 +11,7 @@ from jaxmem.config.model import ModelConfig, get_preset
 from jaxmem.memory import (StepSpec, analytic_breakdown, candidates, compile_step,
                            measure_in_subprocess, plan)
 from jaxmem.memory.cli import main
-from jaxmem.train.precision import get_precision
+from jaxmem.model.precision import get_precision
 from jaxmem.model.remat import TAGS, RematPolicy
 from testenv import subprocess_env
 

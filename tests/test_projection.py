@@ -8,7 +8,7 @@ import pytest
 
 from jaxmem.config.model import PRESETS, ModelConfig
 from jaxmem.model import Llama, ProjectedWeight, init_params
-from jaxmem.train.precision import cast_params
+from jaxmem.model.precision import cast_params
 
 TIED = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                    max_position_embeddings=64, tie_embeddings=True)

@@ -7,7 +7,7 @@ import pytest
 from jaxmem.config.model import PRESETS, ModelConfig
 from jaxmem.model import abstract_params, count_by_role, count_params, param_role, param_roles
 from jaxmem.train.optim import decay_mask
-from jaxmem.train.precision import cast_params
+from jaxmem.model.precision import cast_params
 
 CFG = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
                   max_position_embeddings=64)

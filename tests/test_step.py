@@ -10,7 +10,7 @@ from jaxmem.config.model import ModelConfig
 from jaxmem.train.loss import synthetic_batch
 from jaxmem.train.loss_scale import DynamicLossScale, StaticLossScale, parse_loss_scale
 from jaxmem.train.optim import OptimConfig, decay_mask
-from jaxmem.train.precision import get_precision
+from jaxmem.model.precision import get_precision
 from jaxmem.train.step import StepConfig, create_train_state, jit_train_step
 
 CFG = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -123,7 +123,7 @@ def test_state_dtypes_per_mode():
     assert {x.dtype for x in jax.tree_util.tree_leaves(nu)} == {jnp.dtype(jnp.float32)}
     # docs/precision.md: in the master-weight modes the loss casts the matrices to the compute
     # dtype and leaves the norm weights fp32; pure bf16 stores the norm weights in bf16 too.
-    from jaxmem.train.precision import cast_params
+    from jaxmem.model.precision import cast_params
     computed = cast_params(amp.params, jnp.bfloat16)
     assert computed["norm"]["scale"].dtype == jnp.float32
     assert computed["layers"]["post_attention_layernorm"]["scale"].dtype == jnp.float32

@@ -310,7 +310,7 @@ def test_saved_bytes_smaller_with_checkpointing():
 # step 0 already has lr = 1e-3 (with warmup both sides would take a zero-lr first step).
 
 from jaxmem.train.optim import OptimConfig, decay_mask  # noqa: E402
-from jaxmem.train.precision import get_precision  # noqa: E402
+from jaxmem.model.precision import get_precision  # noqa: E402
 from jaxmem.train.step import StepConfig, create_train_state, make_train_step  # noqa: E402
 
 STEP_OPT = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=0, total_steps=50, weight_decay=0.1,

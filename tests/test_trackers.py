@@ -190,7 +190,7 @@ def test_vocab_size_comes_from_the_tokenizer_and_the_file_is_copied(tmp_path, ca
     assert cfg["config"]["model"]["vocab_size"] == n == cfg["resolved_model"]["vocab_size"]
     assert (out / "tokenizer.json").read_bytes() == tok.read_bytes()
     tok.unlink()  # generate uses the run directory's copy
-    from jaxmem.io.rundir import load_run
+    from jaxmem.train.rundir import load_run
     assert load_run(out).tokenizer.vocab_size == n
     with pytest.raises(SystemExit):
         main([*SMALL, "--data", str(tmp_path / "d.txt"), "--tokenizer",
@@ -225,7 +225,7 @@ def test_ten_failing_restores_in_one_process_leave_no_stray_tracebacks(tmp_path,
     manifest.write_bytes(manifest.read_bytes()[:16])  # before the fix: 0-20 tracebacks a restore
     child = (
         "import sys\n"
-        "from jaxmem.io.rundir import load_run\n"
+        "from jaxmem.train.rundir import load_run\n"
         "from jaxmem.io.checkpoint import CheckpointError\n"
         "for i in range(10):\n"
         "    try:\n"

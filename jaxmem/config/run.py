@@ -31,6 +31,7 @@ from typing import Any
 
 from jaxmem.config.data import DataSection  # re-exported: the section lives in its own module
 from jaxmem.config.fields import _positive, option
+from jaxmem.config.lora import parse_targets
 from jaxmem.config.model import PRESETS, ConfigError, ModelConfig, get_preset
 from jaxmem.config.sample import SampleSection  # noqa: F401  (re-exported: a RunConfig section)
 
@@ -222,7 +223,6 @@ class PeftSection:
                                 "(NF4: 4.127 instead of 4.5 bits per parameter)", store_true=True)
 
     def __post_init__(self):
-        from jaxmem.peft.lora import parse_targets  # ConfigError naming an unknown projection
         _positive("--lora-rank", self.lora_rank, allow_zero=True)
         parse_targets(self.lora_targets)
         if not 0 <= self.lora_dropout < 1:
@@ -235,14 +235,6 @@ class PeftSection:
         if self.quantize_base == "nf4" and self.quant_block == 0:
             raise ConfigError("--quant-block 0 (per output channel) is for int8 only; NF4 needs "
                               "blocks (64)")
-
-    def spec(self):
-        """The LoraSpec of this section, or None for a full fine-tune."""
-        if not self.lora_rank:
-            return None
-        from jaxmem.peft.lora import LoraSpec, parse_targets
-        return LoraSpec(self.lora_rank, self.lora_alpha, parse_targets(self.lora_targets),
-                        self.lora_dropout, self.quantize_base, self.quant_block, self.double_quant)
 
 
 @dataclass(frozen=True)

@@ -55,10 +55,10 @@ def cast_stats(values: np.ndarray, dtype) -> dict:
 def run_gradients(run_dir: Path) -> tuple[np.ndarray, float, dict]:
     """(flat fp32 gradient sample, the run's loss scale, the run's RunConfig)."""
     from jaxmem.data import eval_batches, load_corpus
-    from jaxmem.io.rundir import load_run
+    from jaxmem.train.rundir import load_run
     from jaxmem.train.loss import token_loss
     from jaxmem.model.llama import Llama
-    from jaxmem.train.precision import cast_floating
+    from jaxmem.model.precision import cast_floating
 
     run = load_run(Path(run_dir))
     d = run.config.data

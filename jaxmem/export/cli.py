@@ -23,7 +23,7 @@ import numpy as np
 from jaxmem.data import DataError
 from jaxmem.io.checkpoint import CheckpointError
 from jaxmem.io.hf_export import DEFAULT_MAX_SHARD_BYTES, DTYPES, save_hf
-from jaxmem.io.rundir import RunError, exit_after_failed_restore, load_run
+from jaxmem.train.rundir import RunError, exit_after_failed_restore, load_run
 from jaxmem.peft.export import export_adapters, merged_params
 
 

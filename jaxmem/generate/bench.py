@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem.config.model import PRESETS, get_preset
-from jaxmem.generate.sampling import _sampler, uncached_sampler
+from jaxmem.decode.sampling import _sampler, uncached_sampler
 from jaxmem.model.llama import init_params
-from jaxmem.train.precision import cast_params
+from jaxmem.model.precision import cast_params
 
 
 def _timed(fn, args, repeats):

@@ -1,5 +1,5 @@
 """`python -m jaxmem.generate`: sample text from the newest checkpoint of a run, or from a
-Hugging Face Llama checkpoint directory, with a KV cache (jaxmem.generate.sampling).
+Hugging Face Llama checkpoint directory, with a KV cache (jaxmem.decode.sampling).
 
     python -m jaxmem.generate --run runs/default --prompt "def main(" --max-new-tokens 200
     python -m jaxmem.generate --hf Llama-3.2-1B --prompt "The capital of France" --temperature 0
@@ -27,10 +27,10 @@ from pathlib import Path
 
 from jaxmem.config.flags import add_run_flags, given_overrides, positive_int
 from jaxmem.data import DataError
-from jaxmem.generate.sampling import complete_text, generate_ids, new_token_budget
-from jaxmem.generate.stopping import eos_ids, sample_dtype
+from jaxmem.decode.sampling import complete_text, generate_ids, new_token_budget
+from jaxmem.decode.stopping import eos_ids, sample_dtype
 from jaxmem.io.checkpoint import CheckpointError
-from jaxmem.io.rundir import RunError, exit_after_failed_restore, fail, load_run
+from jaxmem.train.rundir import RunError, exit_after_failed_restore, fail, load_run
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,7 +29,7 @@ every rejected candidate and why; exit 1 when nothing fits.
 
 `--mesh data=D,fsdp=F,tensor=T` (with `--devices N` on the CPU backend: N simulated devices)
 prints the per-device breakdown instead: the analytic model split by the sharding rules and the
-step compiled for the mesh, with its collectives (jaxmem.parallel.memory, docs/distributed.md).
+step compiled for the mesh, with its collectives (jaxmem.memory.mesh, docs/distributed.md).
 `--fit GIB --devices N` chooses the mesh instead of the step: the first mesh of N devices, from
 pure data parallel to all-fsdp to tensor=2, whose per-device compiled peak fits.
 
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                   only=MEMORY_FLAGS)
     p.add_argument("--devices", type=positive_int, default=None, metavar="N",
                    help="CPU backend: compile for N simulated devices of this host (with --mesh: "
-                        "the per-device breakdown, jaxmem.parallel.memory)")
+                        "the per-device breakdown, jaxmem.memory.mesh)")
     g = p.add_argument_group("planner and output")
     g.add_argument("--global-batch", type=positive_int, default=None,
                    help="sequences per optimizer step; sets --grad-accum = global / batch size")
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     if args.fit is not None and mesh is not None:
         parser.error("--fit with --devices searches the meshes itself; drop --mesh")
     if args.fit is not None and args.devices is not None:
-        from jaxmem.parallel.memory import fit_mesh
+        from jaxmem.memory.mesh import fit_mesh
         result = fit_mesh(spec, int(args.fit * GiB), log=None if args.json else (
             lambda t: print(f"  mesh {t['mesh']}: per-device peak {t['peak_bytes'] / GiB:.3f} GiB"
                             f"{'' if t['fits'] else ' > budget'}", file=sys.stderr, flush=True)))
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
             return 1
         return 0
     if mesh is not None or args.devices is not None:
-        from jaxmem.parallel.memory import format_mesh_report, mesh_report
+        from jaxmem.memory.mesh import format_mesh_report, mesh_report
         try:
             report = mesh_report(spec, mesh)
         except ValueError as e:  # MeshError names --mesh

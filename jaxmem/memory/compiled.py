@@ -9,9 +9,9 @@
                                measurements (docs/remat.md)
     compile_state(spec)        the program that makes the train state (jaxmem.memory.phases)
     compile_eval(spec)         the eval function of a run (make_eval_fn: the fused loss)
-    compile_sample(spec, ...)  the end-of-run sampler (jaxmem.generate.sampling.lower_sample)
+    compile_sample(spec, ...)  the end-of-run sampler (jaxmem.decode.sampling.lower_sample)
 
-Both compile the code that trains: `jaxmem.train.step.jit_train_step` and
+Both compile the code that trains: `jaxmem.train.run.compile_run_step` (the jitted step) and
 `jaxmem.train.loss.token_loss` (causal-only attention, padding removed by the loss mask), so a
 number here is a number of the real step, not of a look-alike.
 """
@@ -26,8 +26,8 @@ from jaxmem.memory.spec import StepSpec
 from jaxmem.model.llama import Llama, abstract_params, count_params
 from jaxmem.model.remat import RematPolicy, check_offload_supported
 from jaxmem.train.loss import abstract_batch, token_loss
-from jaxmem.train.run import abstract_train_state, make_eval_fn
-from jaxmem.train.step import jit_train_step, state_creation_fn
+from jaxmem.train.run import abstract_train_state, compile_run_step, make_eval_fn
+from jaxmem.train.step import state_creation_fn
 
 
 def compiled_stats(compiled) -> tuple[dict, float]:
@@ -79,9 +79,9 @@ def compile_step(spec: StepSpec) -> dict:
     """Compile the full train step ahead of time; XLA's memory and FLOP numbers (no allocation)."""
     if spec.remat.kind == "offload":
         check_offload_supported()
-    step = jit_train_step(spec.step_config()[0])
-    compiled = step.lower(abstract_state(spec), abstract_step_batch(spec),
-                          abstract_frozen(spec)).compile()
+    step_cfg, loss_scale = spec.step_config()
+    compiled = compile_run_step(step_cfg, loss_scale, spec.batch_size, spec.seq_len,
+                                spec.grad_accum)
     stats, flops = compiled_stats(compiled)
     return {**stats, "flops": flops}
 
@@ -153,7 +153,7 @@ def compile_sample(spec: StepSpec, n_prompt: int, total: int, temperature: float
                    top_k: int = 0) -> dict:
     """XLA's memory numbers of the end-of-run sampler for `total` positions (arguments: the
     params in the compute dtype, the token buffer, the key)."""
-    from jaxmem.generate.sampling import lower_sample
+    from jaxmem.decode.sampling import lower_sample
     lowered = lower_sample(spec.model, sample_params(spec), n_prompt, total,
                            compute_dtype=spec.precision.compute_dtype, temperature=temperature,
                            top_k=min(top_k, spec.model.vocab_size))

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jaxmem.config.model import ModelConfig
 from jaxmem.config.run import OptimConfig
 from jaxmem.model.llama import abstract_params
-from jaxmem.train.precision import Precision
+from jaxmem.model.precision import Precision
 
 
 def _abstract_opt_state(model: ModelConfig, optim: OptimConfig, precision: Precision):

@@ -13,7 +13,7 @@ the largest of them:
     eval    the eval function on one [B, T] batch (the fused LM-head loss, never [B, T, V]
             logits); the loop still holds the whole train state, so the optimizer state and
             counters are live outside the program
-    sample  the end-of-run sample (jaxmem.generate.sampling) over [1, prompt + new tokens]:
+    sample  the end-of-run sample (jaxmem.decode.sampling) over [1, prompt + new tokens]:
             the params cast to the compute dtype (a new copy unless the dtype is the params'),
             with the whole train state still live
 
@@ -51,7 +51,7 @@ PROMPT_TOKENS = 64
 class SampleShape:
     """The end-of-run sample: `max_new_tokens` after a prompt of `prompt_tokens` (0: no sample).
 
-    total: positions of its token buffer, capped by the model's (jaxmem.generate.sampling).
+    total: positions of its token buffer, capped by the model's (jaxmem.decode.sampling).
     """
 
     max_new_tokens: int = 200

@@ -15,7 +15,8 @@ from jaxmem.config.model import ModelConfig
 from jaxmem.config.run import ModelSection, RunConfig
 from jaxmem.model.remat import RematPolicy
 from jaxmem.train.loss_scale import LossScale
-from jaxmem.train.precision import Precision, get_precision
+from jaxmem.model.precision import Precision, get_precision
+from jaxmem.peft.lora import spec_of
 from jaxmem.train.run import build_step_config
 from jaxmem.train.step import StepConfig
 
@@ -55,7 +56,7 @@ class StepSpec:
         d = cfg.data
         return cls(cfg.model_config(), get_precision(cfg.precision.mode),
                    RematPolicy.parse(cfg.remat.policy), d.batch_size, d.seq_len, d.grad_accum,
-                   cfg.optim.mu_dtype, attention, cfg.peft.spec(), cfg.remat.loss_chunk,
+                   cfg.optim.mu_dtype, attention, spec_of(cfg.peft), cfg.remat.loss_chunk,
                    cfg.optim.optimizer)
 
     def run_config(self) -> RunConfig:

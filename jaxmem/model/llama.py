@@ -13,7 +13,7 @@ weight matrix is owned by a `Projection` (jaxmem.model.projection), the one plac
 matmuls, LoRA and quantized weights plug in; `einsum` is the multiply it uses.
 
 The model computes in the dtype of the parameters it is given: the train step casts fp32 master
-weights to the compute dtype before calling `apply` (jaxmem.train.precision). Norm statistics,
+weights to the compute dtype before calling `apply` (jaxmem.model.precision). Norm statistics,
 softmax, logits and the loss stay fp32 regardless.
 """
 
@@ -134,7 +134,7 @@ class Llama(nn.Module):
         segment_ids [B, T]: packed rows (0 = padding, k = the k-th example): attention stays
             within a segment on every path (jaxmem.model.attention); padding_mask is then unused
             (segment 0 is the padding).
-        cache, cache_index, kv_valid: decode against a KV cache (jaxmem.generate.sampling):
+        cache, cache_index, kv_valid: decode against a KV cache (jaxmem.decode.sampling):
             cache = (k, v), each [L, B, S, K, H] in the compute dtype; the T tokens are written at
             slots cache_index.., kv_valid [B, S] says which slots hold real tokens (this call's
             included). Returns (logits [B, V] of the last position only, the updated cache).

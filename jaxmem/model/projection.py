@@ -21,7 +21,7 @@ with a method
 that computes `einsum(subscripts, x, W)` for the W it stands for (a quantized base dequantizes
 and multiplies, or calls a fused kernel; LoRA adds `x A B` to the base's result). Such an object
 lives in the params tree as a registered pytree; `nn.scan` slices its leaves over the layer axis
-like any other param, and jaxmem.train.precision.cast_params casts only its floating leaves. Its
+like any other param, and jaxmem.model.precision.cast_params casts only its floating leaves. Its
 leaves may have any shapes (packed int4 has half the elements): the stored value is read as it
 is, without Flax's check of leaf shapes against the init's, and a plain array of the wrong shape
 gets an error naming the parameter and both shapes.

@@ -26,27 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem.config.model import ConfigError, ModelConfig
+from jaxmem.config.lora import ALL_TARGETS, TARGETS, parse_targets  # noqa: F401 (re-exported)
+from jaxmem.config.model import ModelConfig
 from jaxmem.model.projection import project
 
-# --lora-targets short name -> (group in a decoder block, parameter name = role)
-TARGETS = {"q": ("self_attn", "q_proj"), "k": ("self_attn", "k_proj"),
-           "v": ("self_attn", "v_proj"), "o": ("self_attn", "o_proj"),
-           "gate": ("mlp", "gate_proj"), "up": ("mlp", "up_proj"), "down": ("mlp", "down_proj")}
-ALL_TARGETS = ",".join(TARGETS)
 RANK = "R"  # the adapter rank's axis letter in einsum strings
-
-
-def parse_targets(text: str) -> tuple[str, ...]:
-    """'q,v' -> ('q', 'v'); ConfigError naming an unknown projection."""
-    names = tuple(t.strip() for t in text.split(",") if t.strip())
-    for name in names:
-        if name not in TARGETS:
-            raise ConfigError(f"--lora-targets: unknown projection {name!r}; choose from "
-                              f"{ALL_TARGETS}")
-    if not names:
-        raise ConfigError("--lora-targets names no projection")
-    return names
 
 
 def weight_axes(c: ModelConfig) -> dict[str, tuple[str, str, tuple[int, ...], int]]:
@@ -165,6 +149,16 @@ class LoraSpec:
                                               None if keys is None else keys[i],
                                               self.scale, self.dropout)
         return {**base, "layers": layers}
+
+
+def spec_of(section) -> LoraSpec | None:
+    """The LoraSpec of a RunConfig's peft section (jaxmem.config.run.PeftSection), or None for a
+    full fine-tune (lora_rank 0)."""
+    if not section.lora_rank:
+        return None
+    return LoraSpec(section.lora_rank, section.lora_alpha, parse_targets(section.lora_targets),
+                    section.lora_dropout, section.quantize_base, section.quant_block,
+                    section.double_quant)
 
 
 def merge(base, adapters, spec: LoraSpec, c: ModelConfig):

@@ -4,15 +4,18 @@
                  function it compiles, for planners), make_train_step, jit_train_step
     loss         cross_entropy, token_loss (the step's loss), synthetic / abstract batches
     loss_scale   no-op, static and dynamic loss scales (torch GradScaler semantics)
-    precision    precision modes, cast_params
+    precision    a re-export of jaxmem.model.precision (precision modes, cast_params)
     optim        AdamW, warmup + cosine schedule, decay mask
-    run          RunConfig -> StepConfig (build_step_config), abstract state, eval function
+    run          RunConfig -> StepConfig (build_step_config), abstract state, eval function,
+                 compile_run_step (the run's step compiled on abstract shapes)
+    placement    Placement: the state and the step on a mesh (in/out shardings), batches
+    rundir       config.json (RunConfig, schema versions), metrics.jsonl, load_run
     loop, cli    the training loop and `python -m jaxmem.train` (programs, not a library)
 """
 
 from jaxmem.train.loss import cross_entropy, token_loss
 from jaxmem.train.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale, parse_loss_scale
-from jaxmem.train.precision import PRECISIONS, Precision, cast_params, get_precision
+from jaxmem.model.precision import PRECISIONS, Precision, cast_params, get_precision
 from jaxmem.train.run import abstract_train_state, build_step_config, make_eval_fn
 from jaxmem.train.step import (StepConfig, TrainState, create_train_state, jit_train_step,
                                make_train_step, state_creation_fn)

@@ -39,11 +39,11 @@ from jaxmem.data import DataError, load_corpus, load_tokenizer
 from jaxmem.data.checks import data_warnings
 from jaxmem.data.examples import example_options
 from jaxmem.io.checkpoint import CheckpointError, Checkpointer
-from jaxmem.io.rundir import (CKPT_DIR, CONFIG_FILE, RunError, exit_after_failed_restore, fail,
+from jaxmem.train.rundir import (CKPT_DIR, CONFIG_FILE, RunError, exit_after_failed_restore, fail,
                               older_steps_hint, read_run_config, run_tokenizer)
 from jaxmem.parallel.distributed import add_process_flags, initialize_from_args
 from jaxmem.parallel.mesh import run_mesh
-from jaxmem.parallel.placement import Placement
+from jaxmem.train.placement import Placement
 from jaxmem.train.init_from import init_from_overrides, init_params_from
 from jaxmem.train.run import abstract_train_state, build_step_config
 

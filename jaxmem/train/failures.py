@@ -33,12 +33,17 @@ def _device_bytes() -> int | None:
 
 
 def _compiled_peak(cfg) -> int | None:
-    """XLA's compiled peak of the run's train step (abstract shapes, nothing allocated)."""
+    """XLA's compiled peak of the run's train step (abstract shapes, nothing allocated): the
+    compile the planner reports too (jaxmem.train.run.compile_run_step)."""
     try:
-        from jaxmem.memory.compiled import compile_step  # noqa: PLC0415
-        from jaxmem.memory.spec import StepSpec  # noqa: PLC0415
+        from jaxmem.train.run import build_step_config, compile_run_step  # noqa: PLC0415
 
-        return int(compile_step(StepSpec.from_run_config(cfg))["peak_bytes"])
+        _, step_cfg, loss_scale = build_step_config(cfg)
+        d = cfg.data
+        mem = compile_run_step(step_cfg, loss_scale, d.batch_size, d.seq_len, d.grad_accum,
+                               d.seed).memory_analysis()
+        return int(mem.temp_size_in_bytes + mem.argument_size_in_bytes
+                   + mem.output_size_in_bytes - mem.alias_size_in_bytes)
     except Exception:  # the estimate is a courtesy: never hide the real error behind another
         return None
 

@@ -26,13 +26,13 @@ import numpy as np
 from jaxmem.data import Batcher, PackedData, eval_batches
 from jaxmem.data.chat import copy_chat_files
 from jaxmem.data.examples import describe
-from jaxmem.generate.sampling import generate_text
-from jaxmem.generate.stopping import eos_ids, sample_dtype
+from jaxmem.decode.sampling import generate_text
+from jaxmem.decode.stopping import eos_ids, sample_dtype
 from jaxmem.io.checkpoint import Checkpointer
-from jaxmem.io.rundir import (CKPT_DIR, METRICS_FILE, copy_tokenizer, truncate_metrics,
+from jaxmem.train.rundir import (CKPT_DIR, METRICS_FILE, copy_tokenizer, truncate_metrics,
                               write_run_config)
 from jaxmem.perf import device_memory, flops_per_token, peak_flops
-from jaxmem.parallel.placement import Placement
+from jaxmem.train.placement import Placement
 from jaxmem.train.run import make_eval_fn
 from jaxmem.train.step import create_train_state, jit_train_step
 from jaxmem.train.trackers import Trackers, eval_metrics

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem.train.fused_loss import fused_cross_entropy, resolve_loss_chunk
-from jaxmem.train.precision import cast_params
+from jaxmem.model.precision import cast_params
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array):

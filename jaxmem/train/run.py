@@ -10,10 +10,12 @@ import jax
 from jaxmem.config.model import ConfigError, ModelConfig
 from jaxmem.config.run import RunConfig
 from jaxmem.model.remat import RematPolicy
-from jaxmem.train.loss import token_loss
+from jaxmem.train.loss import abstract_batch, token_loss
 from jaxmem.train.loss_scale import LossScale, parse_loss_scale
-from jaxmem.train.precision import get_precision
-from jaxmem.train.step import StepConfig, state_creation_fn
+from jaxmem.model.precision import get_precision
+from jaxmem.peft.base import abstract_base
+from jaxmem.peft.lora import spec_of
+from jaxmem.train.step import StepConfig, jit_train_step, state_creation_fn
 
 
 def build_step_config(cfg: RunConfig) -> tuple[ModelConfig, StepConfig, LossScale]:
@@ -33,7 +35,7 @@ def build_step_config(cfg: RunConfig) -> tuple[ModelConfig, StepConfig, LossScal
     loss_scale = parse_loss_scale(p.loss_scale or precision.loss_scale, init_scale=p.loss_scale_init,
                                   growth_interval=p.loss_scale_growth_interval)
     step_cfg = StepConfig(model_cfg, precision, remat, cfg.optim, grad_accum=cfg.data.grad_accum,
-                          peft=cfg.peft.spec(), loss_chunk=cfg.remat.loss_chunk)
+                          peft=spec_of(cfg.peft), loss_chunk=cfg.remat.loss_chunk)
     return model_cfg, step_cfg, loss_scale
 
 
@@ -41,6 +43,27 @@ def abstract_train_state(cfg: StepConfig, loss_scale, seed: int = 0):
     """The train state's shapes and dtypes (for Orbax restore), allocating nothing: the shapes
     of the program that creates it (`state_creation_fn`)."""
     return jax.eval_shape(state_creation_fn(cfg, loss_scale, seed))
+
+
+def abstract_step_args(step_cfg: StepConfig, loss_scale, batch_size: int, seq_len: int,
+                       grad_accum: int = 1, seed: int = 0) -> tuple:
+    """(state, batch [K, B, T], frozen base or None) as ShapeDtypeStructs: the train step's
+    arguments, nothing allocated."""
+    batch = {k: jax.ShapeDtypeStruct((grad_accum,) + v.shape, v.dtype)
+             for k, v in abstract_batch(batch_size, seq_len).items()}
+    frozen = None if step_cfg.peft is None else abstract_base(
+        step_cfg.model, step_cfg.peft, step_cfg.precision.compute_dtype)
+    return abstract_train_state(step_cfg, loss_scale, seed), batch, frozen
+
+
+def compile_run_step(step_cfg: StepConfig, loss_scale, batch_size: int, seq_len: int,
+                     grad_accum: int = 1, seed: int = 0):
+    """The train step compiled ahead of time on abstract shapes (one device, nothing allocated):
+    `compile_run_step(...).memory_analysis()` is what the step needs. The planner's compiled
+    figures (jaxmem.memory.compiled.compile_step) and the out-of-memory help of `jaxmem.train`
+    (jaxmem.train.failures) both come from here."""
+    args = abstract_step_args(step_cfg, loss_scale, batch_size, seq_len, grad_accum, seed)
+    return jit_train_step(step_cfg).lower(*args).compile()
 
 
 def make_eval_fn(cfg: StepConfig):

@@ -34,7 +34,7 @@ from jaxmem.train.loss_scale import LossScale, NoOpLossScale, all_finite
 from jaxmem.model.llama import Llama, init_params
 from jaxmem.model.projection import default_einsum
 from jaxmem.train.optim import OptimConfig, make_optimizer, schedule
-from jaxmem.train.precision import Precision, cast_floating
+from jaxmem.model.precision import Precision, cast_floating
 from jaxmem.model.remat import RematPolicy
 
 
@@ -92,7 +92,7 @@ def state_creation_fn(cfg: StepConfig, loss_scale: LossScale | None = None, seed
     """The function `jax.jit` compiles to make a fresh train state: `() -> TrainState`, or
     `(params) -> TrainState` with `with_params` (step-0 weights given, e.g. from --init-from).
 
-    The trainer (`create_train_state`, jaxmem.parallel.placement) and the planner compile this
+    The trainer (`create_train_state`, jaxmem.train.placement) and the planner compile this
     same function, so the planned and the run's state creation are one program:
 
         fn = state_creation_fn(cfg, loss_scale, seed)

@@ -5,7 +5,7 @@
     trackers.log(rec, eta_s=..., memory=...) # one metrics record: console line, TB, W&B
     trackers.close()
 
-metrics.jsonl stays the record of a run (jaxmem.io.rundir); everything here is a view of the same
+metrics.jsonl stays the record of a run (jaxmem.train.rundir); everything here is a view of the same
 records, so a TensorBoard scalar equals the metrics.jsonl value of the same step and key.
 
 - Plain lines: when the progress bar is off (`--no-progress`, or stdout is not a terminal, as in

@@ -28,7 +28,7 @@ from jaxmem.memory.compiled import abstract_state, abstract_step_batch, compiled
 from jaxmem.memory.spec import StepSpec
 from jaxmem.model.llama import abstract_params
 from jaxmem.parallel.mesh import AXES, MeshSpec, run_mesh
-from jaxmem.parallel.placement import Placement
+from jaxmem.train.placement import Placement
 from jaxmem.parallel.rules import batch_sharding, leaf_spec
 
 PARAM_SHAPED = ("params (master)", "adam mu", "adam nu", "gradients", "grad accumulator",

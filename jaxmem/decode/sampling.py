@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxmem.config.model import ModelConfig
 from jaxmem.model.llama import Llama
-from jaxmem.train.precision import cast_params
+from jaxmem.model.precision import cast_params
 
 
 def init_cache(config: ModelConfig, batch: int, length: int, dtype):
