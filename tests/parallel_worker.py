@@ -26,7 +26,8 @@ if os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # the test suite's persistent c
 import numpy as np  # noqa: E402
 
 from jaxmem.config.run import RunConfig  # noqa: E402
-from jaxmem.parallel import Placement, run_mesh  # noqa: E402
+from jaxmem.parallel import run_mesh  # noqa: E402
+from jaxmem.train.placement import Placement  # noqa: E402
 from jaxmem.train.loss import synthetic_batch  # noqa: E402
 from jaxmem.train.run import build_step_config  # noqa: E402
 
