@@ -145,3 +145,12 @@ def test_packages_import_downward_only():
             if b is not None and b != a and level[b] >= level[a]:
                 wrong.append(f"{m} imports {d} ({a} is not above {b})")
     assert not wrong, "\n".join(sorted(set(wrong)))
+
+
+
+def test_readme_states_the_same_package_order():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    line = next(s for s in doc.splitlines() if s.strip(" `").startswith("layers:"))
+    order = line.split("layers:", 1)[1].strip(" `")
+    readme = " ".join((ROOT / "README.md").read_text().replace("`", "").split())
+    assert order in readme, f"README should state the package order of docs/architecture.md: {order}"
