@@ -75,7 +75,7 @@ class StepConfig:
     # LoRA / QLoRA (jaxmem.peft.lora.LoraSpec): the state's params are the adapters only and
     # the step takes the frozen base as its third argument. None: full fine-tune.
     peft: Any = None
-    # The LM head fused into the loss in sequence chunks (jaxmem.train.fused_loss): None picks
+    # The LM head fused into the loss in sequence chunks (jaxmem.loss.chunked): None picks
     # (resolve_loss_chunk), 0 keeps the [B, T, V] logits, N > 0 uses chunks of N positions.
     loss_chunk: int | None = None
 
