@@ -160,8 +160,8 @@ class MemoryAnalysis:
                       f"{_size(self.residual_bytes).strip()} in {sum(r.count for r in kept)} "
                       f"values (+ {_size(sum(r.bytes for r in args))} of its own "
                       f"arguments, counted in argument above)",
-                      f"  {'name':<44}{'shape':<22}{'dtype':<10}{'count':>6}{'bytes':>14}"]
-            lines += [f"  {r.name[:43]:<44}{str(list(r.shape)):<22}{r.dtype:<10}{r.count:>6}"
+                      f"  {'name':<52}{'shape':<22}{'dtype':<10}{'count':>6}{'bytes':>14}"]
+            lines += [f"  {r.name[:51]:<52}{str(list(r.shape)):<22}{r.dtype:<10}{r.count:>6}"
                       f"{_size(r.bytes):>14}" for r in kept]
         return "\n".join(lines)
 
@@ -301,8 +301,10 @@ def _residual_name(desc: str) -> str:
     if desc.startswith("output of "):
         prim, _, src = desc[len("output of "):].partition(" from ")
         m = _SOURCE.match(src.strip())
-        if m:
-            return f"{prim} at {os.path.basename(m['path'])}:{m['line']}{m['rest']}"
+        if m:  # "(make_loss.<locals>.block)" -> "(block)": the innermost function
+            fn = m["rest"].strip().strip("()").rpartition(".")[2]
+            return f"{prim} at {os.path.basename(m['path'])}:{m['line']}" + (f" ({fn})" if fn
+                                                                            else "")
         return prim
     return "constant"
 
