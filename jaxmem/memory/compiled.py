@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem.config.model import ModelConfig
+from jaxmem.memory.analysis import MemoryAnalysis, analyze
 from jaxmem.memory.spec import StepSpec
 from jaxmem.model.llama import Llama, abstract_params, count_params
 from jaxmem.model.remat import RematPolicy, check_offload_supported
@@ -34,21 +35,11 @@ def compiled_stats(compiled) -> tuple[dict, float]:
     """(XLA's memory numbers as a plain dict, FLOPs) for a compiled executable.
 
     peak = temp + argument + output - alias: what the executable needs at once, with donated
-    (aliased) outputs written over their inputs.
+    (aliased) outputs written over their inputs. The figures are `MemoryAnalysis.of_compiled`'s
+    (jaxmem.memory.analysis), the ones `jaxmem.memory.analyze` gives for any function.
     """
-    mem = compiled.memory_analysis()
-    stats = {
-        "temp_bytes": int(mem.temp_size_in_bytes),
-        "argument_bytes": int(mem.argument_size_in_bytes),
-        "output_bytes": int(mem.output_size_in_bytes),
-        "alias_bytes": int(mem.alias_size_in_bytes),
-    }
-    stats["peak_bytes"] = (stats["temp_bytes"] + stats["argument_bytes"] + stats["output_bytes"]
-                           - stats["alias_bytes"])
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):  # older jax returns one dict per computation
-        cost = cost[0] if cost else {}
-    return stats, float((cost or {}).get("flops", float("nan")))
+    analysis = MemoryAnalysis.of_compiled(compiled)
+    return analysis.stats(), analysis.flops
 
 
 def abstract_state(spec: StepSpec):
@@ -80,10 +71,9 @@ def compile_step(spec: StepSpec) -> dict:
     if spec.remat.kind == "offload":
         check_offload_supported()
     step = jit_train_step(spec.step_config()[0])
-    compiled = step.lower(abstract_state(spec), abstract_step_batch(spec),
-                          abstract_frozen(spec)).compile()
-    stats, flops = compiled_stats(compiled)
-    return {**stats, "flops": flops}
+    analysis = analyze(step, abstract_state(spec), abstract_step_batch(spec),
+                       abstract_frozen(spec))
+    return {**analysis.stats(), "flops": analysis.flops}
 
 
 def grad_step_report(config: ModelConfig, remat: RematPolicy | str, batch_size: int,
