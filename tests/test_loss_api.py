@@ -87,3 +87,19 @@ def test_errors_name_the_argument(kwargs, message):
     with pytest.raises(ValueError) as e:
         jl.fused_cross_entropy(hidden, head, targets, **kwargs)
     assert str(e.value) == "fused_cross_entropy: " + message
+
+
+def test_a_quantized_head_equals_its_dequantized_array():
+    """A weight object as the head ("dv"): an int8 QuantizedWeight (jaxmem.quant) gives the loss
+    and d(hidden) of its dequantized [D, V] array."""
+    import jaxmem.quant as jq
+
+    hidden, head, targets, weights = data(5)
+    q = jq.quantize({"kernel": head}, "int8", block_size=8)["kernel"]
+    dense = jq.dequantize(q)
+    with jax.default_matmul_precision("highest"):
+        f = lambda h, w: jl.fused_cross_entropy(h, w, targets, weights, 4)  # noqa: E731
+        got, gx = jax.value_and_grad(f)(hidden, q)
+        want, wx = jax.value_and_grad(f)(hidden, dense)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(gx, wx, rtol=1e-5, atol=1e-6)
