@@ -1,12 +1,26 @@
 """Loss scaling for fp16 training, with `torch.amp.GradScaler`'s semantics.
 
-Three scales, all pytrees with the same interface (`scale`, `unscale`, `adjust`):
+Three scales, all pytrees with one interface (as jmp's):
 
-    NoOpLossScale      scale 1, nothing to adjust (fp32, bf16, amp-bf16)
-    StaticLossScale    a fixed scale (no skipping logic beyond the finite check)
+    NoOpLossScale      scale 1, nothing to adjust (fp32, bf16)
+    StaticLossScale    a fixed scale
     DynamicLossScale   GradScaler's algorithm, below
 
-DynamicLossScale, per optimizer step, given `finite` = all unscaled gradients are finite:
+    ls.loss_scale            fp32 scalar: the current scale
+    ls.scale(tree)           tree * scale       (the loss, before differentiating)
+    ls.unscale(tree)         tree / scale, in fp32, cast back to each leaf's dtype (the grads)
+    ls.adjust(finite)        the next step's loss scale, given all_finite(unscaled grads)
+
+Use in a step of your own (or let `loss_scaled` in jaxmem.optim do all of it):
+
+    loss, grads = jax.value_and_grad(lambda p: ls.scale(loss_fn(p)))(params)
+    grads = ls.unscale(grads)
+    finite = all_finite(grads)
+    new = optimizer step(grads, ...)
+    params, opt_state = select_tree(finite, new, (params, opt_state))   # skip: bitwise unchanged
+    ls = ls.adjust(finite)
+
+DynamicLossScale.adjust, once per optimizer step:
 
     if finite:
         inf_run = 0
@@ -27,6 +41,8 @@ Defaults are torch's: scale 2**16, growth 2.0 every 2000 finite steps, backoff 0
 `inf_run`) are pytree leaves; the constants are static pytree fields, so every field survives jit,
 `tree_map` and a checkpoint round trip (jmp's DynamicLossScale drops `min_loss_scale` in
 `tree_flatten`; here the constants are part of the treedef).
+
+References: torch.amp.GradScaler; Micikevicius et al., Mixed Precision Training, ICLR 2018.
 """
 
 from __future__ import annotations
@@ -44,7 +60,7 @@ FP32_TINY = float(jnp.finfo(jnp.float32).tiny)  # default min_scale: no floor, a
 
 
 def all_finite(tree) -> jax.Array:
-    """A bool scalar: every element of every leaf is finite."""
+    """A bool scalar: every element of every leaf of `tree` is finite (True for no leaves)."""
     leaves = jax.tree_util.tree_leaves(tree)
     if not leaves:
         return jnp.array(True)
@@ -63,7 +79,7 @@ def _unscale(tree, scale):
 
 @struct.dataclass
 class NoOpLossScale:
-    """No scaling: scale 1, never adjusts."""
+    """No scaling: scale 1, never adjusts. `NoOpLossScale()`; no leaves."""
 
     @property
     def loss_scale(self) -> jax.Array:
@@ -82,7 +98,10 @@ class NoOpLossScale:
 
 @struct.dataclass
 class StaticLossScale:
-    """A fixed scale. Non-finite steps are still skipped by the train step."""
+    """A fixed scale; `adjust` keeps it. Non-finite steps are still the caller's to skip.
+
+    loss_scale: fp32 scalar, e.g. `StaticLossScale(jnp.float32(1024.0))`.
+    """
 
     loss_scale: jax.Array
 
@@ -122,6 +141,15 @@ class DynamicLossScale:
 
     @classmethod
     def create(cls, init_scale: float = 2.0**16, **kwargs) -> "DynamicLossScale":
+        """A fresh scale: `init_scale`, no steps counted; kwargs are the static fields above.
+        Raises ValueError naming the first invalid setting.
+
+        >>> ls = DynamicLossScale.create()        # torch.amp.GradScaler()'s defaults
+        >>> float(ls.loss_scale), ls.growth_interval, ls.backoff_factor
+        (65536.0, 2000, 0.5)
+        >>> float(ls.adjust(jnp.array(False)).loss_scale)   # an inf/nan step backs off
+        32768.0
+        """
         validate_dynamic(init_scale=init_scale, **kwargs)
         return cls(loss_scale=jnp.asarray(init_scale, jnp.float32), **kwargs)
 
@@ -167,22 +195,3 @@ def validate_dynamic(init_scale=2.0**16, growth_interval=2000, growth_factor=2.0
     for name, value, ok in checks:
         if not ok:
             raise ValueError(f"loss scale {name}={value!r} is invalid")
-
-
-def parse_loss_scale(spec: str, init_scale: float = 2.0**16, growth_interval: int = 2000,
-                     **kwargs) -> LossScale:
-    """`dynamic`, `static:VALUE` or `none` -> a loss-scale state."""
-    if spec == "none":
-        return NoOpLossScale()
-    if spec == "dynamic":
-        return DynamicLossScale.create(init_scale, growth_interval=growth_interval, **kwargs)
-    head, _, value = spec.partition(":")
-    if head == "static":
-        try:
-            v = float(value)
-        except ValueError:
-            v = float("nan")
-        if not (v > 0 and math.isfinite(v)):
-            raise ValueError(f"--loss-scale static:VALUE needs a positive finite VALUE, got {value!r}")
-        return StaticLossScale(jnp.asarray(v, jnp.float32))
-    raise ValueError(f"unknown --loss-scale {spec!r}; valid: dynamic, static:VALUE, none")

@@ -1,7 +1,7 @@
-"""Stochastic rounding to bf16, for bf16 weights with no fp32 master copy (`--precision bf16-sr`).
+"""Stochastic rounding to bf16, for bf16 weights with no fp32 master copy.
 
-    round_bf16(x, key)                    fp32 -> bf16, rounding up with probability equal to
-                                          the distance to the lower bf16 value / the ulp
+    round_bf16(x, key)                     fp32 -> bf16, rounding up with probability equal to
+                                           the distance to the lower bf16 value / the ulp
     apply_updates_sr(params, updates, key) params + updates in fp32, then round_bf16 per leaf
 
 Round-to-nearest drops every update below half an ulp of the weight (bf16 has 8 significant
@@ -10,9 +10,6 @@ training stalls (docs/precision.md). Stochastic rounding keeps them in expectati
 E[round_bf16(x)] = x. The bits: bf16 is the top 16 bits of an fp32, so adding a uniform random
 16-bit integer to the fp32's bit pattern and truncating the low 16 bits rounds up with exactly
 that probability (the sign-magnitude layout makes this right for negative values too).
-
-The key comes from the train state (jaxmem.train.step folds the state's RNG with the step
-number), so a resumed run draws the same bits and stays bitwise equal to an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -20,9 +17,29 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxmem.dtypes.bits import from_bits, to_bits
+
+CHUNK = 2**24  # elements rounded at a time in a large leaf
+
 
 def round_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
-    """Stochastically round fp32 `x` to bf16 (unbiased); non-finite values round to nearest."""
+    """Stochastically round `x` to bf16, unbiased: E[round_bf16(x, key)] = x.
+
+    Args:
+      x: any shape, any float dtype (computed on in fp32).
+      key: a PRNG key; the same key gives the same rounding.
+
+    Returns:
+      bf16 array of x's shape. Non-finite values, and finite ones whose rounding up would carry
+      past bf16's largest value, are rounded to nearest instead.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> x = jnp.full((10000,), 1.0 + 2.0**-10)    # a quarter of a bf16 ulp above 1.0
+      >>> r = round_bf16(x, jax.random.PRNGKey(0)).astype(jnp.float32)
+      >>> sorted(set(r.tolist()))                    # the two neighbours, ~1/4 of them up
+      [1.0, 1.0078125]
+    """
     x = x.astype(jnp.float32)
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
     noise = jax.random.bits(key, x.shape, jnp.uint32) >> 16       # uniform in [0, 2^16)
@@ -33,23 +50,10 @@ def round_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
     return jnp.where(ok, out, x).astype(jnp.bfloat16)
 
 
-SR_STREAM = 0x5352  # "SR": keeps the rounding bits apart from other users of fold_in(rng, step)
-
-
-def step_key(rng: jax.Array, step: jax.Array) -> jax.Array:
-    """The rounding key of one step: the state's raw key data folded with the step number, then
-    with SR_STREAM (LoRA dropout draws from fold_in(rng, step) itself: jaxmem.train.step)."""
-    key = jax.random.wrap_key_data(rng) if hasattr(jax.random, "wrap_key_data") else rng
-    return jax.random.fold_in(jax.random.fold_in(key, step), SR_STREAM)
-
-
-CHUNK = 2**24  # elements rounded at a time in a large leaf
-_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
-
-
 def row_chunks(shape, chunk: int = CHUNK) -> int:
     """Into how many pieces to cut the rows (every axis but the last, flattened) of an array of
-    `shape` so that each piece has <= `chunk` elements (a divisor of the row count)."""
+    `shape` so that each piece has <= `chunk` elements (a divisor of the row count; 1 for 0-D
+    and 1-D shapes)."""
     if len(shape) < 2:
         return 1
     rows = 1
@@ -67,12 +71,29 @@ def _add_round(p, u, key):
 
 
 def apply_updates_sr(params, updates, key: jax.Array):
-    """params + updates computed in fp32, each floating leaf stochastically rounded back to its
-    dtype when that is bf16; others as optax.apply_updates.
+    """`optax.apply_updates` for bf16 params without an fp32 master copy: each bf16 leaf gets
+    p + u computed in fp32 and stochastically rounded back to bf16 (`round_bf16`); every other
+    leaf p + u in fp32, cast back to p's dtype.
 
-    Keys: fold_in(key, leaf index), then fold_in(., piece) for a leaf rounded in pieces (leaves
-    over CHUNK elements go through lax.map over row pieces: the random bits of a whole
-    [L, D, F] leaf measured ~8 B/element of CPU temporaries)."""
+    Args:
+      params: a pytree of arrays (any dtypes; the bf16 leaves are the ones rounded).
+      updates: a pytree of params' structure (e.g. from a GradientTransformation's update).
+      key: a PRNG key; leaf i draws from fold_in(key, i), and a leaf over CHUNK (2^24) elements,
+        rounded in row pieces (`row_chunks`) so that its random bits never exist at once, from
+        fold_in(fold_in(key, i), piece).
+
+    Returns:
+      The new params, same structure and dtypes as `params`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> params = {"w": jnp.ones((4, 4), jnp.bfloat16)}
+      >>> tx = optax.sgd(1e-3)          # each step below half a bf16 ulp of 1.0
+      >>> updates, _ = tx.update({"w": jnp.ones((4, 4))}, tx.init(params))
+      >>> new = apply_updates_sr(params, updates, jax.random.PRNGKey(0))
+      >>> new["w"].dtype, bool((new["w"] < 1).any())   # round-to-nearest would leave all 1.0
+      (dtype(bfloat16), True)
+    """
     leaves, treedef = jax.tree_util.tree_flatten(params)
     new = []
     for i, (p, u) in enumerate(zip(leaves, treedef.flatten_up_to(updates))):
@@ -87,10 +108,9 @@ def apply_updates_sr(params, updates, key: jax.Array):
         split = lambda x: x.reshape((n, -1, x.shape[-1]))  # noqa: E731
         keys = jax.vmap(lambda j: jax.random.fold_in(leaf_key, j))(jnp.arange(n))
         # p and u enter the loop as raw bits, so XLA cannot hoist their fp32 converts out of it
-        # (whole-leaf 4 B/element buffers; jaxmem.train.optim8bit does the same)
-        pb, ub = (jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]) for x in (p, u))
-        out = jax.lax.map(lambda a: _add_round(jax.lax.bitcast_convert_type(a[0], p.dtype),
-                                               jax.lax.bitcast_convert_type(a[1], u.dtype), a[2]),
-                          (split(pb), split(ub), keys))
+        # (whole-leaf 4 B/element buffers; the 8-bit AdamW's update does the same)
+        out = jax.lax.map(lambda a: _add_round(from_bits(a[0], p.dtype),
+                                               from_bits(a[1], u.dtype), a[2]),
+                          (split(to_bits(p)), split(to_bits(u)), keys))
         new.append(out.reshape(p.shape))
     return treedef.unflatten(new)
