@@ -72,6 +72,8 @@ def test_names_match_the_trainers_parser():
     assert jr.policy("full") is jax.checkpoint_policies.nothing_saveable
     assert jr.policy("none") is jax.checkpoint_policies.everything_saveable
     assert {m.value for m in jr.Remat} <= set(jr.POLICIES)
+    # offload policies are built anywhere (only compiling them needs a pinned_host memory)
+    assert callable(jr.policy("offload:up,act")) and callable(jr.policy(jr.Remat.OFFLOAD))
 
 
 @pytest.mark.parametrize("name, message", [
