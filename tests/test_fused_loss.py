@@ -1,4 +1,4 @@
-"""The fused LM head + cross-entropy (jaxmem.train.fused_loss) equals the unfused loss.
+"""The fused LM head + cross-entropy (jaxmem.loss.chunked) equals the unfused loss.
 
 fp32, value and gradients w.r.t. the hidden states, the head and (through the whole model) every
 parameter, within 1e-5 relative: vocab not divisible by the chunk, a sequence not divisible by
@@ -17,7 +17,7 @@ import pytest
 from jaxmem.config.model import get_preset
 from jaxmem.model.llama import Llama, init_params
 from jaxmem.model.projection import logits_einsum
-from jaxmem.train.fused_loss import fused_cross_entropy, resolve_loss_chunk
+from jaxmem.loss.chunked import chunked_cross_entropy as fused_cross_entropy, resolve_loss_chunk
 from jaxmem.train.loss import cross_entropy, synthetic_batch, token_loss
 
 RTOL = 1e-5
@@ -115,7 +115,7 @@ def test_resolve_loss_chunk_rule():
 def test_both_backward_paths(monkeypatch, vocab, limit_tokens, path):
     """The backward over vocabulary slices (V=40: 4 slices of 10) and over sequence chunks with
     a summed d(head) (V=37 is prime: no slice fits, `vocab_chunk` gives 0) both equal autodiff."""
-    from jaxmem.train import fused_loss
+    from jaxmem.loss import chunked as fused_loss
     B, T, D = 2, 12, 8
     monkeypatch.setattr(fused_loss, "AUTO_CHUNK_BYTES", B * T * 4 * limit_tokens)
     assert (fused_loss.vocab_chunk(vocab, B * T) > 0) == (path == "vocab")
@@ -155,7 +155,7 @@ def test_memory_model_and_compiled_step_know_the_fused_loss(monkeypatch, tied):
     analytic model names its residuals. (With one chunk and one slice, as the auto rule picks
     for this small step, the compiled temp was 14% higher: measured 34.2 vs 30.0 MB untied.)"""
     from jaxmem.memory import StepSpec, analytic_breakdown, compile_step
-    from jaxmem.train import fused_loss
+    from jaxmem.loss import chunked as fused_loss
     monkeypatch.setattr(fused_loss, "AUTO_CHUNK_BYTES", 2**20)
     from jaxmem.model.remat import RematPolicy
     from jaxmem.model.precision import get_precision

@@ -78,7 +78,7 @@ def test_clipping_sees_unscaled_gradients():
     b, mb = jit_train_step(cfg_b)(b, batch())
     assert float(ma["grad_norm"]) > 0.05  # clipping is active
     np.testing.assert_allclose(float(ma["grad_norm"]), float(mb["grad_norm"]), rtol=1e-6)
-    # atol 2e-7 (was 1e-7): with the fused loss (jaxmem.train.fused_loss) the two programs
+    # atol 2e-7 (was 1e-7): with the fused loss (jaxmem.loss.chunked) the two programs
     # fuse the loss's scans differently; measured: 1 of 8288 entries 1.3e-7 apart after Adam.
     for x, y in zip(jax.tree_util.tree_leaves(a.params), jax.tree_util.tree_leaves(b.params)):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=2e-7)

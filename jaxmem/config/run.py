@@ -111,7 +111,7 @@ class RematSection:
     loss_chunk: int | None = option(None, "fuse the LM head into the loss in chunks of N sequence "
                                     "positions, never holding [B, T, V] logits (0: off; default: "
                                     "on when vocab > hidden size, chunks of <= 256 MiB of fp32 "
-                                    "logits; jaxmem.train.fused_loss)", type="nonneg_int",
+                                    "logits; jaxmem.loss.chunked)", type="nonneg_int",
                                     metavar="N")
 
     def __post_init__(self):

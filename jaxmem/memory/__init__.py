@@ -1,28 +1,54 @@
 """Where every byte of a train step (and of the whole run) goes, and will it fit
-(`python -m jaxmem.memory`).
+(`python -m jaxmem.memory`); and the memory analysis of any function (`analyze`).
 
 One module per concern; each imports only the ones above it in this list, so there is no cycle:
 
+    residuals   bytes of the residuals jax saves for a backward, from jax's own list
+    verdict     header, verdict on 24/40/80/141 GiB, the `jaxmem.train` command of a plan
+    analysis    analyze(fn, *args): XLA's memory plan of any jittable function, its residuals
+                (not named analyze.py: a submodule would shadow the function of that name)
     spec        StepSpec: one step configuration, and its JSON form for the --measure worker
     analytic    bytes per component and dtype from shapes alone (docs/memory.md)
     compiled    XLA's plan of the real step, compiled ahead of time from abstract shapes
-    residuals   bytes of the residuals jax saves for a backward, from jax's own list
     phases      the whole run: making the state, the step, eval, the sample; the largest decides
     planner     the fastest configuration whose compiled peak fits a budget
     measure     real steps in a child process: the device's peak_bytes_in_use
     report      the --json dict and the tables
     cli         the command line (build_parser, main)
+
+The names below are imported on first use (module `__getattr__`), so `from jaxmem.memory import
+analyze` loads jax and the three modules above spec, not jaxmem's trainer (spec and below
+import jaxmem.train).
 """
 
-from jaxmem.memory.analytic import analytic_breakdown, rule_of_thumb
-from jaxmem.memory.compiled import argument_bytes, compile_step, compiled_stats, grad_step_report
-from jaxmem.memory.measure import measure_available, measure_here, measure_in_subprocess
-from jaxmem.memory.phases import SampleShape, run_phases
-from jaxmem.memory.planner import candidates, plan
-from jaxmem.memory.report import format_plan, format_report, step_report
-from jaxmem.memory.spec import GiB, StepSpec
+from __future__ import annotations
 
-__all__ = ["GiB", "StepSpec", "analytic_breakdown", "argument_bytes", "candidates",
-           "compile_step", "compiled_stats", "format_plan", "format_report", "grad_step_report",
-           "measure_available", "measure_here", "measure_in_subprocess", "plan", "rule_of_thumb",
-           "run_phases", "SampleShape", "step_report"]
+import importlib
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "analyze": "analysis", "MemoryAnalysis": "analysis", "Residual": "analysis",
+    "analytic_breakdown": "analytic", "rule_of_thumb": "analytic",
+    "argument_bytes": "compiled", "compile_step": "compiled", "compiled_stats": "compiled",
+    "grad_step_report": "compiled",
+    "measure_available": "measure", "measure_here": "measure",
+    "measure_in_subprocess": "measure",
+    "SampleShape": "phases", "run_phases": "phases",
+    "candidates": "planner", "plan": "planner",
+    "format_plan": "report", "format_report": "report", "step_report": "report",
+    "GiB": "spec", "StepSpec": "spec",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"jaxmem.memory.{_EXPORTS[name]}"), name)
+        globals()[name] = value  # later lookups skip __getattr__
+        return value
+    raise AttributeError(f"module 'jaxmem.memory' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

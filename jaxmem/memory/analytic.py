@@ -16,7 +16,7 @@ The model of the peak (what is live when the backward starts):
          + activations saved for the backward under the remat policy (per layer x L, plus the
            few outside the layer stack)
          + the largest transient: the logits group (logits, exp(logits - max), dlogits, all
-           [B, T, V] fp32; with the fused loss, jaxmem.train.fused_loss, those of one chunk) or
+           [B, T, V] fp32; with the fused loss, jaxmem.loss.chunked, those of one chunk) or
            one layer's backward (its recomputed activations plus, on the XLA attention path, the
            recomputed probabilities of one query chunk and their gradients; with LoRA also a
            quantized layer's dequantized weights and the adapters' [B, T, Out] gradient buffers,
@@ -46,7 +46,7 @@ from jaxmem.model.llama import abstract_params
 from jaxmem.model.attention import query_chunk
 from jaxmem.model.tiled import mlp_tile
 from jaxmem.model.remat import RematError, RematPolicy
-from jaxmem.train.fused_loss import resolve_loss_chunk, vocab_chunk
+from jaxmem.loss.chunked import resolve_loss_chunk, vocab_chunk
 from jaxmem.model.roles import count_by_role
 from jaxmem.peft import memory as peft_memory
 
@@ -164,7 +164,7 @@ def outside_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: Rema
                       attention: str = "xla", loss_chunk: int = 0) -> list[tuple[str, int, str]]:
     """Residuals kept outside the layer stack: RoPE tables, final norm, loss (no padding mask).
 
-    loss_chunk: the fused loss's resolved chunk (jaxmem.train.fused_loss; 0: unfused logits).
+    loss_chunk: the fused loss's resolved chunk (jaxmem.loss.chunked; 0: unfused logits).
     """
     D, H, V = c.hidden_size, c.resolved_head_dim, c.vocab_size
     cb, cd = _nbytes(compute_dtype), _dname(compute_dtype)
@@ -240,7 +240,7 @@ def update_8bit_working_set(c: ModelConfig) -> int:
     leaves updated whole + the largest piece). At llama-3-8b that is 0.31 GiB (every matrix is
     in pieces), not the params-sized update buffer optax's update needs (14.96 GiB).
     """
-    from jaxmem.train.stochastic import CHUNK, row_chunks
+    from jaxmem.optim._stochastic import CHUNK, row_chunks
     whole, piece = 0, 0
     for leaf in jax.tree_util.tree_leaves(abstract_params(c)):
         n = row_chunks(leaf.shape, CHUNK)

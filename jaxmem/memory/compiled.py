@@ -11,7 +11,8 @@
     compile_eval(spec)         the eval function of a run (make_eval_fn: the fused loss)
     compile_sample(spec, ...)  the end-of-run sampler (jaxmem.decode.sampling.lower_sample)
 
-Both compile the code that trains: `jaxmem.train.run.compile_run_step` (the jitted step) and
+Both compile the code that trains: `jaxmem.train.step.jit_train_step` on
+`jaxmem.train.run.abstract_step_args` (the step's own arguments) and
 `jaxmem.train.loss.token_loss` (causal-only attention, padding removed by the loss mask), so a
 number here is a number of the real step, not of a look-alike.
 """
@@ -22,33 +23,24 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem.config.model import ModelConfig
+from jaxmem.memory.analysis import MemoryAnalysis, analyze
 from jaxmem.memory.spec import StepSpec
 from jaxmem.model.llama import Llama, abstract_params, count_params
 from jaxmem.model.remat import RematPolicy, check_offload_supported
 from jaxmem.train.loss import abstract_batch, token_loss
-from jaxmem.train.run import abstract_train_state, compile_run_step, make_eval_fn
-from jaxmem.train.step import state_creation_fn
+from jaxmem.train.run import abstract_step_args, abstract_train_state, make_eval_fn
+from jaxmem.train.step import jit_train_step, state_creation_fn
 
 
 def compiled_stats(compiled) -> tuple[dict, float]:
     """(XLA's memory numbers as a plain dict, FLOPs) for a compiled executable.
 
     peak = temp + argument + output - alias: what the executable needs at once, with donated
-    (aliased) outputs written over their inputs.
+    (aliased) outputs written over their inputs. The figures are `MemoryAnalysis.of_compiled`'s
+    (jaxmem.memory.analysis), the ones `jaxmem.memory.analyze` gives for any function.
     """
-    mem = compiled.memory_analysis()
-    stats = {
-        "temp_bytes": int(mem.temp_size_in_bytes),
-        "argument_bytes": int(mem.argument_size_in_bytes),
-        "output_bytes": int(mem.output_size_in_bytes),
-        "alias_bytes": int(mem.alias_size_in_bytes),
-    }
-    stats["peak_bytes"] = (stats["temp_bytes"] + stats["argument_bytes"] + stats["output_bytes"]
-                           - stats["alias_bytes"])
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):  # older jax returns one dict per computation
-        cost = cost[0] if cost else {}
-    return stats, float((cost or {}).get("flops", float("nan")))
+    analysis = MemoryAnalysis.of_compiled(compiled)
+    return analysis.stats(), analysis.flops
 
 
 def abstract_state(spec: StepSpec):
@@ -80,10 +72,9 @@ def compile_step(spec: StepSpec) -> dict:
     if spec.remat.kind == "offload":
         check_offload_supported()
     step_cfg, loss_scale = spec.step_config()
-    compiled = compile_run_step(step_cfg, loss_scale, spec.batch_size, spec.seq_len,
-                                spec.grad_accum)
-    stats, flops = compiled_stats(compiled)
-    return {**stats, "flops": flops}
+    analysis = analyze(jit_train_step(step_cfg), *abstract_step_args(
+        step_cfg, loss_scale, spec.batch_size, spec.seq_len, spec.grad_accum))
+    return {**analysis.stats(), "flops": analysis.flops}
 
 
 def grad_step_report(config: ModelConfig, remat: RematPolicy | str, batch_size: int,

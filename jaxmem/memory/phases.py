@@ -39,7 +39,7 @@ from jaxmem.memory.spec import StepSpec
 from jaxmem.model.attention import query_chunk
 from jaxmem.model.llama import abstract_params
 from jaxmem.model.remat import RematPolicy
-from jaxmem.train.fused_loss import resolve_loss_chunk
+from jaxmem.loss.chunked import resolve_loss_chunk
 
 PHASES = ("state", "step", "eval", "sample")
 # The end-of-run sample's prompt, in tokens: its default is the first line of the eval data cut

@@ -67,6 +67,20 @@ def saved_residual_bytes(fn: Callable, *args,
     `saved_residuals`; raises RuntimeError if its descriptions are in a format this code does
     not know (the exclusion would silently count the wrong thing).
     """
+    res = residual_list(fn, *args)
+    if res is None:  # pragma: no cover - a future jax that moved it
+        return None
+    kept = [a for a, d in res if not _is_excluded(d, exclude_arguments)]
+    nbytes = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in kept)
+    return SavedResiduals(nbytes, len(kept), len(res) - len(kept))
+
+
+def residual_list(fn: Callable, *args) -> list[tuple] | None:
+    """jax's own list for the backward of `fn(*args)`: (abstract value, description) pairs.
+
+    Returns None where this jax has no `saved_residuals`; raises RuntimeError if a description
+    is in a format this module does not know (jaxmem.memory.analyze groups them by it).
+    """
     saved_residuals = _find()
     if saved_residuals is None:  # pragma: no cover - a future jax that moved it
         return None
@@ -75,6 +89,4 @@ def saved_residual_bytes(fn: Callable, *args,
     if unknown:
         raise RuntimeError("saved_residuals descriptions in an unknown format: "
                            + "; ".join(unknown[:3]))
-    kept = [a for a, d in res if not _is_excluded(d, exclude_arguments)]
-    nbytes = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in kept)
-    return SavedResiduals(nbytes, len(kept), len(res) - len(kept))
+    return res

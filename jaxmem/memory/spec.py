@@ -47,7 +47,7 @@ class StepSpec:
     mu_dtype: str | None = None
     attention: str | None = None
     peft: object = None  # jaxmem.peft.lora.LoraSpec: LoRA / QLoRA (None: full fine-tune)
-    loss_chunk: int | None = None  # the fused loss's chunk (None: auto; jaxmem.train.fused_loss)
+    loss_chunk: int | None = None  # the fused loss's chunk (None: auto; jaxmem.loss.chunked)
     optimizer: str = "adamw"
 
     @classmethod

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import os
 import shlex
+from typing import TYPE_CHECKING
 
-from jaxmem.config.run import RunConfig, all_paths, field_metadata, flag_names
+if TYPE_CHECKING:  # the import is deferred: jaxmem.memory.analyze uses verdict_lines alone
+    from jaxmem.config.run import RunConfig
 
 GiB = 2**30
 COMMON_GIB = (24, 40, 80, 141)  # RTX 4090 / L4-class 24, A100 40, A100 / H100 80, H200 141
@@ -82,6 +84,7 @@ def verdict_lines(peak_bytes: int, source: str, backend: str, precision: str,
 def train_command(cfg: RunConfig) -> str:
     """`python -m jaxmem.train` with a flag for every field of `cfg` that differs from the
     default (run-directory fields aside)."""
+    from jaxmem.config.run import RunConfig, all_paths, field_metadata, flag_names  # noqa: PLC0415
     args = ["python", "-m", "jaxmem.train"]
     base = RunConfig()
     for path in all_paths():

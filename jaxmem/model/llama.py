@@ -140,7 +140,7 @@ class Llama(nn.Module):
             included). Returns (logits [B, V] of the last position only, the updated cache).
         return_hidden: return (final hidden states [B, T, D], the head, its layout) instead of
             the logits, for a loss that applies the head itself in chunks
-            (jaxmem.train.fused_loss): the tied embedding [V, D] with "VD", or the lm_head
+            (jaxmem.loss.chunked): the tied embedding [V, D] with "VD", or the lm_head
             [D, V] (or its weight object) with "DV".
         """
         c = self.config

@@ -15,6 +15,9 @@ to layer, so `full` means "keep only the block inputs".
 
 Whether a policy saves memory is a measurement, not a belief: `python -m jaxmem.memory` compiles
 the gradient step and reports XLA's temp bytes per policy (docs/remat.md).
+
+This parser knows jaxmem's Llama (its tags, the offload check); the same names for any other
+function, with its own tags, are the public `jaxmem.remat.policy(name)`.
 """
 
 from __future__ import annotations

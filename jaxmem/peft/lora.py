@@ -4,7 +4,7 @@
     adapters = spec.init_adapters(model_cfg, key)   # the trainable params: adapters only
     full = spec.full_params(base, adapters, dtype)  # base tree with LoraWeight objects in it
     logits = Llama(model_cfg).apply({"params": full}, tokens)
-    merged = merge(base_16bit, adapters, spec)      # W + alpha/r * A B, in the original base
+    merged = merge(base_16bit, adapters, spec, model_cfg)  # W + alpha/r * A B, fp32 numpy
 
 A target projection's stored weight becomes LoraWeight(base, A, B): its `project` returns
 einsum(x, W) + alpha/r * (dropout(x) A) B, where W is the plain array or an int8 / NF4

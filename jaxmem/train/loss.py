@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxmem.train.fused_loss import fused_cross_entropy, resolve_loss_chunk
+from jaxmem.loss.chunked import chunked_cross_entropy, resolve_loss_chunk
 from jaxmem.model.precision import cast_params
 
 
@@ -48,7 +48,7 @@ def token_loss(model, params, batch, attention_padding: bool = False, compute_dt
         attention causal-only (cuDNN flash attention on GPU) and padding is removed by the
         loss weights alone.
     loss_chunk: 0 computes the [B, T, V] logits (eval keeps them); None (auto) or N > 0 fuses
-        the LM head into the loss in sequence chunks (jaxmem.train.fused_loss), never holding
+        the LM head into the loss in sequence chunks (jaxmem.loss.chunked), never holding
         the logits. The train step passes its StepConfig.loss_chunk.
     The caller divides by the token count it wants (the train step: the whole step's tokens).
     """
@@ -61,8 +61,8 @@ def token_loss(model, params, batch, attention_padding: bool = False, compute_dt
     if chunk:
         x, head, layout = model.apply({"params": params}, batch["inputs"], padding_mask=pad,
                                       return_hidden=True, **packed)  # [B, T, D], [V, D] or [D, V]
-        return fused_cross_entropy(x, head, batch["targets"], batch["mask"], chunk,
-                                   layout=layout)
+        return chunked_cross_entropy(x, head, batch["targets"], batch["mask"], chunk,
+                                     layout=layout)
     logits = model.apply({"params": params}, batch["inputs"], padding_mask=pad,
                          **packed)  # [B, T, V] fp32
     return cross_entropy(logits, batch["targets"], batch["mask"])

@@ -71,7 +71,7 @@ def make_eval_fn(cfg: StepConfig):
 
     The loss is the train step's own call, `token_loss(model, params, batch,
     cfg.attention_padding, compute_dtype, cfg.loss_chunk)`: the LM head fused into the loss
-    (jaxmem.train.fused_loss) with the run's `--loss-chunk`, so evaluation never holds the
+    (jaxmem.loss.chunked) with the run's `--loss-chunk`, so evaluation never holds the
     [B, T, V] fp32 logits (llama-3.2-1b at 8 x 2048: 8.4 GB) and its peak stays under the
     step's (tests/test_phases.py); the whole batch dict goes in, as in the step, so whatever
     the loss reads from it (packed batches' segment ids and positions) reaches the model.

@@ -1,7 +1,10 @@
 """The LM head and the cross-entropy fused, in chunks: no [B, T, V] array, forward or backward.
 
-    fused_cross_entropy(x, w, targets, weights, chunk)   (sum of token losses, token count)
-    resolve_loss_chunk(loss_chunk, B, T, config)          the chunk a step uses (0: unfused)
+    chunked_cross_entropy(x, w, targets, weights, chunk)  (sum of token losses, token count)
+    resolve_loss_chunk(loss_chunk, B, T, config)           the chunk a step uses (0: unfused)
+
+The public entry point is `jaxmem.loss.fused_cross_entropy` (jaxmem/loss/fused.py), which
+checks its arguments and picks the chunk; this module is the kernel the train step calls.
 
 With Llama 3's 128,256-token vocabulary the logits group (fp32 logits, exp(logits - max) kept
 for the backward, dlogits: about 3 x B x T x V x 4 bytes) is larger than everything else a
@@ -171,8 +174,8 @@ def _fused_sum_bwd(chunk, einsum, layout, res, g):
 _fused_sum.defvjp(_fused_sum_fwd, _fused_sum_bwd)
 
 
-def fused_cross_entropy(x: jax.Array, w, targets: jax.Array, weights: jax.Array, chunk: int,
-                        einsum=logits_einsum, layout: str = "DV"):
+def chunked_cross_entropy(x: jax.Array, w, targets: jax.Array, weights: jax.Array, chunk: int,
+                          einsum=logits_einsum, layout: str = "DV"):
     """(sum of token losses, number of weighted tokens), both fp32, without [B, T, V] logits.
 
     x [B, T, D] final hidden states (after the final norm), w the head: layout "DV", [D, V] (an
@@ -182,8 +185,8 @@ def fused_cross_entropy(x: jax.Array, w, targets: jax.Array, weights: jax.Array,
     Equal to `cross_entropy(project('BTD,DV->BTV', x, W, einsum), targets, weights)`, W = [D, V].
     """
     if chunk <= 0:
-        raise ValueError(f"fused_cross_entropy: chunk must be positive, got {chunk}")
+        raise ValueError(f"chunked_cross_entropy: chunk must be positive, got {chunk}")
     if layout not in ("DV", "VD"):
-        raise ValueError(f"fused_cross_entropy: layout must be 'DV' or 'VD', got {layout!r}")
+        raise ValueError(f"chunked_cross_entropy: layout must be 'DV' or 'VD', got {layout!r}")
     w32 = weights.astype(jnp.float32)
     return _fused_sum(int(chunk), einsum, layout, x, w, targets, w32), jnp.sum(w32)

@@ -1,0 +1,44 @@
+"""The scripts in examples/ run at their CI size and their own checks pass (each script exits
+non-zero when one of its claims fails; here the exit status and the printed lines are read)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from testenv import subprocess_env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_example(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "examples" / name), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=subprocess_env())
+
+
+def test_analyze_step(tmp_path):
+    out = tmp_path / "step.png"
+    p = run_example("analyze_step.py", "--tiny", "--device", "24GiB", "--plot", str(out))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("memory of train_step (")
+    assert any(x.startswith("saved for the backward of loss_fn: ") for x in lines)
+    assert any(x.startswith("verdict: compiled peak 0.00 GiB fits on") and "(24 GiB)" in x
+               for x in lines)
+    for claim in ("arguments = params + AdamW state + batch",
+                  "donated: alias = params + AdamW state",
+                  "'mlp_in' [2, 32, 256] kept once per block (2)",
+                  "jax.checkpoint keeps less for the backward"):
+        assert f"ok   {claim}" in lines, claim
+    try:
+        import matplotlib  # noqa: F401
+        assert f"plot: {out}" in lines and out.stat().st_size > 1000
+    except ImportError:
+        assert any(x.startswith("plot skipped: ") for x in lines)
+
+
+def test_analyze_step_bad_input():
+    p = run_example("analyze_step.py", "--tiny", "--device", "80 parsecs")
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert p.stderr.strip().splitlines()[-1] == (
+        "analyze_step: error: --device '80 parsecs': expected a size such as 80GiB or 40GB")
+    assert "Traceback" not in p.stderr
