@@ -44,7 +44,8 @@ def _specs(sizes, double_quant=True):
 def test_quantized_base_split_on_its_packed_layout():
     """Tiny preset, NF4 (block 64): codes [L, In/64, 32, Out]. fsdp takes the larger of In/64 and
     Out, tensor the Megatron side (Out for column parallel, In/64 for o/down); each block's
-    absmax follows its codes; double-quant scales shard on their block axis."""
+    absmax follows its codes; double-quant scales shard on their block axis. int8 per output
+    channel (one block of In): o_proj's tensor axis (In/block = 1) cannot be split, fsdp can."""
     base, specs = _specs({"fsdp": 4})
     attn, mlp = specs["layers"]["self_attn"], specs["layers"]["mlp"]
     assert base["layers"]["self_attn"]["q_proj"].codes.shape == (4, 2, 32, 128)
@@ -67,6 +68,11 @@ def test_quantized_base_split_on_its_packed_layout():
     attn = specs["layers"]["self_attn"]
     assert attn["q_proj"].absmax == P(None, "fsdp", "tensor")
     assert attn["o_proj"].absmax == P(None, "tensor", "fsdp")
+
+    int8 = abstract_base(ModelConfig(), LoraSpec(4, quantize="int8", block=0), jnp.float32)
+    o = base_specs(int8, {"data": 1, "fsdp": 4, "tensor": 2})["layers"]["self_attn"]["o_proj"]
+    assert int8["layers"]["self_attn"]["o_proj"].codes.shape == (4, 1, 128, 128)  # per channel
+    assert o.codes == P(None, None, None, "fsdp") and o.absmax == P(None, None, "fsdp")
 
     _, specs8 = _specs({"fsdp": 3})  # m=3: the second-level blocks split with fsdp=3
     assert specs8["layers"]["mlp"]["down_proj"].absmax_q == P(None, "fsdp", None)
