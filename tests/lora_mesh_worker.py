@@ -10,9 +10,9 @@ train:   LoRA (fp32 base) and QLoRA (NF4 + double quantization) on the tiny pres
          whether every base leaf came back bitwise unchanged after training; and
          qlora_resumed.npz: 2 steps on fsdp=4, an Orbax checkpoint, restored onto
          data=2,fsdp=2's shardings, 3 more steps.
-hlo:     the QLoRA step compiled on fsdp=4: OUT_DIR/hlo.json lists the result shapes of every
-         all-gather in the optimized HLO, split into those inside a while loop's body (the layer
-         scan) and those outside, and the stacked base leaves' shapes.
+hlo:     the QLoRA step compiled on fsdp=4 and on tensor=2,fsdp=2: OUT_DIR/hlo.json lists the
+         result shapes of every all-gather in the optimized HLO, split into those inside a while
+         loop's body (the layer scans) and those outside, and the stacked base leaves' shapes.
 memory:  compile only: per-device argument bytes of the QLoRA base (a jit taking the base with
          its shardings; with --step also the whole train step's argument and temp bytes), one
          device and fsdp=2, 4, 8: OUT_DIR/memory.json.
@@ -141,13 +141,9 @@ def _abstract_step_args(cfg, par):
     return step_cfg, state, batch, base
 
 
-def hlo(out):
-    cfg = config("qlora")
-    par = placement("fsdp=4", cfg.model_config())
-    step_cfg, state, batch, base = _abstract_step_args(cfg, par)
-    text = par.train_step(step_cfg, state).lower(state, batch, base).compile().as_text()
-    # computations called as a while body (the layer scans: forward and backward), and every
-    # computation they call in turn
+def _gathers(text):
+    """{"inside": [...], "outside": [...]}: result shapes of the all-gathers in computations
+    called (transitively) as a while loop's body, and of all others; the while bodies."""
     bodies = set(re.findall(r"\bbody=%?([\w.\-]+)", text))
     comps, current = {}, None
     for line in text.splitlines():
@@ -171,11 +167,22 @@ def hlo(out):
             if re.search(r"= \S.*? all-gather(-start)?\(", line):
                 shape = line.split("=", 1)[1].strip().split(" all-gather")[0]
                 gathers["inside" if c in inside else "outside"].append(shape)
-    leaves = [f"{x.dtype}[{','.join(map(str, x.shape))}]" for x in jax.tree.leaves(base)
-              if x.ndim > 1]
+    return gathers, sorted(bodies)
+
+
+def hlo(out):
+    cfg = config("qlora")
+    report = {}
+    for text in ("fsdp=4", "tensor=2,fsdp=2"):
+        par = placement(text, cfg.model_config())
+        step_cfg, state, batch, base = _abstract_step_args(cfg, par)
+        compiled = par.train_step(step_cfg, state).lower(state, batch, base).compile()
+        gathers, bodies = _gathers(compiled.as_text())
+        report[text] = {"gathers": gathers, "while_bodies": bodies}
+    report["base_leaves"] = [f"{x.dtype}[{','.join(map(str, x.shape))}]"
+                             for x in jax.tree.leaves(base) if x.ndim > 1]
     with open(os.path.join(out, "hlo.json"), "w") as f:
-        json.dump({"gathers": gathers, "base_leaves": leaves,
-                   "while_bodies": sorted(bodies)}, f)
+        json.dump(report, f)
 
 
 def memory(out):

@@ -157,26 +157,35 @@ def test_lora_resumes_onto_another_mesh(worker):
     assert bool(resumed["base_unchanged"])
 
 
+PACKED_LAYERS = {  # one layer's codes [1, In/64, 32, Out] as gathered inside the scan
+    "fsdp=4": {(1, 2, 32, 128), (1, 2, 32, 64), (1, 2, 32, 384), (1, 6, 32, 128)},
+    # tensor keeps its half: Out/2 for q, k/v, gate/up; In/64 / 2 for o, down
+    "tensor=2,fsdp=2": {(1, 2, 32, 64), (1, 2, 32, 32), (1, 2, 32, 192), (1, 1, 32, 128),
+                        (1, 3, 32, 128)}}
+
+
 @pytest.mark.slow
-def test_base_gathered_one_layer_at_a_time(worker):
-    """QLoRA on fsdp=4, optimized HLO: no all-gather outside the layer scans yields a stacked
-    base leaf (packed or dense); inside, the layer's packed codes are gathered (uint8), not the
-    dequantized weight."""
+@pytest.mark.parametrize("mesh", PACKED_LAYERS)
+def test_base_gathered_one_layer_at_a_time(worker, mesh):
+    """QLoRA, optimized HLO: no all-gather outside the layer scans yields a stacked base leaf
+    (packed or dense); inside, each layer's packed codes are gathered over fsdp (uint8, kept
+    split over tensor), never the dequantized weight."""
     h = json.loads((worker / "hlo.json").read_text())
-    outside, inside = h["gathers"]["outside"], h["gathers"]["inside"]
-    dims = lambda s: sorted(int(d) for d in s.split("[", 1)[1].split("]")[0].split(",") if d)
-    stacked = [dims(s) for s in h["base_leaves"] if s.startswith(("uint8", "int8"))]
-    L = 4
-    dense = {L * 128 * 128, L * 128 * 64, L * 128 * 384}  # q/o, k/v, gate/up/down elements
+    outside, inside = h[mesh]["gathers"]["outside"], h[mesh]["gathers"]["inside"]
+    dims = lambda s: [int(d) for d in s.split("[", 1)[1].split("]")[0].split(",") if d]
+    stacked = [sorted(dims(s)) for s in h["base_leaves"] if s.startswith(("uint8", "int8"))]
+    L, D = 4, 128
+    dense = {D * 128, D * 64, D * 384}  # q/o, k/v, gate/up/down elements of one layer
     for s in outside:
-        assert dims(s) not in stacked, s
-        assert int(np.prod(dims(s))) not in dense, s
-    assert len(outside) <= 3, outside  # the embedding / LM head (not scanned) and the batch
-    packed = [s for s in inside if s.startswith("u8[")]
-    assert {tuple(dims(s)) for s in packed} == {(1, 2, 32, 64), (1, 2, 32, 128), (1, 2, 32, 384),
-                                                (1, 6, 32, 128)}, packed
+        assert sorted(dims(s)) not in stacked, s
+        stacked_dense = {L * n for n in dense} | {L * n // 2 for n in dense}  # whole or tensor half
+        assert not (dims(s)[0] == L and int(np.prod(dims(s))) in stacked_dense), s
+    packed = {tuple(dims(s)) for s in inside if s.startswith("u8[")}
+    assert packed == PACKED_LAYERS[mesh], packed
     assert not [s for s in inside if s.startswith("f32[") and int(np.prod(dims(s))) in
-                {128 * 128, 128 * 64, 128 * 384}], inside
+                dense | {n // 2 for n in dense}], inside
+    if mesh == "fsdp=4":  # only the embedding / LM head (not scanned) and the batch
+        assert len(outside) <= 3, outside
 
 
 @pytest.mark.slow

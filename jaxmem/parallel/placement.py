@@ -52,12 +52,6 @@ class _WithRules:
             return self._jitted.lower(*args)
 
 
-def _packed_gather(mesh):
-    """A quantized base's layer is gathered packed (jaxmem.peft.quant.gather_packed) on meshes
-    without `tensor`; with it, the layer stays split by heads / width (XLA's own choice)."""
-    return R.replicated(mesh) if mesh.shape["tensor"] == 1 else None
-
-
 @dataclass(frozen=True)
 class Placement:
     """One device (mesh None) or a mesh; see the module docstring."""
@@ -116,13 +110,9 @@ class Placement:
         return self.state_creation(step_cfg, loss_scale, seed, with_params=True)(placed)
 
     def base_shardings(self, step_cfg):
-        """LoRA: the frozen base's shardings on this mesh (jaxmem.parallel.rules.base_specs),
-        from its abstract shapes; None on one device or for a full fine-tune."""
-        if self.mesh is None or step_cfg.peft is None:
-            return None
-        from jaxmem.peft.base import abstract_base
-        return R.base_shardings(abstract_base(step_cfg.model, step_cfg.peft,
-                                              step_cfg.precision.compute_dtype), self.mesh)
+        """LoRA: the frozen base's shardings here (jaxmem.parallel.rules.lora_base_shardings);
+        None on one device or for a full fine-tune."""
+        return None if self.mesh is None else R.lora_base_shardings(step_cfg, self.mesh)
 
     def train_step(self, step_cfg, like):
         """The jitted, donated step for states shaped like `like` (a state or its abstract
@@ -137,14 +127,14 @@ class Placement:
                          + (() if base is None else (base,)),
                          out_shardings=(shardings, R.replicated(self.mesh)))
         return _WithRules(jitted, R.activation_rules(self.mesh, step_cfg.model.vocab_size),
-                          _packed_gather(self.mesh))
+                          R.lora_packed_gather(step_cfg, self.mesh))
 
     def eval_fn(self, step_cfg):
         if self.mesh is None:
             return make_eval_fn(step_cfg)
         jitted = jax.jit(make_eval_fn(step_cfg), out_shardings=R.replicated(self.mesh))
         return _WithRules(jitted, R.activation_rules(self.mesh, step_cfg.model.vocab_size),
-                          _packed_gather(self.mesh))
+                          R.lora_packed_gather(step_cfg, self.mesh))
 
     def _place(self, batch: dict, sharding):
         def one(x):

@@ -192,6 +192,42 @@ def base_shardings(abstract_base, mesh):
                         is_leaf=lambda x: isinstance(x, P))
 
 
+def packed_layer_shardings(abstract_base, mesh) -> dict:
+    """{QuantizedWeight static data: per-leaf NamedShardings of one layer} for
+    jaxmem.peft.quant.gather_packed: each stacked leaf's split without its layer axis and with
+    `fsdp` dropped, so inside the layer scan XLA gathers the packed layer over fsdp and keeps
+    it split over tensor. Weights whose static data (kind, shape, n_in, block) coincide but
+    whose splits differ get no entry (no constraint)."""
+    specs = base_specs(abstract_base, dict(mesh.shape))
+    table: dict = {}
+    for q in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, (QuantizedWeight, P))):
+        if not isinstance(q, QuantizedWeight):
+            continue
+        leaves, aux = q.tree_flatten()
+        layer = tuple(None if s is None else NamedSharding(
+            mesh, P(*(None if a == "fsdp" else a for a in tuple(s)[1:]))) for s in leaves)
+        table[aux] = layer if table.get(aux, layer) == layer else None
+    return {aux: layer for aux, layer in table.items() if layer is not None}
+
+
+def _abstract_lora_base(step_cfg):
+    from jaxmem.peft.base import abstract_base  # the frozen base's shapes, allocating nothing
+    return abstract_base(step_cfg.model, step_cfg.peft, step_cfg.precision.compute_dtype)
+
+
+def lora_base_shardings(step_cfg, mesh):
+    """The frozen base's NamedShardings on `mesh` for a StepConfig with LoRA (None without)."""
+    return None if step_cfg.peft is None else base_shardings(_abstract_lora_base(step_cfg), mesh)
+
+
+def lora_packed_gather(step_cfg, mesh):
+    """`packed_layer_shardings` of a quantized LoRA base (for jaxmem.peft.quant.gather_packed);
+    None for a full fine-tune or an unquantized base."""
+    if step_cfg.peft is None or step_cfg.peft.quantize == "none":
+        return None
+    return packed_layer_shardings(_abstract_lora_base(step_cfg), mesh)
+
+
 def state_specs(abstract_state, mesh):
     """PartitionSpecs for every leaf of a (abstract) train state."""
     sizes = dict(mesh.shape)

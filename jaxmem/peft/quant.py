@@ -138,32 +138,36 @@ _GATHER: contextvars.ContextVar = contextvars.ContextVar("jaxmem_quant_gather", 
 
 
 @contextlib.contextmanager
-def gather_packed(sharding):
-    """While tracing inside: a quantized weight's leaves are constrained to `sharding` (the
-    run mesh's replicated NamedSharding; None: no constraint) right before they are dequantized.
+def gather_packed(layer_shardings: dict | None):
+    """While tracing inside: a quantized weight's leaves (one layer's, inside the layer scan) are
+    constrained right before they are dequantized to `layer_shardings[aux]`, a tuple with a
+    Sharding (or None) per leaf, keyed by the weight's static data (`tree_flatten()[1]`: kind,
+    shape, n_in, block). jaxmem.parallel.rules.packed_layer_shardings builds it: the leaf's own
+    split with `fsdp` dropped (kept: `tensor`). None, or a weight not in the table: no constraint.
 
     Why: on an fsdp mesh the scan slices one layer of each split leaf, and without a constraint
     XLA dequantizes each shard and all-gathers the dense result (measured on the tiny preset,
     fsdp=4: f32 all-gathers inside the loop), 8x the bytes of the packed NF4 codes in fp32, 4x
     in bf16. Gathering the packed leaves moves 4.1 bits per weight, as FSDP-QLoRA does.
     """
-    token = _GATHER.set(sharding)
+    token = _GATHER.set(layer_shardings)
     try:
         yield
     finally:
         _GATHER.reset(token)
 
 
-def _gathered(leaves):
-    sharding = _GATHER.get()
-    if sharding is None:
+def _gathered(aux, leaves):
+    shardings = (_GATHER.get() or {}).get(aux)
+    if shardings is None:
         return leaves
-    return jax.tree.map(lambda l: jax.lax.with_sharding_constraint(l, sharding), leaves)
+    return tuple(l if l is None or s is None else jax.lax.with_sharding_constraint(l, s)
+                 for l, s in zip(leaves, shardings))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _quantized_einsum(subscripts, einsum, aux, x, leaves):
-    leaves = _gathered(leaves)
+    leaves = _gathered(aux, leaves)
     w = QuantizedWeight.tree_unflatten(aux, leaves).dequantize(x.dtype)
     return einsum(subscripts, x, w)
 
@@ -174,7 +178,7 @@ def _quantized_einsum_fwd(subscripts, einsum, aux, x, leaves):
 
 def _quantized_einsum_bwd(subscripts, einsum, aux, residuals, g):
     x, leaves = residuals
-    w = QuantizedWeight.tree_unflatten(aux, _gathered(leaves)).dequantize(x.dtype)  # again
+    w = QuantizedWeight.tree_unflatten(aux, _gathered(aux, leaves)).dequantize(x.dtype)  # again
     _, vjp = jax.vjp(lambda x_: einsum(subscripts, x_, w), x)  # the unused forward is DCE'd
     (dx,) = vjp(g)
     # the base is frozen: zero cotangents (float0 for the integer codes)
