@@ -49,7 +49,13 @@ packed layout:
     absmax_scale  with absmax_q's m axis; absmax_offset (one per layer) replicated
 
 A packed leaf that a non-`data` mesh axis cannot split at all is replicated, with one warning
-line on stderr naming the leaf, its shape and the axis (once per leaf and process).
+line on stderr naming the leaf, its shape and the axis (once per leaf and process):
+
+    jaxmem: warning: frozen base leaf layers/self_attn/q_proj/codes uint8[4, 2, 32, 128] is
+    replicated: mesh axis fsdp=3 divides none of its axes                  (one line)
+
+`lora_base_shardings(step_cfg, mesh)` is what a run places its base with and jits its step
+with; `lora_packed_gather` what the step gathers one packed layer with, inside the scan.
 """
 
 from __future__ import annotations
