@@ -213,3 +213,36 @@ def test_quantized_base_reshards_bitwise(worker):
         assert len(got["bitwise"]) == len(names) and all(got["bitwise"]), mesh
         assert any("fsdp" in s for s in got["specs"]), mesh
     assert any("tensor" in s for s in r["meshes"]["tensor=2,fsdp=2"]["specs"])
+
+
+QLORA_CLI = ["--num-layers", "2", "--hidden-size", "64", "--intermediate-size", "128",
+             "--batch-size", "4", "--seq-len", "32", "--sample-tokens", "0", "--no-progress",
+             "--log-every", "1", "--eval-batches", "1", "--steps", "4", "--lora-rank", "4",
+             "--quantize-base", "nf4", "--double-quant", "--lr", "1e-2"]
+_MESH_RUNS = """
+import sys
+from jaxmem.train.cli import main
+flags, out = sys.argv[1:-1], sys.argv[-1]
+assert main([*flags, "--mesh", "fsdp=4", "--stop-at", "2", "--out", out]) == 0
+assert main(["--out", out, "--resume", "--mesh", "data=2,fsdp=2"]) == 0
+"""
+
+
+@pytest.mark.slow  # one subprocess (two CLI runs on 4 simulated devices) and one run here
+def test_cli_qlora_on_a_mesh_resumes_onto_another(tmp_path, corpus):
+    """`python -m jaxmem.train` QLoRA (NF4, double quant) on fsdp=4 for 2 steps, resumed with
+    --mesh data=2,fsdp=2 for 2 more: the per-step losses of one device's run (rtol 1e-5)."""
+    from jaxmem.train.cli import main
+    from runs import losses
+    flags = [*QLORA_CLI, "--data", corpus]
+    mesh_run, one = tmp_path / "mesh", tmp_path / "one"
+    proc = subprocess.run([sys.executable, "-c", _MESH_RUNS, *flags, str(mesh_run)], cwd=ROOT,
+                          env=subprocess_env(cpu_devices=4), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming at step 2" in proc.stdout
+    assert main([*flags, "--out", str(one)]) == 0
+    got, want = losses(mesh_run), losses(one)
+    assert [r[0] for r in got] == [r[0] for r in want] == [1, 2, 3, 4]
+    np.testing.assert_allclose([r[1] for r in got], [r[1] for r in want], rtol=1e-5)
+    assert not any(r[4] for r in got)
