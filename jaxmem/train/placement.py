@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxmem.model.sharding import activation_sharding
 import jaxmem.parallel.rules as R
+from jaxmem.peft.quant import gather_packed
 from jaxmem.train.run import make_eval_fn
 from jaxmem.train.step import (create_train_state, jit_train_step, make_train_step,
                                state_creation_fn)
@@ -39,15 +40,15 @@ from jaxmem.train.step import (create_train_state, jit_train_step, make_train_st
 class _WithRules:
     """A jitted function called (and lowered) with the activation rules installed."""
 
-    def __init__(self, jitted, rules):
-        self._jitted, self._rules = jitted, rules
+    def __init__(self, jitted, rules, gather=None):
+        self._jitted, self._rules, self._gather = jitted, rules, gather
 
     def __call__(self, *args):
-        with activation_sharding(self._rules):
+        with activation_sharding(self._rules), gather_packed(self._gather):
             return self._jitted(*args)
 
     def lower(self, *args):
-        with activation_sharding(self._rules):
+        with activation_sharding(self._rules), gather_packed(self._gather):
             return self._jitted.lower(*args)
 
 
@@ -108,22 +109,32 @@ class Placement:
         placed = jax.device_put(params, self.state_shardings(abstract).params)
         return self.state_creation(step_cfg, loss_scale, seed, with_params=True)(placed)
 
+    def base_shardings(self, step_cfg):
+        """LoRA: the frozen base's shardings here (jaxmem.parallel.rules.lora_base_shardings);
+        None on one device or for a full fine-tune."""
+        return None if self.mesh is None else R.lora_base_shardings(step_cfg, self.mesh)
+
     def train_step(self, step_cfg, like):
         """The jitted, donated step for states shaped like `like` (a state or its abstract
-        form: its structure depends on the loss scale)."""
+        form: its structure depends on the loss scale). LoRA: the frozen base is the third
+        argument, split by `base_shardings` and never donated."""
         if self.mesh is None:
             return jit_train_step(step_cfg)
         shardings = self.state_shardings(like)
+        base = self.base_shardings(step_cfg)
         jitted = jax.jit(make_train_step(step_cfg), donate_argnums=0,
-                         in_shardings=(shardings, R.batch_sharding(self.mesh)),
+                         in_shardings=(shardings, R.batch_sharding(self.mesh))
+                         + (() if base is None else (base,)),
                          out_shardings=(shardings, R.replicated(self.mesh)))
-        return _WithRules(jitted, R.activation_rules(self.mesh, step_cfg.model.vocab_size))
+        return _WithRules(jitted, R.activation_rules(self.mesh, step_cfg.model.vocab_size),
+                          R.lora_packed_gather(step_cfg, self.mesh))
 
     def eval_fn(self, step_cfg):
         if self.mesh is None:
             return make_eval_fn(step_cfg)
         jitted = jax.jit(make_eval_fn(step_cfg), out_shardings=R.replicated(self.mesh))
-        return _WithRules(jitted, R.activation_rules(self.mesh, step_cfg.model.vocab_size))
+        return _WithRules(jitted, R.activation_rules(self.mesh, step_cfg.model.vocab_size),
+                          R.lora_packed_gather(step_cfg, self.mesh))
 
     def _place(self, batch: dict, sharding):
         def one(x):
