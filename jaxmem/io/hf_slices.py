@@ -144,6 +144,9 @@ def _dense_part(source, spec: TensorSpec, layer, ranges: list[range]) -> np.ndar
     if not spec.in_ndim:
         return source.hf_slice(spec, layer, tuple(_as_slice(r) for r in ranges))
     n = spec.in_ndim
+    if all(len(r) == size for r, size in zip(ranges, spec.shape)):  # the whole tensor
+        whole = tuple(slice(0, size) for size in spec.hf_shape)
+        return np.ascontiguousarray(source.hf_slice(spec, layer, whole).T).reshape(spec.shape)
     # flat In / Out index of every element of the region (row-major, as jaxmem.io.hf_names)
     flat_in = np.ravel_multi_index(np.ix_(*ranges[:n]), spec.shape[:n]) if n > 1 else \
         np.asarray(ranges[0])
@@ -335,5 +338,6 @@ def streamed_sha256(source, model_cfg) -> str:
         h.update(f"{path_text(path)}|{np.dtype(source.dtype)}|{shape}|".encode())
         whole = [range(n) for n in spec.shape]
         for layer in (range(model_cfg.num_layers) if spec.stacked else (None,)):
-            h.update(np.ascontiguousarray(_dense_part(source, spec, layer, whole)).tobytes())
+            part = np.ascontiguousarray(_dense_part(source, spec, layer, whole))
+            h.update(part.reshape(-1).view(np.uint8).data)  # the bytes, not a copy of them
     return h.hexdigest()
