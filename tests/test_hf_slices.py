@@ -167,3 +167,31 @@ def test_merged_export_streams_one_tensor_at_a_time(qlora_run, tmp_path):
     # of a 1.34 MB merged model
     print(f"peak {peak} B, adapters {adapters} B, largest tensor {largest} B, model {whole} B")
     assert peak < adapters + 4 * largest and peak < whole / 3, (peak, adapters, largest, whole)
+
+
+def test_mesh_qlora_on_a_pickle_checkpoint_stops_with_one_line(tmp_path, corpus):
+    """`--quantize-base nf4 --mesh fsdp=2` on a checkpoint with only pytorch_model.bin: exit 2,
+    one error line naming the file, nothing written into --out."""
+    from hf_files import write_tokenizer
+    from jaxmem.io.hf import config_to_hf
+    from runs import error_line
+
+    hf = tmp_path / "bin_ckpt"
+    write_tokenizer(hf, "def return import class self None for in if else " * 50)
+    (hf / "config.json").write_text(json.dumps(config_to_hf(_config(), bos_token_id=0,
+                                                            eos_token_id=1)))
+    (hf / "pytorch_model.bin").write_bytes(b"\x80\x02}q\x00.")
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "jaxmem.train", "--init-from", str(hf),
+                           "--lora-rank", "4", "--quantize-base", "nf4", "--mesh", "fsdp=2",
+                           "--batch-size", "2", "--seq-len", "16", "--steps", "1",
+                           "--data", corpus, "--out", str(out)], cwd=ROOT,
+                          env=subprocess_env(cpu_devices=2), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert error_line(proc.stderr) == (
+        f"python -m jaxmem.train: error: {hf / 'pytorch_model.bin'}: PyTorch pickle weights "
+        f"cannot be read shard by shard (a mesh run slices each tensor in place); convert the "
+        f"checkpoint to safetensors (transformers: save_pretrained(..., safe_serialization=True))")
+    assert "Traceback" not in proc.stderr
+    assert not (out / "checkpoints").exists()

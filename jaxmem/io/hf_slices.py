@@ -341,3 +341,62 @@ def streamed_sha256(source, model_cfg) -> str:
             part = np.ascontiguousarray(_dense_part(source, spec, layer, whole))
             h.update(part.reshape(-1).view(np.uint8).data)  # the bytes, not a copy of them
     return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- a run's base
+
+def differing_base(digests: list[str], me: int) -> str | None:
+    """The error for process `me` when the processes' base sha256s (index = process) are not all
+    the same, else None. The process that differs from process 0 names itself; the others name
+    it, so every process stops with the same cause."""
+    odd = [i for i, d in enumerate(digests) if d != digests[0]]
+    if not odd:
+        return None
+    if me in odd:
+        return (f"process {me}: its base weights differ from process 0's (sha256 "
+                f"{digests[me][:16]}... vs {digests[0][:16]}...): every process must read the same "
+                f"base")
+    return (f"process {odd[0]}: its base weights differ from process 0's (sha256 "
+            f"{digests[odd[0]][:16]}... vs {digests[0][:16]}...); process {me} stops too")
+
+
+def _all_digests(digest: str) -> list[str]:
+    """Every process's sha256 (one all-gather of 32 bytes), in process order."""
+    if jax.process_count() == 1:
+        return [digest]
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    mine = np.frombuffer(bytes.fromhex(digest), np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
+    return [bytes(row).hex() for row in every]
+
+
+def prepare_base_from_slices(cfg, model_cfg, step_cfg, record, init_from=None, shardings=None):
+    """jaxmem.peft.base.prepare_base, reading a Hugging Face base shard by shard when it is
+    split over a mesh, and checking that every process has the same base.
+
+    Args: as prepare_base; shardings from Placement.base_shardings (None: one device).
+    Returns: (frozen base, {"source", "sha256", "quantize", "block", "double_quant"}).
+    Raises: HFError (pytorch_model.bin: cannot be sliced; a missing tensor), ValueError (the
+      base differs from the run's record, or from process 0's), each one line naming the file /
+      process. Example: `python -m jaxmem.launch --processes 2 --devices-per-process 2 --
+      --init-from hf/tiny --lora-rank 8 --quantize-base nf4 --mesh fsdp=4 ...` (each process
+      reads half of every projection; tests/test_lora_multiprocess.py).
+    """
+    from jaxmem.peft.base import check_base, prepare_base  # noqa: PLC0415
+
+    spec = step_cfg.peft
+    if shardings is None or not init_from:  # one device, or a seed's init (whole on the host)
+        frozen, rec = prepare_base(cfg, model_cfg, step_cfg, record, init_from, shardings)
+    else:
+        source = HFSlices(init_from)
+        digest = streamed_sha256(source, model_cfg)
+        check_base(record, str(init_from), digest)
+        frozen = sharded_base(source, model_cfg, spec, step_cfg.precision.compute_dtype,
+                              shardings)
+        rec = {"source": str(init_from), "sha256": digest, "quantize": spec.quantize,
+               "block": spec.block, "double_quant": spec.double_quant}
+    error = differing_base(_all_digests(rec["sha256"]), jax.process_index())
+    if error:
+        raise ValueError(error)
+    return frozen, rec
