@@ -178,7 +178,8 @@ def test_mesh_qlora_on_a_pickle_checkpoint_stops_with_one_line(tmp_path, corpus)
 
     hf = tmp_path / "bin_ckpt"
     write_tokenizer(hf, "def return import class self None for in if else " * 50)
-    (hf / "config.json").write_text(json.dumps(config_to_hf(_config(), bos_token_id=0,
+    config = _config().replace(vocab_size=300)  # the tokenizer's ids fit
+    (hf / "config.json").write_text(json.dumps(config_to_hf(config, bos_token_id=0,
                                                             eos_token_id=1)))
     (hf / "pytorch_model.bin").write_bytes(b"\x80\x02}q\x00.")
     out = tmp_path / "run"
