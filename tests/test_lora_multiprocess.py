@@ -112,3 +112,33 @@ def test_differing_base_names_the_process():
     assert differing_base(odd, 2).startswith("process 1: its base weights differ from process "
                                              "0's") and "process 2 stops too" in differing_base(
                                                  odd, 2)
+
+
+@pytest.mark.slow  # two JAX start-ups with jax.distributed: 31 s wall (12 s CPU) here
+def test_process_with_another_base_stops_naming_it(hf_base, corpus, tmp_path):
+    """Two processes (--coordinator, 1 device each, fsdp=2) given bases with other weights: both
+    exit 2 with one error line, and both lines name process 1."""
+    import socket
+
+    from jaxmem.io.hf_export import save_hf
+
+    other = tmp_path / "other_hf"
+    save_hf(other, _cfg(), random_params(_cfg(), seed=8),
+            tokenizer=str(hf_base / "tokenizer.json"), bos_token_id=0, eos_token_id=1)
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "jaxmem.train", *FLAGS, "--data", corpus, "--mesh", "fsdp=2",
+         "--init-from", str(hf_base if i == 0 else other), "--out", str(tmp_path / "run"),
+         "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
+        cwd=ROOT, env=subprocess_env(cpu_devices=1, cpu=True), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for i in range(2)]
+    results = [p.communicate(timeout=300) for p in procs]
+    for i, (p, (_, err)) in enumerate(zip(procs, results)):
+        assert p.returncode == 2, err[-2000:]
+        lines = [l for l in err.splitlines() if l.startswith("python -m jaxmem.train: error: ")]
+        assert len(lines) == 1, err[-2000:]
+        assert lines[0].startswith("python -m jaxmem.train: error: process 1: its base weights "
+                                   "differ from process 0's"), lines[0]
+        assert "Traceback" not in err
