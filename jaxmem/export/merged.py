@@ -13,8 +13,8 @@ The base is the run's original one (jaxmem.peft.export explains why never the NF
 seed's random init (computed whole on the host: it has no file to stream from). Its sha256 is
 streamed too and checked against the run's record before anything is written. Each merged tensor
 is W + alpha/r A B computed by jaxmem.peft.lora.merge for that layer alone (the same einsum as
-the whole-model merge). Adapters of a run saved on a mesh are gathered first (they are small:
-`gathered_adapters`).
+the whole-model merge). Adapters sharded over several processes are all-gathered first (they are
+small: `gathered_adapters`), and process 0 writes.
 """
 
 from __future__ import annotations
@@ -45,14 +45,14 @@ def base_source(run):
     return name, source
 
 
-def merged_items(run, source):
+def merged_items(run, source, adapters=None):
     """(HF name, HF-layout fp32 array) of the merged model, one tensor at a time, hf_names order.
 
     Targets are W + alpha/r A B (jaxmem.peft.lora.merge on that layer); the other tensors are the
-    base's, as stored.
+    base's, as stored. adapters: gathered_adapters(run.state.params), made here when None.
     """
     spec, cfg = run.step_config.peft, run.model_config
-    adapters = gathered_adapters(run.state.params)
+    adapters = gathered_adapters(run.state.params) if adapters is None else adapters
     short = {TARGETS[t]: t for t in spec.targets}  # (group, pname) -> --lora-targets name
     by_name = {}
     for s in tensor_specs(cfg):
@@ -76,7 +76,12 @@ def merged_items(run, source):
 
 def export_merged(run, out: Path, args) -> list[Path]:
     """Write a LoRA run's merged weights (+ config.json, tokenizer files) into `out`, streamed."""
+    import jax  # noqa: PLC0415
+
     spec = run.step_config.peft
+    adapters = gathered_adapters(run.state.params)  # a collective when they span processes
+    if jax.process_index() != 0:  # process 0 writes
+        return []
     name, source = base_source(run)
     print(f"merging LoRA r={spec.rank} (alpha {spec.alpha:g}) into the original base weights of "
           f"{name} (sha256 {run.record['peft_base']['sha256'][:16]}...), tensor by tensor"
@@ -91,4 +96,4 @@ def export_merged(run, out: Path, args) -> list[Path]:
     return save_hf(out, run.model_config, None, dtype=dtype,
                    max_shard_bytes=int(args.max_shard_mb * 2**20), tokenizer=tokenizer,
                    bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
-                   items=merged_items(run, source))
+                   items=merged_items(run, source, adapters))

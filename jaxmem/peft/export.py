@@ -54,6 +54,12 @@ def merged_params(run, verbose: bool = True):
     return merge(host, gathered_adapters(run.state.params), spec, run.model_config)
 
 
+def _process_index() -> int:
+    import jax  # noqa: PLC0415
+
+    return jax.process_index()
+
+
 def gathered_adapters(adapters):
     """The adapters tree as host numpy arrays, whole on every process: a leaf sharded over
     several processes (a mesh run) is all-gathered first (adapters are small: 2 r (in + out)
@@ -105,7 +111,9 @@ def export_adapters(run, out: Path, args=None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     base = run.record.get("peft_base", {}).get("source", "")
     tensors = adapter_tensors(gathered_adapters(run.state.params), spec,
-                              run.model_config.num_layers)
+                              run.model_config.num_layers)  # every process gathers
+    if _process_index() != 0:  # process 0 writes (the same files from every process would race)
+        return []
     files = [out / "adapter_model.safetensors", out / "adapter_config.json"]
     save_file(tensors, str(files[0]), metadata={"format": "pt"})
     files[1].write_text(json.dumps(adapter_config(spec, base), indent=2))
