@@ -23,17 +23,15 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 from jaxmem.io.hf import load_hf_params, read_hf_config, config_from_hf  # noqa: E402
 from jaxmem.io.hf_slices import (HFSlices, abstract_base, host_dtype, sharded_base,  # noqa: E402
                                  streamed_sha256)
-from jaxmem.parallel.rules import leaf_spec  # noqa: E402
+from jaxmem.parallel.rules import base_shardings  # noqa: E402
 from jaxmem.peft.base import base_on_device, base_sha256  # noqa: E402
 from jaxmem.peft.lora import LoraSpec  # noqa: E402
 from jaxmem.peft.quant import QuantizedWeight  # noqa: E402
 
 
 def rule_shardings(abstract, mesh):
-    """The parameter rules (jaxmem.parallel.rules) applied to every leaf of the base."""
-    sizes = dict(mesh.shape)
-    return jax.tree_util.tree_map_with_path(
-        lambda p, a: NamedSharding(mesh, leaf_spec(p, tuple(a.shape), sizes)), abstract)
+    """The run's own rules for the base (jaxmem.parallel.rules.base_shardings)."""
+    return base_shardings(abstract, mesh)
 
 
 def cut_shardings(abstract, mesh):
@@ -80,7 +78,10 @@ def main(hf_dir, out_dir, port, pid):
         host = load_hf_params(hf_dir, model_cfg, host_dtype(hf_dir))
     fsdp = jax.make_mesh((4,), ("fsdp",), axis_types=(AxisType.Auto,))
     data_fsdp = jax.make_mesh((2, 2), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+    tensor_fsdp = jax.make_mesh((2, 2), ("tensor", "fsdp"), axis_types=(AxisType.Auto,) * 2)
     cases = {"nf4_dq_rules": (LoraSpec(4, quantize="nf4", double_quant=True), fsdp, rule_shardings),
+             "nf4_dq_tensor_fsdp": (LoraSpec(4, quantize="nf4", double_quant=True), tensor_fsdp,
+                                    rule_shardings),
              "nf4_dq_out": (LoraSpec(4, quantize="nf4", double_quant=True), fsdp, out_shardings),
              "nf4_cut": (LoraSpec(4, quantize="nf4"), fsdp, cut_shardings),
              "int8_data_fsdp": (LoraSpec(4, quantize="int8"), data_fsdp, out_shardings)}

@@ -79,7 +79,8 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_two_processes_read_half_and_equal_one_device_bitwise(hf_dir, tmp_path):
     """2 processes x 2 simulated devices: every addressable shard of the base built from slices
-    (NF4 + double quant with the parameter rules and on the output axis, NF4 cut inside its
+    (NF4 + double quant with the run's base rules on fsdp=4 and tensor=2,fsdp=2 and on the
+    output axis, NF4 cut inside its
     blocks, int8 on data=2,fsdp=2; the embedding, norms and LM head in each) equals the
     one-device quantization bitwise; with every leaf split on its output axis over the 4 devices
     each process reads exactly half of the bytes but the (replicated) final norm's, counted by
@@ -94,7 +95,8 @@ def test_two_processes_read_half_and_equal_one_device_bitwise(hf_dir, tmp_path):
         assert p.returncode == 0, out[-3000:]
     for pid in range(2):
         r = json.loads((tmp_path / f"{pid}.json").read_text())
-        for case in ("nf4_dq_rules", "nf4_dq_out", "nf4_cut", "int8_data_fsdp"):
+        for case in ("nf4_dq_rules", "nf4_dq_tensor_fsdp", "nf4_dq_out", "nf4_cut",
+                     "int8_data_fsdp"):
             assert r[case]["mismatch"] == [], (pid, case, r[case]["mismatch"][:5])
         half = (r["total"] - r["rank1"]) // 2 + r["rank1"]
         assert r["nf4_dq_out"]["bytes_read"] == half, (r["nf4_dq_out"], r["total"])
