@@ -26,7 +26,6 @@ from jaxmem.io.hf_slices import (HFSlices, abstract_base, host_dtype, sharded_ba
 from jaxmem.parallel.rules import base_shardings  # noqa: E402
 from jaxmem.peft.base import base_on_device, base_sha256  # noqa: E402
 from jaxmem.peft.lora import LoraSpec  # noqa: E402
-from jaxmem.peft.quant import QuantizedWeight  # noqa: E402
 
 
 def rule_shardings(abstract, mesh):

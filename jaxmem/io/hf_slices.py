@@ -189,20 +189,18 @@ def _quantize_fn(kind: str, block: int):
     return jax.jit(lambda w: quantize(w, kind, 1, block, False).tree_flatten()[0][:2])
 
 
-@functools.lru_cache(maxsize=None)
-def _second_level_fn(kind: str, n_in: int, block: int, shape: tuple):
+@jax.jit
+def _second_level(absmax):
     """absmax [In/block, Out] of one layer -> (absmax_q, absmax_scale, absmax_offset): the code
     of jaxmem.peft.quant.quantize after its absmax (tests/test_hf_slices.py holds it bitwise)."""
-    def second(absmax):
-        flat = absmax.reshape(-1)
-        offset = jnp.mean(flat)
-        centred = flat - offset
-        pad = (-flat.size) % DQ_BLOCK
-        centred = jnp.pad(centred, (0, pad)).reshape(-1, DQ_BLOCK)  # [n/256, 256]
-        scale = jnp.max(jnp.abs(centred), axis=1)  # [n/256]
-        q = jnp.round(centred / jnp.where(scale > 0, scale, 1.0)[:, None] * 127.0).astype(jnp.int8)
-        return q, scale, offset
-    return jax.jit(second)
+    flat = absmax.reshape(-1)
+    offset = jnp.mean(flat)
+    centred = flat - offset
+    pad = (-flat.size) % DQ_BLOCK
+    centred = jnp.pad(centred, (0, pad)).reshape(-1, DQ_BLOCK)  # [n/256, 256]
+    scale = jnp.max(jnp.abs(centred), axis=1)  # [n/256]
+    q = jnp.round(centred / jnp.where(scale > 0, scale, 1.0)[:, None] * 127.0).astype(jnp.int8)
+    return q, scale, offset
 
 
 class _Quantizer:
@@ -268,11 +266,10 @@ def _quantized_base(source, spec: TensorSpec, q_abs: QuantizedWeight, shardings:
     absmax = _quantized_leaf(qz, 1, (L, nb, Out), np.float32, _absmax_sharding(codes_sh))
     gather = jax.jit(lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
                      out_shardings=_replicated_like(codes_sh))
-    second = _second_level_fn(kind, n_in, block, (nb, Out))
     levels = []
     for i in range(L):
         whole = np.asarray(gather(absmax, i).addressable_data(0))  # [nb, Out], this host
-        levels.append([np.asarray(x) for x in second(jnp.asarray(whole))])
+        levels.append([np.asarray(x) for x in _second_level(jnp.asarray(whole))])
     del absmax
     q, scale, offset = (np.stack(parts) for parts in zip(*levels))
     out = [jax.make_array_from_callback(a.shape, sh, lambda idx, h=h: h[idx])
