@@ -24,6 +24,7 @@ from jaxmem.data import DataError
 from jaxmem.io.checkpoint import CheckpointError
 from jaxmem.io.hf_export import DEFAULT_MAX_SHARD_BYTES, DTYPES, save_hf
 from jaxmem.train.rundir import RunError, exit_after_failed_restore, load_run
+from jaxmem.export.merged import export_merged
 from jaxmem.peft.export import export_adapters, merged_params
 
 
@@ -36,7 +37,10 @@ def full_params(run):
 
 
 def export_full(run, out: Path, args) -> list[Path]:
-    """Full (merged) weights + config.json + tokenizer files."""
+    """Full weights + config.json + tokenizer files; a LoRA run's merge is streamed tensor by
+    tensor (jaxmem.export.merged)."""
+    if run.step_config.peft is not None:
+        return export_merged(run, out, args)
     params = full_params(run)
     dtype = args.dtype or np.dtype(next(iter(_leaves(params))).dtype).name
     tok = run.tokenizer

@@ -7,8 +7,8 @@ Writes `model.safetensors`, or `model-0000i-of-0000n.safetensors` shards plus
 llama-3.2-1b in bf16 is one file, an 8B four shards); `config.json` from
 jaxmem.io.hf.config_to_hf; and the tokenizer files found next to the run's tokenizer.json.
 
-Tensors are converted and written one shard at a time (jaxmem.io.hf_names.hf_state_items), so
-the host holds at most one shard beyond the params. The shards are planned from the tensor
+Tensors are converted and written one at a time (jaxmem.io.hf_names.hf_state_items,
+write_safetensors), so the host holds at most one tensor beyond the params. The shards are planned from the tensor
 shapes before anything is written, so every file name carries the final shard count, as
 transformers' `save_pretrained` names them. Nothing is written into a directory that already
 holds a checkpoint.
@@ -53,15 +53,50 @@ def _plan_shards(config: ModelConfig, itemsize: int, max_shard_bytes: int) -> li
     return shards + [current]
 
 
+# numpy dtype name -> safetensors' dtype code
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def write_safetensors(path, names: list[str], shapes: dict, dtype, arrays) -> int:
+    """Write one .safetensors file tensor by tensor: the header is made from `shapes` first,
+    then each array of the iterator `arrays` (in `names` order) is cast and appended, so only
+    one tensor is held at a time. Returns the data bytes written.
+
+    safetensors' format: an 8-byte little-endian header length, a JSON header ({name: {dtype,
+    shape, data_offsets}}, padded with spaces to 8 bytes) and the tensors' bytes back to back.
+    """
+    dtype = np.dtype(dtype)
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name in names:
+        size = math.prod(shapes[name]) * dtype.itemsize
+        header[name] = {"dtype": _ST_DTYPES[dtype.name], "shape": list(shapes[name]),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for name, array in zip(names, arrays):
+            a = np.ascontiguousarray(np.asarray(array).astype(dtype, copy=False))
+            if tuple(a.shape) != tuple(shapes[name]):
+                raise HFError(f"{name}: shape {tuple(a.shape)}, expected {tuple(shapes[name])}")
+            f.write(a.reshape(-1).view(np.uint8).data)  # no copy of the tensor's bytes
+    return offset
+
+
 def save_hf(out, config: ModelConfig, params, dtype: str = "float32",
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer: str | None = None,
-            bos_token_id: int | None = None, eos_token_id: int | None = None) -> list[Path]:
+            bos_token_id: int | None = None, eos_token_id: int | None = None,
+            items=None) -> list[Path]:
     """Write params (jaxmem layout; arrays, no weight objects) as an HF directory; returns files.
 
     tokenizer: path of a tokenizer.json; it and its sibling files (TOKENIZER_FILES) are copied.
+    items: instead of params, an iterator of (HF name, HF-layout array) in hf_names order (a
+        merged LoRA export computes each tensor as it is written: jaxmem.export.merged).
+    Each tensor is written as it comes (write_safetensors): the host holds one tensor beyond
+    what `params` / `items` hold.
     """
-    from safetensors.numpy import save_file  # noqa: PLC0415
-
     if dtype not in DTYPES:
         raise HFError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     out = Path(out)
@@ -73,19 +108,20 @@ def save_hf(out, config: ModelConfig, params, dtype: str = "float32",
     shards = _plan_shards(config, np_dtype.itemsize, max_shard_bytes)
     names = [WEIGHTS] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    items = hf_state_items(config, params)
-    weight_map, written, total = {}, [], 0
-    for shard, file in zip(shards, names):
-        tensors = {}
+    items = hf_state_items(config, params) if items is None else iter(items)
+    shapes = {s.name(i): s.hf_shape for s in tensor_specs(config)
+              for i in (range(config.num_layers) if s.stacked else [None])}
+
+    def arrays(shard):
         for name in shard:
             got, array = next(items)
             assert got == name, (got, name)  # the plan and the items follow hf_names' order
-            tensors[name] = np.ascontiguousarray(array.astype(np_dtype))
-            total += tensors[name].nbytes
-            weight_map[name] = file
-        save_file(tensors, str(out / file), metadata={"format": "pt"})
+            yield array
+    weight_map, written, total = {}, [], 0
+    for shard, file in zip(shards, names):
+        total += write_safetensors(out / file, shard, shapes, np_dtype, arrays(shard))
+        weight_map.update({name: file for name in shard})
         written.append(out / file)
-        del tensors
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX).write_text(json.dumps(index, indent=2))

@@ -51,10 +51,28 @@ def merged_params(run, verbose: bool = True):
               f"{spec.quantize} copy the run trained on" if spec.quantize != "none" else
               f"merging LoRA r={spec.rank} (alpha {spec.alpha:g}) into the base weights of "
               f"{source}")
-    adapters = {"layers": {g: {n: {k: np.asarray(v) for k, v in d.items()}
-                               for n, d in grp.items()}
-                           for g, grp in run.state.params["layers"].items()}}
-    return merge(host, adapters, spec, run.model_config)
+    return merge(host, gathered_adapters(run.state.params), spec, run.model_config)
+
+
+def _process_index() -> int:
+    import jax  # noqa: PLC0415
+
+    return jax.process_index()
+
+
+def gathered_adapters(adapters):
+    """The adapters tree as host numpy arrays, whole on every process: a leaf sharded over
+    several processes (a mesh run) is all-gathered first (adapters are small: 2 r (in + out)
+    values per target and layer)."""
+    import jax  # noqa: PLC0415
+
+    def host(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils  # noqa: PLC0415
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+    return jax.tree.map(host, adapters)
 
 
 def adapter_tensors(adapters, spec, num_layers: int) -> dict[str, np.ndarray]:
@@ -92,7 +110,10 @@ def export_adapters(run, out: Path, args=None) -> list[Path]:
         raise ValueError(f"--out {out} already holds adapter_model.safetensors (nothing written)")
     out.mkdir(parents=True, exist_ok=True)
     base = run.record.get("peft_base", {}).get("source", "")
-    tensors = adapter_tensors(run.state.params, spec, run.model_config.num_layers)
+    tensors = adapter_tensors(gathered_adapters(run.state.params), spec,
+                              run.model_config.num_layers)  # every process gathers
+    if _process_index() != 0:  # process 0 writes (the same files from every process would race)
+        return []
     files = [out / "adapter_model.safetensors", out / "adapter_config.json"]
     save_file(tensors, str(files[0]), metadata={"format": "pt"})
     files[1].write_text(json.dumps(adapter_config(spec, base), indent=2))

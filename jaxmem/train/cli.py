@@ -173,11 +173,11 @@ def setup(args, parser) -> Setup:
         mesh = run_mesh(cfg.parallel.mesh, model_cfg, cfg.data.batch_size)
         s.placement = Placement.single() if mesh is None else Placement.on(mesh)
         if step_cfg.peft is not None:  # LoRA / QLoRA: the frozen base, checked against the run's
-            from jaxmem.peft.base import prepare_base  # and split over the mesh (if any)
-            s.frozen, s.base_record = prepare_base(cfg, model_cfg, step_cfg,
-                                                   record if continuing else None,
-                                                   cfg.init.init_from,
-                                                   s.placement.base_shardings(step_cfg))
+            # split over the mesh (if any), read shard by shard from an HF checkpoint
+            from jaxmem.peft.slices import prepare_base_from_slices
+            s.frozen, s.base_record = prepare_base_from_slices(
+                cfg, model_cfg, step_cfg, record if continuing else None, cfg.init.init_from,
+                s.placement.base_shardings(step_cfg))
         if continuing:
             if record.get("data_sha256") not in (None, stats["tokens_sha256"]):
                 raise RunError(f"--out {out}: --data differs from the run's data (token hash changed)")
