@@ -13,7 +13,10 @@ How the analytic breakdown is split (jaxmem.parallel.rules decides what is split
   model is evaluated at that batch size; with `tensor`, a block's activations are those of a
   model with N/t heads, K/t kv heads and MLP width F/t (the [B, T, D] residual stream stays whole);
 - FSDP adds one layer's gathered weights in the compute dtype (the all-gather before a layer's
-  matmuls), counted in the backward phase.
+  matmuls), counted in the backward phase;
+- LoRA / QLoRA: the adapters and their state split like the adapters' leaves, the frozen base
+  leaf by leaf, one packed layer gathered, and with --offload-base host the block layers on the
+  host ("host" phase, reported apart): jaxmem.memory.lora_mesh.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import math
 import jax
 
 from jaxmem.memory.analytic import analytic_breakdown
+from jaxmem.memory.lora_mesh import adapter_fraction, base_components as lora_base_components
 from jaxmem.memory.compiled import abstract_state, abstract_step_batch, compiled_stats
 from jaxmem.memory.spec import StepSpec
 from jaxmem.model.llama import abstract_params
@@ -31,7 +35,7 @@ from jaxmem.parallel.mesh import AXES, MeshSpec, run_mesh
 from jaxmem.parallel.placement import Placement
 from jaxmem.parallel.rules import batch_sharding, leaf_spec
 
-PARAM_SHAPED = ("params (master)", "adam mu", "adam nu", "gradients", "grad accumulator",
+PARAM_SHAPED = ("params (master)", "LoRA adapters (master)", "adam mu", "adam nu", "gradients", "grad accumulator",
                 "optimizer update buffer", "params (compute copy)")
 
 
@@ -68,9 +72,13 @@ def analytic_per_device(spec: StepSpec, mesh_text: str | None, devices: int | No
                                         num_kv_heads=m.num_kv_heads // t,
                                         intermediate_size=m.intermediate_size // t)
     acts = analytic_breakdown(dataclasses.replace(local, model=narrow))["components"]
-    frac = param_fraction(spec, mesh)
+    sizes = dict(zip(AXES, mesh.sizes))
+    # LoRA: the state is the adapters'; the frozen base is split leaf by leaf (memory.lora_mesh)
+    frac = param_fraction(spec, mesh) if spec.peft is None else adapter_fraction(spec, sizes)
     comps = []
     for c, a in zip(base["components"], acts):
+        if spec.peft is not None and c["name"].startswith("frozen base"):
+            continue
         # another optimizer's state (adamw8bit codes and scales, adafactor, lion; named
         # "<optimizer> ..." by jaxmem.memory.optimizer_bytes) is split like the params it
         # belongs to: exact for leaves of the params' shapes, close for block scales / factors
@@ -79,7 +87,10 @@ def analytic_per_device(spec: StepSpec, mesh_text: str | None, devices: int | No
         if shaped:
             c["bytes"] = int(round(c["bytes"] * frac))
         comps.append(c)
-    if mesh.fsdp > 1:
+    if spec.peft is not None:
+        comps += [{"name": n, "bytes": b, "dtype": d, "phase": ph, "in_peak": False}
+                  for n, b, d, ph in lora_base_components(spec, sizes)]
+    elif mesh.fsdp > 1:
         m = spec.model
         layer = (m.num_params() - m.vocab_size * m.hidden_size * (1 if m.tie_embeddings else 2)
                  ) // m.num_layers
@@ -94,7 +105,8 @@ def analytic_per_device(spec: StepSpec, mesh_text: str | None, devices: int | No
         c["in_peak"] = c["phase"] in ("both", peak_phase)
     return {"mesh": str(mesh), "devices": math.prod(mesh.sizes), "param_fraction": frac,
             "local_batch": local.batch_size, "components": comps, "peak_phase": peak_phase,
-            "total": phases[peak_phase]}
+            "total": phases[peak_phase],
+            "host": sum(c["bytes"] for c in comps if c["phase"] == "host")}
 
 
 def compile_per_device(spec: StepSpec, mesh_text: str | None) -> dict:
