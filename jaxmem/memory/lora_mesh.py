@@ -8,8 +8,9 @@
 The base is counted leaf by leaf on its abstract form (jaxmem.peft.base.abstract_base: packed
 NF4 nibbles or int8 codes, absmax or the double-quantization scales, embedding and LM head in the
 compute dtype, norms fp32; nothing allocated), each leaf split as the sharding rules split it
-(jaxmem.parallel.rules.leaf_spec: `fsdp` on a divisible axis, `tensor` on the Megatron axis where
-the layout allows, small leaves and norms whole). So the numbers follow the rules exactly, and a
+(jaxmem.parallel.rules: `base_specs` for the packed projections, `fsdp` on a divisible axis of
+the codes and with them their scales, `tensor` on the Megatron axis where the block layout
+allows; `leaf_spec` for the rest: small leaves and norms whole). So the numbers follow the rules exactly, and a
 leaf the rules leave whole is counted whole on every device.
 
 What one device holds for the base during a step:
@@ -37,15 +38,17 @@ Adapters and their optimizer state are split like the adapters' leaves under the
 from __future__ import annotations
 
 import functools
+import re
 import math
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxmem.memory.spec import StepSpec
 from jaxmem.model.roles import path_text
-from jaxmem.parallel.rules import leaf_spec
+import jaxmem.parallel.rules as rules
 
 OFFLOAD_KINDS = ("none", "host")
 
@@ -76,11 +79,24 @@ def _abstract_base(model, peft, dtype_name: str):
     return abstract_base(model, peft, jnp.dtype(dtype_name))
 
 
-def _split(shape, path, sizes: dict[str, int]) -> tuple[int, int]:
-    """(devices the leaf is split over, of which over tensor) under the rules."""
-    spec = leaf_spec(path, tuple(shape), sizes)
+def _split(spec, sizes: dict[str, int]) -> tuple[int, int]:
+    """(devices a leaf with PartitionSpec `spec` is split over, of which over tensor)."""
     axes = [a for a in spec if a]
     return math.prod(sizes.get(a, 1) for a in axes), sizes.get("tensor", 1) if "tensor" in axes else 1
+
+
+def _base_leaves(base, sizes: dict[str, int]):
+    """(path, leaf, PartitionSpec) of every leaf of the abstract base under the rules: packed
+    projections by rules.base_specs (their packed layout), the rest by rules.leaf_spec."""
+    if not sizes or math.prod(sizes.values()) == 1:
+        specs = jax.tree.map(lambda _: P(), base)
+    elif hasattr(rules, "base_specs"):
+        specs = rules.base_specs(base, sizes)
+    else:  # before the packed-layout rules: each leaf by its path and shape
+        specs = jax.tree_util.tree_map_with_path(
+            lambda p, x: rules.leaf_spec(p, tuple(x.shape), sizes), base)
+    flat = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    return [(p, x, s) for (p, x), s in zip(jax.tree_util.tree_leaves_with_path(base), flat)]
 
 
 def base_split(spec: StepSpec, sizes: dict[str, int]) -> BaseSplit:
@@ -91,9 +107,9 @@ def base_split(spec: StepSpec, sizes: dict[str, int]) -> BaseSplit:
     layers = other = gathered = replicated = 0
     dtypes = set()
     devices = math.prod(sizes.values()) if sizes else 1
-    for path, leaf in jax.tree_util.tree_leaves_with_path(base):
+    for path, leaf, leaf_spec in _base_leaves(base, sizes):
         nbytes = int(leaf.size) * leaf.dtype.itemsize
-        split, tensor = _split(leaf.shape, path, sizes)
+        split, tensor = _split(leaf_spec, sizes)
         if split == 1 and devices > 1:
             replicated += nbytes
         if "layers" in path_text(path).split("/"):
@@ -133,5 +149,65 @@ def adapter_fraction(spec: StepSpec, sizes: dict[str, int]) -> float:
     total = local = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(_abstract_adapters(spec)):
         total += leaf.size
-        local += leaf.size // _split(leaf.shape, path, sizes)[0]
+        local += leaf.size // _split(rules.leaf_spec(path, tuple(leaf.shape), sizes), sizes)[0]
     return local / total
+
+
+# bytes per element of the HLO element types an argument can have (4-bit types packed)
+_HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+              "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "s4": 0.5, "u4": 0.5}
+HOST_SPACE = "S(5)"  # XLA's memory-space annotation of host memory in a layout
+
+
+def host_argument_bytes(hlo_text: str) -> int:
+    """Bytes of the compiled program's arguments that live in host memory, per device.
+
+    XLA:CPU's memory_analysis() adds an argument in pinned host memory to argument_size_in_bytes
+    and reports host_argument_size_in_bytes 0 (measured, jax 0.10.2), but the compiled module's
+    entry layout marks each such argument with the host memory space (`f32[8,4]{1,0:S(5)}`):
+    this sums those. Shapes in a partitioned module are per device."""
+    head = hlo_text.split("\n", 1)[0]
+    start = head.find("entry_computation_layout={(")
+    if start < 0:
+        return 0
+    args = head[start:].split(")->", 1)[0]
+    total = 0.0
+    for dtype, dims, layout in re.findall(r"(\w+)\[([0-9,]*)\]\{([^}]*)\}", args):
+        if HOST_SPACE in layout:
+            n = math.prod(int(d) for d in dims.split(",") if d)
+            total += n * _HLO_BYTES.get(dtype, 1 if dtype.startswith("f8") else 4)
+    return int(total)
+
+
+def host_split(compiled, stats: dict, hlo_text: str) -> dict:
+    """{"host_argument_bytes", "device_peak_bytes"} of a compiled step: the host arguments as
+    memory_analysis() reports them apart (GPU), else as the entry layout marks them (XLA:CPU,
+    where they are inside argument_size_in_bytes and so taken out of the device peak)."""
+    reported = int(getattr(compiled.memory_analysis(), "host_argument_size_in_bytes", 0) or 0)
+    marked = 0 if reported else host_argument_bytes(hlo_text)
+    return {"host_argument_bytes": reported or marked,
+            "host_source": "memory_analysis" if reported else "entry layout S(5)",
+            "device_peak_bytes": stats["peak_bytes"] - marked}
+
+
+def format_host_lines(r: dict, div: int) -> list[str]:
+    """The host lines of a per-device report (jaxmem.parallel.memory.mesh_report)."""
+    a = r["analytic"]
+    if not a.get("host"):
+        return []
+    unit = "MiB" if div == 2**20 else "GiB"
+    return [f"{'analytic, host memory (pinned), per device':56s} {a['host'] / div:10.2f}",
+            f"{'analytic peak without --offload-base host':56s} "
+            f"{r['analytic_without_offload'] / div:10.2f}  ({unit}, device)"]
+
+
+def format_compiled_host(c: dict, div: int) -> list[str]:
+    """What the compiled program puts in host memory: its arguments marked with the host
+    memory space in the entry layout (memory_analysis() on XLA:CPU counts them as device
+    arguments; see host_argument_bytes)."""
+    host = c.get("host_argument_bytes", 0)
+    if not host:
+        return []
+    unit = "MiB" if div == 2**20 else "GiB"
+    return [f"compiled arguments in host memory ({c['host_source']}): {host / div:.2f} {unit}; "
+            f"device peak: {c['device_peak_bytes'] / div:.2f} {unit}"]
