@@ -90,11 +90,8 @@ def _base_leaves(base, sizes: dict[str, int]):
     projections by rules.base_specs (their packed layout), the rest by rules.leaf_spec."""
     if not sizes or math.prod(sizes.values()) == 1:
         specs = jax.tree.map(lambda _: P(), base)
-    elif hasattr(rules, "base_specs"):
+    else:
         specs = rules.base_specs(base, sizes)
-    else:  # before the packed-layout rules: each leaf by its path and shape
-        specs = jax.tree_util.tree_map_with_path(
-            lambda p, x: rules.leaf_spec(p, tuple(x.shape), sizes), base)
     flat = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P))
     return [(p, x, s) for (p, x), s in zip(jax.tree_util.tree_leaves_with_path(base), flat)]
 
