@@ -198,13 +198,15 @@ def format_host_lines(r: dict, div: int) -> list[str]:
             f"{r['analytic_without_offload'] / div:10.2f}  ({unit}, device)"]
 
 
-def format_compiled_host(c: dict, div: int) -> list[str]:
+def format_compiled_host(c: dict, div: int, offload: bool = False) -> list[str]:
     """What the compiled program puts in host memory: its arguments marked with the host
     memory space in the entry layout (memory_analysis() on XLA:CPU counts them as device
-    arguments; see host_argument_bytes)."""
+    arguments; see host_argument_bytes). offload: --offload-base host was asked for; a program
+    with no argument on the host is then said not to offload."""
     host = c.get("host_argument_bytes", 0)
     if not host:
-        return []
+        return ["note: the compiled step has no argument in host memory: its figures are those of "
+                "the base on the device (this build does not offload it)"] if offload else []
     unit = "MiB" if div == 2**20 else "GiB"
     return [f"compiled arguments in host memory ({c['host_source']}): {host / div:.2f} {unit}; "
             f"device peak: {c['device_peak_bytes'] / div:.2f} {unit}"]

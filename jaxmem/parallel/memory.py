@@ -191,7 +191,7 @@ def format_mesh_report(r: dict) -> str:
               f"analytic / compiled peak: {a['total'] / c['peak_bytes']:.3f}",
               "collectives in the step's HLO: " + ", ".join(
                   f"{k} {v}" for k, v in c["collectives"].items())]
-    return "\n".join(lines + format_compiled_host(c, mib))
+    return "\n".join(lines + format_compiled_host(c, mib, "analytic_without_offload" in r))
 
 
 def mesh_candidates(spec: StepSpec, devices: int) -> list[MeshSpec]:
