@@ -86,6 +86,16 @@ def test_base_split_follows_the_rules_on_tiny():
         assert s.layer_gathered == one.layer_gathered  # fsdp gathers the whole layer
         names = {x[0]: x[3] for x in base_components(spec, {"fsdp": n})}
         assert names["frozen base: one layer gathered (fsdp)"] == "backward"
+    # the LM head, split by fsdp, is gathered whole for the loss: it counts where the loss's
+    # logits group with it outgrows a layer's backward with its gathered layer
+    sizes = {"data": 1, "fsdp": 2, "tensor": 1}
+    wide = _spec({**TINY_QLORA, "model.vocab_size": 4096})  # a head larger than a layer
+    s = base_split(wide, sizes)
+    assert s.head_gathered == 256 * 4096 * 4 > s.layer_gathered  # [D, V] fp32, whole
+    extra = lambda t: [x[1] for x in base_components(wide, sizes, t) if "LM head" in x[0]]  # noqa
+    assert extra({"logits_group_bytes": 10**6, "layer_backward_bytes": 0}) == [
+        s.head_gathered - s.layer_gathered]
+    assert extra({"logits_group_bytes": 0, "layer_backward_bytes": 10**7}) == [0]
     host = base_components(dataclasses.replace(spec, offload_base="host"), {})
     assert [(x[1], x[3]) for x in host if x[3] == "host"] == [(one.layers, "host")]
 

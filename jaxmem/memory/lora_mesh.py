@@ -63,6 +63,9 @@ class BaseSplit:
     layer_gathered: one layer gathered over fsdp (each leaf's layer slice / its tensor split).
     replicated: bytes of the leaves the rules leave whole although the mesh has > 1 device.
     dtypes: the dtypes of the block layers' leaves, joined with "+".
+    head_gathered: the LM head (the embedding when tied) gathered whole over fsdp for the loss
+        (seen in the compiled 70B step: an all-gather of the [8192, 128256] head), 0 when fsdp
+        does not split it.
     """
 
     layers: int
@@ -71,6 +74,7 @@ class BaseSplit:
     layer_gathered: int
     replicated: int
     dtypes: str
+    head_gathered: int = 0
 
 
 @functools.lru_cache(maxsize=16)
@@ -101,7 +105,7 @@ def base_split(spec: StepSpec, sizes: dict[str, int]) -> BaseSplit:
     model = spec.model
     base = _abstract_base(model, spec.peft, jnp.dtype(spec.precision.compute_dtype).name)
     L = model.num_layers
-    layers = other = gathered = replicated = 0
+    layers = other = gathered = replicated = head = 0
     dtypes = set()
     devices = math.prod(sizes.values()) if sizes else 1
     for path, leaf, leaf_spec in _base_leaves(base, sizes):
@@ -115,12 +119,24 @@ def base_split(spec: StepSpec, sizes: dict[str, int]) -> BaseSplit:
             dtypes.add(leaf.dtype.name)
         else:
             other += nbytes // split
-    return BaseSplit(layers, other, layers // L, gathered, replicated, "+".join(sorted(dtypes)))
+            name = path_text(path).split("/")[-1]
+            if (name == "lm_head" or (name == "embed_tokens" and model.tie_embeddings)) \
+                    and "fsdp" in leaf_spec:
+                head = nbytes // tensor
+    return BaseSplit(layers, other, layers // L, gathered, replicated, "+".join(sorted(dtypes)),
+                     head)
 
 
-def base_components(spec: StepSpec, sizes: dict[str, int]) -> list[tuple[str, int, str, str]]:
+def base_components(spec: StepSpec, sizes: dict[str, int],
+                    transients: dict | None = None) -> list[tuple[str, int, str, str]]:
     """(name, bytes, dtype, phase) of the frozen base on one device; phase "host" for what lives
-    in host memory with --offload-base host (never part of a device peak)."""
+    in host memory with --offload-base host (never part of a device peak).
+
+    transients: analytic_breakdown's "transients" at the local batch; with them, the LM head
+    gathered for the loss is counted where it raises the peak: the backward phase holds one
+    layer's backward with its gathered layer, or the loss's logits group with the gathered head,
+    whichever is larger (the breakdown already holds the larger of the two without the weights).
+    """
     s = base_split(spec, sizes)
     cd = jnp.dtype(spec.precision.compute_dtype).name
     kind = spec.peft.quantize + ("+dq" if spec.peft.double_quant else "")
@@ -133,6 +149,12 @@ def base_components(spec: StepSpec, sizes: dict[str, int]) -> list[tuple[str, in
                     "backward"))
     if sizes.get("fsdp", 1) > 1:
         out.append(("frozen base: one layer gathered (fsdp)", s.layer_gathered, s.dtypes,
+                    "backward"))
+    if s.head_gathered and transients:
+        logits, layer = transients["logits_group_bytes"], transients["layer_backward_bytes"]
+        layer_weights = sum(b for n, b, _, _ in out if n.startswith("frozen base: one layer"))
+        extra = logits + s.head_gathered - max(logits, layer) - layer_weights
+        out.append(("frozen base: LM head gathered for the loss (fsdp)", max(0, extra), cd,
                     "backward"))
     return out
 

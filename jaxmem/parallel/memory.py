@@ -73,7 +73,8 @@ def analytic_per_device(spec: StepSpec, mesh_text: str | None, devices: int | No
     narrow = m if t == 1 else m.replace(num_heads=m.num_heads // t, head_dim=m.resolved_head_dim,
                                         num_kv_heads=m.num_kv_heads // t,
                                         intermediate_size=m.intermediate_size // t)
-    acts = analytic_breakdown(dataclasses.replace(local, model=narrow))["components"]
+    narrow_b = analytic_breakdown(dataclasses.replace(local, model=narrow))
+    acts = narrow_b["components"]
     sizes = dict(zip(AXES, mesh.sizes))
     # LoRA: the state is the adapters'; the frozen base is split leaf by leaf (memory.lora_mesh)
     frac = param_fraction(spec, mesh) if spec.peft is None else adapter_fraction(spec, sizes)
@@ -91,7 +92,7 @@ def analytic_per_device(spec: StepSpec, mesh_text: str | None, devices: int | No
         comps.append(c)
     if spec.peft is not None:
         comps += [{"name": n, "bytes": b, "dtype": d, "phase": ph, "in_peak": False}
-                  for n, b, d, ph in lora_base_components(spec, sizes)]
+                  for n, b, d, ph in lora_base_components(spec, sizes, narrow_b["transients"])]
     elif mesh.fsdp > 1:
         m = spec.model
         layer = (m.num_params() - m.vocab_size * m.hidden_size * (1 if m.tie_embeddings else 2)
