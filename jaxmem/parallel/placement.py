@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxmem.model.sharding import activation_sharding
 import jaxmem.parallel.rules as R
+from jaxmem.peft.quant import gather_packed
 from jaxmem.train.run import make_eval_fn
 from jaxmem.train.step import (create_train_state, jit_train_step, make_train_step,
                                state_creation_fn)
@@ -39,16 +40,22 @@ from jaxmem.train.step import (create_train_state, jit_train_step, make_train_st
 class _WithRules:
     """A jitted function called (and lowered) with the activation rules installed."""
 
-    def __init__(self, jitted, rules):
-        self._jitted, self._rules = jitted, rules
+    def __init__(self, jitted, rules, gather=None):
+        self._jitted, self._rules, self._gather = jitted, rules, gather
 
     def __call__(self, *args):
-        with activation_sharding(self._rules):
+        with activation_sharding(self._rules), gather_packed(self._gather):
             return self._jitted(*args)
 
     def lower(self, *args):
-        with activation_sharding(self._rules):
+        with activation_sharding(self._rules), gather_packed(self._gather):
             return self._jitted.lower(*args)
+
+
+def _packed_gather(mesh):
+    """A quantized base's layer is gathered packed (jaxmem.peft.quant.gather_packed) on meshes
+    without `tensor`; with it, the layer stays split by heads / width (XLA's own choice)."""
+    return R.replicated(mesh) if mesh.shape["tensor"] == 1 else None
 
 
 @dataclass(frozen=True)
@@ -129,13 +136,15 @@ class Placement:
                          in_shardings=(shardings, R.batch_sharding(self.mesh))
                          + (() if base is None else (base,)),
                          out_shardings=(shardings, R.replicated(self.mesh)))
-        return _WithRules(jitted, R.activation_rules(self.mesh, step_cfg.model.vocab_size))
+        return _WithRules(jitted, R.activation_rules(self.mesh, step_cfg.model.vocab_size),
+                          _packed_gather(self.mesh))
 
     def eval_fn(self, step_cfg):
         if self.mesh is None:
             return make_eval_fn(step_cfg)
         jitted = jax.jit(make_eval_fn(step_cfg), out_shardings=R.replicated(self.mesh))
-        return _WithRules(jitted, R.activation_rules(self.mesh, step_cfg.model.vocab_size))
+        return _WithRules(jitted, R.activation_rules(self.mesh, step_cfg.model.vocab_size),
+                          _packed_gather(self.mesh))
 
     def _place(self, batch: dict, sharding):
         def one(x):

@@ -35,6 +35,8 @@ leaves it already holds, and dequantizes again in the backward.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -132,8 +134,36 @@ def _blocks_out(shape, n_in: int, block: int) -> tuple[int, int]:
     return In // block, Out
 
 
+_GATHER: contextvars.ContextVar = contextvars.ContextVar("jaxmem_quant_gather", default=None)
+
+
+@contextlib.contextmanager
+def gather_packed(sharding):
+    """While tracing inside: a quantized weight's leaves are constrained to `sharding` (the
+    run mesh's replicated NamedSharding; None: no constraint) right before they are dequantized.
+
+    Why: on an fsdp mesh the scan slices one layer of each split leaf, and without a constraint
+    XLA dequantizes each shard and all-gathers the dense result (measured on the tiny preset,
+    fsdp=4: f32 all-gathers inside the loop), 8x the bytes of the packed NF4 codes in fp32, 4x
+    in bf16. Gathering the packed leaves moves 4.1 bits per weight, as FSDP-QLoRA does.
+    """
+    token = _GATHER.set(sharding)
+    try:
+        yield
+    finally:
+        _GATHER.reset(token)
+
+
+def _gathered(leaves):
+    sharding = _GATHER.get()
+    if sharding is None:
+        return leaves
+    return jax.tree.map(lambda l: jax.lax.with_sharding_constraint(l, sharding), leaves)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _quantized_einsum(subscripts, einsum, aux, x, leaves):
+    leaves = _gathered(leaves)
     w = QuantizedWeight.tree_unflatten(aux, leaves).dequantize(x.dtype)
     return einsum(subscripts, x, w)
 
@@ -144,7 +174,7 @@ def _quantized_einsum_fwd(subscripts, einsum, aux, x, leaves):
 
 def _quantized_einsum_bwd(subscripts, einsum, aux, residuals, g):
     x, leaves = residuals
-    w = QuantizedWeight.tree_unflatten(aux, leaves).dequantize(x.dtype)  # again, not saved
+    w = QuantizedWeight.tree_unflatten(aux, _gathered(leaves)).dequantize(x.dtype)  # again
     _, vjp = jax.vjp(lambda x_: einsum(subscripts, x_, w), x)  # the unused forward is DCE'd
     (dx,) = vjp(g)
     # the base is frozen: zero cotangents (float0 for the integer codes)
