@@ -138,6 +138,17 @@ def test_host_argument_bytes_from_the_entry_layout():
         256 * 1024 * 4 if split["host_source"].startswith("entry") else 0)
 
 
+def test_compare_line_compares_the_program_that_was_compiled():
+    """With --offload-base host, a compiled step that kept the base on the device is compared
+    with the analytic figure without offload; an offloading one by its device peak."""
+    from jaxmem.memory.lora_mesh import compare_line
+    r = {"analytic": {"total": 10}, "analytic_without_offload": 30,
+         "compiled": {"peak_bytes": 40, "host_argument_bytes": 0, "device_peak_bytes": 40}}
+    assert compare_line(r) == "analytic / compiled peak: 0.750 (both without offload)"
+    r["compiled"].update(host_argument_bytes=20, device_peak_bytes=20)
+    assert compare_line(r) == "analytic / compiled peak: 0.500"
+
+
 def test_plan_mesh_searches_meshes_micro_batches_remat_and_loss_chunk():
     """plan_mesh on the tiny QLoRA step over 4 devices (analytic only): candidates in order,
     none over the budget chosen, the first under it chosen; micro-batches divisible by the

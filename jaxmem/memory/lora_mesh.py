@@ -209,6 +209,18 @@ def host_split(compiled, stats: dict, hlo_text: str) -> dict:
             "device_peak_bytes": stats["peak_bytes"] - marked}
 
 
+def compare_line(r: dict) -> str:
+    """analytic / compiled device peak of a per-device report: the compiled device peak (host
+    arguments out), against the analytic figure of the program that was compiled (without
+    offload when the compiled step keeps the base on the device)."""
+    a, c = r["analytic"], r["compiled"]
+    analytic, what = a["total"], ""
+    if "analytic_without_offload" in r and not c.get("host_argument_bytes"):
+        analytic, what = r["analytic_without_offload"], " (both without offload)"
+    return (f"analytic / compiled peak: "
+            f"{analytic / c.get('device_peak_bytes', c['peak_bytes']):.3f}{what}")
+
+
 def format_host_lines(r: dict, div: int) -> list[str]:
     """The host lines of a per-device report (jaxmem.parallel.memory.mesh_report)."""
     a = r["analytic"]

@@ -28,7 +28,8 @@ import jax
 
 from jaxmem.memory.analytic import analytic_breakdown
 from jaxmem.memory.lora_mesh import (adapter_fraction, base_components as lora_base_components,
-                                     format_compiled_host, format_host_lines, host_split)
+                                     compare_line, format_compiled_host, format_host_lines,
+                                     host_split)
 from jaxmem.memory.compiled import (abstract_frozen, abstract_state, abstract_step_batch,
                                     compiled_stats)
 from jaxmem.memory.spec import StepSpec
@@ -189,7 +190,7 @@ def format_mesh_report(r: dict) -> str:
                   f"{k.replace('_bytes', '')} {c[k] / mib:.2f} {unit}"
                   for k in ("argument_bytes", "temp_bytes", "output_bytes", "alias_bytes",
                             "peak_bytes")),
-              f"analytic / compiled peak: {a['total'] / c['peak_bytes']:.3f}",
+              compare_line(r),
               "collectives in the step's HLO: " + ", ".join(
                   f"{k} {v}" for k, v in c["collectives"].items())]
     return "\n".join(lines + format_compiled_host(c, mib, "analytic_without_offload" in r))
