@@ -4,14 +4,23 @@
     split = base_split(spec, {"fsdp": 2})        BaseSplit: per-device bytes of each part
     comps = base_components(spec, {"fsdp": 2})   the analytic components (name, bytes, dtype, phase)
     f = adapter_fraction(spec, {"fsdp": 2})      adapter elements one device holds / all of them
+    host_split(compiled, stats, hlo_text)        a compiled step's host arguments and device peak
+
+Example (Llama-3.1-70B, r 16, NF4 + double quant, amp-bf16, full remat, 2 x 2048 tokens):
+
+    python -m jaxmem.memory --preset llama-3.1-70b --lora-rank 16 --quantize-base nf4 \
+        --double-quant --offload-base host --precision amp-bf16 --remat full \
+        --batch-size 2 --seq-len 2048 --mesh fsdp=2 --devices 2 --analytic-only
+    -> analytic peak 10.81 GiB per device, 16.45 GiB of host memory per device, 27.05 GiB per
+       device without --offload-base host
 
 The base is counted leaf by leaf on its abstract form (jaxmem.peft.base.abstract_base: packed
 NF4 nibbles or int8 codes, absmax or the double-quantization scales, embedding and LM head in the
 compute dtype, norms fp32; nothing allocated), each leaf split as the sharding rules split it
 (jaxmem.parallel.rules: `base_specs` for the packed projections, `fsdp` on a divisible axis of
 the codes and with them their scales, `tensor` on the Megatron axis where the block layout
-allows; `leaf_spec` for the rest: small leaves and norms whole). So the numbers follow the rules exactly, and a
-leaf the rules leave whole is counted whole on every device.
+allows; `leaf_spec` for the rest: small leaves and norms whole). So the numbers follow the
+rules exactly, and a leaf the rules leave whole is counted whole on every device.
 
 What one device holds for the base during a step:
 
@@ -24,6 +33,9 @@ What one device holds for the base during a step:
                                     pinned host memory to the device inside the scan (MaxText's
                                     parameter_memory_host_offload); counted next to the gathered
                                     one, since the copy feeds the gather
+    LM head, gathered               whole over fsdp for the loss (an all-gather in the compiled
+                                    step); counted where the loss's logits group with it is
+                                    larger than a layer's backward with its gathered layer
 
 The two layer buffers are counted in the step's backward phase, which is where the peak is (the
 forward and the backward each gather a layer at a time; with remat the backward gathers it
@@ -38,8 +50,8 @@ Adapters and their optimizer state are split like the adapters' leaves under the
 from __future__ import annotations
 
 import functools
-import re
 import math
+import re
 from dataclasses import dataclass
 
 import jax
