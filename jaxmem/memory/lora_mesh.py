@@ -98,7 +98,8 @@ def _abstract_base(model, peft, dtype_name: str):
 def _split(spec, sizes: dict[str, int]) -> tuple[int, int]:
     """(devices a leaf with PartitionSpec `spec` is split over, of which over tensor)."""
     axes = [a for a in spec if a]
-    return math.prod(sizes.get(a, 1) for a in axes), sizes.get("tensor", 1) if "tensor" in axes else 1
+    tensor = sizes.get("tensor", 1) if "tensor" in axes else 1
+    return math.prod(sizes.get(a, 1) for a in axes), tensor
 
 
 def _base_leaves(base, sizes: dict[str, int]):

@@ -38,7 +38,8 @@ from jaxmem.parallel.mesh import AXES, MeshSpec, run_mesh
 from jaxmem.parallel.placement import Placement
 from jaxmem.parallel.rules import batch_sharding, leaf_spec
 
-PARAM_SHAPED = ("params (master)", "LoRA adapters (master)", "adam mu", "adam nu", "gradients", "grad accumulator",
+PARAM_SHAPED = ("params (master)", "LoRA adapters (master)", "adam mu", "adam nu", "gradients",
+                "grad accumulator",
                 "optimizer update buffer", "params (compute copy)")
 
 
