@@ -39,8 +39,7 @@ from jaxmem.parallel.placement import Placement
 from jaxmem.parallel.rules import batch_sharding, leaf_spec
 
 PARAM_SHAPED = ("params (master)", "LoRA adapters (master)", "adam mu", "adam nu", "gradients",
-                "grad accumulator",
-                "optimizer update buffer", "params (compute copy)")
+                "grad accumulator", "optimizer update buffer", "params (compute copy)")
 
 
 def resolve(spec: StepSpec, mesh_text: str | None, devices: int | None = None) -> MeshSpec:
