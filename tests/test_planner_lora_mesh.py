@@ -85,7 +85,7 @@ def test_base_split_follows_the_rules_on_tiny():
         assert s.layers + s.other <= (one.layers + one.other) / n + s.replicated
         assert s.layer_gathered == one.layer_gathered  # fsdp gathers the whole layer
         names = {x[0]: x[3] for x in base_components(spec, {"fsdp": n})}
-        assert names["frozen base: one layer gathered (fsdp)"] == "backward"
+        assert names["frozen layer gathered (fsdp)"] == "backward"
     # the LM head, split by fsdp, is gathered whole for the loss: it counts where the loss's
     # logits group with it outgrows a layer's backward with its gathered layer
     sizes = {"data": 1, "fsdp": 2, "tensor": 1}

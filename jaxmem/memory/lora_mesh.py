@@ -63,6 +63,8 @@ from jaxmem.model.roles import path_text
 import jaxmem.parallel.rules as rules
 
 OFFLOAD_KINDS = ("none", "host")
+LAYER_COPY = "frozen layer copied from the host"
+LAYER_GATHERED = "frozen layer gathered (fsdp)"
 
 
 @dataclass(frozen=True)
@@ -154,21 +156,19 @@ def base_components(spec: StepSpec, sizes: dict[str, int],
     cd = jnp.dtype(spec.precision.compute_dtype).name
     kind = spec.peft.quantize + ("+dq" if spec.peft.double_quant else "")
     host = spec.offload_base == "host"
-    out = [(f"frozen base: block layers ({kind})" + (" on the host (pinned)" if host else ""),
-            s.layers, s.dtypes, "host" if host else "both"),
-           ("frozen base: embed + head + final norm", s.other, cd, "both")]
+    # names fit the breakdown table's column (34 characters)
+    out = [(f"frozen layers {kind}" + (" (host)" if host else ""), s.layers, s.dtypes,
+            "host" if host else "both"),
+           ("frozen embed, head, final norm", s.other, cd, "both")]
     if host:
-        out.append(("frozen base: one layer copied from the host", s.layer_copy, s.dtypes,
-                    "backward"))
+        out.append((LAYER_COPY, s.layer_copy, s.dtypes, "backward"))
     if sizes.get("fsdp", 1) > 1:
-        out.append(("frozen base: one layer gathered (fsdp)", s.layer_gathered, s.dtypes,
-                    "backward"))
+        out.append((LAYER_GATHERED, s.layer_gathered, s.dtypes, "backward"))
     if s.head_gathered and transients:
         logits, layer = transients["logits_group_bytes"], transients["layer_backward_bytes"]
-        layer_weights = sum(b for n, b, _, _ in out if n.startswith("frozen base: one layer"))
+        layer_weights = sum(b for n, b, _, _ in out if n in (LAYER_COPY, LAYER_GATHERED))
         extra = logits + s.head_gathered - max(logits, layer) - layer_weights
-        out.append(("frozen base: LM head gathered for the loss (fsdp)", max(0, extra), cd,
-                    "backward"))
+        out.append(("frozen LM head gathered (fsdp)", max(0, extra), cd, "backward"))
     return out
 
 

@@ -81,7 +81,7 @@ def analytic_per_device(spec: StepSpec, mesh_text: str | None, devices: int | No
     frac = param_fraction(spec, mesh) if spec.peft is None else adapter_fraction(spec, sizes)
     comps = []
     for c, a in zip(base["components"], acts):
-        if spec.peft is not None and c["name"].startswith("frozen base"):
+        if spec.peft is not None and c["name"].startswith("frozen "):
             continue
         # another optimizer's state (adamw8bit codes and scales, adafactor, lion; named
         # "<optimizer> ..." by jaxmem.memory.optimizer_bytes) is split like the params it
