@@ -143,7 +143,7 @@ def test_merged_export_streams_one_tensor_at_a_time(qlora_run, tmp_path):
     from jaxmem.export.merged import export_merged
     from jaxmem.io.hf import load_hf_params
     from jaxmem.io.hf_names import tensor_specs
-    from jaxmem.io.rundir import load_run
+    from jaxmem.train.rundir import load_run
     from jaxmem.peft.export import merged_params
 
     hf, out = qlora_run

@@ -22,6 +22,10 @@ The model of the peak (what is live when the backward starts):
            quantized layer's dequantized weights and the adapters' [B, T, Out] gradient buffers,
            jaxmem.peft.memory), whichever is larger
 
+With `--offload-base host` (LoRA) the frozen block layers are in host memory: counted as phase
+"host" (`host_bytes`), in no device phase, and one layer's copy joins the backward phase
+(jaxmem.memory.lora_mesh).
+
 or, if larger, what is live during the optimizer update: state + batch + gradients + one
 params-sized update buffer (activations are freed by then; at full size with remat this phase
 sets the peak: 5 x 4 B/param in fp32); adamw8bit updates in place (jaxmem.train.fused8bit), so
@@ -41,6 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem.config.model import ModelConfig
+from jaxmem.memory.lora_mesh import base_components as offloaded_base
 from jaxmem.memory.spec import StepSpec
 from jaxmem.model.llama import abstract_params
 from jaxmem.model.attention import query_chunk
@@ -324,15 +329,21 @@ def analytic_breakdown(spec: StepSpec) -> dict:
     if spec.optimizer == "adamw8bit" and lora is None:  # updated in place (.fused8bit)
         phase_o[1] = ("optimizer update in place: small leaves + one piece",
                       update_8bit_working_set(c), "float32")
-    peak_phase = "backward" if _sum(phase_b) >= _sum(phase_o) else "optimizer"
     persistent = [("params (master)" if lora is None else "LoRA adapters (master)", Pt * pb, pd),
                   *optimizer_state(spec, Pt),
-                  *([] if lora is None else peft_memory.base_components(c, lora, p.compute_dtype)),
                   ("loss scale", loss_scale, "float32"),
                   ("batch (inputs, targets, mask)", 3 * K * B * T * 4, "int32")]
     comps = [(n, b, d, "both") for n, b, d in persistent]
+    if lora is not None and spec.offload_base == "host":
+        # the block layers in host memory (phase "host": in no device phase), one copied in
+        comps += offloaded_base(spec, {})
+    elif lora is not None:
+        comps += [(n, b, d, "both") for n, b, d in peft_memory.base_components(c, lora,
+                                                                               p.compute_dtype)]
     comps += [(n, b, d, "both" if n == "gradients" else "backward") for n, b, d in phase_b]
     comps += [(n, b, d, "optimizer") for n, b, d in phase_o if n != "gradients"]
+    in_phase = {ph: sum(b for _, b, _, q in comps if q == ph) for ph in ("backward", "optimizer")}
+    peak_phase = "backward" if in_phase["backward"] >= in_phase["optimizer"] else "optimizer"
     components = [{"name": n, "bytes": int(b), "dtype": d, "phase": ph,
                    "in_peak": ph in ("both", peak_phase)} for n, b, d, ph in comps]
     return {
@@ -349,6 +360,7 @@ def analytic_breakdown(spec: StepSpec) -> dict:
                        "loss_chunk": loss_chunk},
         "peak_phase": peak_phase,
         "total_bytes": int(sum(x["bytes"] for x in components if x["in_peak"])),
+        "host_bytes": int(sum(x["bytes"] for x in components if x["phase"] == "host")),
     }
 
 

@@ -31,7 +31,12 @@ every rejected candidate and why; exit 1 when nothing fits.
 prints the per-device breakdown instead: the analytic model split by the sharding rules and the
 step compiled for the mesh, with its collectives (jaxmem.memory.mesh, docs/distributed.md).
 `--fit GIB --devices N` chooses the mesh instead of the step: the first mesh of N devices, from
-pure data parallel to all-fsdp to tensor=2, whose per-device compiled peak fits.
+pure data parallel to all-fsdp to tensor=2, whose per-device compiled peak fits. For a LoRA /
+QLoRA run, or with `--global-batch`, it chooses the mesh, the micro-batch, the remat policy and
+the fused loss's chunk together (jaxmem.memory.planner.plan_mesh; analytic-first as `--fit`).
+With `--offload-base host` the frozen block layers are counted in host memory, printed apart
+from the device bytes, with the device figure without offload beside it. `--analytic-only`
+skips the compile (a 70B step takes minutes to compile on a CPU).
 
 Bad input exits 2 with one line naming the flag. The hidden `--worker JSON` is the child side of
 `--measure` (jaxmem.memory.measure): it measures the StepSpec in the JSON and ignores every other
@@ -97,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--measure", action="store_true",
                    help="also run real steps in a subprocess and read the device's peak memory")
     g.add_argument("--worker", default=None, metavar="JSON", help=argparse.SUPPRESS)
+    g.add_argument("--analytic-only", action="store_true",
+                   help="with --mesh / --devices: print the analytic per-device figures only, "
+                        "without compiling the step (a CPU compile of a 70B step takes minutes)")
     g.add_argument("--json", action="store_true", help="print JSON instead of a table")
     g.add_argument("--plot", default=None, metavar="PNG",
                    help="also draw the breakdown as stacked bars (one per configuration; with "
@@ -175,6 +183,41 @@ def _plot(parser, path, reports, labels, budget=None) -> None:
         raise SystemExit(2)
 
 
+def _fit_mesh_and_step(args, spec, global_batch: int, max_micro: int | None) -> int:
+    """`--fit GIB --devices N` for a LoRA run or with --global-batch: the first mesh x
+    micro-batch x remat x loss chunk whose per-device peak fits (jaxmem.memory.planner.plan_mesh);
+    exit 1 when nothing does."""
+    import jax
+    from jaxmem.memory.mesh import analytic_per_device, compile_per_device, mesh_candidates
+    from jaxmem.memory.planner import plan_mesh
+    whole = dataclasses.replace(spec, batch_size=global_batch, grad_accum=1)
+    meshes = mesh_candidates(whole, args.devices)
+    log = None if args.json else (lambda t: print(
+        f"  mesh {t['mesh']} micro {t['batch_size']} remat {t['remat']} loss chunk "
+        f"{t['loss_chunk'] or 'auto'}: {t['reason']}", file=sys.stderr, flush=True))
+    result = plan_mesh(spec, meshes, global_batch, int(args.fit * GiB),
+                       analytic_fn=lambda s, m: analytic_per_device(s, m, args.devices),
+                       compile_fn=None if args.analytic_only else (
+                           lambda s, m: compile_per_device(s, m) if jax.device_count() > 1
+                           else None), max_micro=max_micro, log=log)
+    out = {"budget_gib": args.fit, "devices": args.devices, "global_batch": global_batch,
+           "tried": result["tried"], "chosen": result["chosen"]}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    elif result["chosen"]:
+        c = result["chosen"]
+        host = f", {c['host_bytes'] / GiB:.3f} GiB on the host" if c["host_bytes"] else ""
+        print(f"chosen: mesh {c['mesh']}, micro-batch {c['batch_size']} x grad-accum "
+              f"{c['grad_accum']}, remat {c['remat']}, loss chunk {c['loss_chunk'] or 'auto'}: "
+              f"{c['reason']}{host}")
+    if result["chosen"] is None:
+        print(f"error: no mesh, micro-batch, remat or loss chunk of {args.devices} devices fits "
+              f"global batch {global_batch} in {args.fit:g} GiB per device "
+              f"({len(result['tried'])} tried)", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -188,6 +231,9 @@ def main(argv=None) -> int:
     mesh = given_overrides(args).get("parallel.mesh")
     if args.fit is not None and mesh is not None:
         parser.error("--fit with --devices searches the meshes itself; drop --mesh")
+    if args.fit is not None and args.devices is not None and (
+            spec.peft is not None or args.global_batch is not None):
+        return _fit_mesh_and_step(args, spec, global_batch, max_micro)
     if args.fit is not None and args.devices is not None:
         from jaxmem.memory.mesh import fit_mesh
         result = fit_mesh(spec, int(args.fit * GiB), log=None if args.json else (
@@ -205,7 +251,7 @@ def main(argv=None) -> int:
     if mesh is not None or args.devices is not None:
         from jaxmem.memory.mesh import format_mesh_report, mesh_report
         try:
-            report = mesh_report(spec, mesh)
+            report = mesh_report(spec, mesh, compile=not args.analytic_only)
         except ValueError as e:  # MeshError names --mesh
             parser.error(str(e).splitlines()[0])
         print(json.dumps(report, indent=2) if args.json else format_mesh_report(report))

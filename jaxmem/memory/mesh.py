@@ -13,7 +13,10 @@ How the analytic breakdown is split (jaxmem.parallel.rules decides what is split
   model is evaluated at that batch size; with `tensor`, a block's activations are those of a
   model with N/t heads, K/t kv heads and MLP width F/t (the [B, T, D] residual stream stays whole);
 - FSDP adds one layer's gathered weights in the compute dtype (the all-gather before a layer's
-  matmuls), counted in the backward phase.
+  matmuls), counted in the backward phase;
+- LoRA / QLoRA: the adapters and their state split like the adapters' leaves, the frozen base
+  leaf by leaf, one packed layer gathered, and with --offload-base host the block layers on the
+  host ("host" phase, reported apart): jaxmem.memory.lora_mesh.
 """
 
 from __future__ import annotations
@@ -24,15 +27,19 @@ import math
 import jax
 
 from jaxmem.memory.analytic import analytic_breakdown
-from jaxmem.memory.compiled import abstract_state, abstract_step_batch, compiled_stats
+from jaxmem.memory.lora_mesh import (adapter_fraction, base_components as lora_base_components,
+                                     compare_line, format_compiled_host, format_host_lines,
+                                     host_split)
+from jaxmem.memory.compiled import (abstract_frozen, abstract_state, abstract_step_batch,
+                                    compiled_stats)
 from jaxmem.memory.spec import StepSpec
 from jaxmem.model.llama import abstract_params
 from jaxmem.parallel.mesh import AXES, MeshSpec, run_mesh
 from jaxmem.train.placement import Placement
 from jaxmem.parallel.rules import batch_sharding, leaf_spec
 
-PARAM_SHAPED = ("params (master)", "adam mu", "adam nu", "gradients", "grad accumulator",
-                "optimizer update buffer", "params (compute copy)")
+PARAM_SHAPED = ("params (master)", "LoRA adapters (master)", "adam mu", "adam nu", "gradients",
+                "grad accumulator", "optimizer update buffer", "params (compute copy)")
 
 
 def resolve(spec: StepSpec, mesh_text: str | None, devices: int | None = None) -> MeshSpec:
@@ -67,10 +74,15 @@ def analytic_per_device(spec: StepSpec, mesh_text: str | None, devices: int | No
     narrow = m if t == 1 else m.replace(num_heads=m.num_heads // t, head_dim=m.resolved_head_dim,
                                         num_kv_heads=m.num_kv_heads // t,
                                         intermediate_size=m.intermediate_size // t)
-    acts = analytic_breakdown(dataclasses.replace(local, model=narrow))["components"]
-    frac = param_fraction(spec, mesh)
+    narrow_b = analytic_breakdown(dataclasses.replace(local, model=narrow))
+    acts = narrow_b["components"]
+    sizes = dict(zip(AXES, mesh.sizes))
+    # LoRA: the state is the adapters'; the frozen base is split leaf by leaf (memory.lora_mesh)
+    frac = param_fraction(spec, mesh) if spec.peft is None else adapter_fraction(spec, sizes)
     comps = []
     for c, a in zip(base["components"], acts):
+        if spec.peft is not None and c["name"].startswith("frozen "):
+            continue
         # another optimizer's state (adamw8bit codes and scales, adafactor, lion; named
         # "<optimizer> ..." by jaxmem.memory.optimizer_bytes) is split like the params it
         # belongs to: exact for leaves of the params' shapes, close for block scales / factors
@@ -79,7 +91,10 @@ def analytic_per_device(spec: StepSpec, mesh_text: str | None, devices: int | No
         if shaped:
             c["bytes"] = int(round(c["bytes"] * frac))
         comps.append(c)
-    if mesh.fsdp > 1:
+    if spec.peft is not None:
+        comps += [{"name": n, "bytes": b, "dtype": d, "phase": ph, "in_peak": False}
+                  for n, b, d, ph in lora_base_components(spec, sizes, narrow_b["transients"])]
+    elif mesh.fsdp > 1:
         m = spec.model
         layer = (m.num_params() - m.vocab_size * m.hidden_size * (1 if m.tie_embeddings else 2)
                  ) // m.num_layers
@@ -94,7 +109,8 @@ def analytic_per_device(spec: StepSpec, mesh_text: str | None, devices: int | No
         c["in_peak"] = c["phase"] in ("both", peak_phase)
     return {"mesh": str(mesh), "devices": math.prod(mesh.sizes), "param_fraction": frac,
             "local_batch": local.batch_size, "components": comps, "peak_phase": peak_phase,
-            "total": phases[peak_phase]}
+            "total": phases[peak_phase],
+            "host": sum(c["bytes"] for c in comps if c["phase"] == "host")}
 
 
 def compile_per_device(spec: StepSpec, mesh_text: str | None) -> dict:
@@ -103,19 +119,23 @@ def compile_per_device(spec: StepSpec, mesh_text: str | None) -> dict:
     step_cfg, loss_scale = spec.step_config()
     state = abstract_state(spec)
     batch = abstract_step_batch(spec)
+    frozen = abstract_frozen(spec)  # LoRA: the frozen base, the step's third argument
+    base = () if frozen is None else (frozen,)
     mesh = run_mesh(mesh_text, spec.model, spec.batch_size) if mesh_text else None
     if mesh is None:
         par = Placement.single()
-        lowered = par.train_step(step_cfg, state).lower(state, batch)
+        lowered = par.train_step(step_cfg, state).lower(state, batch, *base)
     else:
         par = Placement.on(mesh)
         state = par.abstract(state)
         bs = batch_sharding(mesh)
         batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=bs) for k, v in batch.items()}
-        lowered = par.train_step(step_cfg, state).lower(state, batch)
+        lowered = par.train_step(step_cfg, state).lower(state, batch, *base)
     compiled = lowered.compile()
     stats, flops = compiled_stats(compiled)
-    return {**stats, "flops": flops, "collectives": collective_counts(compiled.as_text())}
+    hlo = compiled.as_text()
+    return {**stats, "flops": flops, "collectives": collective_counts(hlo),
+            **host_split(compiled, stats, hlo)}
 
 
 def collective_counts(hlo: str) -> dict[str, int]:
@@ -133,34 +153,47 @@ def collective_counts(hlo: str) -> dict[str, int]:
     return counts
 
 
-def mesh_report(spec: StepSpec, mesh_text: str | None) -> dict:
+def mesh_report(spec: StepSpec, mesh_text: str | None, compile: bool = True) -> dict:
     """Per-device analytic breakdown and compiled numbers of `spec` on the mesh over this host's
-    devices (jaxmem.memory --mesh)."""
+    devices (jaxmem.memory --mesh); with --offload-base host also the analytic figure without
+    offload ("analytic_without_offload"). compile False: "compiled" is None."""
     mesh = resolve(spec, mesh_text)
     analytic = analytic_per_device(spec, mesh_text, jax.device_count())
-    compiled = compile_per_device(spec, str(mesh) if jax.device_count() > 1 else None)
-    return {"mesh": str(mesh), "devices": jax.device_count(), "backend": jax.default_backend(),
-            "analytic": analytic, "compiled": compiled}
+    compiled = (compile_per_device(spec, str(mesh) if jax.device_count() > 1 else None)
+                if compile else None)
+    out = {"mesh": str(mesh), "devices": jax.device_count(), "backend": jax.default_backend(),
+           "analytic": analytic, "compiled": compiled}
+    if spec.offload_base == "host":
+        on_device = dataclasses.replace(spec, offload_base="none")
+        out["analytic_without_offload"] = analytic_per_device(on_device, mesh_text,
+                                                              jax.device_count())["total"]
+    return out
 
 
 def format_mesh_report(r: dict) -> str:
-    mib = 2**20
     a, c = r["analytic"], r["compiled"]
+    unit = "GiB" if a["total"] >= 2**30 else "MiB"
+    mib = 2**30 if unit == "GiB" else 2**20
+    what = "params" if "LoRA adapters (master)" not in {x["name"] for x in a["components"]} \
+        else "adapters"
     lines = [f"per device: mesh {r['mesh']} ({r['devices']} {r['backend']} devices), local batch "
-             f"{a['local_batch']}, {100 * a['param_fraction']:.1f}% of the params on each device",
-             "", f"{'analytic component':48s} {'MiB':>10s}  phase"]
+             f"{a['local_batch']}, {100 * a['param_fraction']:.1f}% of the {what} on each device",
+             "", f"{'analytic component':56s} {unit:>10s}  phase"]
     for comp in a["components"]:
         mark = "" if comp["in_peak"] else "  (not in peak)"
-        lines.append(f"{comp['name']:48s} {comp['bytes'] / mib:10.2f}  {comp['phase']}{mark}")
-    lines += [f"{'analytic peak (' + a['peak_phase'] + ')':48s} {a['total'] / mib:10.2f}", "",
-              "compiled (memory_analysis, per device): " + ", ".join(
-                  f"{k.replace('_bytes', '')} {c[k] / mib:.2f} MiB"
+        lines.append(f"{comp['name']:56s} {comp['bytes'] / mib:10.2f}  {comp['phase']}{mark}")
+    lines += [f"{'analytic peak (' + a['peak_phase'] + '), device':56s} {a['total'] / mib:10.2f}"]
+    lines += format_host_lines(r, mib)
+    if c is None:
+        return "\n".join(lines + ["", "compiled: not compiled (--analytic-only)"])
+    lines += ["", "compiled (memory_analysis, per device): " + ", ".join(
+                  f"{k.replace('_bytes', '')} {c[k] / mib:.2f} {unit}"
                   for k in ("argument_bytes", "temp_bytes", "output_bytes", "alias_bytes",
                             "peak_bytes")),
-              f"analytic / compiled peak: {a['total'] / c['peak_bytes']:.3f}",
+              compare_line(r),
               "collectives in the step's HLO: " + ", ".join(
                   f"{k} {v}" for k, v in c["collectives"].items())]
-    return "\n".join(lines)
+    return "\n".join(lines + format_compiled_host(c, mib, "analytic_without_offload" in r))
 
 
 def mesh_candidates(spec: StepSpec, devices: int) -> list[MeshSpec]:

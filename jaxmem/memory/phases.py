@@ -141,6 +141,9 @@ def _held_outside(spec: StepSpec) -> dict:
     state = abstract_state(spec)
     state_bytes, param_bytes = tree_bytes(state), tree_bytes(state.params)
     frozen = tree_bytes(abstract_frozen(spec)) if spec.peft is not None else 0
+    if spec.peft is not None and spec.offload_base == "host":  # block layers in host memory
+        from jaxmem.memory.lora_mesh import base_split
+        frozen -= base_split(spec, {}).layers
     # the sampler takes the params as stored and casts them inside its program (a temporary):
     # its arguments are the state's own buffers; for LoRA, a plain model's params (upper bound)
     same = 0 if spec.peft is not None else param_bytes

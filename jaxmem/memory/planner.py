@@ -13,6 +13,10 @@ rejected without compiling; every other candidate is compiled, in order, and the
 compiled peak fits is chosen. Candidates are tried fastest first, so the search stops there: the
 compiles are the undecided candidates before the fit, plus the fit itself (which is always
 compiled, so the chosen configuration's compiled estimate is known to be within the budget).
+
+    plan_mesh(base, meshes, global_batch, budget, analytic_fn, compile_fn)
+                                     the same search per device over meshes too (`--fit GIB
+                                     --devices N` for LoRA runs or with --global-batch)
 """
 
 from __future__ import annotations
@@ -120,6 +124,83 @@ def plan(base: StepSpec, global_batch: int, budget_bytes: int, mu_dtypes=("fp32"
                 entry.update(fits=fits, peak_bytes=peak, compiled=compiled, reason=(
                     f"{what} {run_peak / GiB:.3f} GiB {'<=' if fits else '>'} budget "
                     f"{budget_bytes / GiB:.3f} GiB"))
+        tried.append(entry)
+        if log:
+            log(entry)
+        if entry["fits"]:
+            return {"chosen": entry, "spec": spec, "tried": tried, "compiles": compiles}
+    return {"chosen": None, "spec": None, "tried": tried, "compiles": compiles}
+
+
+def mesh_candidates_for(base: StepSpec, meshes, global_batch: int,
+                        max_micro: int | None = None) -> list[tuple[str, StepSpec]]:
+    """(mesh text, spec) for every mesh x micro-batch x remat x loss chunk, in the order tried.
+
+    Order: the meshes as given (jaxmem.memory.mesh.mesh_candidates: least communication
+    first), then micro-batch (largest first; only those data x fsdp divides), then remat (fewest
+    recomputed FLOPs first), then the fused loss's chunk: the automatic one (<= 256 MiB of fp32
+    logits at the local batch), then a quarter of it (less memory, more loop steps). The step's
+    other settings (precision, LoRA, --offload-base, the optimizer and its mu dtype) stay as given.
+    """
+    from jaxmem.train.fused_loss import resolve_loss_chunk
+    out = []
+    for mesh in meshes:
+        shards = mesh.data * mesh.fsdp
+        micros = [b for b in range(global_batch, 0, -1) if global_batch % b == 0
+                  and b % shards == 0 and (max_micro is None or b <= max_micro)]
+        for b in micros:
+            auto = resolve_loss_chunk(base.loss_chunk, b // shards, base.seq_len, base.model)
+            chunks = [base.loss_chunk] + ([max(1, auto // 4)] if base.loss_chunk is None
+                                          and auto > 1 else [])
+            for r in remat_candidates():
+                for chunk in chunks:
+                    out.append((str(mesh), dataclasses.replace(
+                        base, batch_size=b, grad_accum=global_batch // b,
+                        remat=RematPolicy.parse(r), loss_chunk=chunk)))
+    return out
+
+
+def plan_mesh(base: StepSpec, meshes, global_batch: int, budget_bytes: int, analytic_fn,
+              compile_fn, max_micro: int | None = None, log=None,
+              band: tuple[float, float] = ANALYTIC_BAND) -> dict:
+    """The first (mesh, micro-batch, remat, loss chunk) whose per-device compiled peak fits.
+
+    analytic_fn(spec, mesh_text) -> the per-device analytic dict (jaxmem.memory.mesh.
+    analytic_per_device: "total" device bytes, "host" bytes); compile_fn(spec, mesh_text) ->
+    the per-device compiled dict ("peak_bytes"), or None where the step is not compiled here
+    (compile_fn None: --analytic-only; or one device only): the analytic figure then decides, and
+    the entry says so. As `plan`: a candidate whose
+    analytic peak x band[0] is over the budget is rejected without compiling; the others are
+    compiled in order and the first that fits is chosen. Host bytes (--offload-base host) are
+    never part of the device budget; each entry carries them.
+    """
+    tried, compiles = [], 0
+    for mesh_text, spec in mesh_candidates_for(base, meshes, global_batch, max_micro):
+        a = analytic_fn(spec, mesh_text)
+        entry = {"mesh": mesh_text, "batch_size": spec.batch_size, "grad_accum": spec.grad_accum,
+                 "remat": str(spec.remat), "loss_chunk": spec.loss_chunk,
+                 "analytic_bytes": int(a["total"]), "host_bytes": int(a.get("host", 0))}
+        if a["total"] * band[0] > budget_bytes:
+            entry.update(fits=False, peak_bytes=None, decided_by="analytic", reason=(
+                f"analytic {a['total'] / GiB:.3f} GiB x {band[0]} > budget "
+                f"{budget_bytes / GiB:.3f} GiB (not compiled)"))
+        else:
+            compiles += compile_fn is not None
+            try:
+                compiled = compile_fn(spec, mesh_text) if compile_fn is not None else None
+            except Exception as e:  # a compile error rejects the candidate, with its message
+                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                entry.update(fits=False, peak_bytes=None, decided_by="compiled",
+                             reason=f"compile error: {msg[:200]}")
+            else:
+                if compiled is None:
+                    peak, what = int(a["total"]), "analytic (not compiled here)"
+                else:
+                    peak, what = int(compiled["peak_bytes"]), "compiled per-device peak"
+                fits = peak <= budget_bytes
+                entry.update(fits=fits, peak_bytes=peak, decided_by=what.split()[0],
+                             reason=f"{what} {peak / GiB:.3f} GiB {'<=' if fits else '>'} "
+                                    f"budget {budget_bytes / GiB:.3f} GiB")
         tried.append(entry)
         if log:
             log(entry)

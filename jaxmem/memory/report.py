@@ -90,6 +90,9 @@ def format_report(r: dict, unit: str | None = None) -> str:
         lines += [f"{'*' if x['in_peak'] else ' '} {x['name']:<34}{x['dtype']:<16}"
                   f"{_mb(x['bytes'])[:-4]:>12}" for x in a["components"] if x["bytes"]]
         lines += [f"  {'total (the peak phase)':<50}{_mb(a['total_bytes'])[:-4]:>12}"]
+        if a.get("host_bytes"):  # --offload-base host: never part of the device peak
+            lines += [f"  {'host memory (pinned; not in the device peak)':<50}"
+                      f"{_mb(a['host_bytes'])[:-4]:>12}"]
     lines += ["", "compiled (XLA memory_analysis, full train step)" if "analytic" in r else
               "compiled (XLA memory_analysis, gradient of the loss)"]
     lines += [f"  {k:<44}{_mb(c[k + '_bytes']):>18}"

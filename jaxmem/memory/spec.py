@@ -36,6 +36,8 @@ class StepSpec:
         output and the softmax statistics are saved);
         None: the path jaxmem.model.attention.attention_path picks for this step's shapes.
     optimizer: `--optimizer` (adamw, adamw8bit, adafactor, lion).
+    offload_base: `--offload-base`: "host" keeps a LoRA run's frozen block layers in pinned host
+        memory, each layer moved to the device inside the layer scan (jaxmem.memory.lora_mesh).
     """
 
     model: ModelConfig
@@ -49,6 +51,7 @@ class StepSpec:
     peft: object = None  # jaxmem.peft.lora.LoraSpec: LoRA / QLoRA (None: full fine-tune)
     loss_chunk: int | None = None  # the fused loss's chunk (None: auto; jaxmem.loss.chunked)
     optimizer: str = "adamw"
+    offload_base: str = "none"  # LoRA: where the frozen base lives, "none" or "host" (pinned)
 
     @classmethod
     def from_run_config(cls, cfg: RunConfig, attention: str | None = None) -> "StepSpec":
@@ -57,7 +60,7 @@ class StepSpec:
         return cls(cfg.model_config(), get_precision(cfg.precision.mode),
                    RematPolicy.parse(cfg.remat.policy), d.batch_size, d.seq_len, d.grad_accum,
                    cfg.optim.mu_dtype, attention, spec_of(cfg.peft), cfg.remat.loss_chunk,
-                   cfg.optim.optimizer)
+                   cfg.optim.optimizer, cfg.peft.offload_base)
 
     def run_config(self) -> RunConfig:
         """A RunConfig with this step: the one input jaxmem.train.run.build_step_config takes."""
@@ -70,7 +73,8 @@ class StepSpec:
                 "peft.lora_rank": self.peft.rank, "peft.lora_alpha": self.peft.alpha,
                 "peft.lora_targets": ",".join(self.peft.targets),
                 "peft.lora_dropout": self.peft.dropout, "peft.quantize_base": self.peft.quantize,
-                "peft.quant_block": self.peft.block, "peft.double_quant": self.peft.double_quant})})
+                "peft.quant_block": self.peft.block, "peft.double_quant": self.peft.double_quant,
+                "peft.offload_base": self.offload_base})})
 
     def step_config(self) -> tuple[StepConfig, LossScale]:
         """(StepConfig, initial loss scale), built as a training run builds them."""

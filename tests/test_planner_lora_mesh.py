@@ -1,0 +1,232 @@
+"""The planner per device for LoRA / QLoRA on a mesh (jaxmem.memory.lora_mesh, jaxmem.parallel.
+memory): the 70B headline (analytic, no compile), the frozen base split by the rules, host bytes
+with --offload-base host, the mesh x micro-batch x remat x loss-chunk search, and the per-device
+analytic peak against XLA's compiled one on 2 and 4 simulated devices.
+
+Run as a script (`python tests/test_planner_lora_mesh.py OUT.json`) it is the worker of the
+compiled comparison: it compiles the tiny QLoRA step for every mesh of this process's devices.
+"""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from testenv import ROOT, subprocess_env
+
+GiB = 2**30
+# the issue's headline (jaxmem's --batch-size is the global micro-batch: 2 = one sequence of 2048
+# tokens per device on fsdp=2; --batch-size 1 cannot be split over 2 devices and exits 2)
+HEADLINE = {"model.preset": "llama-3.1-70b", "peft.lora_rank": 16, "peft.quantize_base": "nf4",
+            "peft.double_quant": True, "peft.offload_base": "host", "precision.mode": "amp-bf16",
+            "remat.policy": "full", "data.batch_size": 2, "data.seq_len": 2048}
+# tests/test_peft_memory.py's toy (tiny, 2 layers, D 256, F 768, fp32, remat none), QLoRA NF4 + dq
+TINY_QLORA = {"model.num_layers": 2, "model.hidden_size": 256, "model.intermediate_size": 768,
+              "peft.lora_rank": 8, "peft.quantize_base": "nf4", "peft.double_quant": True,
+              "precision.mode": "fp32", "data.batch_size": 4, "data.seq_len": 128}
+MESHES = {2: ["fsdp=2"], 4: ["fsdp=4", "tensor=2,fsdp=2"]}  # the base split on fsdp and tensor
+
+
+def _spec(overrides):
+    from jaxmem.config.run import RunConfig
+    from jaxmem.memory.spec import StepSpec
+    return StepSpec.from_run_config(RunConfig().replace(overrides))
+
+
+@pytest.fixture(scope="module")
+def headline():
+    from jaxmem.memory.mesh import analytic_per_device
+    spec = _spec(HEADLINE)
+    on_device = dataclasses.replace(spec, offload_base="none")
+    return (spec, analytic_per_device(spec, "fsdp=2", 2),
+            analytic_per_device(on_device, "fsdp=2", 2))
+
+
+def test_headline_70b_qlora_offload_fits_22_gib_per_device(headline):
+    """Llama-3.1-70B, r 16 on 7 targets, NF4 + double quant, amp-bf16, full remat, 2048 tokens
+    per device on fsdp=2, base offloaded: at most 22 GiB of device memory per device (analytic;
+    measured here 10.81 GiB, with 16.45 GiB of host memory per device; 27.05 without offload)."""
+    from jaxmem.memory.lora_mesh import base_split
+    from jaxmem.peft.memory import quantized_bytes, _in_out
+    spec, off, on = headline
+    c = spec.model
+    assert off["local_batch"] == 1 and off["mesh"] == "data=1,fsdp=2,tensor=1"
+    assert off["total"] <= 22 * GiB, off["total"] / GiB
+    # the host holds each device's half of the packed block layers: the NF4+dq formula / 2
+    # (norms and scales' rounding to whole second-level blocks are within 0.1%)
+    packed = sum(quantized_bytes(i, o, "nf4", 64, True) for i, o in _in_out(c).values())
+    np.testing.assert_allclose(off["host"], packed * c.num_layers / 2, rtol=1e-3)
+    assert 16 * GiB < off["host"] < 17 * GiB
+    # without offload the same device holds those layers instead of one layer's copy
+    split = base_split(spec, {"data": 1, "fsdp": 2, "tensor": 1})
+    assert on["host"] == 0 and on["total"] > 22 * GiB
+    assert on["total"] - off["total"] == split.layers - split.layer_copy
+    assert split.layer_copy * c.num_layers == split.layers
+    # one gathered layer is the whole packed layer (fsdp gathers it), twice the device's shard
+    np.testing.assert_allclose(split.layer_gathered, 2 * split.layer_copy, rtol=1e-3)
+    # adapters and their state are split in two: 207M params, fp32 master + grads + mu + nu
+    comps = {x["name"]: x["bytes"] for x in off["components"]}
+    adapters = 207_093_760  # sum over the 7 targets of 80 x 16 x (in + out)
+    assert comps["LoRA adapters (master)"] == adapters * 4 // 2
+
+
+def test_base_split_follows_the_rules_on_tiny():
+    """On the tiny model: fsdp=N holds at most 1/N of the base + the leaves the rules keep whole;
+    offload moves exactly the block layers to the host; one device has nothing gathered."""
+    from jaxmem.memory.lora_mesh import base_components, base_split
+    spec = _spec(TINY_QLORA)
+    one = base_split(spec, {})
+    assert one.replicated == 0 and one.layer_gathered == one.layer_copy
+    for n in (2, 4):
+        s = base_split(spec, {"data": 1, "fsdp": n, "tensor": 1})
+        assert s.layers + s.other <= (one.layers + one.other) / n + s.replicated
+        assert s.layer_gathered == one.layer_gathered  # fsdp gathers the whole layer
+        names = {x[0]: x[3] for x in base_components(spec, {"fsdp": n})}
+        assert names["frozen layer gathered (fsdp)"] == "backward"
+    # the LM head, split by fsdp, is gathered whole for the loss: it counts where the loss's
+    # logits group with it outgrows a layer's backward with its gathered layer
+    sizes = {"data": 1, "fsdp": 2, "tensor": 1}
+    wide = _spec({**TINY_QLORA, "model.vocab_size": 4096})  # a head larger than a layer
+    s = base_split(wide, sizes)
+    assert s.head_gathered == 256 * 4096 * 4 > s.layer_gathered  # [D, V] fp32, whole
+    extra = lambda t: [x[1] for x in base_components(wide, sizes, t) if "LM head" in x[0]]  # noqa
+    assert extra({"logits_group_bytes": 10**6, "layer_backward_bytes": 0}) == [
+        s.head_gathered - s.layer_gathered]
+    assert extra({"logits_group_bytes": 0, "layer_backward_bytes": 10**7}) == [0]
+    host = base_components(dataclasses.replace(spec, offload_base="host"), {})
+    assert [(x[1], x[3]) for x in host if x[3] == "host"] == [(one.layers, "host")]
+
+
+def test_single_device_offload_moves_the_layers_to_the_host():
+    """analytic_breakdown: --offload-base host takes the block layers out of the device peak
+    (host_bytes) and adds one layer's copy; nothing else changes."""
+    from jaxmem.memory.analytic import analytic_breakdown
+    from jaxmem.memory.lora_mesh import base_split
+    spec = _spec(TINY_QLORA)
+    on, off = analytic_breakdown(spec), analytic_breakdown(dataclasses.replace(
+        spec, offload_base="host"))
+    s = base_split(spec, {})
+    assert on["host_bytes"] == 0 and off["host_bytes"] == s.layers
+    # the formula counts the packed layers within 1% of the leaves' bytes (second-level blocks)
+    np.testing.assert_allclose(on["total_bytes"] - off["total_bytes"], s.layers - s.layer_copy,
+                               rtol=0.01)
+
+
+def test_host_argument_bytes_from_the_entry_layout():
+    """XLA:CPU counts a pinned_host argument in argument_size_in_bytes and reports 0 host bytes;
+    the compiled module's entry layout marks it S(5), and host_split takes it out of the peak."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+    from jaxmem.memory.compiled import compiled_stats
+    from jaxmem.memory.lora_mesh import host_split
+    d = jax.devices()[0]
+    if "pinned_host" not in {m.kind for m in d.addressable_memories()}:
+        pytest.skip("this backend has no pinned_host memory")
+    host = SingleDeviceSharding(d, memory_kind="pinned_host")
+    on_device = SingleDeviceSharding(d, memory_kind="device")
+    x = jax.ShapeDtypeStruct((256, 1024), jnp.float32, sharding=host)
+    y = jax.ShapeDtypeStruct((1024,), jnp.bfloat16, sharding=on_device)
+    compiled = jax.jit(lambda x, y: jax.device_put(x, on_device).sum(0) + y).lower(x, y).compile()
+    stats, _ = compiled_stats(compiled)
+    split = host_split(compiled, stats, compiled.as_text())
+    assert split["host_argument_bytes"] == 256 * 1024 * 4
+    assert split["device_peak_bytes"] == stats["peak_bytes"] - (
+        256 * 1024 * 4 if split["host_source"].startswith("entry") else 0)
+
+
+def test_compare_line_compares_the_program_that_was_compiled():
+    """With --offload-base host, a compiled step that kept the base on the device is compared
+    with the analytic figure without offload; an offloading one by its device peak."""
+    from jaxmem.memory.lora_mesh import compare_line
+    r = {"analytic": {"total": 10}, "analytic_without_offload": 30,
+         "compiled": {"peak_bytes": 40, "host_argument_bytes": 0, "device_peak_bytes": 40}}
+    assert compare_line(r) == "analytic / compiled peak: 0.750 (both without offload)"
+    r["compiled"].update(host_argument_bytes=20, device_peak_bytes=20)
+    assert compare_line(r) == "analytic / compiled peak: 0.500"
+
+
+def test_plan_mesh_searches_meshes_micro_batches_remat_and_loss_chunk():
+    """plan_mesh on the tiny QLoRA step over 4 devices (analytic only): candidates in order,
+    none over the budget chosen, the first under it chosen; micro-batches divisible by the
+    batch shards only."""
+    from jaxmem.memory.planner import mesh_candidates_for, plan_mesh
+    from jaxmem.memory.mesh import analytic_per_device, mesh_candidates
+    spec = _spec(TINY_QLORA)
+    meshes = mesh_candidates(dataclasses.replace(spec, batch_size=8), 4)
+    cands = mesh_candidates_for(spec, meshes, 8)
+    assert [m for m, _ in cands][0] == "data=4,fsdp=1,tensor=1"
+    assert all(s.batch_size % (4 if "tensor=1" in m else 2) == 0 for m, s in cands)
+    assert {s.loss_chunk for _, s in cands} >= {None}
+    fn = lambda s, m: analytic_per_device(s, m, 4)  # noqa: E731
+    peaks = [fn(s, m)["total"] for m, s in cands]
+    budget = sorted(peaks)[len(peaks) // 2]
+    r = plan_mesh(spec, meshes, 8, budget, analytic_fn=fn, compile_fn=None)
+    first = next(i for i, p in enumerate(peaks) if p <= budget)
+    assert r["chosen"]["peak_bytes"] == peaks[first] and len(r["tried"]) == first + 1
+    assert all(not t["fits"] for t in r["tried"][:-1]) and r["compiles"] == 0
+    nothing = plan_mesh(spec, meshes, 8, 1024, analytic_fn=fn, compile_fn=None)
+    assert nothing["chosen"] is None and len(nothing["tried"]) == len(cands)
+
+
+def test_headline_cli_prints_device_and_host_bytes():
+    """The headline command, analytic only: device and host bytes and the figure without offload;
+    --batch-size 1 on fsdp=2 exits 2 with one line naming --batch-size."""
+    env = subprocess_env(cpu=True)
+    flags = ["--preset", "llama-3.1-70b", "--lora-rank", "16", "--quantize-base", "nf4",
+             "--double-quant", "--offload-base", "host", "--precision", "amp-bf16", "--remat",
+             "full", "--seq-len", "2048", "--mesh", "fsdp=2", "--devices", "2", "--analytic-only"]
+    run = lambda *a: subprocess.run([sys.executable, "-m", "jaxmem.memory", *flags, *a],  # noqa
+                                    cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run("--batch-size", "2", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout)
+    assert r["compiled"] is None and r["analytic"]["total"] <= 22 * GiB
+    assert 16 * GiB < r["analytic"]["host"] < 17 * GiB
+    assert r["analytic_without_offload"] > 22 * GiB
+    bad = run("--batch-size", "1")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith(
+        "--batch-size 1 is not divisible by data x fsdp = 2")
+
+
+def _worker(out_path: str) -> None:
+    """Compile the tiny QLoRA step for each mesh of this process's devices, with the analytic."""
+    import jax
+    from jaxmem.memory.mesh import analytic_per_device, compile_per_device
+    n = jax.device_count()
+    report = {}
+    for mesh in MESHES[n]:
+        spec = _spec(TINY_QLORA)
+        a = analytic_per_device(spec, mesh, n)
+        c = compile_per_device(spec, mesh)
+        report[mesh] = {"analytic": a["total"], "compiled": c["peak_bytes"],
+                        "argument": c["argument_bytes"]}
+    one = _spec(TINY_QLORA)
+    report["one"] = {"analytic": analytic_per_device(one, None)["total"]}
+    with open(out_path, "w") as f:
+        json.dump(report, f)
+
+
+@pytest.mark.slow  # one JAX subprocess per device count, 2-3 tiny compiles each
+@pytest.mark.parametrize("devices", [2, 4])
+def test_tiny_per_device_analytic_vs_compiled(tmp_path, devices):
+    """The toy QLoRA step of tests/test_peft_memory.py (NF4 + dq, fp32, remat none, batch 4 x 128)
+    on every mesh of 2 and 4 simulated devices: the per-device analytic peak within the LoRA
+    planner tests' band of XLA's compiled one (0.7-1.15, tests/test_peft_memory.py; XLA:CPU's
+    buffer assignment). Measured: fsdp=2 0.971 (one device 0.922)."""
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, __file__, str(out)], cwd=ROOT,
+                          env=subprocess_env(cpu_devices=devices), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    for mesh in MESHES[devices]:
+        ratio = r[mesh]["analytic"] / r[mesh]["compiled"]
+        assert 0.7 <= ratio <= 1.15, (mesh, r[mesh], ratio)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
