@@ -142,7 +142,7 @@ def mesh_candidates_for(base: StepSpec, meshes, global_batch: int,
     logits at the local batch), then a quarter of it (less memory, more loop steps). The step's
     other settings (precision, LoRA, --offload-base, the optimizer and its mu dtype) stay as given.
     """
-    from jaxmem.train.fused_loss import resolve_loss_chunk
+    from jaxmem.loss.chunked import resolve_loss_chunk
     out = []
     for mesh in meshes:
         shards = mesh.data * mesh.fsdp
