@@ -189,7 +189,8 @@ def test_headline_cli_prints_device_and_host_bytes():
     assert r["analytic_without_offload"] > 22 * GiB
     bad = run("--batch-size", "1")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith(
-        "--batch-size 1 is not divisible by data x fsdp = 2")
+        "--batch-size 1 is not divisible by data x fsdp = 2 (--batch-size counts the sequences "
+        "of all devices together: one per device here is --batch-size 2)")
 
 
 def _worker(out_path: str) -> None:

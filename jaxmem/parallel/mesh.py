@@ -104,8 +104,10 @@ class MeshSpec:
                 raise MeshError(f"--mesh {shown}: tensor={t} does not divide the model's "
                                 f"{name} {value}")
         if batch_size % self.batch_shards:
+            n = self.batch_shards
             raise MeshError(f"--mesh {shown}: --batch-size {batch_size} is not divisible by "
-                            f"data x fsdp = {self.batch_shards}")
+                            f"data x fsdp = {n} (--batch-size counts the sequences of all devices "
+                            f"together: one per device here is --batch-size {n})")
 
     def __str__(self) -> str:
         return ",".join(f"{a}={s}" for a, s in zip(AXES, self.sizes))
