@@ -203,7 +203,8 @@ class InitSection:
 @dataclass(frozen=True)
 class PeftSection:
     """LoRA adapters on a frozen, optionally int8 / NF4 quantized base (jaxmem.peft,
-    docs/finetune.md). --lora-rank 0 is a full fine-tune; nothing here may change on resume."""
+    docs/finetune.md). --lora-rank 0 is a full fine-tune; nothing here but --offload-base may
+    change on resume."""
 
     lora_rank: int = option(0, "train rank-R LoRA adapters only, on a frozen base (0: full "
                             "fine-tune)", type="nonneg_int", metavar="R")
@@ -220,6 +221,12 @@ class PeftSection:
                               type="nonneg_int", metavar="N")
     double_quant: bool = option(False, "quantize the absmax scales to 8 bits in blocks of 256 "
                                 "(NF4: 4.127 instead of 4.5 bits per parameter)", store_true=True)
+    # Where the frozen base lives changes no number of the run, only its memory: a run that
+    # ran out of device memory may resume with the base moved to the host.
+    offload_base: str = option("none", "where the frozen base lives: none = on the accelerator; "
+                               "host = in pinned host memory, each layer moved to the device one "
+                               "at a time inside the layer scan (needs --lora-rank)",
+                               choices=["none", "host"], mutable=True)
 
     def __post_init__(self):
         from jaxmem.peft.lora import parse_targets  # ConfigError naming an unknown projection
@@ -235,6 +242,12 @@ class PeftSection:
         if self.quantize_base == "nf4" and self.quant_block == 0:
             raise ConfigError("--quant-block 0 (per output channel) is for int8 only; NF4 needs "
                               "blocks (64)")
+        if self.offload_base not in ("none", "host"):
+            raise ConfigError(f"--offload-base {self.offload_base!r} is not one of none, host")
+        if self.offload_base == "host" and not self.lora_rank:
+            raise ConfigError("--offload-base host needs --lora-rank: only a frozen base (LoRA / "
+                              "QLoRA) can live in host memory, a fully trained one is updated "
+                              "every step")
 
     def spec(self):
         """The LoraSpec of this section, or None for a full fine-tune."""
