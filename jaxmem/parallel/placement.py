@@ -108,14 +108,26 @@ class Placement:
         placed = jax.device_put(params, self.state_shardings(abstract).params)
         return self.state_creation(step_cfg, loss_scale, seed, with_params=True)(placed)
 
+    def base_shardings(self, step_cfg):
+        """LoRA: the frozen base's shardings on this mesh (jaxmem.parallel.rules.base_specs),
+        from its abstract shapes; None on one device or for a full fine-tune."""
+        if self.mesh is None or step_cfg.peft is None:
+            return None
+        from jaxmem.peft.base import abstract_base
+        return R.base_shardings(abstract_base(step_cfg.model, step_cfg.peft,
+                                              step_cfg.precision.compute_dtype), self.mesh)
+
     def train_step(self, step_cfg, like):
         """The jitted, donated step for states shaped like `like` (a state or its abstract
-        form: its structure depends on the loss scale)."""
+        form: its structure depends on the loss scale). LoRA: the frozen base is the third
+        argument, split by `base_shardings` and never donated."""
         if self.mesh is None:
             return jit_train_step(step_cfg)
         shardings = self.state_shardings(like)
+        base = self.base_shardings(step_cfg)
         jitted = jax.jit(make_train_step(step_cfg), donate_argnums=0,
-                         in_shardings=(shardings, R.batch_sharding(self.mesh)),
+                         in_shardings=(shardings, R.batch_sharding(self.mesh))
+                         + (() if base is None else (base,)),
                          out_shardings=(shardings, R.replicated(self.mesh)))
         return _WithRules(jitted, R.activation_rules(self.mesh, step_cfg.model.vocab_size))
 

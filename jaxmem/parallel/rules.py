@@ -26,21 +26,50 @@ every device (docs/architecture.md). Logits are also split over `tensor` on V.
 
 Leaves whose path names no parameter (optimizer counts, the loss scale) fall back to rule 1 and
 the fsdp rule 4, so a new optimizer's state is split sensibly without a table entry.
+
+LoRA adapters (params/.../q_proj/lora_a [L, in..., R], lora_b [L, R, out...]) and their
+optimizer state follow their base weight's rule: `tensor` splits the side of the adapter that
+meets the Megatron axis (lora_b's out axis for column-parallel roles, lora_a's in axis for
+o_proj / down_proj; the rank axis never), `fsdp` the largest remaining divisible axis, and rule 1
+replicates the small ones. They are not replicated wholesale because they are not always small:
+Llama-3-70B with r=16 on all seven projections has 207M adapter params, 3.3 GB with fp32 Adam
+state, a seventh of a 24 GB card on every device if replicated.
+
+The frozen base of a LoRA run (`base_specs`): plain arrays take the rules above; a quantized
+projection (jaxmem.peft.quant.QuantizedWeight, stacked: codes [L, In/b, b', Out], absmax
+[L, In/b, Out], absmax_q [L, m, 256], absmax_scale [L, m], absmax_offset [L]) is split on its
+packed layout:
+
+    codes         tensor: Out (column parallel) or In/b (row parallel: contiguous blocks of In
+                  are contiguous heads / width) when it divides; fsdp: the larger of In/b and Out
+                  that divides, else the block axis b'
+    absmax        the codes' split on In/b and Out (each block's scale lives with its codes), or
+                  its own largest fsdp-divisible axis
+    absmax_q      fsdp on m (second-level blocks shard with their blocks), else on the 256 axis
+    absmax_scale  with absmax_q's m axis; absmax_offset (one per layer) replicated
+
+A packed leaf that a non-`data` mesh axis cannot split at all is replicated, with one warning
+line on stderr naming the leaf, its shape and the axis (once per leaf and process).
 """
 
 from __future__ import annotations
+
+import sys
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmem.model.roles import param_role, path_text
 from jaxmem.parallel.mesh import BATCH_AXES
+from jaxmem.peft.quant import QuantizedWeight
 
 MIN_SHARDED = 4096  # elements; smaller leaves are replicated
 
 # role -> index of the axis `tensor` splits, counted after the layer axis
 TENSOR_AXIS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 0,
                "gate_proj": 1, "up_proj": 1, "down_proj": 0, "lm_head": 1}
+ROW_PARALLEL = ("o_proj", "down_proj")  # tensor splits their input axes
+ADAPTERS = ("lora_a", "lora_b")
 
 
 def _role(path):
@@ -65,8 +94,15 @@ def leaf_spec(path, shape: tuple[int, ...], axis_sizes: dict[str, int]) -> P:
     first = 1 if _has_layer_axis(path) and len(shape) > 1 else 0
     spec: list = [None] * len(shape)
     tensor, fsdp = axis_sizes.get("tensor", 1), axis_sizes.get("fsdp", 1)
-    if tensor > 1 and role in TENSOR_AXIS:
-        dim = first + TENSOR_AXIS[role]
+    names = path_text(path).split("/")
+    adapter = next((n for n in ADAPTERS if n in names), None)
+    if adapter is not None:  # lora_a [in..., R]: in axis 0; lora_b [R, out...]: out axis 1
+        row = role in ROW_PARALLEL
+        tensor_dim = (0 if row else None) if adapter == "lora_a" else (None if row else 1)
+    else:
+        tensor_dim = TENSOR_AXIS.get(role)
+    if tensor > 1 and tensor_dim is not None:
+        dim = first + tensor_dim
         if dim < len(shape) and shape[dim] % tensor == 0:
             spec[dim] = "tensor"
     if fsdp > 1:
@@ -74,6 +110,86 @@ def leaf_spec(path, shape: tuple[int, ...], axis_sizes: dict[str, int]) -> P:
         if free:
             spec[max(free, key=lambda d: (shape[d], -d))] = "fsdp"
     return P(*spec)
+
+
+_WARNED: set = set()
+
+
+def _warn_replicated(path, leaf, axis_sizes) -> None:
+    axes = ",".join(f"{a}={n}" for a, n in axis_sizes.items() if a != "data" and n > 1)
+    key = (path_text(path), tuple(leaf.shape), axes)
+    if axes and key not in _WARNED:
+        _WARNED.add(key)
+        print(f"jaxmem: warning: frozen base leaf {key[0]} {leaf.dtype}{list(leaf.shape)} is "
+              f"replicated: mesh axis {axes} divides none of its axes", file=sys.stderr, flush=True)
+
+
+def _largest(shape, dims, n, taken=()):
+    """The largest of `dims` (not in `taken`) that `n` divides, or None."""
+    ok = [d for d in dims if d not in taken and shape[d] % n == 0]
+    return max(ok, key=lambda d: (shape[d], -d)) if ok else None
+
+
+def _packed_specs(path, q: QuantizedWeight, axis_sizes) -> QuantizedWeight:
+    """The PartitionSpecs of a stacked QuantizedWeight's leaves (module docstring), as a
+    QuantizedWeight holding PartitionSpecs in place of arrays."""
+    tensor, fsdp = axis_sizes.get("tensor", 1), axis_sizes.get("fsdp", 1)
+    shape = tuple(q.codes.shape)  # [L, In/b, b', Out]
+    codes: list = [None] * 4
+    if q.codes.size >= MIN_SHARDED:
+        if tensor > 1:
+            dim = 1 if _role(path) in ROW_PARALLEL else 3
+            if shape[dim] % tensor == 0:
+                codes[dim] = "tensor"
+        if fsdp > 1:
+            taken = [d for d in range(4) if codes[d]]
+            dim = _largest(shape, (1, 3), fsdp, taken)
+            dim = _largest(shape, (2,), fsdp) if dim is None else dim
+            if dim is not None:
+                codes[dim] = "fsdp"
+    out = {"codes": P(*codes), "absmax": None, "absmax_q": None, "absmax_scale": None,
+           "absmax_offset": None}
+    if q.absmax is not None:  # [L, In/b, Out]
+        absmax = [None, codes[1], codes[3]]
+        if fsdp > 1 and "fsdp" not in absmax and q.codes.size >= MIN_SHARDED:
+            dim = _largest(q.absmax.shape, (1, 2), fsdp, [d for d in (1, 2) if absmax[d]])
+            if dim is not None:
+                absmax[dim] = "fsdp"
+        out["absmax"] = P(*absmax)
+    else:  # double quantization: [L, m, 256], [L, m], [L]
+        m_split = fsdp > 1 and q.codes.size >= MIN_SHARDED and q.absmax_q.shape[1] % fsdp == 0
+        in_block = (fsdp > 1 and q.codes.size >= MIN_SHARDED and not m_split
+                    and q.absmax_q.shape[2] % fsdp == 0)
+        out["absmax_q"] = P(None, "fsdp" if m_split else None, "fsdp" if in_block else None)
+        out["absmax_scale"] = P(None, "fsdp") if m_split else P()
+        out["absmax_offset"] = P()
+    if q.codes.size >= MIN_SHARDED:
+        for name in ("codes", "absmax", "absmax_q"):
+            leaf = getattr(q, name)
+            if leaf is not None and all(a is None for a in out[name]):
+                _warn_replicated((*path, jax.tree_util.GetAttrKey(name)), leaf, axis_sizes)
+    _, aux = q.tree_flatten()
+    return QuantizedWeight(*(out[n] for n in ("codes", "absmax", "absmax_q", "absmax_scale",
+                                              "absmax_offset")), *aux)
+
+
+def base_specs(abstract_base, axis_sizes: dict[str, int]):
+    """PartitionSpecs for a LoRA run's frozen base (jaxmem.peft.base.abstract_base or the
+    device tree itself): plain arrays by `leaf_spec`, quantized projections by their packed
+    layout (module docstring). Each QuantizedWeight comes back holding PartitionSpecs."""
+    def one(path, x):
+        if isinstance(x, QuantizedWeight):
+            return _packed_specs(path, x, axis_sizes)
+        return leaf_spec(path, tuple(x.shape), axis_sizes)
+    return jax.tree_util.tree_map_with_path(one, abstract_base,
+                                            is_leaf=lambda x: isinstance(x, QuantizedWeight))
+
+
+def base_shardings(abstract_base, mesh):
+    """NamedShardings for every leaf of a frozen base on `mesh` (see `base_specs`)."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec),
+                        base_specs(abstract_base, dict(mesh.shape)),
+                        is_leaf=lambda x: isinstance(x, P))
 
 
 def state_specs(abstract_state, mesh):

@@ -3,6 +3,7 @@
     host = base_on_host(cfg, model_cfg)             # numpy tree: HF files or the seed's init
     digest = base_sha256(host)                       # recorded in config.json, checked on resume
     frozen = base_on_device(host, spec, dtype)       # int8 / NF4 projections, layer by layer
+    frozen = base_on_device(host, spec, dtype, shardings)  # on a mesh: each device its shard
 
 The run's checkpoints hold the adapters only; the base is referenced by its source (a Hugging
 Face directory given with --init-from, or "init:seed=N", the same random init a full run of that
@@ -14,6 +15,13 @@ The full-precision base never sits whole on the device: it is read into host mem
 projection is put on the device one layer at a time and quantized there
 (jaxmem.peft.quant.quantize_layers). The embedding, the norms and the LM head are never
 quantized (the fused LM-head loss reads the head weight as an array).
+
+On a mesh the base is split by the parameter rules (jaxmem.parallel.rules.base_shardings: codes,
+absmax and double-quantization scales are each a sharded leaf) and stays split: the train step's
+layer scan slices one layer of each stacked leaf and XLA gathers that slice inside the loop, so
+no device ever holds the whole base (tests/test_lora_mesh.py checks the optimized HLO). The base
+is never checkpointed: a resumed run rebuilds it from its source, checks the sha256, and places
+it for whatever mesh it runs on.
 """
 
 from __future__ import annotations
@@ -66,18 +74,32 @@ def base_sha256(host_params) -> str:
     return h.hexdigest()
 
 
-def base_on_device(host_params, spec: LoraSpec, dtype):
+def base_on_device(host_params, spec: LoraSpec, dtype, shardings=None):
     """The frozen base for the train step: block projections int8 / NF4 (or `dtype` when
-    spec.quantize is "none"), embedding and LM head in `dtype`, norms as stored."""
+    spec.quantize is "none"), embedding and LM head in `dtype`, norms as stored.
+
+    shardings: None (the default device), or a tree like the result holding a Sharding per leaf
+    (jaxmem.parallel.rules.base_shardings). Then each projection is quantized one layer at a time
+    on the default device as before, its packed layer copied back to the host, and every leaf
+    is placed with `make_array_from_callback`: each device receives only its own shard, and the
+    values are bitwise those of the one-device base.
+    """
     def place(path, leaf):
         role = param_role(path)
         if role in PROJECTIONS and spec.quantize != "none":
             n_in = 2 if role == "o_proj" else 1
-            return quantize_layers(leaf, spec.quantize, n_in, spec.block, spec.double_quant)
+            return quantize_layers(leaf, spec.quantize, n_in, spec.block, spec.double_quant,
+                                   to_host=shardings is not None)
+        if shardings is not None:  # the cast on the host (round to nearest even, as XLA's)
+            return np.asarray(leaf) if role == "norm" else np.asarray(leaf).astype(np.dtype(dtype))
         if role == "norm":
             return jnp.asarray(leaf)
         return jnp.asarray(leaf, dtype)
-    return jax.tree_util.tree_map_with_path(place, host_params)
+    base = jax.tree_util.tree_map_with_path(place, host_params)
+    if shardings is None:
+        return base
+    return jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: x[i]),
+                        base, shardings)
 
 
 def check_base(record: dict, source: str, digest: str) -> None:
@@ -91,14 +113,16 @@ def check_base(record: dict, source: str, digest: str) -> None:
                          f"sha256 {str(saved.get('sha256'))[:16]}... (adapters only fit their base)")
 
 
-def prepare_base(cfg, model_cfg, step_cfg, record: dict | None, init_from: str | None = None):
+def prepare_base(cfg, model_cfg, step_cfg, record: dict | None, init_from: str | None = None,
+                 shardings=None):
     """(frozen base on the device, {"source", "sha256", "quantize"} for config.json) of a LoRA
-    run; `record` (a continued run's config.json) is checked first: a changed base raises."""
+    run; `record` (a continued run's config.json) is checked first: a changed base raises.
+    shardings: see `base_on_device` (None: one device)."""
     source, host = base_on_host(model_cfg, cfg.data.seed, init_from)
     digest = base_sha256(host)
     check_base(record, source, digest)
     spec = step_cfg.peft
-    frozen = base_on_device(host, spec, step_cfg.precision.compute_dtype)
+    frozen = base_on_device(host, spec, step_cfg.precision.compute_dtype, shardings)
     del host
     return frozen, {"source": source, "sha256": digest, "quantize": spec.quantize,
                     "block": spec.block, "double_quant": spec.double_quant}

@@ -52,12 +52,19 @@ KINDS = ("int8", "nf4")
 DQ_BLOCK = 256  # double quantization: absmax values per second-level block
 
 
-@jax.tree_util.register_pytree_node_class
+LEAF_NAMES = ("codes", "absmax", "absmax_q", "absmax_scale", "absmax_offset")
+
+
+@jax.tree_util.register_pytree_with_keys_class
 class QuantizedWeight:
     """One quantized weight (see the module docstring); a pytree whose leaves are the arrays.
 
     kind: "int8" or "nf4". shape: the dense weight's shape [in..., out...] (one layer).
     n_in: how many leading axes of `shape` are input axes. block: values per absmax.
+
+    Every array is a named pytree leaf (paths end in .codes, .absmax, .absmax_q, .absmax_scale,
+    .absmax_offset), so sharding rules, device_put and checkpoints reach each piece of the
+    quantization state; none of it is kept outside the tree (jaxmem.parallel.rules.base_specs).
     """
 
     def __init__(self, codes, absmax, absmax_q, absmax_scale, absmax_offset, kind, shape, n_in,
@@ -69,6 +76,10 @@ class QuantizedWeight:
     def tree_flatten(self):
         return ((self.codes, self.absmax, self.absmax_q, self.absmax_scale, self.absmax_offset),
                 (self.kind, self.shape, self.n_in, self.block))
+
+    def tree_flatten_with_keys(self):
+        leaves, aux = self.tree_flatten()
+        return tuple((jax.tree_util.GetAttrKey(n), l) for n, l in zip(LEAF_NAMES, leaves)), aux
 
     @classmethod
     def tree_unflatten(cls, aux, leaves):
@@ -182,16 +193,22 @@ def quantize(w: jax.Array, kind: str, n_in: int = 1, block: int = 64,
     return QuantizedWeight(codes, None, q, scale, offset, kind, shape, n_in, block)
 
 
-def quantize_layers(w, kind: str, n_in: int, block: int, double_quant: bool) -> QuantizedWeight:
+def quantize_layers(w, kind: str, n_in: int, block: int, double_quant: bool,
+                    to_host: bool = False) -> QuantizedWeight:
     """Quantize a stacked weight [L, in..., out...] one layer at a time.
 
     `w` may be a host (numpy) array: only one layer's full-precision slice is put on the device
     at a time; the result's leaves are the per-layer leaves stacked (4 / 8 bits on the device).
+    to_host: return numpy leaves instead, each layer's packed result copied back to the host as
+    soon as it is made (what a sharded placement then splits over a mesh: no device ever holds
+    more than one layer).
     """
     fn = jax.jit(functools.partial(quantize, kind=kind, n_in=n_in, block=block,
                                    double_quant=double_quant))
-    layers = [fn(jnp.asarray(w[i])) for i in range(w.shape[0])]
-    leaves = [jnp.stack(parts) if parts[0] is not None else None
+    keep = (lambda q: jax.tree.map(np.asarray, q)) if to_host else (lambda q: q)
+    layers = [keep(fn(jnp.asarray(w[i]))) for i in range(w.shape[0])]
+    stack = np.stack if to_host else jnp.stack
+    leaves = [stack(parts) if parts[0] is not None else None
               for parts in zip(*(q.tree_flatten()[0] for q in layers))]
     return QuantizedWeight.tree_unflatten(layers[0].tree_flatten()[1], leaves)
 

@@ -170,17 +170,14 @@ def setup(args, parser) -> Setup:
             print(line, file=sys.stderr)
         s = Setup(cfg, model_cfg, step_cfg, loss_scale, out, tokenizer, train_tokens, eval_tokens,
                   stats, continuing=continuing, record=record, changes=changes)
-        if step_cfg.peft is not None:  # LoRA / QLoRA: the frozen base, checked against the run's
-            from jaxmem.peft.base import prepare_base
-            s.frozen, s.base_record = prepare_base(cfg, model_cfg, step_cfg,
-                                                   record if continuing else None,
-                                                   cfg.init.init_from)
         mesh = run_mesh(cfg.parallel.mesh, model_cfg, cfg.data.batch_size)
         s.placement = Placement.single() if mesh is None else Placement.on(mesh)
-        if mesh is not None and step_cfg.peft is not None:
-            raise RunError(f"--lora-rank: LoRA runs on one device for now (jaxmem.parallel shards "
-                           f"full fine-tunes only; this host has {len(mesh.devices.flat)} devices: "
-                           f"pick one, e.g. CUDA_VISIBLE_DEVICES=0)")
+        if step_cfg.peft is not None:  # LoRA / QLoRA: the frozen base, checked against the run's
+            from jaxmem.peft.base import prepare_base  # and split over the mesh (if any)
+            s.frozen, s.base_record = prepare_base(cfg, model_cfg, step_cfg,
+                                                   record if continuing else None,
+                                                   cfg.init.init_from,
+                                                   s.placement.base_shardings(step_cfg))
         if continuing:
             if record.get("data_sha256") not in (None, stats["tokens_sha256"]):
                 raise RunError(f"--out {out}: --data differs from the run's data (token hash changed)")

@@ -1,0 +1,202 @@
+"""Runs on 8 simulated CPU devices in a subprocess of tests/test_lora_mesh.py (the test process's
+JAX has already initialized with one device). One process runs every check, so the test pays
+for one JAX start-up:
+
+    python tests/lora_mesh_worker.py OUT_DIR [train] [hlo] [memory] [reshard]
+
+train:   LoRA (fp32 base) and QLoRA (NF4 + double quantization) on the tiny preset, fp32, 5
+         steps on one device and on fsdp=4, data=2,fsdp=2, tensor=2,fsdp=2 (the first 4
+         devices): OUT_DIR/<kind>_<mesh>.npz with the per-step losses, the adapters flattened and
+         whether every base leaf came back bitwise unchanged after training.
+hlo:     the QLoRA step compiled on fsdp=4: OUT_DIR/hlo.json lists the result shapes of every
+         all-gather in the optimized HLO, split into those inside a while loop's body (the layer
+         scan) and those outside, and the stacked base leaves' shapes.
+memory:  compile only: per-device argument bytes of the QLoRA base (a jit taking the base with
+         its shardings) and of the whole train step, one device and fsdp=2, 4, 8:
+         OUT_DIR/memory.json.
+reshard: the quantized base placed for fsdp=4, moved to tensor=2,fsdp=2's shardings and on to
+         fsdp=8's, each leaf compared bitwise with the one-device base: OUT_DIR/reshard.json.
+
+The test asserts; this script only measures.
+"""
+
+import json
+import os
+import re
+import sys
+
+os.environ["JAX_NUM_CPU_DEVICES"] = "8"
+os.environ["JAX_PLATFORMS"] = "cpu"  # simulated devices: on a GPU machine JAX would take the GPU
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+if os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # the test suite's persistent cache (conftest)
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxmem.config.run import RunConfig  # noqa: E402
+from jaxmem.parallel import Placement, run_mesh  # noqa: E402
+from jaxmem.peft.base import base_on_device, base_on_host  # noqa: E402
+from jaxmem.train.loss import synthetic_batch  # noqa: E402
+from jaxmem.train.run import build_step_config  # noqa: E402
+
+MESHES = {"fsdp4": "fsdp=4", "data2_fsdp2": "data=2,fsdp=2", "tensor2_fsdp2": "tensor=2,fsdp=2"}
+BATCH, SEQ, STEPS = 8, 32, 5
+KINDS = {"lora": {"peft.lora_rank": 4},
+         "qlora": {"peft.lora_rank": 4, "peft.quantize_base": "nf4", "peft.double_quant": True}}
+
+
+def config(kind: str) -> RunConfig:
+    # warmup 1: full-size updates from step 2 on, so the adapters really move
+    return RunConfig().replace({"data.batch_size": BATCH, "data.seq_len": SEQ,
+                                "optim.warmup_steps": 1, **KINDS[kind]})
+
+
+def placement(mesh_text, model_cfg, n_devices=4):
+    mesh = None if mesh_text is None else run_mesh(mesh_text, model_cfg, BATCH,
+                                                   devices=jax.devices()[:n_devices])
+    return Placement.single() if mesh is None else Placement.on(mesh)
+
+
+def host_leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def run(cfg: RunConfig, mesh_text, batches, host_base):
+    model_cfg, step_cfg, loss_scale = build_step_config(cfg)
+    par = placement(mesh_text, model_cfg)
+    frozen = base_on_device(host_base, step_cfg.peft, step_cfg.precision.compute_dtype,
+                            par.base_shardings(step_cfg))
+    before = host_leaves(frozen)
+    state = par.init_state(step_cfg, loss_scale, 0)
+    step = par.train_step(step_cfg, state)
+    losses = []
+    for b in batches:
+        state, metrics = step(state, par.batch(b), frozen)
+        losses.append(float(par.host(metrics)["loss"]))
+    after = host_leaves(frozen)
+    unchanged = len(before) == len(after) and all(
+        a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+        for a, b in zip(before, after))
+    adapters = np.concatenate([np.asarray(x, np.float32).ravel()
+                               for x in jax.tree.leaves(state.params)])
+    return dict(losses=np.array(losses), adapters=adapters, base_unchanged=unchanged,
+                base=np.concatenate([a.view(np.uint8).ravel() for a in before]),
+                applied=int(par.host(state.applied)))
+
+
+def batches_for(cfg):
+    vocab = cfg.model_config().vocab_size
+    out = []
+    for i in range(STEPS):
+        b = synthetic_batch(jax.random.PRNGKey(100 + i), BATCH, SEQ, vocab, pad_fraction=0.25)
+        out.append({k: np.asarray(v)[None] for k, v in b.items()})  # [K=1, B, T]
+    return out
+
+
+def train(out):
+    for kind in KINDS:
+        cfg = config(kind)
+        _, host = base_on_host(cfg.model_config(), cfg.data.seed)
+        batches = batches_for(cfg)
+        np.savez(os.path.join(out, f"{kind}_single.npz"), **run(cfg, None, batches, host))
+        for key, text in MESHES.items():
+            np.savez(os.path.join(out, f"{kind}_{key}.npz"), **run(cfg, text, batches, host))
+
+
+def _abstract_step_args(cfg, par):
+    from jaxmem.peft.base import abstract_base
+    from jaxmem.train.run import abstract_train_state
+    model_cfg, step_cfg, loss_scale = build_step_config(cfg)
+    state = abstract_train_state(step_cfg, loss_scale, 0)
+    base = abstract_base(model_cfg, step_cfg.peft, step_cfg.precision.compute_dtype)
+    batch = {k: jax.ShapeDtypeStruct((1, BATCH, SEQ), jnp.int32)
+             for k in batches_for(cfg)[0]}
+    return step_cfg, state, batch, base
+
+
+def hlo(out):
+    cfg = config("qlora")
+    par = placement("fsdp=4", cfg.model_config())
+    step_cfg, state, batch, base = _abstract_step_args(cfg, par)
+    text = par.train_step(step_cfg, state).lower(state, batch, base).compile().as_text()
+    # computations called as a while body (the layer scans: forward and backward), and every
+    # computation they call in turn
+    bodies = set(re.findall(r"\bbody=%?([\w.\-]+)", text))
+    comps, current = {}, None
+    for line in text.splitlines():
+        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) ", line)
+        if m and line.rstrip().endswith("{"):
+            current = m.group(1)
+            comps[current] = []
+        elif current is not None:
+            comps[current].append(line)
+    calls = {c: set(re.findall(r"(?:calls|to_apply|body|condition|branch_computations)="
+                               r"\{?%?([\w.\-]+)", "\n".join(lines))) for c, lines in comps.items()}
+    inside, todo = set(), list(bodies)
+    while todo:
+        c = todo.pop()
+        if c not in inside:
+            inside.add(c)
+            todo.extend(calls.get(c, ()))
+    gathers = {"inside": [], "outside": []}
+    for c, lines in comps.items():
+        for line in lines:
+            if re.search(r"= \S.*? all-gather(-start)?\(", line):
+                shape = line.split("=", 1)[1].strip().split(" all-gather")[0]
+                gathers["inside" if c in inside else "outside"].append(shape)
+    leaves = [f"{x.dtype}[{','.join(map(str, x.shape))}]" for x in jax.tree.leaves(base)
+              if x.ndim > 1]
+    with open(os.path.join(out, "hlo.json"), "w") as f:
+        json.dump({"gathers": gathers, "base_leaves": leaves,
+                   "while_bodies": sorted(bodies)}, f)
+
+
+def memory(out):
+    cfg = config("qlora")
+    report = {}
+    for n in (1, 2, 4, 8):
+        par = placement(None if n == 1 else f"fsdp={n}", cfg.model_config(), n)
+        step_cfg, state, batch, base = _abstract_step_args(cfg, par)
+        shardings = par.base_shardings(step_cfg)
+        # the base alone: a program whose arguments are exactly the base, with its shardings
+        fn = jax.jit(lambda b: sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(b)),
+                     in_shardings=None if shardings is None else (shardings,))
+        base_bytes = fn.lower(base).compile().memory_analysis().argument_size_in_bytes
+        step = par.train_step(step_cfg, state).lower(state, batch, base).compile()
+        report[n] = {"base_argument_bytes": int(base_bytes),
+                     "step_argument_bytes": int(step.memory_analysis().argument_size_in_bytes),
+                     "step_temp_bytes": int(step.memory_analysis().temp_size_in_bytes)}
+    with open(os.path.join(out, "memory.json"), "w") as f:
+        json.dump(report, f)
+
+
+def reshard(out):
+    cfg = config("qlora")
+    model_cfg, step_cfg, _ = build_step_config(cfg)
+    _, host = base_on_host(model_cfg, cfg.data.seed)
+    dtype = step_cfg.precision.compute_dtype
+    one = host_leaves(base_on_device(host, step_cfg.peft, dtype))
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(
+        base_on_device(host, step_cfg.peft, dtype))]
+    first = placement("fsdp=4", model_cfg)
+    placed = base_on_device(host, step_cfg.peft, dtype, first.base_shardings(step_cfg))
+    report = {"leaves": names, "meshes": {}}
+    for text, n in (("fsdp=4", 4), ("tensor=2,fsdp=2", 4), ("fsdp=8", 8)):
+        par = placement(text, model_cfg, n)
+        placed = jax.device_put(placed, par.base_shardings(step_cfg))
+        got = host_leaves(placed)
+        report["meshes"][text] = {
+            "bitwise": [a.dtype == b.dtype and a.tobytes() == b.tobytes() for a, b in zip(one, got)],
+            "specs": [str(x.sharding.spec) for x in jax.tree.leaves(placed)]}
+    with open(os.path.join(out, "reshard.json"), "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    target, parts = sys.argv[1], sys.argv[2:] or ["train", "hlo", "memory", "reshard"]
+    for part in parts:
+        {"train": train, "hlo": hlo, "memory": memory, "reshard": reshard}[part](target)
