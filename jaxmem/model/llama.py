@@ -32,7 +32,7 @@ from jaxmem.model.lean import swiglu
 from jaxmem.model.layers import (RMSNorm, apply_rope, attention_mask, cache_mask, rope_tables,
                                  scaled_normal)
 from jaxmem.model.projection import Einsum, Projection, default_einsum, logits_einsum, project
-from jaxmem.model.remat import RematPolicy
+from jaxmem.model.remat import TAGS, RematPolicy
 from jaxmem.model.sharding import constrain
 from jaxmem.model.tiled import mlp_tile, tiled_mlp
 
@@ -133,11 +133,14 @@ def layer_to_device(layer_params):
 
 
 def _fetching(block, remat: RematPolicy):
-    """`block` reading its params through layer_to_device (remat none: rematerialize the
-    fetched copy only, save everything else as without remat)."""
+    """`block` reading its params through layer_to_device. Under remat none the block is
+    rematerialized keeping every tagged activation (remat.TAGS) and nothing else: saving all
+    residuals would keep values computed from each fetched layer (its transposes, an NF4
+    weight's leaves), i.e. L device copies of the base (seen in the CUDA lowering: fetches in
+    the forward loop only, weight-shaped carries out of it)."""
     block = nn.map_variables(block, "params", trans_in_fn=layer_to_device, init=True)
     if not remat.enabled:
-        policy = jax.checkpoint_policies.save_anything_except_these_names("base_layer")
+        policy = jax.checkpoint_policies.save_only_these_names(*TAGS)
         block = nn.remat(block, policy=policy, prevent_cse=False)
     return block
 

@@ -56,14 +56,15 @@ class Placement:
     """One device (mesh None) or a mesh; see the module docstring."""
 
     mesh: Any = None
+    offload_base: str = "none"  # "host": the frozen base's layers in pinned host memory
 
     @classmethod
     def single(cls) -> "Placement":
         return cls(None)
 
     @classmethod
-    def on(cls, mesh) -> "Placement":
-        return cls(mesh)
+    def on(cls, mesh, offload_base: str = "none") -> "Placement":
+        return cls(mesh, offload_base)
 
     @property
     def is_main(self) -> bool:
@@ -114,8 +115,10 @@ class Placement:
         if self.mesh is None or step_cfg.peft is None:
             return None
         from jaxmem.peft.base import abstract_base
-        return R.base_shardings(abstract_base(step_cfg.model, step_cfg.peft,
-                                              step_cfg.precision.compute_dtype), self.mesh)
+        from jaxmem.peft.offload import offload_shardings
+        shardings = R.base_shardings(abstract_base(step_cfg.model, step_cfg.peft,
+                                                   step_cfg.precision.compute_dtype), self.mesh)
+        return offload_shardings(shardings) if self.offload_base == "host" else shardings
 
     def train_step(self, step_cfg, like):
         """The jitted, donated step for states shaped like `like` (a state or its abstract

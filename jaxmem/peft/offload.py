@@ -1,7 +1,8 @@
 """`--offload-base host`: the frozen base's layers live in pinned host memory and reach the device
 one layer at a time, inside the layer scan (as MaxText's `parameter_memory_host_offload`).
 
-    frozen = base_in_host_memory(host, spec, dtype)   # layers/* in pinned_host, the rest on device
+    shardings = offload_shardings(one_device_shardings(abstract))  # or a mesh's base_shardings
+    frozen = base_on_device(host, spec, dtype, shardings)  # layers/* in pinned_host, rest on device
     state, metrics = train_step(state, batch, frozen)  # the model fetches layer i in iteration i
     host_argument_bytes(compiled)                      # the arguments' bytes XLA put on the host
 
@@ -30,18 +31,13 @@ for CUDA without a GPU to check the copy sits in the loop); the device-memory sa
 from __future__ import annotations
 
 import re
-import warnings
+import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxmem.model.roles import param_role
-from jaxmem.peft.lora import LoraSpec
-from jaxmem.peft.quant import QuantizedWeight, quantize
-
 HOST_KIND = "pinned_host"
-MODES = ("none", "host")
+_WARNED: set = set()  # platforms warned about (one line per process)
 
 
 def host_memory_kind(device=None) -> str | None:
@@ -60,71 +56,47 @@ def host_sharding(sharding):
     return sharding.with_memory_kind(HOST_KIND)
 
 
-def _stack(layers: list, target):
-    """Per-layer device arrays -> one [L, ...] array placed with `target`, assembled in numpy:
-    the stacked leaf never exists on the device unless `target` puts it there."""
-    return jax.device_put(np.stack([np.asarray(x) for x in layers]), target)
+def _is_layer(path) -> bool:
+    return any(getattr(k, "key", None) == "layers" for k in path)
 
 
-def _layer_leaf(leaf, spec: LoraSpec, dtype, role: str, target):
-    """One stacked base leaf [L, ...] (host numpy) -> placed with `target`: projections quantized
-    (or cast) one layer at a time on the device, as quantize_layers does; norms as stored."""
-    L = leaf.shape[0]
-    if role == "norm":
-        return jax.device_put(np.asarray(leaf), target)
-    if spec.quantize == "none":
-        cast = jax.jit(lambda w: w.astype(dtype))
-        return _stack([cast(jnp.asarray(leaf[i])) for i in range(L)], target)
-    n_in = 2 if role == "o_proj" else 1
-    fn = jax.jit(lambda w: quantize(w, spec.quantize, n_in, spec.block, spec.double_quant))
-    layers = [fn(jnp.asarray(leaf[i])) for i in range(L)]
-    parts = zip(*(q.tree_flatten()[0] for q in layers))
-    leaves = [None if p[0] is None else _stack(p, target) for p in parts]
-    return QuantizedWeight.tree_unflatten(layers[0].tree_flatten()[1], leaves)
+def offload_shardings(shardings):
+    """A frozen base's sharding tree (one Sharding per leaf: NamedShardings on a mesh from
+    jaxmem.parallel.rules.base_shardings, or `one_device_shardings`) with every leaf under
+    "layers" moved to pinned host memory; the embedding, final norm and head keep theirs.
 
-
-def base_in_host_memory(host_params, spec: LoraSpec, dtype, sharding=None):
-    """The frozen base as jaxmem.peft.base.base_on_device makes it (same values, bitwise), with
-    every leaf under "layers" in pinned host memory and the rest on the device.
-
-    Args:
-      host_params: the base's numpy tree (jaxmem.peft.base.base_on_host), layers stacked [L, ...].
-      spec: the run's LoraSpec (quantize, block, double_quant).
-      dtype: the compute dtype of the dense leaves (embedding, head, unquantized projections).
-      sharding: the device sharding of a layer leaf (default: the default device's); its
-        pinned-host twin holds the stacked leaves. Only one layer's 16/32-bit slice is ever on
-        the device.
-    Returns: the params tree of the step's `frozen` argument. Without a pinned_host memory
-    space: `base_on_device`'s placement with one warning line (nothing offloaded).
-    """
-    if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    device = next(iter(sharding.device_set))
-    target = host_sharding(sharding)
+    Without a pinned_host memory space the tree is returned unchanged, with one warning line
+    (the base then stays on the device)."""
+    device = next(iter(jax.tree_util.tree_leaves(shardings)[0].device_set))
     if host_memory_kind(device) is None:
-        warnings.warn(f"--offload-base host: {device.platform} device {device} has no "
-                      f"{HOST_KIND} memory; the base stays on the device", stacklevel=2)
-        target = sharding
-
-    def place(path, leaf):
-        role = param_role(path)
-        if any(getattr(k, "key", None) == "layers" for k in path):
-            return _layer_leaf(leaf, spec, dtype, role, target)
-        return jnp.asarray(leaf) if role == "norm" else jnp.asarray(leaf, dtype)
-    return jax.tree_util.tree_map_with_path(place, host_params)
+        if device.platform in _WARNED:
+            return shardings
+        _WARNED.add(device.platform)
+        print(f"jaxmem: warning: --offload-base host: {device.platform} device {device} has no "
+              f"{HOST_KIND} memory; the frozen base stays on the device", file=sys.stderr)
+        return shardings
+    return jax.tree_util.tree_map_with_path(
+        lambda path, s: host_sharding(s) if _is_layer(path) else s, shardings)
 
 
-def abstract_in_host_memory(abstract_base, device=None):
-    """ShapeDtypeStructs of an abstract frozen base (jaxmem.peft.base.abstract_base) with the
-    "layers" leaves in pinned host memory on `device`: what a planner compiles the step with."""
-    device = device or jax.devices()[0]
-    host = jax.sharding.SingleDeviceSharding(device, memory_kind=HOST_KIND)
+def one_device_shardings(abstract_base, device=None):
+    """A replicated NamedSharding on a one-device mesh of `device` (default: the first) for
+    every leaf of a base tree. Not a SingleDeviceSharding: in jax 0.10.2
+    `make_array_from_callback` with SingleDeviceSharding(memory_kind="pinned_host") places the
+    data in pinned_host but gives the array a device-memory aval, so the model would not see
+    that the leaf is on the host (and no copy would be made in the loop)."""
+    mesh = jax.sharding.Mesh(np.array([device or jax.devices()[0]]), ("one",))
+    one = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.tree.map(lambda _: one, abstract_base)
 
-    def place(path, leaf):
-        if any(getattr(k, "key", None) == "layers" for k in path):
-            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=host)
-        return leaf
-    return jax.tree_util.tree_map_with_path(place, abstract_base)
+
+def abstract_in_host_memory(abstract_base, shardings=None):
+    """ShapeDtypeStructs of an abstract frozen base (jaxmem.peft.base.abstract_base) carrying
+    `offload_shardings(shardings)` (default: one device): what a planner compiles the step
+    with to see the host / device split (`host_argument_bytes`)."""
+    shardings = offload_shardings(shardings or one_device_shardings(abstract_base))
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        abstract_base, shardings)
 
 
 # f32[4,256,256]{2,1,0:S(5)}: an entry parameter in memory space 5 (XLA's host memory space)
