@@ -128,12 +128,17 @@ def host_argument_bytes(compiled) -> tuple[int, int]:
 
 
 def device_fetches(lowered_text: str) -> dict[str, int]:
-    """Counts of `annotate_device_placement` copies to the device in a program lowered for
-    GPU/TPU (`jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()`), by where
-    they are: "loop" (in a while body or a function called from one) or "outside".
+    """Where a program lowered for GPU/TPU
+    (`jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()`) places values in
+    device memory (`annotate_device_placement`, `_xla_buffer_placement = "device"`):
 
-    The offloaded step has copies in the loops only (forward scan, and the backward's
-    recomputation) and none outside, i.e. no whole-base copy.
+      loop: inside a while body or a function called from one: the per-layer fetches of the
+            layer scans (forward, and the backward's recomputation);
+      outside: anywhere else (under a mesh jit also annotates its device outputs this way);
+      whole: those outside whose type is that of a pinned_host argument: a whole stacked leaf
+            copied to the device.
+
+    The offloaded step has loop = 2 x the layer leaves and whole = 0.
     """
     funcs = _functions(lowered_text)
     in_loop: set[str] = set()
@@ -144,21 +149,24 @@ def device_fetches(lowered_text: str) -> dict[str, int]:
             continue
         in_loop.add(name)
         todo += _callees(funcs[name])
-    counts = {"loop": 0, "outside": 0}
+    main = next((t for n, t in funcs.items() if n == "main"), "")
+    header = main[:main.find("{\n")] if main else ""
+    host_types = set(re.findall(r"(tensor<[^>]*>) \{[^{}]*mhlo\.memory_kind = \"pinned_host\"",
+                                header))
+    counts = {"loop": 0, "outside": 0, "whole": 0}
     for name, text in funcs.items():
-        n = _fetch_count(text)
-        spans = _while_spans(text)  # outermost only: a nested body lies inside its parent's
-        outer = [(a, b) for a, b in spans if not any(c <= a and b <= d and (c, d) != (a, b)
-                                                     for c, d in spans)]
-        loop_n = n if name in in_loop else sum(_fetch_count(text[a:b]) for a, b in outer)
-        counts["loop"] += loop_n
-        counts["outside"] += n - loop_n
+        spans = _while_spans(text)
+        for m in _FETCH.finditer(text):
+            if name in in_loop or any(a <= m.start() < b for a, b in spans):
+                counts["loop"] += 1
+            else:
+                counts["outside"] += 1
+                counts["whole"] += m.group(1) in host_types
     return counts
 
 
-def _fetch_count(text: str) -> int:
-    return len(re.findall(r'annotate_device_placement[^\n]*_xla_buffer_placement = "device"',
-                          text))
+_FETCH = re.compile(r'annotate_device_placement[^\n]*_xla_buffer_placement = "device"[^\n]*'
+                    r"-> (tensor<[^>]*>)")
 
 
 def _functions(text: str) -> dict[str, str]:
