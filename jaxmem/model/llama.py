@@ -32,7 +32,7 @@ from jaxmem.model.lean import swiglu
 from jaxmem.model.layers import (RMSNorm, apply_rope, attention_mask, cache_mask, rope_tables,
                                  scaled_normal)
 from jaxmem.model.projection import Einsum, Projection, default_einsum, logits_einsum, project
-from jaxmem.model.remat import RematPolicy
+from jaxmem.model.remat import TAGS, RematPolicy
 from jaxmem.model.sharding import constrain
 from jaxmem.model.tiled import mlp_tile, tiled_mlp
 
@@ -116,6 +116,35 @@ class DecoderBlock(nn.Module):
         return constrain(x, "block"), cache  # [B, T, D] the scan carry; this layer's cache
 
 
+def _in_host_memory(x) -> bool:
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
+def layer_to_device(layer_params):
+    """One layer's params inside the layer scan, with every leaf kept in host memory copied to
+    the device (`--offload-base host`, jaxmem.peft.offload). The copy is tagged "base_layer",
+    which no remat policy saves: the backward fetches the layer again instead of keeping all L
+    device copies."""
+    def fetch(x):
+        if not _in_host_memory(x):
+            return x
+        return checkpoint_name(jax.device_put(x, jax.memory.Space.Device), "base_layer")
+    return jax.tree_util.tree_map(fetch, layer_params)
+
+
+def _fetching(block, remat: RematPolicy):
+    """`block` reading its params through layer_to_device. Under remat none the block is
+    rematerialized keeping every tagged activation (remat.TAGS) and nothing else: saving all
+    residuals would keep values computed from each fetched layer (its transposes, an NF4
+    weight's leaves), i.e. L device copies of the base (seen in the CUDA lowering: fetches in
+    the forward loop only, weight-shaped carries out of it)."""
+    block = nn.map_variables(block, "params", trans_in_fn=layer_to_device, init=True)
+    if not remat.enabled:
+        policy = jax.checkpoint_policies.save_only_these_names(*TAGS)
+        block = nn.remat(block, policy=policy, prevent_cse=False)
+    return block
+
+
 class Llama(nn.Module):
     """tokens -> fp32 logits. `einsum` multiplies the blocks' projections (fp8_einsum for fp8)."""
 
@@ -157,9 +186,9 @@ class Llama(nn.Module):
             return self._decode(x, cos, sin, cache, cache_index, kv_valid, embed)
         mask = None if segment_ids is not None else attention_mask(padding_mask, T)
 
-        block = DecoderBlock
+        block = self._block(DecoderBlock, self.remat)
         if self.remat.enabled:
-            block = nn.remat(DecoderBlock, policy=self.remat.jax_policy(), prevent_cse=False)
+            block = nn.remat(block, policy=self.remat.jax_policy(), prevent_cse=False)
         stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                         in_axes=(nn.broadcast,) * 4, length=c.num_layers)
         # Tile the MLP only where no remat policy wants its tagged activations (jaxmem.model.tiled)
@@ -181,12 +210,21 @@ class Llama(nn.Module):
             logits = head(x)
         return constrain(logits, "logits")  # [B, T, V] fp32
 
+    def _block(self, block, remat: RematPolicy):
+        """DecoderBlock, or where the given layer params sit in host memory (the frozen base
+        under --offload-base host) a block that copies them to the device one layer at a time."""
+        layers = self.variables.get("params", {}).get("layers")
+        if layers is None or not any(map(_in_host_memory, jax.tree_util.tree_leaves(layers))):
+            return block  # the program is the one without offload, unchanged
+        return _fetching(block, remat)
+
     def _decode(self, x, cos, sin, cache, cache_index, kv_valid, embed):
         """The blocks over the cache (no remat: nothing is differentiated), then the head on the
         last position only: [B, V], never [B, T, V] (a prompt's prefill included)."""
         c = self.config
         mask = cache_mask(kv_valid, cache_index, x.shape[1])  # [B, 1, T, S]
-        stack = nn.scan(DecoderBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+        stack = nn.scan(self._block(DecoderBlock, RematPolicy("full")),
+                        variable_axes={"params": 0}, split_rngs={"params": True},
                         in_axes=(nn.broadcast,) * 4 + (0, nn.broadcast), length=c.num_layers)
         x, cache = stack(c, self.einsum, False, name="layers")(
             x, cos, sin, mask, None, cache, cache_index)  # [B, T, D], ([L, B, S, K, H],) * 2

@@ -34,6 +34,7 @@ import numpy as np
 
 from jaxmem.model.roles import param_role, path_text
 from jaxmem.peft.lora import LoraSpec
+from jaxmem.peft.offload import offload_shardings, one_device_shardings
 from jaxmem.peft.quant import quantize_layers
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -117,11 +118,15 @@ def prepare_base(cfg, model_cfg, step_cfg, record: dict | None, init_from: str |
                  shardings=None):
     """(frozen base on the device, {"source", "sha256", "quantize"} for config.json) of a LoRA
     run; `record` (a continued run's config.json) is checked first: a changed base raises.
-    shardings: see `base_on_device` (None: one device)."""
+    shardings: see `base_on_device` (None: one device). --offload-base host: the "layers"
+    leaves go to pinned host memory (jaxmem.peft.offload)."""
     source, host = base_on_host(model_cfg, cfg.data.seed, init_from)
     digest = base_sha256(host)
     check_base(record, source, digest)
     spec = step_cfg.peft
+    if cfg.peft.offload_base == "host":
+        shardings = offload_shardings(shardings or one_device_shardings(
+            abstract_base(model_cfg, spec, step_cfg.precision.compute_dtype)))
     frozen = base_on_device(host, spec, step_cfg.precision.compute_dtype, shardings)
     del host
     return frozen, {"source": source, "sha256": digest, "quantize": spec.quantize,

@@ -171,7 +171,8 @@ def setup(args, parser) -> Setup:
         s = Setup(cfg, model_cfg, step_cfg, loss_scale, out, tokenizer, train_tokens, eval_tokens,
                   stats, continuing=continuing, record=record, changes=changes)
         mesh = run_mesh(cfg.parallel.mesh, model_cfg, cfg.data.batch_size)
-        s.placement = Placement.single() if mesh is None else Placement.on(mesh)
+        s.placement = (Placement.single() if mesh is None
+                       else Placement.on(mesh, cfg.peft.offload_base))
         if step_cfg.peft is not None:  # LoRA / QLoRA: the frozen base, checked against the run's
             # split over the mesh (if any), read shard by shard from an HF checkpoint
             from jaxmem.peft.slices import prepare_base_from_slices

@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxmem.model.sharding import activation_sharding
 import jaxmem.parallel.rules as R
+from jaxmem.peft.offload import offload_shardings
 from jaxmem.peft.quant import gather_packed
 from jaxmem.train.run import make_eval_fn
 from jaxmem.train.step import (create_train_state, jit_train_step, make_train_step,
@@ -57,14 +58,15 @@ class Placement:
     """One device (mesh None) or a mesh; see the module docstring."""
 
     mesh: Any = None
+    offload_base: str = "none"  # "host": the frozen base's layers in pinned host memory
 
     @classmethod
     def single(cls) -> "Placement":
         return cls(None)
 
     @classmethod
-    def on(cls, mesh) -> "Placement":
-        return cls(mesh)
+    def on(cls, mesh, offload_base: str = "none") -> "Placement":
+        return cls(mesh, offload_base)
 
     @property
     def is_main(self) -> bool:
@@ -110,9 +112,15 @@ class Placement:
         return self.state_creation(step_cfg, loss_scale, seed, with_params=True)(placed)
 
     def base_shardings(self, step_cfg):
-        """LoRA: the frozen base's shardings here (jaxmem.parallel.rules.lora_base_shardings);
-        None on one device or for a full fine-tune."""
-        return None if self.mesh is None else R.lora_base_shardings(step_cfg, self.mesh)
+        """LoRA: the frozen base's shardings on this mesh (jaxmem.parallel.rules.lora_base_shardings),
+        in pinned host memory for the decoder layers with `--offload-base host`
+        (jaxmem.peft.offload); None on one device or for a full fine-tune."""
+        if self.mesh is None:
+            return None
+        shardings = R.lora_base_shardings(step_cfg, self.mesh)
+        if shardings is None or self.offload_base != "host":
+            return shardings
+        return offload_shardings(shardings)
 
     def train_step(self, step_cfg, like):
         """The jitted, donated step for states shaped like `like` (a state or its abstract
