@@ -322,7 +322,7 @@ def analytic_breakdown(spec: StepSpec) -> dict:
                (head if transient == logits_group else "one layer's backward",
                 transient, "float32" if transient == logits_group else _mixed(per_layer + outside))]
     # bf16-sr: optax's updates are fp32 (fp32 moments); adamw8bit returns them in the gradients'
-    # dtype (jaxmem.train.optim8bit); either is added to the bf16 weights in fp32, then rounded
+    # dtype (jaxmem.optim.adamw_8bit); either is added to the bf16 weights in fp32, then rounded
     sr_fp32 = p.stochastic_rounding and spec.optimizer != "adamw8bit"
     ub, ud = (FP32, "float32") if sr_fp32 else (pb, pd)
     phase_o = [("gradients", Pt * pb, pd), ("optimizer update buffer", Pt * ub, ud)]

@@ -6,7 +6,7 @@
 The numbers are not a formula: `jax.eval_shape` runs the optimizer's own `init` on the abstract
 params (jaxmem.model.llama.abstract_params), so every leaf the optimizer really creates is counted
 with its real shape and dtype: the 8-bit codes and block scales of adamw8bit
-(jaxmem.train.optim8bit), the fp32 moments of the leaves that keep them (embeddings, small
+(jaxmem.optim.adamw_8bit), the fp32 moments of the leaves that keep them (embeddings, small
 tensors), Adafactor's factored rows and columns, Lion's one moment. bf16-sr initializes the
 optimizer from fp32 shapes (jaxmem.train.step.create_train_state), and so does this.
 """

@@ -8,7 +8,7 @@
     fp8        fp32 master                bf16, fp8 matmuls  none   (jaxmem.model.fp8)
     bf16-sr    bf16 params, fp32 optimizer bf16               none   (updated weights rounded
                state (8-bit: see optim8bit)                           stochastically to bf16,
-                                                                      jaxmem.train.stochastic)
+                                                                      jaxmem.optim.apply_updates_sr)
 
 In the amp modes the train state holds fp32 params; the loss casts them to the compute dtype
 *inside* the differentiated function, so the gradients come back in fp32 for the fp32 master copy.

@@ -41,10 +41,10 @@ def round_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
       [1.0, 1.0078125]
     """
     x = x.astype(jnp.float32)
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    bits = to_bits(x)                                              # uint32
     noise = jax.random.bits(key, x.shape, jnp.uint32) >> 16       # uniform in [0, 2^16)
     rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
-    out = jax.lax.bitcast_convert_type(rounded, jnp.float32)
+    out = from_bits(rounded, jnp.float32)
     # A carry past the largest finite bf16 would give inf: keep those (and inf/nan) to nearest.
     ok = jnp.isfinite(out) & jnp.isfinite(x)
     return jnp.where(ok, out, x).astype(jnp.bfloat16)
