@@ -40,9 +40,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxmem.config.run import RunConfig  # noqa: E402
-from jaxmem.parallel import Placement, run_mesh  # noqa: E402
+from jaxmem.parallel import run_mesh  # noqa: E402
 from jaxmem.peft.base import base_on_device, base_on_host  # noqa: E402
 from jaxmem.train.loss import synthetic_batch  # noqa: E402
+from jaxmem.train.placement import Placement  # noqa: E402
 from jaxmem.train.run import build_step_config  # noqa: E402
 
 MESHES = {"fsdp4": "fsdp=4", "data2_fsdp2": "data=2,fsdp=2", "tensor2_fsdp2": "tensor=2,fsdp=2"}
