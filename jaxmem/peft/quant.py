@@ -156,9 +156,12 @@ def gather_packed(layer_shardings: dict | None, axis: str = "fsdp"):
     Why a flat all-gather in a shard_map and not a sharding constraint: XLA:CPU lays an
     all-gather's operand out with the gathered dimension most major, including over the slice's
     size-1 layer axis, and the scan's dynamic-slice takes its operand's layout, so a constraint
-    made XLA copy every whole stacked leaf to that layout before the loop (Llama-3-8B shapes,
-    6 layers, fsdp=2: +212 MiB temp per device, the packed shard itself; 70B fsdp=2: +16.3 GiB).
-    A 1-D array has one layout, so the relayout stays inside the loop, on one layer.
+    made XLA copy every whole stacked leaf to that layout before the loop. A 1-D array has one
+    layout, so the relayout stays inside the loop, on one layer. Compiled temp per device
+    (XLA:CPU, QLoRA NF4 + double quant, amp-bf16, full remat, fsdp=2): Llama-3-8B shapes with 6
+    layers, batch 2 x 128: 1178 MiB without a packed gather, 1390 with the constraint, 1069 with
+    this; Llama-3.1-70B, batch 2 x 2048: peak 33.61 GiB without, 50.05 with the constraint,
+    33.61 with this (tests/test_lora_mesh.py::test_packed_gather_adds_no_temp).
     """
     token = _GATHER.set((layer_shardings, axis))
     try:
