@@ -2,7 +2,7 @@
 JAX has already initialized with one device). One process runs every check, so the test pays
 for one JAX start-up:
 
-    python tests/lora_mesh_worker.py OUT_DIR [train] [hlo] [memory] [reshard]
+    python tests/lora_mesh_worker.py OUT_DIR [train] [hlo] [memory] [packed] [reshard]
 
 train:   LoRA (fp32 base) and QLoRA (NF4 + double quantization) on the tiny preset, fp32, 5
          steps on one device and on fsdp=4, data=2,fsdp=2, tensor=2,fsdp=2 (the first 4
@@ -16,6 +16,10 @@ hlo:     the QLoRA step compiled on fsdp=4 and on tensor=2,fsdp=2: OUT_DIR/hlo.j
 memory:  compile only: per-device argument bytes of the QLoRA base (a jit taking the base with
          its shardings; with --step also the whole train step's argument and temp bytes), one
          device and fsdp=2, 4, 8: OUT_DIR/memory.json.
+packed:  compile only: the QLoRA step (4 layers of width 512, amp-bf16, full remat) on fsdp=2
+         with the packed layer gather (jaxmem.peft.quant.gather_packed) and without:
+         OUT_DIR/packed.json with each one's per-device temp bytes and the int8/uint8 results
+         computed outside the layer loops (a relayout copy of a stacked packed leaf shows here).
 reshard: the quantized base placed for fsdp=4, moved to tensor=2,fsdp=2's shardings and on to
          fsdp=8's, each leaf compared bitwise with the one-device base: OUT_DIR/reshard.json.
 
@@ -40,10 +44,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxmem.config.run import RunConfig  # noqa: E402
+import jaxmem.parallel.rules as R  # noqa: E402
 from jaxmem.parallel import run_mesh  # noqa: E402
-from jaxmem.train.placement import Placement  # noqa: E402
 from jaxmem.peft.base import base_on_device, base_on_host  # noqa: E402
 from jaxmem.train.loss import synthetic_batch  # noqa: E402
+from jaxmem.train.placement import Placement  # noqa: E402
 from jaxmem.train.run import build_step_config  # noqa: E402
 
 MESHES = {"fsdp4": "fsdp=4", "data2_fsdp2": "data=2,fsdp=2", "tensor2_fsdp2": "tensor=2,fsdp=2"}
@@ -142,9 +147,9 @@ def _abstract_step_args(cfg, par):
     return step_cfg, state, batch, base
 
 
-def _gathers(text):
-    """{"inside": [...], "outside": [...]}: result shapes of the all-gathers in computations
-    called (transitively) as a while loop's body, and of all others; the while bodies."""
+def _computations(text):
+    """{computation name: its lines} of an optimized HLO text, and the set of computations
+    called (transitively) as a while loop's body."""
     bodies = set(re.findall(r"\bbody=%?([\w.\-]+)", text))
     comps, current = {}, None
     for line in text.splitlines():
@@ -162,6 +167,13 @@ def _gathers(text):
         if c not in inside:
             inside.add(c)
             todo.extend(calls.get(c, ()))
+    return comps, inside, bodies
+
+
+def _gathers(text):
+    """{"inside": [...], "outside": [...]}: result shapes of the all-gathers in computations
+    called (transitively) as a while loop's body, and of all others; the while bodies."""
+    comps, inside, bodies = _computations(text)
     gathers = {"inside": [], "outside": []}
     for c, lines in comps.items():
         for line in lines:
@@ -207,6 +219,34 @@ def memory(out):
         json.dump(report, f)
 
 
+def packed(out):
+    # wide enough that a copy of the stacked packed leaves is a visible part of the step's temp
+    cfg = config("qlora").replace({"model.num_layers": 4, "model.hidden_size": 512,
+                                   "model.intermediate_size": 1536, "model.num_heads": 8,
+                                   "model.num_kv_heads": 4, "model.vocab_size": 512,
+                                   "precision.mode": "amp-bf16", "remat.policy": "full"})
+    par = placement("fsdp=2", cfg.model_config(), 2)
+    step_cfg, state, batch, base = _abstract_step_args(cfg, par)
+    report, gather = {}, R.lora_packed_gather
+    for name, table in (("gather", gather), ("no_gather", lambda step_cfg, mesh: None)):
+        R.lora_packed_gather = table  # what Placement.train_step installs (None: XLA's choice)
+        try:
+            compiled = par.train_step(step_cfg, state).lower(state, batch, base).compile()
+        finally:
+            R.lora_packed_gather = gather
+        comps, inside, _ = _computations(compiled.as_text())
+        ints = [line.split("=", 1)[1].strip().split(" ", 1)
+                for c, lines in comps.items() if c not in inside for line in lines
+                if re.search(r"= [us]8\[", line) and " parameter(" not in line]
+        report[name] = {"temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+                        "int8_outside_loops": [f"{shape} {op.split('(')[0]}" for shape, op in ints]}
+    report["stacked_packed_bytes_per_device"] = int(sum(
+        x.size * x.dtype.itemsize for x in jax.tree.leaves(base) if x.dtype in (jnp.uint8, jnp.int8)
+    ) // 2)
+    with open(os.path.join(out, "packed.json"), "w") as f:
+        json.dump(report, f)
+
+
 def reshard(out):
     cfg = config("qlora")
     model_cfg, step_cfg, _ = build_step_config(cfg)
@@ -232,6 +272,7 @@ def reshard(out):
 if __name__ == "__main__":
     target = sys.argv[1]
     parts = [a for a in sys.argv[2:] if not a.startswith("--")] or ["train", "hlo", "memory",
-                                                                     "reshard"]
+                                                                     "packed", "reshard"]
     for part in parts:
-        {"train": train, "hlo": hlo, "memory": memory, "reshard": reshard}[part](target)
+        {"train": train, "hlo": hlo, "memory": memory, "packed": packed,
+         "reshard": reshard}[part](target)

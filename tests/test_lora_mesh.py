@@ -157,19 +157,18 @@ def test_lora_resumes_onto_another_mesh(worker):
     assert bool(resumed["base_unchanged"])
 
 
-PACKED_LAYERS = {  # one layer's codes [1, In/64, 32, Out] as gathered inside the scan
-    "fsdp=4": {(1, 2, 32, 128), (1, 2, 32, 64), (1, 2, 32, 384), (1, 6, 32, 128)},
+PACKED_LAYERS = {  # elements of one layer's codes [In/64, 32, Out], gathered flat in the scan
+    "fsdp=4": {2 * 32 * 128, 2 * 32 * 64, 2 * 32 * 384},  # q/o, k/v, gate/up/down (6*32*128)
     # tensor keeps its half: Out/2 for q, k/v, gate/up; In/64 / 2 for o, down
-    "tensor=2,fsdp=2": {(1, 2, 32, 64), (1, 2, 32, 32), (1, 2, 32, 192), (1, 1, 32, 128),
-                        (1, 3, 32, 128)}}
+    "tensor=2,fsdp=2": {2 * 32 * 64, 2 * 32 * 32, 2 * 32 * 192}}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", PACKED_LAYERS)
 def test_base_gathered_one_layer_at_a_time(worker, mesh):
     """QLoRA, optimized HLO: no all-gather outside the layer scans yields a stacked base leaf
-    (packed or dense); inside, each layer's packed codes are gathered over fsdp (uint8, kept
-    split over tensor), never the dequantized weight."""
+    (packed or dense); inside, each layer's packed codes are gathered over fsdp as one flat
+    uint8 array (kept split over tensor), never the dequantized weight."""
     h = json.loads((worker / "hlo.json").read_text())
     outside, inside = h[mesh]["gathers"]["outside"], h[mesh]["gathers"]["inside"]
     dims = lambda s: [int(d) for d in s.split("[", 1)[1].split("]")[0].split(",") if d]
@@ -180,12 +179,28 @@ def test_base_gathered_one_layer_at_a_time(worker, mesh):
         assert sorted(dims(s)) not in stacked, s
         stacked_dense = {L * n for n in dense} | {L * n // 2 for n in dense}  # whole or tensor half
         assert not (dims(s)[0] == L and int(np.prod(dims(s))) in stacked_dense), s
-    packed = {tuple(dims(s)) for s in inside if s.startswith("u8[")}
-    assert packed == PACKED_LAYERS[mesh], packed
+    packed = [dims(s) for s in inside if s.startswith("u8[")]
+    assert all(len(d) == 1 for d in packed), packed
+    assert {d[0] for d in packed} == PACKED_LAYERS[mesh], packed
     assert not [s for s in inside if s.startswith("f32[") and int(np.prod(dims(s))) in
                 dense | {n // 2 for n in dense}], inside
     if mesh == "fsdp=4":  # only the embedding / LM head (not scanned) and the batch
         assert len(outside) <= 3, outside
+
+
+@pytest.mark.slow
+def test_packed_gather_adds_no_temp(worker):
+    """QLoRA NF4 + double quant, 4 layers of width 512, amp-bf16, full remat, fsdp=2, compile
+    only: the step that gathers each packed layer inside the scan needs no more temp per device
+    than the one that lets XLA gather the dequantized weight (+1% margin), and nothing int8 or
+    uint8 is computed outside the layer loops. With a sharding constraint in place of the flat
+    gather XLA copied every stacked packed leaf to the gather's layout before the loop
+    (jaxmem.peft.quant.gather_packed): 23.18 MB temp against 21.46 MB, 21 such copies; the flat
+    gather: 19.94 MB (XLA:CPU, jax 0.10.2)."""
+    r = json.loads((worker / "packed.json").read_text())
+    assert r["gather"]["int8_outside_loops"] == [], r["gather"]["int8_outside_loops"]
+    assert r["gather"]["temp_bytes"] <= r["no_gather"]["temp_bytes"] * 1.01, r
+    assert r["stacked_packed_bytes_per_device"] > 0.1 * r["no_gather"]["temp_bytes"]  # visible
 
 
 @pytest.mark.slow

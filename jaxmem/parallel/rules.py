@@ -199,19 +199,19 @@ def base_shardings(abstract_base, mesh):
 
 
 def packed_layer_shardings(abstract_base, mesh) -> dict:
-    """{QuantizedWeight static data: per-leaf NamedShardings of one layer} for
-    jaxmem.peft.quant.gather_packed: each stacked leaf's split without its layer axis and with
-    `fsdp` dropped, so inside the layer scan XLA gathers the packed layer over fsdp and keeps
-    it split over tensor. Weights whose static data (kind, shape, n_in, block) coincide but
-    whose splits differ get no entry (no constraint)."""
+    """{QuantizedWeight static data: per-leaf NamedShardings of one layer slice as stored} for
+    jaxmem.peft.quant.gather_packed: each stacked leaf's split without its layer axis, so inside
+    the layer scan the packed layer is all-gathered over `fsdp` and stays split over `tensor`.
+    Weights whose static data (kind, shape, n_in, block) coincide but whose splits differ get no
+    entry (not gathered explicitly: XLA gathers them as it sees fit)."""
     specs = base_specs(abstract_base, dict(mesh.shape))
     table: dict = {}
     for q in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, (QuantizedWeight, P))):
         if not isinstance(q, QuantizedWeight):
             continue
         leaves, aux = q.tree_flatten()
-        layer = tuple(None if s is None else NamedSharding(
-            mesh, P(*(None if a == "fsdp" else a for a in tuple(s)[1:]))) for s in leaves)
+        layer = tuple(None if s is None else NamedSharding(mesh, P(*tuple(s)[1:]))
+                      for s in leaves)
         table[aux] = layer if table.get(aux, layer) == layer else None
     return {aux: layer for aux, layer in table.items() if layer is not None}
 
