@@ -37,6 +37,7 @@ from jaxmem.model.llama import abstract_params
 from jaxmem.parallel.mesh import AXES, MeshSpec, run_mesh
 from jaxmem.train.placement import Placement
 from jaxmem.parallel.rules import batch_sharding, leaf_spec
+from jaxmem.peft.offload import abstract_in_host_memory
 
 PARAM_SHAPED = ("params (master)", "LoRA adapters (master)", "adam mu", "adam nu", "gradients",
                 "grad accumulator", "optimizer update buffer", "params (compute copy)")
@@ -122,11 +123,17 @@ def compile_per_device(spec: StepSpec, mesh_text: str | None) -> dict:
     frozen = abstract_frozen(spec)  # LoRA: the frozen base, the step's third argument
     base = () if frozen is None else (frozen,)
     mesh = run_mesh(mesh_text, spec.model, spec.batch_size) if mesh_text else None
+    offload = frozen is not None and spec.offload_base == "host"
     if mesh is None:
         par = Placement.single()
+        if offload:  # the block layers in pinned host memory, as the run places them
+            base = (abstract_in_host_memory(frozen),)
         lowered = par.train_step(step_cfg, state).lower(state, batch, *base)
     else:
-        par = Placement.on(mesh)
+        par = Placement.on(mesh, spec.offload_base if frozen is not None else "none")
+        if offload:
+            base = (jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                 frozen, par.base_shardings(step_cfg)),)
         state = par.abstract(state)
         bs = batch_sharding(mesh)
         batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=bs) for k, v in batch.items()}
