@@ -1,4 +1,4 @@
-"""8-bit AdamW (jaxmem.train.optim8bit) and stochastic rounding (jaxmem.train.stochastic): the maps
+"""8-bit AdamW and stochastic rounding (jaxmem.optim) as the trainer uses them: the maps
 against bitsandbytes' algorithm, quantization error bounds, unbiased rounding, skipped steps and
 exact resume with every optimizer."""
 
@@ -11,12 +11,11 @@ import pytest
 import jaxmem.train.step as step_mod
 from jaxmem.config.model import ModelConfig
 from jaxmem.train.loss import synthetic_batch
-from jaxmem.train.optim import OptimConfig
-from jaxmem.train.optim8bit import (SIGNED_MAP, UNSIGNED_MAP, Quantized, adamw_8bit,
-                                    create_dynamic_map, dequantize, keeps_fp32, quantize)
+from jaxmem.optim import (SIGNED_MAP, UNSIGNED_MAP, Quantized, adamw_8bit, apply_updates_sr,
+                          create_dynamic_map, dequantize, quantize, round_bf16)
+from jaxmem.train.optim import OptimConfig, keeps_fp32
 from jaxmem.train.precision import get_precision
 from jaxmem.train.step import StepConfig, create_train_state, jit_train_step
-from jaxmem.train.stochastic import apply_updates_sr, round_bf16
 from runs import SMALL, losses, params_of
 
 CFG = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -262,8 +261,8 @@ def test_bytes_per_param_from_the_abstract_state(preset, opt_max, state_max):
 def test_update_in_pieces_equals_whole_leaf(monkeypatch):
     """Leaves over CHUNK elements go through lax.map over row pieces (2^24 in use; 2^10 here):
     the 8-bit update is bitwise the whole-leaf one; SR in pieces still lands on a neighbour."""
-    import jaxmem.train.optim8bit as o8
-    import jaxmem.train.stochastic as sr
+    import jaxmem.optim._adamw8bit as o8
+    import jaxmem.optim._stochastic as sr
     rng = np.random.default_rng(2)
     p = {"layers": {"mlp": {"up_proj": jnp.asarray(rng.standard_normal((2, 16, 512)),
                                                     jnp.bfloat16)}}}
@@ -302,7 +301,7 @@ def test_fused_in_place_update_is_bitwise_the_optax_chain(precision, clip, monke
     ulps apart (`_assert_same_update` says why). Clipping active at 0.05, off at 0, idle at 1e3;
     decayed and undecayed leaves; leaves in row pieces (CHUNK 2^10 here). A non-finite step
     leaves everything bitwise as it was."""
-    import jaxmem.train.stochastic as sr
+    import jaxmem.optim._stochastic as sr
     from jaxmem.train.fused8bit import fused_adamw8bit_apply
     from jaxmem.train.optim import make_optimizer
     monkeypatch.setattr(sr, "CHUNK", 2**10)

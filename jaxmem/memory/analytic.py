@@ -240,7 +240,7 @@ def update_8bit_working_set(c: ModelConfig) -> int:
     leaves updated whole + the largest piece). At llama-3-8b that is 0.31 GiB (every matrix is
     in pieces), not the params-sized update buffer optax's update needs (14.96 GiB).
     """
-    from jaxmem.train.stochastic import CHUNK, row_chunks
+    from jaxmem.optim._stochastic import CHUNK, row_chunks
     whole, piece = 0, 0
     for leaf in jax.tree_util.tree_leaves(abstract_params(c)):
         n = row_chunks(leaf.shape, CHUNK)

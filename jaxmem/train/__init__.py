@@ -3,15 +3,17 @@
     step         TrainState, StepConfig, create_train_state (under jit; state_creation_fn is the
                  function it compiles, for planners), make_train_step, jit_train_step
     loss         cross_entropy, token_loss (the step's loss), synthetic / abstract batches
-    loss_scale   no-op, static and dynamic loss scales (torch GradScaler semantics)
+    loss_scale   the --loss-scale spec (the scales: jaxmem.optim, torch GradScaler semantics)
     precision    precision modes, cast_params
-    optim        AdamW, warmup + cosine schedule, decay mask
+    optim        --optimizer: AdamW / 8-bit AdamW / ..., warmup + cosine schedule, decay mask
+    fused8bit    the trainer's jaxmem.optim.Optimizer (8-bit AdamW updated in place)
     run          RunConfig -> StepConfig (build_step_config), abstract state, eval function
     loop, cli    the training loop and `python -m jaxmem.train` (programs, not a library)
 """
 
 from jaxmem.train.loss import cross_entropy, token_loss
-from jaxmem.train.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale, parse_loss_scale
+from jaxmem.optim import DynamicLossScale, NoOpLossScale, StaticLossScale
+from jaxmem.train.loss_scale import parse_loss_scale
 from jaxmem.train.precision import PRECISIONS, Precision, cast_params, get_precision
 from jaxmem.train.run import abstract_train_state, build_step_config, make_eval_fn
 from jaxmem.train.step import (StepConfig, TrainState, create_train_state, jit_train_step,

@@ -1,24 +1,30 @@
-"""8-bit AdamW's update and its application in one in-place pass per leaf (`--optimizer adamw8bit`).
+"""8-bit AdamW's update and its application in one in-place pass per leaf (`--optimizer adamw8bit`),
+and the trainer's optimizer as a jaxmem.optim.Optimizer (`train_optimizer`).
 
+    train_optimizer(cfg, stochastic_rounding) -> Optimizer(init, update_and_apply)
+        adamw8bit: update_and_apply = the in-place pass below; any other: make_optimizer(cfg)'s
+        update + apply_updates[_sr] (jaxmem.optim.as_optimizer)
     fused_adamw8bit_apply(cfg, grads, opt_state, params, finite, key)
-        -> (new params, new opt_state)       bitwise what the train step's
-                                             optimizer.update + apply_updates[_sr] gives
+        -> (new params, new opt_state)       bitwise what optimizer.update + apply_updates[_sr]
+                                             gives on make_optimizer(cfg)'s state
 
 The optax chain (clip, scale_by_adam_8bit, add_decayed_weights, -lr; jaxmem.train.optim) hands
 whole-leaf arrays from link to link: new codes and scales, the updates, then the new weights,
 each a fresh buffer of the leaf's size while the old ones are still live (and a lax.cond around
 it all for the skip). On llama-3-8b's stacked [L, 4096, 14336] leaves that was ~13 B/element of
 CPU temporaries on top of the state. Here each large leaf is one lax.fori_loop over row pieces
-(the same <= 2^24-element pieces as jaxmem.train.stochastic, so the same random bits) whose carry
+(the same <= 2^24-element pieces as jaxmem.optim.apply_updates_sr, so the same random bits) whose carry
 is the leaf's weights, codes and scales: a piece is read with a dynamic slice, clipped, put
-through Adam (optim8bit.adam_piece), decayed, scaled by -lr, added to the weights (stochastically
+through Adam (jaxmem.optim's adam_piece), decayed, scaled by -lr, added to the weights (stochastically
 rounded under bf16-sr) and written back with a dynamic update slice, so XLA updates the donated
 state buffers in place. The loop runs zero times on a non-finite step: every leaf stays bitwise
 as it was, as the lax.cond skip does.
 
 Each line of `_piece` mirrors one optax link (clip_by_global_norm, add_decayed_weights,
 scale_by_learning_rate, apply_updates), with the same dtypes, so both paths agree bit for bit
-(tested). The optax GradientTransformation (optim8bit.adamw_8bit) stays the reference.
+(tested). The optax GradientTransformation (jaxmem.optim.adamw_8bit) stays the reference. The
+state layout this pass reads is make_optimizer's chain, built in this package: `_split_state`
+checks it, and the step only ever sees the `Optimizer` contract.
 """
 
 from __future__ import annotations
@@ -27,11 +33,28 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import jaxmem.train.stochastic as sr
-from jaxmem.train.optim import OptimConfig, decay_mask, schedule
-from jaxmem.train.optim8bit import ScaleByAdam8bitState, adam_piece, bias_corrections
+import jaxmem.optim._stochastic as sr
+from jaxmem.dtypes.bits import from_bits, to_bits, tree_norm
+from jaxmem.optim import Optimizer, ScaleByAdam8bitState, as_optimizer
+from jaxmem.optim._adamw8bit import adam_piece, bias_corrections
+from jaxmem.train.optim import OptimConfig, OptimizerName, decay_mask, make_optimizer, schedule
 
-_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+def train_optimizer(cfg: OptimConfig, stochastic_rounding: bool = False) -> Optimizer:
+    """The trainer's optimizer for `cfg`: init = make_optimizer(cfg).init; update_and_apply =
+    the in-place pass for adamw8bit, else update + apply (stochastically rounded to bf16 with
+    `stochastic_rounding`, from the `key` the caller passes on every step)."""
+    tx = make_optimizer(cfg)
+    if OptimizerName(cfg.optimizer) != OptimizerName.ADAMW8BIT:
+        return as_optimizer(tx, stochastic_rounding=stochastic_rounding)
+
+    def update_and_apply(grads, opt_state, params, *, key=None, where=True):
+        if stochastic_rounding and key is None:
+            raise ValueError("train_optimizer(stochastic_rounding=True) needs a key")
+        return fused_adamw8bit_apply(cfg, grads, opt_state, params, jnp.asarray(where),
+                                     key if stochastic_rounding else None)
+
+    return Optimizer(tx.init, update_and_apply)
 
 
 def _split_state(cfg: OptimConfig, opt_state):
@@ -45,10 +68,9 @@ def _split_state(cfg: OptimConfig, opt_state):
 def fused_adamw8bit_apply(cfg: OptimConfig, grads, opt_state, params, finite: jax.Array,
                           key: jax.Array | None = None):
     """make_optimizer(cfg).update + apply, in place; `key` given: bf16 leaves rounded
-    stochastically (jaxmem.train.stochastic's keys); `finite` False: everything unchanged."""
+    stochastically (jaxmem.optim.apply_updates_sr's keys); `finite` False: everything unchanged."""
     clip_state, adam, decay, sched = _split_state(cfg, opt_state)
-    norm = optax.tree.norm if hasattr(optax, "tree") else optax.global_norm
-    g_norm = norm(grads)
+    g_norm = tree_norm(grads)
     trigger = jnp.squeeze(g_norm < cfg.clip)
     count = optax.safe_int32_increment(adam.count)
     c1, c2 = bias_corrections(count, cfg.b1, cfg.b2)
@@ -96,13 +118,13 @@ def _in_place(piece, n, g, m, v, p, decays, leaf_key, finite):
     """One leaf through `piece` in n row pieces, the carry (p, m, v) updated slice by slice."""
     split = lambda x: x.reshape((n, -1, x.shape[-1]))  # noqa: E731  rows -> [n, rows / n, last]
     # the gradient enters as raw bits, so XLA cannot hoist a whole-leaf fp32 convert out of the loop
-    gs = split(jax.lax.bitcast_convert_type(g, _UINT[g.dtype.itemsize]))
+    gs = split(to_bits(g))
 
     def body(j, carry):
         take = lambda x: jax.lax.dynamic_index_in_dim(x, j, 0, keepdims=False)  # noqa: E731
         put = lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, j, 0)  # noqa: E731
         pkey = None if leaf_key is None else jax.random.fold_in(leaf_key, j)
-        gj = jax.lax.bitcast_convert_type(take(gs), g.dtype)
+        gj = from_bits(take(gs), g.dtype)
         out = piece(gj, *jax.tree_util.tree_map(take, carry[1:]), take(carry[0]), decays, pkey)
         pj, mj, vj = out
         return jax.tree_util.tree_map(put, carry, (pj, mj, vj))

@@ -1,183 +1,42 @@
-"""Loss scaling for fp16 training, with `torch.amp.GradScaler`'s semantics.
+"""The trainer's `--loss-scale` spec -> a loss scale (the scales themselves: jaxmem.optim).
 
-Three scales, all pytrees with the same interface (`scale`, `unscale`, `adjust`):
-
-    NoOpLossScale      scale 1, nothing to adjust (fp32, bf16, amp-bf16)
-    StaticLossScale    a fixed scale (no skipping logic beyond the finite check)
-    DynamicLossScale   GradScaler's algorithm, below
-
-DynamicLossScale, per optimizer step, given `finite` = all unscaled gradients are finite:
-
-    if finite:
-        inf_run = 0
-        good_steps += 1
-        if good_steps == growth_interval:          # torch: the step that completes the interval
-            new = scale * growth_factor
-            scale = min(new if isfinite(new) else scale, max_scale)
-            good_steps = 0
-    else:                                          # the step itself is skipped by the caller
-        good_steps = 0
-        inf_run += 1
-        if inf_run >= hysteresis:                  # hysteresis=1 is torch: back off at once
-            scale = max(scale * backoff_factor, min_scale)
-            inf_run = 0
-
-Defaults are torch's: scale 2**16, growth 2.0 every 2000 finite steps, backoff 0.5. `min_scale`,
-`max_scale` and `hysteresis` go beyond torch. The dynamic fields (`loss_scale`, `good_steps`,
-`inf_run`) are pytree leaves; the constants are static pytree fields, so every field survives jit,
-`tree_map` and a checkpoint round trip (jmp's DynamicLossScale drops `min_loss_scale` in
-`tree_flatten`; here the constants are part of the treedef).
+    parse_loss_scale("dynamic" | "static:VALUE" | "none") -> DynamicLossScale | StaticLossScale
+                                                           | NoOpLossScale
 """
 
 from __future__ import annotations
 
-import dataclasses
+import enum
 import math
-from typing import Union
 
-import jax
 import jax.numpy as jnp
-from flax import struct
 
-FP32_MAX = float(jnp.finfo(jnp.float32).max)
-FP32_TINY = float(jnp.finfo(jnp.float32).tiny)  # default min_scale: no floor, as in torch
+from jaxmem.optim._loss_scale import (FP32_MAX, FP32_TINY, DynamicLossScale, LossScale,
+                                      NoOpLossScale, StaticLossScale, all_finite, select_tree,
+                                      validate_dynamic)
 
-
-def all_finite(tree) -> jax.Array:
-    """A bool scalar: every element of every leaf is finite."""
-    leaves = jax.tree_util.tree_leaves(tree)
-    if not leaves:
-        return jnp.array(True)
-    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
+__all__ = ["DynamicLossScale", "FP32_MAX", "FP32_TINY", "LossScale", "LossScaleKind",
+           "NoOpLossScale", "StaticLossScale", "all_finite", "parse_loss_scale", "select_tree",
+           "validate_dynamic"]
 
 
-def select_tree(pred: jax.Array, on_true, on_false):
-    """Leafwise `jnp.where(pred, a, b)` over two trees of the same structure."""
-    return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+class LossScaleKind(str, enum.Enum):
+    """The kinds of loss scale a spec names (`static` takes `:VALUE`)."""
 
-
-def _unscale(tree, scale):
-    inv = 1.0 / scale
-    return jax.tree_util.tree_map(lambda g: (g.astype(jnp.float32) * inv).astype(g.dtype), tree)
-
-
-@struct.dataclass
-class NoOpLossScale:
-    """No scaling: scale 1, never adjusts."""
-
-    @property
-    def loss_scale(self) -> jax.Array:
-        return jnp.array(1.0, jnp.float32)
-
-    def scale(self, x):
-        return x
-
-    def unscale(self, tree):
-        return tree
-
-    def adjust(self, finite: jax.Array) -> "NoOpLossScale":
-        del finite
-        return self
-
-
-@struct.dataclass
-class StaticLossScale:
-    """A fixed scale. Non-finite steps are still skipped by the train step."""
-
-    loss_scale: jax.Array
-
-    def scale(self, x):
-        return jax.tree_util.tree_map(lambda v: v * self.loss_scale.astype(v.dtype), x)
-
-    def unscale(self, tree):
-        return _unscale(tree, self.loss_scale)
-
-    def adjust(self, finite: jax.Array) -> "StaticLossScale":
-        del finite
-        return self
-
-
-@struct.dataclass
-class DynamicLossScale:
-    """torch.amp.GradScaler's dynamic loss scale (algorithm in the module docstring).
-
-    loss_scale: current scale (fp32 scalar).
-    good_steps: finite steps since the last growth or backoff (torch's `_growth_tracker`).
-    inf_run: non-finite steps in a row not yet acted on (always 0 when hysteresis == 1).
-    growth_interval, growth_factor, backoff_factor: torch's, same defaults.
-    min_scale, max_scale: clamps; the scale never reaches inf or drops below min_scale
-        (default: fp32's smallest normal and largest value, i.e. no clamp beyond torch's).
-    hysteresis: non-finite steps in a row needed before a backoff.
-    """
-
-    loss_scale: jax.Array
-    good_steps: jax.Array = dataclasses.field(default_factory=lambda: jnp.zeros((), jnp.int32))
-    inf_run: jax.Array = dataclasses.field(default_factory=lambda: jnp.zeros((), jnp.int32))
-    growth_interval: int = struct.field(pytree_node=False, default=2000)
-    growth_factor: float = struct.field(pytree_node=False, default=2.0)
-    backoff_factor: float = struct.field(pytree_node=False, default=0.5)
-    min_scale: float = struct.field(pytree_node=False, default=FP32_TINY)
-    max_scale: float = struct.field(pytree_node=False, default=FP32_MAX)
-    hysteresis: int = struct.field(pytree_node=False, default=1)
-
-    @classmethod
-    def create(cls, init_scale: float = 2.0**16, **kwargs) -> "DynamicLossScale":
-        validate_dynamic(init_scale=init_scale, **kwargs)
-        return cls(loss_scale=jnp.asarray(init_scale, jnp.float32), **kwargs)
-
-    def scale(self, x):
-        return jax.tree_util.tree_map(lambda v: v * self.loss_scale.astype(v.dtype), x)
-
-    def unscale(self, tree):
-        return _unscale(tree, self.loss_scale)
-
-    def adjust(self, finite: jax.Array) -> "DynamicLossScale":
-        good = self.good_steps + 1
-        grow = finite & (good >= self.growth_interval)
-        grown = self.loss_scale * self.growth_factor
-        grown = jnp.minimum(jnp.where(jnp.isfinite(grown), grown, self.loss_scale), self.max_scale)
-
-        inf_run = jnp.where(finite, 0, self.inf_run + 1)
-        backoff = (~finite) & (inf_run >= self.hysteresis)
-        shrunk = jnp.maximum(self.loss_scale * self.backoff_factor, self.min_scale)
-
-        scale = jnp.where(grow, grown, jnp.where(backoff, shrunk, self.loss_scale))
-        return self.replace(
-            loss_scale=scale.astype(jnp.float32),
-            good_steps=jnp.where(finite & ~grow, good, 0).astype(jnp.int32),
-            inf_run=jnp.where(backoff, 0, inf_run).astype(jnp.int32),
-        )
-
-
-LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
-
-
-def validate_dynamic(init_scale=2.0**16, growth_interval=2000, growth_factor=2.0,
-                     backoff_factor=0.5, min_scale=FP32_TINY, max_scale=FP32_MAX, hysteresis=1) -> None:
-    """Raise ValueError naming the first invalid setting."""
-    checks = [
-        ("init_scale", init_scale, init_scale > 0 and math.isfinite(init_scale)),
-        ("growth_interval", growth_interval, isinstance(growth_interval, int) and growth_interval > 0),
-        ("growth_factor", growth_factor, growth_factor >= 1.0),
-        ("backoff_factor", backoff_factor, 0.0 < backoff_factor < 1.0),
-        ("min_scale", min_scale, 0.0 < min_scale <= max_scale),
-        ("max_scale", max_scale, math.isfinite(max_scale)),
-        ("hysteresis", hysteresis, isinstance(hysteresis, int) and hysteresis >= 1),
-    ]
-    for name, value, ok in checks:
-        if not ok:
-            raise ValueError(f"loss scale {name}={value!r} is invalid")
+    DYNAMIC = "dynamic"
+    STATIC = "static"
+    NONE = "none"
 
 
 def parse_loss_scale(spec: str, init_scale: float = 2.0**16, growth_interval: int = 2000,
                      **kwargs) -> LossScale:
-    """`dynamic`, `static:VALUE` or `none` -> a loss-scale state."""
-    if spec == "none":
+    """`dynamic`, `static:VALUE` or `none` -> a loss-scale state (ValueError naming the flag)."""
+    if spec == LossScaleKind.NONE:
         return NoOpLossScale()
-    if spec == "dynamic":
+    if spec == LossScaleKind.DYNAMIC:
         return DynamicLossScale.create(init_scale, growth_interval=growth_interval, **kwargs)
     head, _, value = spec.partition(":")
-    if head == "static":
+    if head == LossScaleKind.STATIC:
         try:
             v = float(value)
         except ValueError:

@@ -8,11 +8,15 @@ batch: dict of int32 arrays [K, B, T] (K = grad-accumulation micro-batches). Per
         loss_k = sum of token losses / tokens in the whole step   (fp32)
         g += grad(scale(loss_k)) w.r.t. the stored params        (params cast to the compute
                                                                     dtype inside the loss)
-    g = unscale(g); finite = all_finite(g); grad_norm = |g|
-    if finite: clip, optimizer update                             (jaxmem.train.optim; bf16-sr:
-                                                                   stochastic rounding, .stochastic)
-    else:      params and every optimizer leaf stay bitwise as they were (lax.cond)
-    loss_scale = loss_scale.adjust(finite)                        (once per optimizer step)
+    grad_norm = |unscale(g)|
+    params, (opt_state, applied, skips_in_a_row, loss_scale) =
+        loss_scaled(skip_nonfinite(optimizer)).update_and_apply(g, ...)   (jaxmem.optim)
+            g = unscale(g); finite = all_finite(g)
+            if finite: clip, optimizer update and apply   (jaxmem.train.fused8bit.train_optimizer:
+                                                           in place for adamw8bit; bf16-sr:
+                                                           stochastic rounding with step_key)
+            else:      params and every optimizer leaf stay bitwise as they were
+            loss_scale = loss_scale.adjust(finite)        (once per optimizer step)
 
 Dividing every micro-batch by the token count of the whole step makes K micro-batches of B give
 the same gradient as one batch of K*B.
@@ -25,14 +29,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import struct
 
 from jaxmem.config.model import ModelConfig
-from jaxmem.train.loss import token_loss
-from jaxmem.train.loss_scale import LossScale, NoOpLossScale, all_finite
+from jaxmem.dtypes.bits import key_data, tree_norm, wrap_key_data
 from jaxmem.model.llama import Llama, init_params
 from jaxmem.model.projection import default_einsum
+from jaxmem.optim import (LossScale, LossScaledState, NoOpLossScale, Optimizer,
+                          SkipNonFiniteState, loss_scaled, skip_nonfinite)
+from jaxmem.train.fused8bit import train_optimizer
+from jaxmem.train.loss import token_loss
 from jaxmem.train.optim import OptimConfig, make_optimizer, schedule
 from jaxmem.train.precision import Precision, cast_floating
 from jaxmem.model.remat import RematPolicy
@@ -125,8 +131,7 @@ def state_creation_fn(cfg: StepConfig, loss_scale: LossScale | None = None, seed
 
         return TrainState(step=zero(), applied=zero(), skips_in_a_row=zero(),
                           data_position=zero(),
-                          rng=jax.random.key_data(state_key) if hasattr(jax.random, "key_data")
-                          else state_key,
+                          rng=key_data(state_key),
                           params=params, opt_state=make_optimizer(cfg.optim).init(opt_like),
                           loss_scale=loss_scale if loss_scale is not None else NoOpLossScale())
 
@@ -151,10 +156,27 @@ def create_train_state(cfg: StepConfig, loss_scale: LossScale | None = None,
     return jax.jit(fn, donate_argnums=(0,) if donate else ())(placed)
 
 
-def make_train_step(cfg: StepConfig):
-    """The pure train step for `cfg` (un-jitted; see `jit_train_step`)."""
+SR_STREAM = 0x5352  # "SR": keeps the rounding bits apart from other users of fold_in(rng, step)
+
+
+def step_key(rng: jax.Array, step: jax.Array) -> jax.Array:
+    """The stochastic-rounding key of one step: the state's raw key data folded with the step
+    number, then with SR_STREAM (LoRA dropout draws from fold_in(rng, step) itself). From the
+    state, so a resumed run draws the same bits and stays bitwise equal to an uninterrupted one."""
+    return jax.random.fold_in(jax.random.fold_in(wrap_key_data(rng), step), SR_STREAM)
+
+
+def make_train_step(cfg: StepConfig, optimizer: Optimizer | None = None):
+    """The pure train step for `cfg` (un-jitted; see `jit_train_step`).
+
+    optimizer: what updates and applies (the jaxmem.optim.Optimizer contract), its state the
+    TrainState's `opt_state`; None: `train_optimizer(cfg.optim, bf16-sr?)`, whose init is the
+    one `state_creation_fn` uses. The step wraps it in skip_nonfinite and loss_scaled.
+    """
     model = cfg.build_model()
-    optimizer = make_optimizer(cfg.optim)
+    if optimizer is None:
+        optimizer = train_optimizer(cfg.optim, cfg.precision.stochastic_rounding)
+    update = loss_scaled(skip_nonfinite(optimizer)).update_and_apply
     lr_at = schedule(cfg.optim)
     compute_dtype = cfg.precision.compute_dtype
 
@@ -185,39 +207,23 @@ def make_train_step(cfg: StepConfig):
             zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
             (grads, loss), _ = jax.lax.scan(accumulate, (zeros, jnp.zeros((), jnp.float32)), batch)
 
-        grads = state.loss_scale.unscale(grads)
-        finite = all_finite(grads)
-        grad_norm = optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads)
-
-        def apply(_):
-            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-            if cfg.precision.stochastic_rounding:  # bf16-sr: the key from the state's RNG + step
-                from jaxmem.train.stochastic import apply_updates_sr, step_key
-                key = step_key(state.rng, state.step)
-                return apply_updates_sr(state.params, updates, key), opt_state
-            return optax.apply_updates(state.params, updates), opt_state
-
-        def skip(_):
-            return state.params, state.opt_state
-
-        if cfg.optim.optimizer == "adamw8bit":  # update + apply in place (.fused8bit): no cond
-            from jaxmem.train.fused8bit import fused_adamw8bit_apply
-            from jaxmem.train.stochastic import step_key
-            key = step_key(state.rng, state.step) if cfg.precision.stochastic_rounding else None
-            params, opt_state = fused_adamw8bit_apply(cfg.optim, grads, state.opt_state,
-                                                      state.params, finite, key)
-        else:
-            params, opt_state = jax.lax.cond(finite, apply, skip, None)
+        # the wrapper unscales the same way; XLA computes the unscaled gradients once
+        grad_norm = tree_norm(state.loss_scale.unscale(grads))
+        wrapped = LossScaledState(
+            SkipNonFiniteState(state.opt_state, state.applied, state.skips_in_a_row),
+            state.loss_scale)
+        params, wrapped = update(grads, wrapped, state.params,
+                                 key=step_key(state.rng, state.step))
         new_state = state.replace(
             step=state.step + 1,
-            applied=state.applied + finite.astype(jnp.int32),
-            skips_in_a_row=jnp.where(finite, 0, state.skips_in_a_row + 1),
+            applied=wrapped.inner.applied,
+            skips_in_a_row=wrapped.inner.skips_in_a_row,
             data_position=state.data_position + cfg.grad_accum,
-            params=params, opt_state=opt_state,
-            loss_scale=state.loss_scale.adjust(finite))
+            params=params, opt_state=wrapped.inner.inner,
+            loss_scale=wrapped.loss_scale)
         metrics = {"loss": loss, "grad_norm": grad_norm, "loss_scale": state.loss_scale.loss_scale,
-                   "skipped": ~finite, "lr": lr_at(state.applied), "tokens": total_tokens,
-                   "skips_in_a_row": new_state.skips_in_a_row}
+                   "skipped": new_state.skips_in_a_row > 0, "lr": lr_at(state.applied),
+                   "tokens": total_tokens, "skips_in_a_row": new_state.skips_in_a_row}
         return new_state, metrics
 
     return train_step

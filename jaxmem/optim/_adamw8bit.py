@@ -3,8 +3,8 @@
 Dettmers et al., "8-bit Optimizers via Block-wise Quantization" (arXiv 2110.02861):
 
     state leaf  -> Quantized(codes uint8 [same shape as the param], scale fp32 [..., nblocks])
-    value       =  MAP[codes] * scale[block]        block = BLOCK consecutive elements of the
-                                                    param's last axis (the last block may be short)
+    value       =  MAP[codes] * scale[block]        block = `block_size` consecutive elements of
+                                                    the param's last axis (the last may be short)
     m (signed)  uses SIGNED_MAP   = create_dynamic_map(signed=True)   (bitsandbytes' "dynamic")
     v (>= 0)    uses UNSIGNED_MAP = create_dynamic_map(signed=False)  (bitsandbytes' "udynamic")
 
@@ -12,10 +12,10 @@ Each step dequantizes a leaf's moments to fp32, does the Adam update in fp32, an
 again with a fresh absmax per block (nearest map value). A linear int8 map for the second moment
 diverges (its small values all round to zero and the update blows up), so none is offered.
 
-Which leaves stay fp32 (`keeps_fp32`): embeddings (the paper's stable-embedding finding), and
-tensors with fewer than MIN_8BIT_SIZE elements (bitsandbytes' 4096 threshold: norm scales and
-other small vectors, where the scales would cost more than they save), both through
-jaxmem.model.roles.
+Which leaves keep fp32 moments is the caller's rule (`keep_fp32`); the default keeps non-float
+leaves and tensors with fewer than MIN_8BIT_SIZE elements (bitsandbytes' 4096 threshold: norm
+scales, biases and other small vectors, where the block scales would cost more than they save).
+The paper also keeps embeddings in 32 bits; jaxmem's trainer adds that through its own rule.
 
 Layout for sharding: `codes` has exactly the param's shape and `scale` the param's shape with the
 last axis replaced by its number of blocks, so a sharding rule written for a param applies to its
@@ -25,7 +25,7 @@ codes as is, and to its scale on every axis but the last. All leaves are ordinar
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +33,8 @@ import numpy as np
 import optax
 from flax import struct
 
-from jaxmem.model.roles import param_role
-from jaxmem.train.stochastic import row_chunks
+from jaxmem.dtypes.bits import from_bits, to_bits
+from jaxmem.optim._stochastic import row_chunks
 
 BLOCK = 256           # elements per absmax block (bitsandbytes' blockwise optimizers use 256)
 MIN_8BIT_SIZE = 4096  # smaller tensors keep fp32 states (bitsandbytes' min_8bit_size)
@@ -90,10 +90,16 @@ UNSIGNED_MAP = create_dynamic_map(signed=False)
 
 @struct.dataclass
 class Quantized:
-    """One moment tensor in 8 bits: codes index the map; scale is each block's absmax."""
+    """One moment tensor in 8 bits: `MAP[codes] * scale[block]` (see the module docstring).
 
-    codes: jax.Array  # uint8, the param's shape
-    scale: jax.Array  # fp32, param.shape[:-1] + (ceil(last / BLOCK),)
+    codes: uint8, the param's shape; each an index into the moment's 256-value map.
+    scale: fp32, param.shape[:-1] + (ceil(last / block),); each block's absmax.
+    block: elements per block along the last axis (static: part of the treedef, not a leaf).
+    """
+
+    codes: jax.Array
+    scale: jax.Array
+    block: int = struct.field(pytree_node=False, default=BLOCK)
 
 
 def _blocks(x: jax.Array, block: int) -> tuple[jax.Array, int]:
@@ -106,8 +112,8 @@ def _blocks(x: jax.Array, block: int) -> tuple[jax.Array, int]:
     return x.reshape(x.shape[:-1] + (nb, block)), pad
 
 
-def _block_size(shape) -> int:
-    return min(BLOCK, shape[-1]) if shape else 1
+def _block_size(shape, block: int) -> int:
+    return min(block, shape[-1]) if shape else 1
 
 
 def _nearest_code(normed: jax.Array, qmap: np.ndarray) -> jax.Array:
@@ -123,52 +129,61 @@ def _nearest_code(normed: jax.Array, qmap: np.ndarray) -> jax.Array:
     return idx
 
 
-def quantize(x: jax.Array, qmap: np.ndarray) -> Quantized:
-    """Block-wise absmax + nearest value of `qmap` (sorted); x of any shape with ndim >= 1."""
-    block = _block_size(x.shape)
-    xb, pad = _blocks(x.astype(jnp.float32), block)                 # [..., nb, block]
+def quantize(x: jax.Array, qmap: np.ndarray, block: int = BLOCK) -> Quantized:
+    """Block-wise absmax + nearest value of `qmap` (sorted, 256 values).
+
+    Args:
+      x: any float dtype, ndim >= 1; blocks run along the last axis.
+      qmap: SIGNED_MAP for signed values, UNSIGNED_MAP for values >= 0.
+      block: elements per block (the last may be shorter).
+
+    Returns:
+      Quantized(codes uint8 x.shape, scale fp32 x.shape[:-1] + (nblocks,), block).
+    """
+    b = _block_size(x.shape, block)
+    xb, pad = _blocks(x.astype(jnp.float32), b)                     # [..., nb, b]
     scale = jnp.max(jnp.abs(xb), axis=-1)                            # [..., nb]
     normed = xb / jnp.where(scale == 0, 1.0, scale)[..., None]       # in [-1, 1]
     idx = _nearest_code(normed, qmap).astype(jnp.uint8)
     codes = idx.reshape(idx.shape[:-2] + (-1,))
     if pad:
         codes = codes[..., : x.shape[-1]]
-    return Quantized(codes=codes, scale=scale)
+    return Quantized(codes=codes, scale=scale, block=block)
 
 
-def quantized_zeros(shape, qmap: np.ndarray) -> Quantized:
-    """`quantize(zeros(shape), qmap)` from the shape alone: every code the one of 0.0, every
-    scale 0. The quantize itself kept fp32 temporaries of the leaf's size at init (llama-3-8b
-    state creation compiled to 40.5 GiB of temporaries on CPU; with this, 0.58)."""
+def quantized_zeros(shape, qmap: np.ndarray, block: int = BLOCK) -> Quantized:
+    """`quantize(zeros(shape), qmap, block)` from the shape alone: every code the one of 0.0,
+    every scale 0. Quantizing real zeros would keep fp32 temporaries of the leaf's size at init
+    (llama-3-8b state creation compiled to 40.5 GiB of temporaries on CPU; with this, 0.58)."""
     mids = np.append((qmap[1:] + qmap[:-1]) / 2, np.inf).astype(np.float32)
     code = int(np.sum(mids < np.float32(0.0)))  # what _nearest_code gives for 0.0
-    nb = -(-shape[-1] // _block_size(shape))
+    nb = -(-shape[-1] // _block_size(shape, block))
     return Quantized(codes=jnp.full(shape, code, jnp.uint8),
-                     scale=jnp.zeros(tuple(shape[:-1]) + (nb,), jnp.float32))
+                     scale=jnp.zeros(tuple(shape[:-1]) + (nb,), jnp.float32), block=block)
 
 
 def dequantize(q: Quantized, qmap: np.ndarray) -> jax.Array:
-    """fp32 values of `q` (the inverse of `quantize` up to the map's resolution)."""
-    block = _block_size(q.codes.shape)
+    """fp32 values of `q`, shape q.codes.shape (the inverse of `quantize` up to the map's
+    resolution: within half a map gap times the block's absmax)."""
+    b = _block_size(q.codes.shape, q.block)
     values = jnp.asarray(qmap, jnp.float32)[q.codes.astype(jnp.int32)]
-    vb, pad = _blocks(values, block)                                 # [..., nb, block]
+    vb, pad = _blocks(values, b)                                     # [..., nb, b]
     out = (vb * q.scale[..., None]).reshape(vb.shape[:-2] + (-1,))
     return out[..., : q.codes.shape[-1]] if pad else out
 
 
-def keeps_fp32(path, leaf) -> bool:
-    """Does this parameter keep fp32 moments? Embeddings, small tensors, non-float leaves."""
-    if not jnp.issubdtype(leaf.dtype, jnp.floating) or leaf.ndim == 0:
-        return True
-    return param_role(path) == "embedding" or leaf.size < MIN_8BIT_SIZE
+def keep_small_fp32(path, leaf) -> bool:
+    """The default `keep_fp32` rule: non-float leaves and leaves of fewer than MIN_8BIT_SIZE
+    (4096) elements keep fp32 moments (bitsandbytes' `min_8bit_size`). `path` is unused."""
+    del path
+    return not jnp.issubdtype(leaf.dtype, jnp.floating) or leaf.size < MIN_8BIT_SIZE
 
 
-_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 CHUNK = 2**24  # elements per piece of a large leaf's update (a few hundred MB of temporaries)
 
 
 def _num_chunks(shape) -> int:
-    """Pieces of a leaf's rows for its update (jaxmem.train.stochastic.row_chunks).
+    """Pieces of a leaf's rows for its update (`row_chunks`).
 
     Dequantize, Adam and quantize again cannot all fuse into one loop (the new absmax is a
     reduction over what the loop computes), so XLA keeps fp32 temporaries of the size of the
@@ -178,9 +193,17 @@ def _num_chunks(shape) -> int:
 
 
 class ScaleByAdam8bitState(NamedTuple):
-    count: jax.Array  # int32
-    mu: Any           # per param: Quantized (SIGNED_MAP) or fp32 array
-    nu: Any           # per param: Quantized (UNSIGNED_MAP) or fp32 array
+    """State of `scale_by_adam_8bit` (and the first link of `adamw_8bit`'s chain).
+
+    count: int32 scalar, updates taken (Adam's t, for the bias corrections).
+    mu: the first moments, params' structure: per leaf a `Quantized` (SIGNED_MAP) or, where
+      `keep_fp32` held, an fp32 array of the param's shape.
+    nu: the second moments, the same way (UNSIGNED_MAP).
+    """
+
+    count: jax.Array
+    mu: Any
+    nu: Any
 
 
 def _is_q(x) -> bool:
@@ -195,7 +218,7 @@ def bias_corrections(count: jax.Array, b1: float, b2: float) -> tuple[jax.Array,
 def adam_piece(g, m, v, c1, c2, b1: float, b2: float, eps: float):
     """One Adam step on (a piece of) a leaf: g any float dtype; m, v Quantized or fp32 arrays of
     g's shape. Returns (update in promote(g.dtype, bf16), new m, new v); fp32 math throughout.
-    Shared by `scale_by_adam_8bit` and the fused in-place update (jaxmem.train.fused8bit), so the
+    Shared by `scale_by_adam_8bit` and in-place updates built on it (jaxmem's trainer), so the
     two give bitwise the same moments and updates."""
     g32 = g.astype(jnp.float32)
     m32 = dequantize(m, SIGNED_MAP) if _is_q(m) else m
@@ -203,20 +226,38 @@ def adam_piece(g, m, v, c1, c2, b1: float, b2: float, eps: float):
     m32 = b1 * m32 + (1 - b1) * g32
     v32 = b2 * v32 + (1 - b2) * g32 * g32
     u = (m32 / c1) / (jnp.sqrt(v32 / c2) + eps)
-    new_m = quantize(m32, SIGNED_MAP) if _is_q(m) else m32
-    new_v = quantize(v32, UNSIGNED_MAP) if _is_q(v) else v32
+    new_m = quantize(m32, SIGNED_MAP, m.block) if _is_q(m) else m32
+    new_v = quantize(v32, UNSIGNED_MAP, v.block) if _is_q(v) else v32
     return u.astype(jnp.promote_types(g.dtype, jnp.bfloat16)), new_m, new_v
 
 
-def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999,
-                       eps: float = 1e-8) -> optax.GradientTransformation:
-    """optax.scale_by_adam with both moments in 8 bits (fp32 where `keeps_fp32`); bias-corrected."""
+KeepFp32 = Callable[[Any, jax.Array], bool]
+
+
+def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
+                       keep_fp32: KeepFp32 | None = None,
+                       block_size: int = BLOCK) -> optax.GradientTransformation:
+    """`optax.scale_by_adam` with both moments in 8 bits; bias-corrected, no `eps_root`.
+
+    Args:
+      b1, b2, eps: Adam's decay rates and denominator epsilon.
+      keep_fp32: `(path, leaf) -> bool`, path as `jax.tree_util.tree_map_with_path` gives it:
+        True keeps that leaf's moments in fp32. None: `keep_small_fp32`.
+      block_size: elements per absmax block along a leaf's last axis.
+
+    Returns:
+      A GradientTransformation whose state is `ScaleByAdam8bitState`; updates come out in
+      promote(grad dtype, bf16).
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    keep = keep_small_fp32 if keep_fp32 is None else keep_fp32
 
     def init_fn(params):
         def zeros(path, p, qmap):
-            if keeps_fp32(path, p):
+            if not jnp.issubdtype(p.dtype, jnp.floating) or p.ndim == 0 or keep(path, p):
                 return jnp.zeros(p.shape, jnp.float32)
-            return quantized_zeros(p.shape, qmap)
+            return quantized_zeros(p.shape, qmap, block_size)
         mu = jax.tree_util.tree_map_with_path(lambda k, p: zeros(k, p, SIGNED_MAP), params)
         nu = jax.tree_util.tree_map_with_path(lambda k, p: zeros(k, p, UNSIGNED_MAP), params)
         return ScaleByAdam8bitState(count=jnp.zeros((), jnp.int32), mu=mu, nu=nu)
@@ -235,12 +276,9 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999,
                 return chunk(g, m, v)
             lead = g.shape[:-1]  # rows [..] -> [n, rows / n]; codes [.., last], scale [.., nb]
             split = lambda x: x.reshape((n, -1, x.shape[-1]))  # noqa: E731
-            # the gradient enters the loop as raw bits: given as bf16, XLA hoisted its fp32
-            # convert out of the loop, a whole-leaf 4 B/element buffer
-            bits = jax.lax.bitcast_convert_type(g, _UINT[g.dtype.itemsize])
-            out = jax.lax.map(
-                lambda a: chunk(jax.lax.bitcast_convert_type(a[0], g.dtype), *a[1:]),
-                jax.tree_util.tree_map(split, (bits, m, v)))
+            # the gradient enters the loop as raw bits (jaxmem.dtypes.bits says why)
+            out = jax.lax.map(lambda a: chunk(from_bits(a[0], g.dtype), *a[1:]),
+                              jax.tree_util.tree_map(split, (to_bits(g), m, v)))
             return jax.tree_util.tree_map(lambda x: x.reshape(lead + x.shape[-1:]), out)
 
         out = jax.tree_util.tree_map(one, updates, state.mu, state.nu)
@@ -254,9 +292,66 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999,
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def adamw_8bit(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-               weight_decay: float = 1e-4, mask=None) -> optax.GradientTransformation:
-    """optax.adamw with 8-bit moments: the same chain (adam, decoupled decay, -lr)."""
-    return optax.chain(scale_by_adam_8bit(b1, b2, eps),
+def adamw_8bit(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float = 0.999,
+               eps: float = 1e-8, weight_decay: float = 1e-4,
+               mask: Any | Callable[[Any], Any] | None = None, *,
+               keep_fp32: KeepFp32 | None = None,
+               block_size: int = BLOCK) -> optax.GradientTransformation:
+    r"""AdamW with both moments stored in 8 bits (block-wise dynamic quantization).
+
+    `optax.adamw`'s algorithm and chain, with each moment dequantized to fp32 for the update and
+    quantized again after it. With :math:`Q` the block-wise quantization (absmax per block of
+    `block_size` elements, nearest of 256 map values) and :math:`\eta_t` the learning rate:
+
+    .. math::
+      m_t = \beta_1 Q^{-1}(\hat m_{t-1}) + (1 - \beta_1) g_t,\quad
+      v_t = \beta_2 Q^{-1}(\hat v_{t-1}) + (1 - \beta_2) g_t^2,\\
+      \hat m_t = Q(m_t),\quad \hat v_t = Q(v_t),\\
+      u_t = -\eta_t \left( \frac{m_t / (1 - \beta_1^t)}{\sqrt{v_t / (1 - \beta_2^t)} + \epsilon}
+            + \lambda \theta_{t-1} \right)
+
+    (:math:`\lambda` only where `mask` is True). State per quantized leaf: 1 B/element per
+    moment plus 4 B per block, ~2.03 B/param for both at block 256, against optax.adamw's 8.
+
+    Args:
+      learning_rate: a float or an optax schedule (step -> learning rate).
+      b1: exponential decay rate of the first moment.
+      b2: exponential decay rate of the second moment.
+      eps: added to the denominator's square root.
+      weight_decay: decoupled weight decay rate (:math:`\lambda`).
+      mask: as optax.adamw's: a pytree of bools of params' structure, or a callable
+        params -> such a pytree; True where weight decay applies. None: everywhere.
+      keep_fp32: `(path, leaf) -> bool`; True keeps that leaf's moments in fp32 (path as
+        `jax.tree_util.tree_map_with_path` gives it). None: `keep_small_fp32` (non-float and
+        < 4096-element leaves). Dettmers et al. also keep embeddings in fp32.
+      block_size: elements per absmax block along a leaf's last axis (bitsandbytes: 256).
+
+    Returns:
+      An `optax.GradientTransformation`: `optax.chain(scale_by_adam_8bit(...),
+      optax.add_decayed_weights(weight_decay, mask), optax.scale_by_learning_rate(lr))`; its
+      state is that chain's tuple, first `ScaleByAdam8bitState`. It composes like any optax
+      transformation (optax.chain, schedules, optax.masked, optax.MultiSteps).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> from jaxmem.optim import adamw_8bit
+      >>> params = {"w": jnp.ones((64, 128)), "b": jnp.zeros(128)}
+      >>> tx = optax.chain(optax.clip_by_global_norm(1.0), adamw_8bit(1e-3))
+      >>> state = tx.init(params)
+      >>> state[1][0].mu["w"].codes.dtype, state[1][0].mu["b"].dtype   # "b" < 4096 elements
+      (dtype('uint8'), dtype('float32'))
+      >>> grads = jax.tree.map(jnp.ones_like, params)
+      >>> updates, state = tx.update(grads, state, params)
+      >>> params = optax.apply_updates(params, updates)
+      >>> round(float(params["w"][0, 0]), 6)    # 1 - 1e-3 * (1 / (1 + 1e-8) + 1e-4 * 1)
+      0.999
+
+    References:
+      Dettmers et al., `8-bit Optimizers via Block-wise Quantization
+      <https://arxiv.org/abs/2110.02861>`_, ICLR 2022.
+      Loshchilov and Hutter, `Decoupled Weight Decay Regularization
+      <https://arxiv.org/abs/1711.05101>`_, 2019.
+    """
+    return optax.chain(scale_by_adam_8bit(b1, b2, eps, keep_fp32=keep_fp32, block_size=block_size),
                        optax.add_decayed_weights(weight_decay, mask),
                        optax.scale_by_learning_rate(learning_rate))

@@ -1,0 +1,65 @@
+"""Optimizers and loss scaling for any JAX model: plain pytrees in, optax-compatible out.
+
+    adamw_8bit(lr, ...)                       AdamW with 8-bit moments (optax transformation)
+    apply_updates_sr(params, updates, key)    bf16 params without an fp32 master copy
+    DynamicLossScale.create()                 torch.amp.GradScaler's dynamic loss scale
+    loss_scaled(skip_nonfinite(as_optimizer(tx)), scale)
+                                              unscale, skip non-finite steps, adjust the scale
+
+Nothing here imports jaxmem's model, trainer or CLIs (the package order is dtypes, config ->
+model -> optim -> ...: docs/architecture.md).
+"""
+
+# 8-bit AdamW (Dettmers et al. 2022)
+from jaxmem.optim._adamw8bit import (
+    BLOCK,
+    MIN_8BIT_SIZE,
+    SIGNED_MAP,
+    UNSIGNED_MAP,
+    Quantized,
+    ScaleByAdam8bitState,
+    adamw_8bit,
+    create_dynamic_map,
+    dequantize,
+    keep_small_fp32,
+    quantize,
+    scale_by_adam_8bit,
+)
+
+# bf16 stochastic rounding
+from jaxmem.optim._stochastic import apply_updates_sr, round_bf16
+
+# Loss scaling (torch.amp.GradScaler semantics)
+from jaxmem.optim._loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    all_finite,
+    select_tree,
+)
+
+# Optimizers that apply their own update, and the skip / loss-scale wrappers
+from jaxmem.optim._apply import (
+    LossScaledState,
+    Optimizer,
+    SkipNonFiniteState,
+    as_optimizer,
+    loss_scaled,
+    skip_nonfinite,
+)
+
+__all__ = [
+    # 8-bit AdamW
+    "BLOCK", "MIN_8BIT_SIZE", "SIGNED_MAP", "UNSIGNED_MAP", "Quantized", "ScaleByAdam8bitState",
+    "adamw_8bit", "create_dynamic_map", "dequantize", "keep_small_fp32", "quantize",
+    "scale_by_adam_8bit",
+    # stochastic rounding
+    "apply_updates_sr", "round_bf16",
+    # loss scaling
+    "DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale", "all_finite",
+    "select_tree",
+    # update_and_apply optimizers and wrappers
+    "LossScaledState", "Optimizer", "SkipNonFiniteState", "as_optimizer", "loss_scaled",
+    "skip_nonfinite",
+]

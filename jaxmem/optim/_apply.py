@@ -1,0 +1,173 @@
+"""Optimizers that apply their own update: `update_and_apply`, and the wrappers that skip
+non-finite steps and scale the loss around one.
+
+    Optimizer(init, update_and_apply)
+        init(params) -> state
+        update_and_apply(grads, state, params, *, key=None, where=True) -> (new_params, new_state)
+
+An optax GradientTransformation returns updates and leaves applying them to the caller; an
+`Optimizer` returns the new params itself, so an implementation may fuse the update into the
+application and write the donated params and state in place (jaxmem's trainer does so for 8-bit
+AdamW: one loop per large leaf, no update-sized buffer). The contract:
+
+    key     a PRNG key for implementations that draw random bits (stochastic rounding); others
+            ignore it. The same key gives the same result.
+    where   bool scalar. False: return `params` and `state` bitwise as given (a skipped step).
+
+Wrappers, each with a state that holds the inner state (as optax.apply_if_finite's):
+
+    skip_nonfinite(opt)            SkipNonFiniteState(inner, applied, skips_in_a_row)
+        finite = all_finite(grads) & where; inner runs with where=finite; counters kept
+    loss_scaled(opt, loss_scale)   LossScaledState(inner, loss_scale)
+        grads = loss_scale.unscale(grads); finite = all_finite(grads)
+        inner runs with where=finite & where; loss_scale = loss_scale.adjust(finite)
+
+`loss_scaled(skip_nonfinite(as_optimizer(tx)), DynamicLossScale.create())` is what
+torch.amp.GradScaler does around `optimizer.step()`: unscale, skip on inf/nan, adjust the scale.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxmem.optim._loss_scale import LossScale, NoOpLossScale, all_finite
+from jaxmem.optim._stochastic import apply_updates_sr
+
+
+class Optimizer(NamedTuple):
+    """An optimizer that applies its own update (the contract is in the module docstring).
+
+    init: params -> state (a pytree).
+    update_and_apply: (grads, state, params, *, key=None, where=True) -> (new params, new
+      state); grads and new params have params' structure; `where` False returns both inputs
+      bitwise unchanged.
+    """
+
+    init: Callable[[Any], Any]
+    update_and_apply: Callable[..., tuple[Any, Any]]
+
+
+def as_optimizer(tx: optax.GradientTransformation, *,
+                 stochastic_rounding: bool = False) -> Optimizer:
+    """Any optax transformation as an `Optimizer`: `tx.update`, then `optax.apply_updates`, or
+    `apply_updates_sr(params, updates, key)` with `stochastic_rounding` (bf16 params without an
+    fp32 master: pass `key` on every call). A traced `where` runs both under one `lax.cond`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> opt = as_optimizer(optax.sgd(0.5))
+      >>> params = {"w": jnp.ones(3)}
+      >>> params, state = opt.update_and_apply({"w": jnp.ones(3)}, opt.init(params), params)
+      >>> params["w"].tolist()
+      [0.5, 0.5, 0.5]
+    """
+
+    def update_and_apply(grads, state, params, *, key=None, where=True):
+        def apply(_):
+            updates, new_state = tx.update(grads, state, params)
+            if stochastic_rounding:
+                if key is None:
+                    raise ValueError("as_optimizer(stochastic_rounding=True) needs a key")
+                return apply_updates_sr(params, updates, key), new_state
+            return optax.apply_updates(params, updates), new_state
+
+        if where is True:
+            return apply(None)
+        return jax.lax.cond(where, apply, lambda _: (params, state), None)
+
+    return Optimizer(tx.init, update_and_apply)
+
+
+class SkipNonFiniteState(NamedTuple):
+    """State of `skip_nonfinite`.
+
+    inner: the wrapped optimizer's state (unchanged by a skipped step).
+    applied: int32 scalar, steps applied (finite ones): e.g. a schedule's position.
+    skips_in_a_row: int32 scalar, non-finite steps since the last applied one.
+    """
+
+    inner: Any
+    applied: jax.Array
+    skips_in_a_row: jax.Array
+
+
+def skip_nonfinite(opt: Optimizer) -> Optimizer:
+    """`opt`, run only where every gradient is finite; a step with an inf or NaN anywhere in
+    `grads` leaves params and the inner state bitwise as they were and counts a skip.
+
+    Returns:
+      An Optimizer with state `SkipNonFiniteState` (init: counters at 0).
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> opt = skip_nonfinite(as_optimizer(optax.sgd(1.0)))
+      >>> p = jnp.ones(2)
+      >>> p, s = opt.update_and_apply(jnp.array([1.0, jnp.nan]), opt.init(p), p)
+      >>> p.tolist(), int(s.applied), int(s.skips_in_a_row)
+      ([1.0, 1.0], 0, 1)
+    """
+
+    def init(params):
+        return SkipNonFiniteState(opt.init(params), jnp.zeros((), jnp.int32),
+                                  jnp.zeros((), jnp.int32))
+
+    def update_and_apply(grads, state, params, *, key=None, where=True):
+        finite = all_finite(grads) & where
+        params, inner = opt.update_and_apply(grads, state.inner, params, key=key, where=finite)
+        return params, SkipNonFiniteState(
+            inner, state.applied + finite.astype(jnp.int32),
+            jnp.where(finite, 0, state.skips_in_a_row + 1))
+
+    return Optimizer(init, update_and_apply)
+
+
+class LossScaledState(NamedTuple):
+    """State of `loss_scaled`.
+
+    inner: the wrapped optimizer's state.
+    loss_scale: the loss scale (NoOpLossScale, StaticLossScale or DynamicLossScale) to multiply
+      the next loss by: `state.loss_scale.scale(loss)` in the loss function.
+    """
+
+    inner: Any
+    loss_scale: LossScale
+
+
+def loss_scaled(opt: Optimizer, loss_scale: LossScale = NoOpLossScale()) -> Optimizer:
+    """`opt` fed with gradients of a scaled loss: unscale them, run `opt` only where all are
+    finite (where=finite), and adjust the scale (GradScaler's `unscale_`, `step`, `update`).
+
+    Args:
+      opt: the optimizer to wrap (skip_nonfinite(opt) to also count skipped steps).
+      loss_scale: the initial scale (`init` puts it in the state), e.g.
+        `DynamicLossScale.create()` for torch.amp.GradScaler()'s defaults.
+
+    Returns:
+      An Optimizer with state `LossScaledState`; `update_and_apply` takes the gradients of
+      `state.loss_scale.scale(loss)`.
+
+    Example (fp16 overflow: skipped, the scale halves):
+      >>> import jax.numpy as jnp, optax
+      >>> from jaxmem.optim import DynamicLossScale
+      >>> opt = loss_scaled(as_optimizer(optax.sgd(1.0)), DynamicLossScale.create())
+      >>> p = jnp.ones(2)
+      >>> p, s = opt.update_and_apply(jnp.array([jnp.inf, 1.0]), opt.init(p), p)
+      >>> p.tolist(), float(s.loss_scale.loss_scale)
+      ([1.0, 1.0], 32768.0)
+    """
+
+    def init(params):
+        return LossScaledState(opt.init(params), loss_scale)
+
+    def update_and_apply(grads, state, params, *, key=None, where=True):
+        grads = state.loss_scale.unscale(grads)
+        finite = all_finite(grads)
+        params, inner = opt.update_and_apply(grads, state.inner, params, key=key,
+                                             where=finite & where)
+        return params, LossScaledState(inner, state.loss_scale.adjust(finite))
+
+    return Optimizer(init, update_and_apply)

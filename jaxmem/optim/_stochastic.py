@@ -1,0 +1,116 @@
+"""Stochastic rounding to bf16, for bf16 weights with no fp32 master copy.
+
+    round_bf16(x, key)                     fp32 -> bf16, rounding up with probability equal to
+                                           the distance to the lower bf16 value / the ulp
+    apply_updates_sr(params, updates, key) params + updates in fp32, then round_bf16 per leaf
+
+Round-to-nearest drops every update below half an ulp of the weight (bf16 has 8 significant
+bits: a weight of 1.0 ignores updates below 2^-8), so late, small updates vanish and pure bf16
+training stalls (docs/precision.md). Stochastic rounding keeps them in expectation:
+E[round_bf16(x)] = x. The bits: bf16 is the top 16 bits of an fp32, so adding a uniform random
+16-bit integer to the fp32's bit pattern and truncating the low 16 bits rounds up with exactly
+that probability (the sign-magnitude layout makes this right for negative values too).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxmem.dtypes.bits import from_bits, to_bits
+
+CHUNK = 2**24  # elements rounded at a time in a large leaf
+
+
+def round_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
+    """Stochastically round `x` to bf16, unbiased: E[round_bf16(x, key)] = x.
+
+    Args:
+      x: any shape, any float dtype (computed on in fp32).
+      key: a PRNG key; the same key gives the same rounding.
+
+    Returns:
+      bf16 array of x's shape. Non-finite values, and finite ones whose rounding up would carry
+      past bf16's largest value, are rounded to nearest instead.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> x = jnp.full((10000,), 1.0 + 2.0**-10)    # a quarter of a bf16 ulp above 1.0
+      >>> r = round_bf16(x, jax.random.PRNGKey(0)).astype(jnp.float32)
+      >>> sorted(set(r.tolist()))                    # the two neighbours, ~1/4 of them up
+      [1.0, 1.0078125]
+    """
+    x = x.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    noise = jax.random.bits(key, x.shape, jnp.uint32) >> 16       # uniform in [0, 2^16)
+    rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
+    out = jax.lax.bitcast_convert_type(rounded, jnp.float32)
+    # A carry past the largest finite bf16 would give inf: keep those (and inf/nan) to nearest.
+    ok = jnp.isfinite(out) & jnp.isfinite(x)
+    return jnp.where(ok, out, x).astype(jnp.bfloat16)
+
+
+def row_chunks(shape, chunk: int = CHUNK) -> int:
+    """Into how many pieces to cut the rows (every axis but the last, flattened) of an array of
+    `shape` so that each piece has <= `chunk` elements (a divisor of the row count; 1 for 0-D
+    and 1-D shapes)."""
+    if len(shape) < 2:
+        return 1
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    for n in range(1, rows + 1):
+        if rows % n == 0 and rows // n * shape[-1] <= chunk:
+            return n
+    return rows
+
+
+def _add_round(p, u, key):
+    total = p.astype(jnp.float32) + u.astype(jnp.float32)
+    return round_bf16(total, key)
+
+
+def apply_updates_sr(params, updates, key: jax.Array):
+    """`optax.apply_updates` for bf16 params without an fp32 master copy: each bf16 leaf gets
+    p + u computed in fp32 and stochastically rounded back to bf16 (`round_bf16`); every other
+    leaf p + u in fp32, cast back to p's dtype.
+
+    Args:
+      params: a pytree of arrays (any dtypes; the bf16 leaves are the ones rounded).
+      updates: a pytree of params' structure (e.g. from a GradientTransformation's update).
+      key: a PRNG key; leaf i draws from fold_in(key, i), and a leaf over CHUNK (2^24) elements,
+        rounded in row pieces (`row_chunks`) so that its random bits never exist at once, from
+        fold_in(fold_in(key, i), piece).
+
+    Returns:
+      The new params, same structure and dtypes as `params`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> params = {"w": jnp.ones((4, 4), jnp.bfloat16)}
+      >>> tx = optax.sgd(1e-3)          # each step below half a bf16 ulp of 1.0
+      >>> updates, _ = tx.update({"w": jnp.ones((4, 4))}, tx.init(params))
+      >>> new = apply_updates_sr(params, updates, jax.random.PRNGKey(0))
+      >>> new["w"].dtype, bool((new["w"] < 1).any())   # round-to-nearest would leave all 1.0
+      (dtype(bfloat16), True)
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    new = []
+    for i, (p, u) in enumerate(zip(leaves, treedef.flatten_up_to(updates))):
+        if p.dtype != jnp.bfloat16:
+            new.append((p.astype(jnp.float32) + u.astype(jnp.float32)).astype(p.dtype))
+            continue
+        leaf_key = jax.random.fold_in(key, i)
+        n = row_chunks(p.shape, CHUNK)
+        if n == 1:
+            new.append(_add_round(p, u, leaf_key))
+            continue
+        split = lambda x: x.reshape((n, -1, x.shape[-1]))  # noqa: E731
+        keys = jax.vmap(lambda j: jax.random.fold_in(leaf_key, j))(jnp.arange(n))
+        # p and u enter the loop as raw bits, so XLA cannot hoist their fp32 converts out of it
+        # (whole-leaf 4 B/element buffers; the 8-bit AdamW's update does the same)
+        out = jax.lax.map(lambda a: _add_round(from_bits(a[0], p.dtype),
+                                               from_bits(a[1], u.dtype), a[2]),
+                          (split(to_bits(p)), split(to_bits(u)), keys))
+        new.append(out.reshape(p.shape))
+    return treedef.unflatten(new)
