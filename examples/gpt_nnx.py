@@ -8,7 +8,10 @@ added in turn and the train step analyzed with `jaxmem.memory.analyze` (compile 
   2. + jaxmem.optim.adamw_8bit: the optimizer state, an argument of the step, shrinks;
   3. + jaxmem.loss.fused_cross_entropy: no [B, T, V] logits, the compiled temp shrinks;
   4. + fp16 compute with jaxmem.optim.DynamicLossScale (GradScaler's): the values the backward
-     keeps halve (jax's list; XLA:CPU emulates fp16, so its temp there is no GPU figure).
+     keeps shrink (jax's list: fp16 activations; the softmax and LayerNorm statistics stay
+     fp32). XLA:CPU emulates fp16, so a CPU temp is no GPU figure.
+The analysis batch is larger than the training batch: the fused loss bounds its backward's
+vocabulary slice at 256 MiB of fp32 logits, so below that it saves nothing (tiny: 256 x 128).
 Then step 4 trains --steps steps with adamw_8bit and with optax.adamw (same init, data, scale).
 Checks (exit 1 if one fails): each saving shrinks its figure; the fused loss's temp is smaller
 than the full logits' by the printed factor; the two final losses agree within 1%.
@@ -27,15 +30,15 @@ from flax import nnx
 
 from jaxmem.memory import analyze
 from jaxmem.optim import DynamicLossScale, NoOpLossScale, adamw_8bit, all_finite, select_tree
-# The fused loss's kernel (internal): the public jaxmem.loss.fused_cross_entropy (branch libapi)
-# had not declared its API ready when this was written.
-from jaxmem.train.fused_loss import fused_cross_entropy as _fused_sum_count
+try:  # the public name (docs/api.md); the internal kernel where it is not merged yet
+    from jaxmem.loss import fused_cross_entropy
+except ImportError:  # before the libapi branch: jaxmem.train.fused_loss returns (sum, count)
+    from jaxmem.train.fused_loss import fused_cross_entropy as _sum_count
 
-
-def fused_cross_entropy(hidden, head, targets, chunk: int):
-    """Mean token loss of hidden [B, T, D] @ head [D, V] against targets [B, T], fp32 []."""
-    total, count = _fused_sum_count(hidden, head, targets, jnp.ones(targets.shape), chunk)
-    return total / count
+    def fused_cross_entropy(hidden, head, targets, chunk: int):
+        """Mean token loss of hidden [B, T, D] @ head [D, V] vs targets [B, T], fp32 []."""
+        total, count = _sum_count(hidden, head, targets, jnp.ones(targets.shape), chunk)
+        return total / count
 
 
 class Block(nnx.Module):
