@@ -2,19 +2,18 @@
 
     python examples/gpt_nnx.py --tiny --steps 30
 
-The model: learned positions, LayerNorm, GELU MLP, its own parameter names. Each saving is
-added in turn and the train step analyzed with `jaxmem.memory.analyze` (compile only):
+Learned positions, LayerNorm, GELU MLP, its own parameter names. Each saving is added in turn
+and the train step analyzed with `jaxmem.memory.analyze` (compile only, nothing allocated):
   1. fp32, optax.adamw, optax cross-entropy over full [B, T, V] logits (the baseline);
   2. + jaxmem.optim.adamw_8bit: the optimizer state, an argument of the step, shrinks;
   3. + jaxmem.loss.fused_cross_entropy: no [B, T, V] logits, the compiled temp shrinks;
-  4. + fp16 compute with jaxmem.optim.DynamicLossScale (GradScaler's): the values the backward
-     keeps shrink (jax's list: fp16 activations; the softmax and LayerNorm statistics stay
-     fp32). XLA:CPU emulates fp16, so a CPU temp is no GPU figure.
-The analysis batch is larger than the training batch: the fused loss bounds its backward's
-vocabulary slice at 256 MiB of fp32 logits, so below that it saves nothing (tiny: 256 x 128).
-Then step 4 trains --steps steps with adamw_8bit and with optax.adamw (same init, data, scale).
-Checks (exit 1 if one fails): each saving shrinks its figure; the fused loss's temp is smaller
-than the full logits' by the printed factor; the two final losses agree within 1%.
+  4. + fp16 compute, jaxmem.optim.DynamicLossScale (GradScaler's): the backward keeps less
+     (softmax and LayerNorm statistics stay fp32; XLA:CPU emulates fp16: no GPU figure).
+The analysis batch (tiny: 256 x 128) is larger than the training one: the fused loss's backward
+takes vocabulary slices of up to 256 MiB of fp32 logits, so below that size it saves nothing.
+Step 4 then trains --steps steps with adamw_8bit and with optax.adamw (same init, data, scale).
+Exit 1 if a check fails: each saving shrinks its figure (the fused loss's temp by the printed
+factor) and the two final losses agree within 1%.
 """
 
 from __future__ import annotations
@@ -104,8 +103,7 @@ def make_step(loss_fn, tx):
 
 
 def batches(B: int, T: int, steps: int, used: int = 256, seed: int = 0):
-    """A learnable stream over the first `used` ids: the next token follows a fixed random
-    bigram table 90% of the time."""
+    """Batches over ids < used: the next id follows a fixed random bigram table 90% of the time."""
     rng = np.random.default_rng(seed)
     table, ids = rng.permutation(used), rng.integers(0, used, (steps, B, T + 1))
     for t in range(1, T + 1):
@@ -122,9 +120,7 @@ def main(argv=None) -> int:
     if args.steps < 1:
         ap.error(f"--steps {args.steps}: must be at least 1")
     V, T, D, N, L, B = (8192, 128, 64, 4, 1, 4) if args.tiny else (32768, 1024, 768, 12, 12, 8)
-    # The analysis compiles (allocates nothing) at a batch whose fp32 logits, 4 x B_a x T x V
-    # bytes, pass the fused loss's 256 MiB budget for its backward's vocabulary slice
-    # (jaxmem.loss.chunked.AUTO_CHUNK_BYTES): below it the backward takes all of V at once.
+    # analysis batch: fp32 logits 4 x B_a x T x V bytes over the fused backward's 256 MiB slice
     B_a, chunk, lr = (256 if args.tiny else 64), T // 8, 3e-3
 
     def create(dtype):
@@ -134,12 +130,12 @@ def main(argv=None) -> int:
     tok = jax.ShapeDtypeStruct((B_a, T), jnp.int32)
     batch = {"inputs": tok, "targets": tok}
     fp16_scale = lambda: DynamicLossScale.create(2.0**15, growth_interval=10)  # noqa: E731
-    stages = [("1 baseline: fp32, optax.adamw, full logits", graph32, optax.adamw(lr), False,
-               NoOpLossScale()),
-              ("2 + adamw_8bit", graph32, adamw_8bit(lr), False, NoOpLossScale()),
-              ("3 + fused_cross_entropy", graph32, adamw_8bit(lr), True, NoOpLossScale()),
-              ("4 + fp16 compute, dynamic loss scale", graph16, adamw_8bit(lr), True, fp16_scale())]
-    a = []
+    fp32 = NoOpLossScale()
+    a, stages = [], [("1 baseline: fp32, optax.adamw, full logits", graph32, optax.adamw(lr),
+                      False, fp32), ("2 + adamw_8bit", graph32, adamw_8bit(lr), False, fp32),
+                     ("3 + fused_cross_entropy", graph32, adamw_8bit(lr), True, fp32),
+                     ("4 + fp16 compute, dynamic loss scale", graph16, adamw_8bit(lr), True,
+                      fp16_scale())]
     for title, graph, tx, fused, scale in stages:
         loss_fn = make_loss(graph, fused, chunk)
         state = (abstract, jax.eval_shape(tx.init, abstract), scale)
@@ -161,8 +157,7 @@ def main(argv=None) -> int:
         losses, skipped = [], 0
         for b in data:
             state, (loss, finite) = step(state, b)
-            losses.append(float(loss))
-            skipped += not bool(finite)
+            losses, skipped = losses + [float(loss)], skipped + (not bool(finite))
         final[name], first = losses[-1], losses[0]
         print(f"{name:<12} loss {first:.4f} -> {final[name]:.4f} after {args.steps} steps "
               f"(fp16; {skipped} skipped as non-finite; loss scale 2^15 -> "
