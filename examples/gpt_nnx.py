@@ -29,15 +29,7 @@ from flax import nnx
 
 from jaxmem.memory import analyze
 from jaxmem.optim import DynamicLossScale, NoOpLossScale, adamw_8bit, all_finite, select_tree
-try:  # the public name (docs/api.md); the internal kernel where it is not merged yet
-    from jaxmem.loss import fused_cross_entropy
-except ImportError:  # before the libapi branch: jaxmem.train.fused_loss returns (sum, count)
-    from jaxmem.train.fused_loss import fused_cross_entropy as _sum_count
-
-    def fused_cross_entropy(hidden, head, targets, chunk: int):
-        """Mean token loss of hidden [B, T, D] @ head [D, V] vs targets [B, T], fp32 []."""
-        total, count = _sum_count(hidden, head, targets, jnp.ones(targets.shape), chunk)
-        return total / count
+from jaxmem.loss import fused_cross_entropy
 
 
 class Block(nnx.Module):
