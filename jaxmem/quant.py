@@ -20,7 +20,6 @@ References: Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs
 from __future__ import annotations
 
 import enum
-import functools
 from typing import Any, Callable
 
 import jax

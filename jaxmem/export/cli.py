@@ -22,9 +22,9 @@ import numpy as np
 
 from jaxmem.data import DataError
 from jaxmem.io.checkpoint import CheckpointError
-from jaxmem.io.hf_export import DEFAULT_MAX_SHARD_BYTES, DTYPES, save_hf
+from jaxmem.io.hf_export import DEFAULT_MAX_SHARD_BYTES, DTYPES
 from jaxmem.train.rundir import RunError, exit_after_failed_restore, load_run
-from jaxmem.export.merged import export_merged
+from jaxmem.export.merged import export_merged, write_hf
 from jaxmem.peft.export import export_adapters, merged_params
 
 
@@ -43,14 +43,7 @@ def export_full(run, out: Path, args) -> list[Path]:
         return export_merged(run, out, args)
     params = full_params(run)
     dtype = args.dtype or np.dtype(next(iter(_leaves(params))).dtype).name
-    tok = run.tokenizer
-    tokenizer = getattr(tok, "path", None)
-    if tokenizer is None:
-        print(f"{out}: no tokenizer files written: the run uses jaxmem's byte-level tokenizer, "
-              "which transformers does not have")
-    return save_hf(out, run.model_config, params, dtype=dtype,
-                   max_shard_bytes=int(args.max_shard_mb * 2**20), tokenizer=tokenizer,
-                   bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
+    return write_hf(run, out, args, params, dtype)
 
 
 def _leaves(tree):

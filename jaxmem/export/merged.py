@@ -88,12 +88,17 @@ def export_merged(run, out: Path, args) -> list[Path]:
           + (f", not the {spec.quantize} copy the run trained on" if spec.quantize != "none"
              else ""))
     dtype = args.dtype or np.dtype(source.dtype).name
+    return write_hf(run, out, args, None, dtype, items=merged_items(run, source, adapters))
+
+
+def write_hf(run, out, args, params, dtype: str, items=None):
+    """`save_hf` of a run: its config, `params` (or the streamed `items`) in `dtype`, shards of
+    `--max-shard-mb`, and its tokenizer files (none for jaxmem's byte-level tokenizer: said)."""
     tok = run.tokenizer
     tokenizer = getattr(tok, "path", None)
     if tokenizer is None:
         print(f"{out}: no tokenizer files written: the run uses jaxmem's byte-level tokenizer, "
               "which transformers does not have")
-    return save_hf(out, run.model_config, None, dtype=dtype,
+    return save_hf(out, run.model_config, params, dtype=dtype,
                    max_shard_bytes=int(args.max_shard_mb * 2**20), tokenizer=tokenizer,
-                   bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
-                   items=merged_items(run, source, adapters))
+                   bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, items=items)

@@ -251,6 +251,13 @@ def quantize(w: jax.Array, kind: str, n_in: int = 1, block: int = 64,
         codes = jnp.clip(jnp.round(blocks / safe * 127.0), -127, 127).astype(jnp.int8)
     if not double_quant:
         return QuantizedWeight(codes, absmax, None, None, None, kind, shape, n_in, block)
+    return QuantizedWeight(codes, None, *double_quantize(absmax), kind, shape, n_in, block)
+
+
+def double_quantize(absmax: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """absmax [...] fp32 -> (absmax_q int8 [n/256, 256], absmax_scale fp32 [n/256], absmax_offset
+    fp32 []): the mean subtracted, then 8 bits per value in blocks of DQ_BLOCK (256), as
+    bitsandbytes' double quantization; `QuantizedWeight.scales` inverts it."""
     flat = absmax.reshape(-1)
     offset = jnp.mean(flat)
     centred = flat - offset
@@ -258,7 +265,7 @@ def quantize(w: jax.Array, kind: str, n_in: int = 1, block: int = 64,
     centred = jnp.pad(centred, (0, pad)).reshape(-1, DQ_BLOCK)  # [n/256, 256]
     scale = jnp.max(jnp.abs(centred), axis=1)  # [n/256]
     q = jnp.round(centred / jnp.where(scale > 0, scale, 1.0)[:, None] * 127.0).astype(jnp.int8)
-    return QuantizedWeight(codes, None, q, scale, offset, kind, shape, n_in, block)
+    return q, scale, offset
 
 
 def quantize_layers(w, kind: str, n_in: int, block: int, double_quant: bool,

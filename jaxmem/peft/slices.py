@@ -45,7 +45,7 @@ from jaxmem.io.hf import HFError, hf_dtype_name, read_hf_config, weight_files
 from jaxmem.io.hf_names import TensorSpec, tensor_specs
 from jaxmem.model.roles import path_text
 from jaxmem.peft.base import base_on_device
-from jaxmem.peft.quant import DQ_BLOCK, QuantizedWeight, quantize
+from jaxmem.peft.quant import QuantizedWeight, double_quantize, quantize
 
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -189,18 +189,9 @@ def _quantize_fn(kind: str, block: int):
     return jax.jit(lambda w: quantize(w, kind, 1, block, False).tree_flatten()[0][:2])
 
 
-@jax.jit
-def _second_level(absmax):
-    """absmax [In/block, Out] of one layer -> (absmax_q, absmax_scale, absmax_offset): the code
-    of jaxmem.peft.quant.quantize after its absmax (tests/test_slices.py holds it bitwise)."""
-    flat = absmax.reshape(-1)
-    offset = jnp.mean(flat)
-    centred = flat - offset
-    pad = (-flat.size) % DQ_BLOCK
-    centred = jnp.pad(centred, (0, pad)).reshape(-1, DQ_BLOCK)  # [n/256, 256]
-    scale = jnp.max(jnp.abs(centred), axis=1)  # [n/256]
-    q = jnp.round(centred / jnp.where(scale > 0, scale, 1.0)[:, None] * 127.0).astype(jnp.int8)
-    return q, scale, offset
+# one layer's absmax [In/block, Out] -> (absmax_q, absmax_scale, absmax_offset): the code of
+# jaxmem.peft.quant.quantize after its absmax, compiled once (tests/test_slices.py: bitwise)
+_second_level = jax.jit(double_quantize)
 
 
 class _Quantizer:
