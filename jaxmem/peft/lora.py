@@ -33,8 +33,8 @@ from jaxmem.model.projection import project
 RANK = "R"  # the adapter rank's axis letter in einsum strings
 
 
-def weight_axes(c: ModelConfig) -> dict[str, tuple[str, str, tuple[int, ...], int]]:
-    """name -> (subscripts, weight letters, per-layer shape, number of input axes)."""
+def weight_axes(c: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """name -> (einsum subscripts, per-layer weight shape, number of input axes)."""
     D, N, K, H, F = (c.hidden_size, c.num_heads, c.num_kv_heads, c.resolved_head_dim,
                      c.intermediate_size)
     return {"q": ("BTD,DNH->BTNH", (D, N, H), 1), "k": ("BTD,DKH->BTKH", (D, K, H), 1),
