@@ -31,15 +31,9 @@ import os
 import re
 import sys
 
-os.environ["JAX_NUM_CPU_DEVICES"] = "8"
-os.environ["JAX_PLATFORMS"] = "cpu"  # simulated devices: on a GPU machine JAX would take the GPU
-import jax  # noqa: E402
+from testenv import worker_jax
 
-jax.config.update("jax_default_matmul_precision", "highest")
-if os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # the test suite's persistent cache (conftest)
-    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+jax = worker_jax(8)  # 8 simulated CPU devices, precision highest, the suite's compile cache
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 

@@ -22,7 +22,7 @@ from jaxmem.config.model import ModelConfig
 from jaxmem.parallel.rules import base_specs, leaf_spec
 from jaxmem.peft.base import abstract_base
 from jaxmem.peft.lora import LoraSpec
-from testenv import subprocess_env
+from testenv import run_worker, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = ("fsdp4", "data2_fsdp2", "tensor2_fsdp2")
@@ -117,10 +117,7 @@ def test_unsplittable_packed_leaf_is_replicated_with_one_warning(monkeypatch, ca
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_mesh")
-    env = subprocess_env(cpu_devices=8)  # simulated CPU devices, on a GPU machine too
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "lora_mesh_worker.py"), str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_worker("lora_mesh_worker.py", out, timeout=1200)  # 8 simulated CPU devices
     return out
 
 

@@ -16,7 +16,7 @@ from jaxmem.config.model import get_preset
 from jaxmem.parallel.mesh import MeshError, MeshSpec
 from jaxmem.parallel.rules import leaf_spec
 from jax.sharding import PartitionSpec as P
-from testenv import subprocess_env
+from testenv import run_worker, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = ("fsdp8", "data2_fsdp4", "tensor2_fsdp4", "data8")
@@ -62,11 +62,7 @@ def test_sharding_rules_by_role_and_shape():
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     out = tmp_path_factory.mktemp("parallel")
-    env = subprocess_env(cpu_devices=8)  # simulated CPU devices, on a GPU machine too
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "parallel_worker.py"), str(out),
-                           "--memory"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_worker("parallel_worker.py", out, "--memory")  # 8 simulated CPU devices
     return out
 
 

@@ -107,3 +107,31 @@ def backend() -> str:
 
 def on_gpu() -> bool:
     return backend() == "gpu"
+
+
+def worker_jax(devices: int):
+    """In a test's worker script, before anything imports jax: `devices` simulated CPU devices
+    (on a GPU machine too, where JAX would otherwise take the GPU), matmul precision highest, and
+    the suite's persistent compilation cache when the parent set one (conftest). Returns jax."""
+    os.environ["JAX_NUM_CPU_DEVICES"] = str(devices)
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax  # noqa: PLC0415 (after the environment above)
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return jax
+
+
+def run_worker(script: str, out, *args: str, timeout: int = 900) -> None:
+    """Run tests/<script> with 8 simulated CPU devices, writing into `out`; fails the test with
+    the end of its stderr when it exits non-zero."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / script), str(out), *args],
+                          cwd=ROOT, env=subprocess_env(cpu_devices=8), capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
