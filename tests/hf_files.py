@@ -56,3 +56,26 @@ def peft_model_of_run(hf_dir, run_dir, out_dir):
     assert export_main(["--run", str(run_dir), "--out", str(out_dir), "--adapters-only"]) == 0
     base = transformers.LlamaForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     return peft.PeftModel.from_pretrained(base, str(out_dir)).eval()
+
+
+def lora_eval_losses(run, batches) -> tuple[float, float]:
+    """(mean eval loss with every lora_b zeroed, i.e. the frozen base alone; with the trained
+    adapters) of a loaded LoRA run on `batches`, through the run's own eval function."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from jaxmem.peft.base import base_on_device  # noqa: PLC0415
+    from jaxmem.peft.export import run_base  # noqa: PLC0415
+    from jaxmem.train.run import make_eval_fn  # noqa: PLC0415
+
+    _, host = run_base(run)
+    frozen = base_on_device(host, run.step_config.peft, jnp.float32)
+    eval_fn = make_eval_fn(run.step_config)
+    zero_b = jax.tree_util.tree_map_with_path(
+        lambda p, x: jnp.zeros_like(x) if "lora_b" in jax.tree_util.keystr(p) else x,
+        run.state.params)
+
+    def loss(adapters):
+        totals = [eval_fn(adapters, b, frozen) for b in batches]
+        return float(sum(t for t, _ in totals) / sum(c for _, c in totals))
+    return loss(zero_b), loss(run.state.params)

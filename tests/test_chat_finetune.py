@@ -7,13 +7,11 @@ merged export says what `jaxmem.generate --chat` says.
 
 import json
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from chat_files import CHAT_FILE, write_chat_tokenizer
-from hf_files import random_params
+from hf_files import lora_eval_losses, random_params
 from jaxmem.config.model import PRESETS
 from jaxmem.io.hf_export import save_hf
 from jaxmem.train.rundir import load_run
@@ -49,9 +47,6 @@ def chat_run(tmp_path_factory):
 def test_qlora_on_conversations_lowers_the_assistant_eval_loss(chat_run):
     from jaxmem.data import load_corpus, split_eval_batches
     from jaxmem.data.examples import example_options
-    from jaxmem.peft.base import base_on_device
-    from jaxmem.peft.export import run_base
-    from jaxmem.train.run import make_eval_fn
 
     _, out = chat_run
     run = load_run(out)
@@ -68,18 +63,7 @@ def test_qlora_on_conversations_lowers_the_assistant_eval_loss(chat_run):
     batches = split_eval_batches(evals, cfg.data.batch_size, cfg.data.seq_len, None,
                                  pad_id=run.tokenizer.pad_id)
     assert sum(int(b["mask"].sum()) for b in batches) == stats["eval_trained_tokens"]
-    _, host = run_base(run)
-    frozen = base_on_device(host, run.step_config.peft, jnp.float32)
-    eval_fn = make_eval_fn(run.step_config)
-    zero_b = jax.tree_util.tree_map_with_path(
-        lambda p, x: jnp.zeros_like(x) if "lora_b" in jax.tree_util.keystr(p) else x,
-        run.state.params)
-
-    def loss(adapters):
-        totals = [eval_fn(adapters, b, frozen) for b in batches]
-        return float(sum(t for t, _ in totals) / sum(c for _, c in totals))
-
-    base, tuned = loss(zero_b), loss(run.state.params)
+    base, tuned = lora_eval_losses(run, batches)
     # measured (CPU, jax 0.10.2): 6.91 (the random base) -> 0.96 nats per assistant token
     assert tuned < base - 1.0, (base, tuned)
 

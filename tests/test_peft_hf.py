@@ -6,7 +6,6 @@ same logits) and the merge goes into the original weights (transformers loads it
 import json
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ from jaxmem.peft.export import merged_params, run_base
 from jaxmem.train.cli import main
 from runs import error_line
 
-from hf_files import random_params, write_tokenizer  # noqa: E402
+from hf_files import lora_eval_losses, random_params, write_tokenizer  # noqa: E402
 
 pytest.importorskip("tokenizers")
 
@@ -51,23 +50,12 @@ def qlora(tmp_path_factory):
 def _eval_losses(run):
     """(eval loss of the base, eval loss with the trained adapters) on the run's eval batches."""
     from jaxmem.data import eval_batches, load_corpus
-    from jaxmem.train.run import make_eval_fn
 
-    cfg, spec = run.config, run.step_config.peft
-    _, host = run_base(run)
-    frozen = base_on_device(host, spec, jnp.float32)
+    cfg = run.config
     _, ev, _ = load_corpus(cfg.data.data, run.tokenizer, CFG.vocab_size, seq_len=cfg.data.seq_len)
     batches = eval_batches(ev, cfg.data.batch_size, cfg.data.seq_len, cfg.run.eval_batches,
                            pad_id=run.tokenizer.pad_id)
-    eval_fn = make_eval_fn(run.step_config)
-    zero_b = jax.tree_util.tree_map_with_path(
-        lambda p, x: jnp.zeros_like(x) if "lora_b" in jax.tree_util.keystr(p) else x,
-        run.state.params)
-
-    def loss(adapters):
-        totals = [eval_fn(adapters, b, frozen) for b in batches]
-        return float(sum(t for t, _ in totals) / sum(c for _, c in totals))
-    return loss(zero_b), loss(run.state.params)
+    return lora_eval_losses(run, batches)
 
 
 @pytest.mark.slow  # 19.9 s cold on 2 cores (default run kept under 5 min)
