@@ -33,12 +33,25 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def _gpu_target_missing() -> str | None:
+    """Why `gpu_target` tests cannot run here (the gpu-plan extra is missing), or None."""
+    from jaxmem import target
+    try:
+        target.check_installed()
+    except target.TargetError as e:
+        return str(e)
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     has_torch = importlib.util.find_spec("torch") is not None
+    no_target = _gpu_target_missing() if any("gpu_target" in i.keywords for i in items) else None
     backend = jax.default_backend()
     for item in items:
         if "torch" in item.keywords and not has_torch:
             item.add_marker(pytest.mark.skip(reason="PyTorch is not installed"))
+        if "gpu_target" in item.keywords and no_target:
+            item.add_marker(pytest.mark.skip(reason=no_target))
         if "gpu" in item.keywords and backend != "gpu":
             item.add_marker(pytest.mark.skip(reason="no GPU"))
         mark = item.get_closest_marker("cpu_only")

@@ -59,7 +59,7 @@ def _sampler(config: ModelConfig, n_prompt: int, total: int, temperature: float,
     model = Llama(config)
     dtype = jnp.dtype(dtype_name)
     n_new = total - n_prompt
-    eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
+    eos = np.asarray(eos_ids or (-1,), np.int32)  # numpy: building the sampler runs no jax op
 
     def run(params, prompts, valid, key):
         params = cast_params(params, dtype)  # a no-op where they are stored in it already

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
+
+from jaxmem import target
 
 GENERATION_CONFIG = "generation_config.json"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -49,6 +50,6 @@ def sample_dtype(given: str | None, run_dtype=jnp.float32):
     if given is not None:
         return jnp.dtype(given)
     run_dtype = jnp.dtype(run_dtype)
-    if jax.default_backend() == "gpu":
+    if target.platform() == "gpu":  # JAX's backend, or a --target card
         return run_dtype if run_dtype == jnp.float16 else jnp.dtype(jnp.bfloat16)
     return run_dtype  # the CPU emulates bf16: a bf16 run samples as it trained, fp32 stays fp32

@@ -50,6 +50,7 @@ import dataclasses
 import json
 import sys
 
+from jaxmem import target
 from jaxmem.config.flags import add_run_flags, given_overrides, positive_int
 from jaxmem.config.run import RunConfig
 from jaxmem.memory.measure import measure_in_subprocess, run_worker
@@ -88,8 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_flags(p, ["model", "precision", "remat", "optim", "data", "peft", "parallel", "sample"],
                   only=MEMORY_FLAGS)
     p.add_argument("--devices", type=positive_int, default=None, metavar="N",
-                   help="CPU backend: compile for N simulated devices of this host (with --mesh: "
-                        "the per-device breakdown, jaxmem.memory.mesh)")
+                   help="compile for N devices (with --mesh: the per-device breakdown, "
+                        "jaxmem.memory.mesh): N --target GPUs, or on the CPU backend N simulated "
+                        "devices of this host")
+    p.add_argument("--target", default=None, choices=sorted(target.CARDS), metavar="GPU",
+                   help="compile every figure with this GPU's own XLA compiler, on this machine "
+                        "without the GPU (deviceless: no autotuning, workspaces or "
+                        "fragmentation; docs/memory.md): " + ", ".join(sorted(target.CARDS)) +
+                        ". Needs `pip install 'jaxmem[gpu-plan]'`")
     g = p.add_argument_group("planner and output")
     g.add_argument("--global-batch", type=positive_int, default=None,
                    help="sequences per optimizer step; sets --grad-accum = global / batch size")
@@ -187,7 +194,6 @@ def _fit_mesh_and_step(args, spec, global_batch: int, max_micro: int | None) -> 
     """`--fit GIB --devices N` for a LoRA run or with --global-batch: the first mesh x
     micro-batch x remat x loss chunk whose per-device peak fits (jaxmem.memory.planner.plan_mesh);
     exit 1 when nothing does."""
-    import jax
     from jaxmem.memory.mesh import analytic_per_device, compile_per_device, mesh_candidates
     from jaxmem.memory.planner import plan_mesh
     whole = dataclasses.replace(spec, batch_size=global_batch, grad_accum=1)
@@ -198,7 +204,7 @@ def _fit_mesh_and_step(args, spec, global_batch: int, max_micro: int | None) -> 
     result = plan_mesh(spec, meshes, global_batch, int(args.fit * GiB),
                        analytic_fn=lambda s, m: analytic_per_device(s, m, args.devices),
                        compile_fn=None if args.analytic_only else (
-                           lambda s, m: compile_per_device(s, m) if jax.device_count() > 1
+                           lambda s, m: compile_per_device(s, m) if target.device_count() > 1
                            else None), max_micro=max_micro, log=log)
     out = {"budget_gib": args.fit, "devices": args.devices, "global_batch": global_batch,
            "tried": result["tried"], "chosen": result["chosen"]}
@@ -224,9 +230,25 @@ def main(argv=None) -> int:
     if args.worker is not None:
         print(json.dumps(run_worker(args.worker)))
         return 0
+    if args.target is not None:  # before anything initializes the backend
+        if args.measure:
+            parser.error("--measure runs real steps on this machine's device; --target only "
+                         "compiles for a GPU that is not here: drop one of them")
+        target.prepare()
+        try:
+            with target.compiling_for(args.target, devices=args.devices or 1) as t:
+                if not args.json:
+                    print(f"compiling for {t.describe()}", file=sys.stderr, flush=True)
+                return _main(parser, args)
+        except target.TargetError as e:
+            parser.error(str(e))
     if args.devices is not None:  # before anything initializes the backend
         import jax
         jax.config.update("jax_num_cpu_devices", args.devices)
+    return _main(parser, args)
+
+
+def _main(parser, args) -> int:
     spec, global_batch, max_micro = _resolve(parser, args)
     mesh = given_overrides(args).get("parallel.mesh")
     if args.fit is not None and mesh is not None:

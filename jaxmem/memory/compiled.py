@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxmem import target
 from jaxmem.config.model import ModelConfig
 from jaxmem.memory.analysis import MemoryAnalysis, analyze
 from jaxmem.memory.spec import StepSpec
@@ -95,7 +96,8 @@ def grad_step_report(config: ModelConfig, remat: RematPolicy | str, batch_size: 
         params, abstract_batch(batch_size, seq_len)).compile()
     stats, flops = compiled_stats(compiled)
     return {
-        "backend": jax.default_backend(),
+        "backend": target.platform(),
+        "compiler": target.compiler(),
         "jax_version": jax.__version__,
         "remat": str(remat),
         "batch_size": batch_size,

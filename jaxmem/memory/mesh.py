@@ -26,6 +26,7 @@ import math
 
 import jax
 
+from jaxmem import target
 from jaxmem.memory.analytic import analytic_breakdown
 from jaxmem.memory.lora_mesh import (adapter_fraction, base_components as lora_base_components,
                                      compare_line, format_compiled_host, format_host_lines,
@@ -45,7 +46,7 @@ PARAM_SHAPED = ("params (master)", "LoRA adapters (master)", "adam mu", "adam nu
 
 def resolve(spec: StepSpec, mesh_text: str | None, devices: int | None = None) -> MeshSpec:
     """The mesh spec for `devices` (default: this host's device count), checked for `spec`."""
-    n = devices if devices is not None else jax.device_count()
+    n = devices if devices is not None else target.device_count()
     mesh = MeshSpec.parse(mesh_text).resolve(n, mesh_text)
     mesh.check(spec.model, spec.batch_size, mesh_text)
     return mesh
@@ -165,15 +166,16 @@ def mesh_report(spec: StepSpec, mesh_text: str | None, compile: bool = True) -> 
     devices (jaxmem.memory --mesh); with --offload-base host also the analytic figure without
     offload ("analytic_without_offload"). compile False: "compiled" is None."""
     mesh = resolve(spec, mesh_text)
-    analytic = analytic_per_device(spec, mesh_text, jax.device_count())
-    compiled = (compile_per_device(spec, str(mesh) if jax.device_count() > 1 else None)
+    analytic = analytic_per_device(spec, mesh_text, target.device_count())
+    compiled = (compile_per_device(spec, str(mesh) if target.device_count() > 1 else None)
                 if compile else None)
-    out = {"mesh": str(mesh), "devices": jax.device_count(), "backend": jax.default_backend(),
+    out = {"mesh": str(mesh), "devices": target.device_count(), "backend": target.platform(),
+           "compiler": target.compiler(),
            "analytic": analytic, "compiled": compiled}
     if spec.offload_base == "host":
         on_device = dataclasses.replace(spec, offload_base="none")
         out["analytic_without_offload"] = analytic_per_device(on_device, mesh_text,
-                                                              jax.device_count())["total"]
+                                                              target.device_count())["total"]
     return out
 
 
@@ -183,7 +185,8 @@ def format_mesh_report(r: dict) -> str:
     mib = 2**30 if unit == "GiB" else 2**20
     what = "params" if "LoRA adapters (master)" not in {x["name"] for x in a["components"]} \
         else "adapters"
-    lines = [f"per device: mesh {r['mesh']} ({r['devices']} {r['backend']} devices), local batch "
+    lines = [f"compiled by: {r['compiler']}",
+             f"per device: mesh {r['mesh']} ({r['devices']} {r['backend']} devices), local batch "
              f"{a['local_batch']}, {100 * a['param_fraction']:.1f}% of the {what} on each device",
              "", f"{'analytic component':56s} {unit:>10s}  phase"]
     for comp in a["components"]:
@@ -226,7 +229,7 @@ def fit_mesh(spec: StepSpec, budget_bytes: int, log=None) -> dict:
     peak fits in `budget_bytes`; every candidate tried with its peak. The step itself (batch,
     remat, precision) stays as given: this chooses the mesh only."""
     tried = []
-    for m in mesh_candidates(spec, jax.device_count()):
+    for m in mesh_candidates(spec, target.device_count()):
         compiled = compile_per_device(spec, str(m))
         fits = compiled["peak_bytes"] <= budget_bytes
         t = {"mesh": str(m), "peak_bytes": compiled["peak_bytes"], "fits": fits,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 
+from jaxmem import target
 from jaxmem.memory.analytic import analytic_breakdown, rule_of_thumb
 from jaxmem.memory.compiled import compile_step
 from jaxmem.memory.spec import StepSpec
@@ -44,7 +45,8 @@ def step_report(spec: StepSpec, compiled: dict | None = None,
         ref_name, ref = "measured", measured["peak_bytes"]
     c = spec.model
     return {
-        "backend": jax.default_backend(),
+        "backend": target.platform(),
+        "compiler": target.compiler(),
         "jax_version": jax.__version__,
         "precision": spec.precision.name,
         "remat": str(spec.remat),
@@ -75,7 +77,7 @@ def format_report(r: dict, unit: str | None = None) -> str:
     c = r["compiled"]
     unit, div = _unit(r, unit)
     _mb = lambda n: _fmt(n, unit, div)  # noqa: E731
-    rows = [("backend", f"{r['backend']} (jax {r['jax_version']})")]
+    rows = [("compiled by", r.get("compiler") or f"{r['backend']} (jax {r['jax_version']})")]
     if "precision" in r:
         rows += [("precision", r["precision"]), ("mu dtype", r["mu_dtype"] or "param dtype")]
     rows += [("remat", r["remat"]), ("batch x seq", f"{r['batch_size']} x {r['seq_len']}")]

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxmem import target
 from jaxmem.model.layers import cpu_lacks, segment_mask
 
 
@@ -223,7 +224,8 @@ def _cudnn_attention(q, k, v, mask=None):
 
 
 def _on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
+    """Compiling for a GPU: JAX's backend, or a `--target` card (jaxmem.target)."""
+    return target.platform() == "gpu"
 
 
 @dataclass(frozen=True)
@@ -252,7 +254,7 @@ def attention_path(q_shape, kv_shape, dtype, causal_only: bool = True,
     if not causal_only:
         return AttentionPath("xla", "a padding mask is given (the cuDNN path is causal-only)")
     if not _on_gpu():
-        return AttentionPath("xla", f"the backend is {jax.default_backend()}, not gpu")
+        return AttentionPath("xla", f"the backend is {target.platform()}, not gpu")
     if dtype not in (jnp.bfloat16, jnp.float16):
         return AttentionPath("xla", f"{dtype.name} inputs (cuDNN takes bf16/fp16)")
     return _cudnn_verdict(tuple(q_shape), tuple(kv_shape), dtype.name, segments)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmem import target
 from jaxmem.model.lean import rms_norm, rope
 
 
@@ -23,9 +24,10 @@ def scaled_normal(fan_in: int):
 def cpu_lacks(dtype) -> bool:
     """XLA:CPU has no fp16 x fp16 -> fp32 dot (attention, LM head); there we upcast operands.
 
-    Only the CPU backend takes this path, where fp16 is emulated anyway and makes no memory claim.
+    Only programs for the CPU take this path (`jaxmem.target.platform()`: a compile for a GPU
+    target does not), where fp16 is emulated anyway and makes no memory claim.
     """
-    return jnp.dtype(dtype) == jnp.float16 and jax.default_backend() == "cpu"
+    return jnp.dtype(dtype) == jnp.float16 and target.platform() == "cpu"
 
 
 class RMSNorm(nn.Module):

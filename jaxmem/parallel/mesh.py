@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import jax
 
+from jaxmem import target
 from jaxmem.config.model import ConfigError, ModelConfig
 
 AXES = ("data", "fsdp", "tensor")
@@ -114,8 +115,9 @@ class MeshSpec:
 
 
 def build_mesh(spec: MeshSpec, devices=None) -> jax.sharding.Mesh:
-    """A Mesh with axes data, fsdp, tensor (all `AxisType.Auto`) over `devices` (default all)."""
-    devices = jax.devices() if devices is None else list(devices)
+    """A Mesh with axes data, fsdp, tensor (all `AxisType.Auto`) over `devices` (default all:
+    `jaxmem.target.devices()`, the deviceless GPUs when compiling for a --target)."""
+    devices = target.devices() if devices is None else list(devices)
     if math.prod(spec.sizes) != len(devices):
         raise MeshError(f"--mesh {spec}: needs {math.prod(spec.sizes)} devices, have {len(devices)}")
     auto = (jax.sharding.AxisType.Auto,) * len(AXES)
@@ -126,7 +128,7 @@ def run_mesh(text: str | None, model: ModelConfig, batch_size: int, devices=None
     """The mesh of a run, or None for one device (today's single-device step, bit for bit).
 
     MeshError (a ConfigError: exit 2 in the CLIs) names --mesh when it cannot work here."""
-    devices = jax.devices() if devices is None else list(devices)
+    devices = target.devices() if devices is None else list(devices)
     spec = MeshSpec.parse(text).resolve(len(devices), text)
     if len(devices) == 1:
         return None

@@ -1,0 +1,205 @@
+"""Compile for a GPU that is not here: XLA's own GPU compiler, run on any machine (deviceless AOT).
+
+    jaxmem.target.prepare()                         # before JAX starts (a CLI's first line)
+    with jaxmem.target.compiling_for("h100", devices=8) as t:
+        mesh = jax.make_mesh((8,), ("fsdp",), devices=t.devices)
+        jax.jit(step).lower(*shape_dtype_structs).compile()   # an H100 program, on this CPU
+
+Inside `compiling_for`, every `jax.jit(...).lower(...).compile()` without explicit devices
+targets the card (the first of its deviceless devices is JAX's default device), and jaxmem's own
+choices by backend follow the target, not the host: `platform()` answers "gpu", so the model
+takes cuDNN attention and fp16 GEMMs as on the card, the sampler computes in bf16, and
+`devices()` hands the mesh code the target's devices. `memory_analysis()` and `as_text()` are
+the GPU program's. Nothing can run there: eager jax ops on the default device fail.
+
+Needs the CUDA plugin for the installed jax and cuDNN (`pip install 'jaxmem[gpu-plan]'`, then
+`jax-cuda12-plugin` pinned to the installed jaxlib: `install_hint()` prints the exact line), and
+JAX on the CPU platform (`prepare()` sets that when JAX has not started yet).
+
+What a deviceless compile cannot see: autotuning (default GEMM configurations), cuDNN / cuBLAS
+workspaces, NCCL buffers, the CUDA context, allocator fragmentation, and on jax 0.10.2 any
+memory kind but the device's (a `pinned_host` sharding is compiled as device memory). The
+planner states these as a margin (docs/memory.md: the calibration).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib.metadata
+import importlib.util
+import os
+from dataclasses import dataclass
+
+from jaxmem.target._cards import CARDS, Card, target_config
+
+__all__ = ["CARDS", "Card", "Target", "TargetError", "active", "card", "check_installed",
+           "compiler", "compiling_for", "device_count", "devices", "install_hint", "platform",
+           "prepare", "target_config"]
+
+# XLA's GPU top-k lowers to a CUB radix sort whose scratch size is asked of the CUDA runtime,
+# which fails with no GPU ("cudaErrorInvalidDevice"); XLA's own sort needs no device.
+XLA_TARGET_FLAGS = ("--xla_gpu_enable_cub_radix_sort=false",)
+
+
+class TargetError(ValueError):
+    """A target compile cannot be set up; the message says what to install or change."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """An active target: the card and its deviceless devices (one host)."""
+
+    card: Card
+    devices: tuple
+
+    @property
+    def name(self) -> str:
+        return self.card.name
+
+    def describe(self) -> str:
+        import jax  # noqa: PLC0415
+        n = len(self.devices)
+        return (f"{'' if n == 1 else f'{n} x '}{self.card.device_name}, XLA's GPU compiler without "
+                f"a GPU (jax {jax.__version__})")
+
+
+_ACTIVE: contextvars.ContextVar[Target | None] = contextvars.ContextVar("jaxmem_target",
+                                                                      default=None)
+
+
+def active() -> Target | None:
+    """The target being compiled for, or None (then jaxmem follows JAX's own backend)."""
+    return _ACTIVE.get()
+
+
+def platform() -> str:
+    """The platform programs are compiled for: "gpu" inside `compiling_for`, else JAX's default
+    backend ("cpu", "gpu", "tpu"). jaxmem picks backend-dependent code paths by this."""
+    if _ACTIVE.get() is not None:
+        return "gpu"
+    import jax  # noqa: PLC0415
+    return jax.default_backend()
+
+
+def devices() -> list:
+    """The devices a mesh is built from: the target's inside `compiling_for`, else jax.devices()."""
+    t = _ACTIVE.get()
+    if t is not None:
+        return list(t.devices)
+    import jax  # noqa: PLC0415
+    return jax.devices()
+
+
+def device_count() -> int:
+    return len(devices())
+
+
+def compiler() -> str:
+    """Which compiler the figures of this process come from, in words (reports print it)."""
+    import jax  # noqa: PLC0415
+    t = _ACTIVE.get()
+    if t is not None:
+        return t.describe()
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return f"XLA:CPU (jax {jax.__version__}; not a GPU's program: compile with --target)"
+    return f"{jax.devices()[0].device_kind} ({backend}, jax {jax.__version__})"
+
+
+def card(name: str) -> Card:
+    try:
+        return CARDS[name]
+    except KeyError:
+        raise TargetError(f"unknown --target {name!r}; known: {', '.join(CARDS)}") from None
+
+
+def _jax_started() -> bool:
+    from jax._src import xla_bridge  # noqa: PLC0415  (no public probe in jax 0.10 / 0.11)
+    return bool(getattr(xla_bridge, "_backends", None))
+
+
+def prepare() -> None:
+    """Before JAX starts: the CPU platform (a CUDA plugin must not try a GPU that is not there),
+    and the XLA flags a deviceless GPU compile needs. No-op for what is already set."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    names = {f.split("=")[0] for f in flags}
+    flags += [f for f in XLA_TARGET_FLAGS if f.split("=")[0] not in names]
+    os.environ["XLA_FLAGS"] = " ".join(flags)
+    import jax  # noqa: PLC0415
+    if not _jax_started():
+        jax.config.update("jax_platforms", "cpu")
+
+
+def install_hint() -> str:
+    """The pip line that installs the GPU compiler for the jax in use."""
+    import jaxlib  # noqa: PLC0415
+    v = jaxlib.__version__
+    return (f"pip install 'jaxmem[gpu-plan]' 'jax-cuda12-plugin=={v}' (XLA's GPU compiler and "
+            f"cuDNN for jaxlib {v}, about 3 GB)")
+
+
+def _plugin_version() -> str | None:
+    for dist in ("jax-cuda12-plugin", "jax-cuda13-plugin"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_installed() -> None:
+    """Raise TargetError naming what to install unless the CUDA plugin of the installed jaxlib
+    and cuDNN are present (without cuDNN, jax's cuDNN attention check fails and the program
+    compiled would not be the card's)."""
+    import jaxlib  # noqa: PLC0415
+    version = _plugin_version()
+    if version is None:
+        raise TargetError(f"--target needs XLA's GPU compiler, which is not installed: "
+                          f"{install_hint()}")
+    if version != jaxlib.__version__:
+        raise TargetError(f"--target: the CUDA plugin is {version} but jaxlib is "
+                          f"{jaxlib.__version__}; {install_hint()}")
+    if importlib.util.find_spec("nvidia.cudnn") is None:
+        raise TargetError(f"--target needs cuDNN (the nvidia-cudnn wheel) to compile cuDNN "
+                          f"attention as the card does: {install_hint()}")
+
+
+@functools.lru_cache(maxsize=None)
+def _topology(name: str, n: int) -> tuple:
+    from jax.experimental import topologies  # noqa: PLC0415
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(
+            CARDS[name]), topology=f"1x1x{n}")
+    except NotImplementedError as e:
+        raise TargetError(
+            f"--target: JAX started on a platform other than the CPU, so the CUDA plugin cannot "
+            f"describe a deviceless {name} ({e}); start the process with JAX_PLATFORMS=cpu") \
+            from None
+    except Exception as e:  # noqa: BLE001  (the plugin's own errors: parse, version)
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise TargetError(f"--target {name}: the CUDA plugin refused the device description: "
+                          f"{type(e).__name__}: {first}") from None
+    return tuple(topo.devices)
+
+
+@contextlib.contextmanager
+def compiling_for(name: str, devices: int = 1):
+    """Compile for `devices` deviceless GPUs of the card `name` (one host) inside the block.
+
+    Yields the active `Target`. Raises TargetError (nothing installed, JAX on a GPU platform
+    already, an unknown card) before anything is compiled.
+    """
+    import jax  # noqa: PLC0415
+    c = card(name)
+    check_installed()
+    if devices < 1:
+        raise TargetError(f"--target {name}: --devices must be at least 1, got {devices}")
+    t = Target(c, _topology(name, devices))
+    token = _ACTIVE.set(t)
+    try:
+        with jax.default_device(t.devices[0]):
+            yield t
+    finally:
+        _ACTIVE.reset(token)
