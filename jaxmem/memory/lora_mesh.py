@@ -173,7 +173,8 @@ def base_components(spec: StepSpec, sizes: dict[str, int],
 
 
 def _abstract_adapters(spec: StepSpec):
-    return jax.eval_shape(lambda k: spec.peft.init_adapters(spec.model, k), jax.random.PRNGKey(0))
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))  # abstract: no op on a --target device
+    return jax.eval_shape(lambda k: spec.peft.init_adapters(spec.model, k), key)
 
 
 def adapter_fraction(spec: StepSpec, sizes: dict[str, int]) -> float:

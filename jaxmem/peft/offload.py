@@ -36,6 +36,8 @@ import sys
 import jax
 import numpy as np
 
+from jaxmem import target
+
 HOST_KIND = "pinned_host"
 _WARNED: set = set()  # platforms warned about (one line per process)
 
@@ -43,7 +45,9 @@ _WARNED: set = set()  # platforms warned about (one line per process)
 def host_memory_kind(device=None) -> str | None:
     """"pinned_host" where `device` has that memory space (CPU, GPU and TPU in jax 0.10 / 0.11),
     else None."""
-    device = device or jax.devices()[0]
+    device = device or target.devices()[0]
+    if target.active() is not None and device.platform == "gpu":
+        return HOST_KIND  # the card has it; the deviceless topology may list no memories
     try:
         kinds = {m.kind for m in device.addressable_memories()}
     except Exception:  # a runtime without the memories API
@@ -85,7 +89,7 @@ def one_device_shardings(abstract_base, device=None):
     `make_array_from_callback` with SingleDeviceSharding(memory_kind="pinned_host") places the
     data in pinned_host but gives the array a device-memory aval, so the model would not see
     that the leaf is on the host (and no copy would be made in the loop)."""
-    mesh = jax.sharding.Mesh(np.array([device or jax.devices()[0]]), ("one",))
+    mesh = jax.sharding.Mesh(np.array([device or target.devices()[0]]), ("one",))
     one = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return jax.tree.map(lambda _: one, abstract_base)
 
