@@ -77,12 +77,16 @@ CARDS: dict[str, Card] = {c.name: c for c in (
 # The cuDNN version the description states (XLA reads it for its own cuDNN fusions); jax checks
 # cuDNN attention against the cuDNN library installed with the CUDA plugin, not this.
 _DNN = (9, 10, 0)
+# The CUDA driver and runtime the description states. XLA enables features by them: without a
+# runtime version its GEMM rewriter has no fp8 cuBLASLt GEMM and float normalization turns every
+# fp8 tensor into bf16, so an fp8 step would compile with no fp8 in it.
+_CUDA = ("13.0.0", "12.8.0")
 
 
 def target_config(card: Card) -> str:
     """The card as `GpuTargetConfigProto` text, with only fields every supported jax parses
     (jax 0.10.2's parser rejects fields that XLA added later, e.g. collective_memory_granularity).
-    """
+    """  # noqa: D401
     feature = "ACCELERATED_FEATURES" if card.accelerated else "NONE"
     dnn = ".".join(map(str, _DNN))
     return f"""gpu_device_info {{
@@ -113,6 +117,10 @@ def target_config(card: Card) -> str:
   thread_dim_limit_z: 64
   device_vendor: "NVIDIA Corporation"
   name: "{card.device_name}"
+  device_address_bits: 64
+  driver_version: "{_CUDA[0]}"
+  runtime_version: "{_CUDA[1]}"
+  compile_time_toolkit_version: "{_CUDA[1]}"
   dnn_version: "{dnn}"
 }}
 platform_name: "CUDA"
