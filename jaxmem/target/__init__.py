@@ -198,8 +198,12 @@ def compiling_for(name: str, devices: int = 1):
         raise TargetError(f"--target {name}: --devices must be at least 1, got {devices}")
     t = Target(c, _topology(name, devices))
     token = _ACTIVE.set(t)
+    # a deviceless program cannot be loaded from (or usefully written to) the persistent cache
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
     try:
         with jax.default_device(t.devices[0]):
             yield t
     finally:
+        jax.config.update("jax_enable_compilation_cache", cache)
         _ACTIVE.reset(token)

@@ -1,0 +1,53 @@
+"""`--target` where XLA's GPU compiler is or is not installed (jaxmem.target)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxmem import target
+from jaxmem.memory.cli import main
+
+
+def test_target_without_the_extra_exits_2_with_what_to_install(monkeypatch, capsys):
+    monkeypatch.setattr(target, "_plugin_version", lambda: None)
+    with pytest.raises(SystemExit) as e:
+        main(["--preset", "tiny", "--target", "h100"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--target needs XLA's GPU compiler" in err[-1]
+    assert "pip install 'jaxmem[gpu-plan]'" in err[-1] and "jax-cuda12-plugin==" in err[-1]
+
+
+def test_a_plugin_of_another_jaxlib_is_refused(monkeypatch):
+    monkeypatch.setattr(target, "_plugin_version", lambda: "0.0.1")
+    with pytest.raises(target.TargetError, match="the CUDA plugin is 0.0.1 but jaxlib is"):
+        target.check_installed()
+
+
+def test_unknown_card_and_measure_are_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--preset", "tiny", "--target", "h100", "--measure"])
+    assert e.value.code == 2 and "--measure" in capsys.readouterr().err
+    with pytest.raises(target.TargetError, match="unknown --target 'v100'"):
+        target.card("v100")
+
+
+def test_outside_a_target_jaxmem_follows_the_backend():
+    assert target.active() is None
+    assert target.platform() == jax.default_backend()
+    assert target.devices() == jax.devices()
+
+
+@pytest.mark.gpu_target
+@pytest.mark.parametrize("name", sorted(target.CARDS))
+def test_every_card_compiles_a_program(name):
+    """Each card's description parses in this jax's CUDA plugin and compiles a bf16 GEMM for
+    the card's compute capability."""
+    with target.compiling_for(name) as t:
+        assert t.devices[0].device_kind == target.CARDS[name].device_name
+        x = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
+        compiled = jax.jit(lambda a, b: a @ b).lower(x, x).compile()
+    assert "cublas" in compiled.as_text() or "gemm" in compiled.as_text()
+    assert compiled.memory_analysis().argument_size_in_bytes == 2 * 256 * 256 * 2
