@@ -9,8 +9,8 @@ LoRA r=16 on all seven projections. The analytic numbers (with XLA's attention, 
 compile takes, and with cuDNN flash attention, which a GPU takes for bf16) are jaxmem.memory.analytic; the
 compiled ones XLA's memory_analysis() of the real train step compiled ahead of time from
 abstract shapes (nothing allocated; peak = temp + arguments + outputs - aliased). On the CPU
-backend bf16 matmuls run on fp32 copies of their operands, so CPU-compiled temp bytes of a bf16
-step are an upper bound of a GPU's.
+backend bf16 matmuls run on fp32 copies of their operands and fusions differ, so CPU-compiled
+bytes are not a GPU's, nor a bound on them (docs/memory.md: the calibration).
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ def test_verdict_names_sizes_and_headroom(monkeypatch):
                         "does not fit on 24 GiB")
     text = "\n".join(lines)
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in text and "75%" in text
-    assert "upper bound" in text
-    assert "upper bound" not in "\n".join(verdict_lines(GiB, "compiled", "gpu", "amp-bf16"))
+    assert "not a GPU's program" in text and "--target h100" in text  # a CPU compile says so
+    assert "XLA:CPU" not in "\n".join(verdict_lines(GiB, "compiled", "gpu", "amp-bf16"))
     assert "fits on every" in verdict_lines(GiB, "measured", "gpu", "fp32")[0]
     assert "does not fit on any" in verdict_lines(200 * GiB, "compiled", "cpu", "fp32")[0]
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".95")

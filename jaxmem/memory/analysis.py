@@ -58,8 +58,9 @@ class MemoryAnalysis:
     """XLA's memory plan of one compiled function, per device, and the residuals of a backward.
 
     Figures are bytes on ONE device (under a mesh XLA plans each device alike; `devices` says
-    how many run it). On a CPU backend 16-bit math is emulated in fp32, so a CPU figure is an
-    upper bound for a GPU's, not a GPU figure.
+    how many run it). A CPU figure is XLA:CPU's program, not a GPU figure and no bound on one
+    (16-bit math emulated in fp32, other fusions); compile inside `jaxmem.target.compiling_for`
+    for a GPU's.
 
     argument_bytes, output_bytes: the inputs and results of the call (device memory space).
     alias_bytes: outputs written over donated inputs (`donate_argnums`), counted in both above.

@@ -74,10 +74,11 @@ def verdict_lines(peak_bytes: int, source: str, backend: str, precision: str,
              f"XLA_PYTHON_CLIENT_MEM_FRACTION, default .75),",
              f"  plus ~{CUDA_CONTEXT_GIB} GiB of CUDA context outside it; to use nearly all of a "
              f"GPU, set XLA_PYTHON_CLIENT_MEM_FRACTION=.95"]
-    if backend == "cpu" and precision != "fp32":
-        lines.append(f"  on CPU: {precision}'s 16-bit math is emulated with extra fp32 "
-                     f"temporaries, so this is an upper bound")
-        lines.append("  for a GPU (compile it there, or --measure on one, for its real peak)")
+    if backend == "cpu":
+        lines.append("  compiled by XLA:CPU: not a GPU's program, and no bound on it either way "
+                     "(1B amp-bf16 step:")
+        lines.append("  25.50 GiB on the CPU, 32.23 on the H100's compiler); plan a GPU with "
+                     "--target h100 (docs/memory.md)")
     return lines
 
 
