@@ -189,3 +189,35 @@ def test_import_needs_no_trainer_model_or_heavy_deps():
                          env=subprocess_env(), timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.parametrize("make, sr", [(lambda: optax.adamw(1e-2), False),
+                                      (lambda: adamw_8bit(1e-2, block_size=64), False),
+                                      (lambda: optax.adamw(1e-2), True)])
+def test_a_skipped_step_is_bitwise_unchanged_and_branch_free(make, sr):
+    """where=False returns params and every state leaf bitwise, with inf / nan gradients too,
+    under jit with donation; where=True equals the unguarded update; and the program has no
+    conditional (a lax.cond around the update copies the whole state on the GPU)."""
+    opt = as_optimizer(make(), stochastic_rounding=sr)
+    dtype = jnp.bfloat16 if sr else jnp.float32
+    params = {"w": jnp.linspace(-1, 1, 64 * 64, dtype=jnp.float32).reshape(64, 64).astype(dtype),
+              "b": jnp.ones(64, dtype)}
+    state = opt.init(params)
+    key = jax.random.PRNGKey(0)
+    step = jax.jit(lambda g, s, p, w: opt.update_and_apply(g, s, p, key=key, where=w),
+                   donate_argnums=(1, 2))
+    copy = lambda t: jax.tree.map(lambda x: jnp.array(x, copy=True), t)  # noqa: E731
+    for bad in (jnp.inf, jnp.nan):
+        grads = jax.tree.map(lambda x: jnp.full_like(x, bad), params)
+        p2, s2 = step(grads, copy(state), copy(params), jnp.bool_(False))
+        for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves((p2, s2))):
+            np.testing.assert_array_equal(np.atleast_1d(np.asarray(a)).view(np.uint8),
+                                          np.atleast_1d(np.asarray(b)).view(np.uint8))
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 0.5), params)
+    want = jax.jit(lambda g, s, p: opt.update_and_apply(g, s, p, key=key))(grads, state, params)
+    got = step(grads, copy(state), copy(params), jnp.bool_(True))
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    hlo = jax.jit(lambda g, s, p, w: opt.update_and_apply(g, s, p, key=key, where=w)).lower(
+        grads, state, params, jnp.bool_(True)).compile().as_text()
+    assert " conditional(" not in hlo

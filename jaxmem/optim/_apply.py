@@ -55,7 +55,8 @@ def as_optimizer(tx: optax.GradientTransformation, *,
                  stochastic_rounding: bool = False) -> Optimizer:
     """Any optax transformation as an `Optimizer`: `tx.update`, then `optax.apply_updates`, or
     `apply_updates_sr(params, updates, key)` with `stochastic_rounding` (bf16 params without an
-    fp32 master: pass `key` on every call). A traced `where` runs both under one `lax.cond`.
+    fp32 master: pass `key` on every call). A traced `where` selects, leaf by leaf, between the
+    updated and the given params and state (no `lax.cond`: see update_and_apply).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -77,7 +78,13 @@ def as_optimizer(tx: optax.GradientTransformation, *,
 
         if where is True:
             return apply(None)
-        return jax.lax.cond(where, apply, lambda _: (params, state), None)
+        # Branch-free: every leaf picks new or old. A lax.cond whose branches return the whole
+        # state makes XLA's GPU buffer assignment copy params and moments into the cond's
+        # tuples (1B AdamW step on the H100 compiler: temp 18.42 GiB with the cond, 6.23 without).
+        # where=False gives the inputs bitwise (select never touches the unselected value, so
+        # inf/nan updates of a skipped step do not leak).
+        new = apply(None)
+        return jax.tree.map(lambda n, o: jnp.where(where, n, o), new, (params, state))
 
     return Optimizer(tx.init, update_and_apply)
 
