@@ -17,6 +17,9 @@ The suite runs on a CPU (development, CI) and on a GPU machine (`experiments.gpu
   compiling is most of the suite's time; the flag changes no HLO, no buffer assignment.
 - multi-device tests simulate devices on the CPU: their subprocesses must say `JAX_PLATFORMS=cpu`,
   or JAX picks the one GPU and the mesh does not fit (`subprocess_env(cpu_devices=N)`).
+- torch on a CPU that advertises AMX but may not use it (a Xeon VM: torch's oneDNN bf16 matmul
+  died with SIGILL): `ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`, decided once by a probe
+  (experiments/cpu_isa.py; only where torch is installed and the CPU advertises AMX).
 
 `conftest.py` applies `TEST_ENV` to os.environ before JAX starts, so the pytest process (and
 every worker of pytest-xdist) and anything it starts inherit it; `subprocess_env` builds the
@@ -60,10 +63,21 @@ def _cpu_only_machine(env: dict) -> bool:
     return True
 
 
+def _onednn_cap(env: dict) -> dict:
+    """ONEDNN_MAX_CPU_ISA for torch where this CPU needs it (experiments/cpu_isa.py), else {}."""
+    import sys
+    if str(ROOT) not in sys.path:  # a worker script started as tests/<name>.py
+        sys.path.append(str(ROOT))
+    from experiments import cpu_isa
+    return cpu_isa.cap_env(env)
+
+
 def with_test_env(env: dict) -> dict:
-    """`env` with TEST_ENV set (overriding) and the test flags added to XLA_FLAGS."""
+    """`env` with TEST_ENV set (overriding), the oneDNN ISA cap where torch needs it, and the
+    test flags added to XLA_FLAGS."""
     env = dict(env)
     env.update(TEST_ENV)
+    env.update(_onednn_cap(env))
     flags = env.get("XLA_FLAGS", "").split()
     if not any(f.startswith("--xla_gpu_deterministic_ops") for f in flags):
         flags.append(DETERMINISTIC_FLAG)
