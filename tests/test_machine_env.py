@@ -1,6 +1,10 @@
-"""experiments/cpu_isa.py: torch's oneDNN ISA cap on a CPU that advertises AMX but dies using it.
-The probe's child is replaced by one that kills itself with SIGILL unless capped (no torch
-needed, ~0.1 s a child); one test runs the real probe where torch is installed."""
+"""What the suite's environment does by machine (tests/testenv.py, experiments/cpu_isa.py).
+
+- torch's oneDNN ISA cap on a CPU that advertises AMX but dies using it: the probe's child is
+  replaced by one that kills itself with SIGILL unless capped (no torch needed, ~0.1 s a child);
+  one test runs the real probe where torch is installed.
+- JAX's CUDA plugin on a machine without an NVIDIA GPU (the gpu-plan extra): CPU-only.
+"""
 
 import os
 import signal
@@ -96,3 +100,23 @@ def test_the_real_probe_runs_a_bf16_matmul():
         assert cpu_isa._probe(cpu_isa.PROBE, {**env, cpu_isa.VAR: cpu_isa.CAP}, 120) == 0
     else:
         assert rc == 0
+
+
+@pytest.mark.parametrize("plugins, gpu, user, want_platforms, want_fast", [
+    ((), False, None, None, True),  # plain CPU machine: nothing to pin
+    (("cuda",), False, None, "cpu", True),  # gpu-plan on a CPU machine: CPU-only, fast flag kept
+    (("cuda",), False, "cuda", "cuda", False),  # the user's JAX_PLATFORMS wins
+    (("cuda",), True, None, None, False),  # a GPU machine: unchanged
+    (("cuda", "other"), False, None, None, False),  # a ROCm/TPU plugin: unchanged
+])
+def test_a_cuda_plugin_without_an_nvidia_gpu_is_cpu_only(monkeypatch, plugins, gpu, user,
+                                                         want_platforms, want_fast):
+    import testenv
+
+    groups = {testenv.CUDA_PLUGINS: "cuda" in plugins, testenv.OTHER_PLUGINS: "other" in plugins,
+              testenv.CUDA_PLUGINS + testenv.OTHER_PLUGINS: bool(plugins)}
+    monkeypatch.setattr(testenv, "_installed", lambda names: groups[tuple(names)])
+    monkeypatch.setattr(testenv, "_nvidia_gpu_present", lambda: gpu)
+    env = testenv.with_test_env({} if user is None else {"JAX_PLATFORMS": user})
+    assert env.get("JAX_PLATFORMS") == want_platforms
+    assert (testenv.CPU_FAST_COMPILE_FLAG in env["XLA_FLAGS"].split()) == want_fast
