@@ -58,6 +58,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from experiments import cpu_isa
 from experiments.compare_report import (add_mfu, add_ratios, format_table, mib, remat_label,
                                         versions, write_chart)
 from experiments.compare_workers import FRAMEWORKS, MODES, SELECTIVE, worker
@@ -156,6 +157,7 @@ def run_in_subprocess(spec: dict, timeout: float) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if spec["framework"] != "jax":
         env["JAX_PLATFORMS"] = "cpu"  # jax only builds the weights there: keep it off the GPU
+        env.update(cpu_isa.cap_env(env))  # torch's oneDNN off AMX where AMX dies (SIGILL)
     if spec.get("threads") == 1:  # CPU: one compute thread for XLA and torch alike
         env["OMP_NUM_THREADS"] = "1"
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()

@@ -55,6 +55,7 @@ import sys
 import time
 from pathlib import Path
 
+from experiments import cpu_isa
 from experiments.gpu_check_rows import (ROOT, Row, compare_numbers, diag_note, last_record,
                                         plan_numbers, pytest_counts, rows, train_metrics)
 from experiments.gpu_check_table import commit, gpu_name, markdown, versions, write_report
@@ -115,10 +116,12 @@ def child_env(cpu_only: bool = False, **extra) -> dict:
     """The environment of every row: this checkout first on PYTHONPATH (no install needed), no
     preallocation (the peak is what the process used, and the planner's background compile
     never takes 75% of the GPU); `cpu_only` (--smoke, the background plans): no GPU at all, so
-    --smoke checks the same thing on a GPU machine as on a CPU one."""
+    --smoke checks the same thing on a GPU machine as on a CPU one; torch's oneDNN kept off AMX
+    where the CPU advertises it but dies using it (experiments/cpu_isa.py)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
         XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env.update(cpu_isa.cap_env(env))
     if cpu_only:
         env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
     env.update(extra)
@@ -292,6 +295,7 @@ def main(argv=None) -> int:
            "argv": sys.argv[1:] if argv is None else argv,
            "host": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores",
            "gpu": gpu_name(), "commit": commit(ROOT), "versions": versions(),
+           "cpu_isa": cpu_isa.cap().as_record(),  # torch's oneDNN ISA cap (SIGILL on AMX VMs)
            "rows": [{"name": r.name, "kind": r.kind, "what": r.what, "status": "pending"}
                     for r in chosen],
            "total_s": None}

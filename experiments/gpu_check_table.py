@@ -62,6 +62,7 @@ def markdown(doc: dict) -> str:
              "Measured peak: the row process's GPU `peak_bytes_in_use` (state creation, steps and "
              "the evaluation); plan: `python -m jaxmem.memory --json` for the same flags "
              "(analytic total; XLA's compiled peak, compiled on the backend named).", "",
+             *isa_lines(doc),
              "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
     lines += ["| " + " | ".join(row_cells(r)) + " |" for r in doc["rows"]]
     for r in doc["rows"]:
@@ -72,6 +73,14 @@ def markdown(doc: dict) -> str:
             lines += [f"- FAILED {name}" for name in t["failed"]]
             lines += [f"- ERROR {name}" for name in t["errors"]]
     return "\n".join(lines) + "\n"
+
+
+def isa_lines(doc: dict) -> list[str]:
+    """A line when torch ran under a oneDNN ISA cap (experiments/cpu_isa.py), else none."""
+    isa = doc.get("cpu_isa") or {}
+    if not isa.get("set"):
+        return []
+    return [f"torch ran with {isa['var']}={isa['set']}: {isa['reason']}.", ""]
 
 
 def write_report(out: Path, doc: dict) -> None:

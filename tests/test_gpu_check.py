@@ -28,6 +28,7 @@ def test_smoke_train_row_with_plan_and_skipped_diag(tmp_path, capsys):
     assert gpu_check.main(["--smoke", "--out", str(out), "--rows", "1b-adamw", "fp8-diag"]) == 0
     doc = _doc(out)
     assert doc["mode"] == "smoke" and doc["total_s"] > 0
+    assert doc["cpu_isa"]["var"] == "ONEDNN_MAX_CPU_ISA" and doc["cpu_isa"]["reason"]
     train, diag = doc["rows"]
     assert (train["name"], train["status"]) == ("1b-adamw", "ok")
     assert train["tokens_per_s"] > 0 and train["eval_loss"] > 0

@@ -17,6 +17,14 @@ The suite runs on a CPU (development, CI) and on a GPU machine (`experiments.gpu
   compiling is most of the suite's time; the flag changes no HLO, no buffer assignment.
 - multi-device tests simulate devices on the CPU: their subprocesses must say `JAX_PLATFORMS=cpu`,
   or JAX picks the one GPU and the mesh does not fit (`subprocess_env(cpu_devices=N)`).
+- a CPU machine with JAX's CUDA plugin installed (the gpu-plan extra: compiling for a GPU that
+  is not there) has no NVIDIA GPU to run on (no /dev/nvidiactl, no /proc/driver/nvidia): there
+  the suite sets `JAX_PLATFORMS=cpu` (unless JAX_PLATFORMS is set already), so JAX does not try
+  CUDA when it starts and the machine keeps the -O0 flag below. `jaxmem.target` compiles for the
+  GPU from a CPU-only JAX. A machine with an NVIDIA GPU, or a ROCm/TPU plugin, is left as it is.
+- torch on a CPU that advertises AMX but may not use it (a Xeon VM: torch's oneDNN bf16 matmul
+  died with SIGILL): `ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`, decided once by a probe
+  (experiments/cpu_isa.py; only where torch is installed and the CPU advertises AMX).
 
 `conftest.py` applies `TEST_ENV` to os.environ before JAX starts, so the pytest process (and
 every worker of pytest-xdist) and anything it starts inherit it; `subprocess_env` builds the
@@ -44,26 +52,59 @@ DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true"
 CPU_FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
 
 
-def _cpu_only_machine(env: dict) -> bool:
-    """No GPU/TPU plugin for JAX is installed, or JAX is told to use the CPU."""
+CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12",
+                "jax_plugins.xla_cuda13")
+OTHER_PLUGINS = ("jax_rocm60_plugin", "jax_rocm7_plugin", "libtpu")
+# What the NVIDIA driver makes where there is a GPU it can use (a container given a GPU has both).
+NVIDIA_DEVICE_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia")
+
+
+def _installed(names) -> bool:
     import importlib.util
-    if env.get("JAX_PLATFORMS", "").strip() == "cpu":
-        return True
-    plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin",
-               "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13", "libtpu")
-    for name in plugins:
+    for name in names:
         try:
             if importlib.util.find_spec(name) is not None:
-                return False
+                return True
         except (ImportError, ValueError):
             pass
-    return True
+    return False
+
+
+def _nvidia_gpu_present() -> bool:
+    return any(os.path.exists(p) for p in NVIDIA_DEVICE_PATHS)
+
+
+def _cpu_only_machine(env: dict) -> bool:
+    """No GPU/TPU plugin for JAX is installed, or JAX is told to use the CPU."""
+    if env.get("JAX_PLATFORMS", "").strip() == "cpu":
+        return True
+    return not _installed(CUDA_PLUGINS + OTHER_PLUGINS)
+
+
+def _cuda_plugin_without_gpu() -> bool:
+    """JAX's CUDA plugin is installed (gpu-plan), no ROCm/TPU plugin, and no NVIDIA GPU is here."""
+    return (_installed(CUDA_PLUGINS) and not _installed(OTHER_PLUGINS)
+            and not _nvidia_gpu_present())
+
+
+def _onednn_cap(env: dict) -> dict:
+    """ONEDNN_MAX_CPU_ISA for torch where this CPU needs it (experiments/cpu_isa.py), else {}."""
+    import sys
+    if str(ROOT) not in sys.path:  # a worker script started as tests/<name>.py
+        sys.path.append(str(ROOT))
+    from experiments import cpu_isa
+    return cpu_isa.cap_env(env)
 
 
 def with_test_env(env: dict) -> dict:
-    """`env` with TEST_ENV set (overriding) and the test flags added to XLA_FLAGS."""
+    """`env` with TEST_ENV set (overriding), JAX_PLATFORMS=cpu where a CUDA plugin has no GPU
+    (unless set), the oneDNN ISA cap where torch needs it, and the test flags added to
+    XLA_FLAGS."""
     env = dict(env)
     env.update(TEST_ENV)
+    if not env.get("JAX_PLATFORMS") and _cuda_plugin_without_gpu():
+        env["JAX_PLATFORMS"] = "cpu"
+    env.update(_onednn_cap(env))
     flags = env.get("XLA_FLAGS", "").split()
     if not any(f.startswith("--xla_gpu_deterministic_ops") for f in flags):
         flags.append(DETERMINISTIC_FLAG)
