@@ -134,8 +134,9 @@ def test_verdict_lines_as_the_cli_prints_them(monkeypatch):
         "40 GiB")
     assert "79.16 GiB" in a.verdict("85GB")  # 85e9 bytes
     cpu16 = MemoryAnalysis("step", "cpu", "", 1, 0, 0, 0, 2**20, precision="bfloat16")
-    assert "on CPU: bfloat16's 16-bit math is emulated" in cpu16.verdict("24GiB")
-    assert "emulated" not in MemoryAnalysis("s", "cpu", "", 1, 0, 0, 0, 1).verdict()
+    assert "compiled by XLA:CPU: not a GPU's program" in cpu16.verdict("24GiB")
+    assert "--target h100" in cpu16.verdict("24GiB")
+    assert "XLA:CPU" not in MemoryAnalysis("s", "gpu", "", 1, 0, 0, 0, 1).verdict()
     for bad in ("80 parsecs", "-3GiB", "", 2.5):
         with pytest.raises(ValueError, match="device"):
             a.verdict(bad)
