@@ -191,33 +191,86 @@ def test_import_needs_no_trainer_model_or_heavy_deps():
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def assert_bitwise(want, got):
+    """Two pytrees of the same structure hold the same bits (NaN payloads and -0.0 included)."""
+    assert jax.tree.structure(want) == jax.tree.structure(got)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        a, b = np.atleast_1d(np.asarray(a)), np.atleast_1d(np.asarray(b))
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def copy(tree):
+    """Fresh buffers of `tree`, for a call that donates them."""
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+
+
+def poisoned(params, bad, everywhere):
+    """Gradients of params' structure: `bad` (inf / nan) in every element, or in one element of
+    each leaf with the rest finite."""
+    def one(x):
+        g = jnp.linspace(-0.5, 0.5, x.size, dtype=jnp.float32).reshape(x.shape).astype(x.dtype)
+        if everywhere:
+            return jnp.full_like(x, bad)
+        return g.reshape(-1).at[3].set(bad).reshape(x.shape)
+    return jax.tree.map(one, params)
+
+
 @pytest.mark.parametrize("make, sr", [(lambda: optax.adamw(1e-2), False),
                                       (lambda: adamw_8bit(1e-2, block_size=64), False),
                                       (lambda: optax.adamw(1e-2), True)])
 def test_a_skipped_step_is_bitwise_unchanged_and_branch_free(make, sr):
-    """where=False returns params and every state leaf bitwise, with inf / nan gradients too,
-    under jit with donation; where=True equals the unguarded update; and the program has no
-    conditional (a lax.cond around the update copies the whole state on the GPU)."""
+    """From a state one step in (moments, codes and counts not at their init values):
+    where=False returns params and every state leaf bitwise, with inf / nan gradients in every
+    element or in one, under jit with donation; where=True gives bitwise the unguarded update;
+    and the program has no conditional (a lax.cond around the update copies the whole state on
+    the GPU)."""
     opt = as_optimizer(make(), stochastic_rounding=sr)
     dtype = jnp.bfloat16 if sr else jnp.float32
     params = {"w": jnp.linspace(-1, 1, 64 * 64, dtype=jnp.float32).reshape(64, 64).astype(dtype),
               "b": jnp.ones(64, dtype)}
-    state = opt.init(params)
     key = jax.random.PRNGKey(0)
+    plain = jax.jit(lambda g, s, p: opt.update_and_apply(g, s, p, key=key))
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 0.5), params)
+    params, state = plain(grads, opt.init(params), params)
     step = jax.jit(lambda g, s, p, w: opt.update_and_apply(g, s, p, key=key, where=w),
                    donate_argnums=(1, 2))
-    copy = lambda t: jax.tree.map(lambda x: jnp.array(x, copy=True), t)  # noqa: E731
-    for bad in (jnp.inf, jnp.nan):
-        grads = jax.tree.map(lambda x: jnp.full_like(x, bad), params)
-        p2, s2 = step(grads, copy(state), copy(params), jnp.bool_(False))
-        for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves((p2, s2))):
-            np.testing.assert_array_equal(np.atleast_1d(np.asarray(a)).view(np.uint8),
-                                          np.atleast_1d(np.asarray(b)).view(np.uint8))
-    grads = jax.tree.map(lambda x: jnp.full_like(x, 0.5), params)
-    want = jax.jit(lambda g, s, p: opt.update_and_apply(g, s, p, key=key))(grads, state, params)
-    got = step(grads, copy(state), copy(params), jnp.bool_(True))
-    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for bad in (jnp.inf, -jnp.inf, jnp.nan):
+        for everywhere in (True, False):
+            got = step(poisoned(params, bad, everywhere), copy(state), copy(params),
+                       jnp.bool_(False))
+            assert_bitwise((params, state), got)
+    assert_bitwise(plain(grads, state, params),
+                   step(grads, copy(state), copy(params), jnp.bool_(True)))
     hlo = jax.jit(lambda g, s, p, w: opt.update_and_apply(g, s, p, key=key, where=w)).lower(
+        grads, state, params, jnp.bool_(True)).compile().as_text()
+    assert " conditional(" not in hlo
+
+
+def test_wrappers_honour_where():
+    """loss_scaled(skip_nonfinite(...)): a finite step with where=False keeps the whole state
+    bitwise, counters and loss scale included; a non-finite one keeps params and the inner state
+    bitwise and, with where True or False, counts a skip and backs the scale off; a finite step
+    with where=True equals the call without `where`. No conditional in the program."""
+    opt = loss_scaled(skip_nonfinite(as_optimizer(adamw_8bit(1e-2, block_size=64))),
+                      DynamicLossScale.create(2.0**10, growth_interval=3))
+    params = {"w": jnp.linspace(-1, 1, 64 * 64, dtype=jnp.float32).reshape(64, 64),
+              "b": jnp.ones(64)}
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 2.0**9), params)  # 0.5 once unscaled
+    plain = jax.jit(opt.update_and_apply)
+    params, state = plain(grads, opt.init(params), params)
+    assert (int(state.inner.applied), int(state.loss_scale.good_steps)) == (1, 1)
+    step = jax.jit(lambda g, s, p, w: opt.update_and_apply(g, s, p, where=w),
+                   donate_argnums=(1, 2))
+    assert_bitwise((params, state), step(grads, copy(state), copy(params), jnp.bool_(False)))
+    for g in (poisoned(params, jnp.inf, False), poisoned(params, jnp.nan, True)):
+        for where in (False, True):
+            p2, s2 = step(g, copy(state), copy(params), jnp.bool_(where))
+            assert_bitwise((params, state.inner.inner), (p2, s2.inner.inner))
+            assert (int(s2.inner.applied), int(s2.inner.skips_in_a_row)) == (1, 1)
+            assert (float(s2.loss_scale.loss_scale), int(s2.loss_scale.good_steps)) == (2.0**9, 0)
+    assert_bitwise(plain(grads, state, params),
+                   step(grads, copy(state), copy(params), jnp.bool_(True)))
+    hlo = jax.jit(lambda g, s, p, w: opt.update_and_apply(g, s, p, where=w)).lower(
         grads, state, params, jnp.bool_(True)).compile().as_text()
     assert " conditional(" not in hlo

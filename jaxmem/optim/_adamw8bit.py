@@ -20,7 +20,8 @@ The paper also keeps embeddings in 32 bits; jaxmem's trainer adds that through i
 Layout for sharding: `codes` has exactly the param's shape and `scale` the param's shape with the
 last axis replaced by its number of blocks, so a sharding rule written for a param applies to its
 codes as is, and to its scale on every axis but the last. All leaves are ordinary arrays in a
-`Quantized` pytree node (a flax struct), so jit, lax.cond and Orbax treat them like any other.
+`Quantized` pytree node (a flax struct), so jit, tree maps (`select_tree`) and Orbax treat them
+like any other.
 """
 
 from __future__ import annotations

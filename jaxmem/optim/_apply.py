@@ -12,15 +12,27 @@ AdamW: one loop per large leaf, no update-sized buffer). The contract:
 
     key     a PRNG key for implementations that draw random bits (stochastic rounding); others
             ignore it. The same key gives the same result.
-    where   bool scalar. False: return `params` and `state` bitwise as given (a skipped step).
+    where   bool scalar. False: a skipped step: `params` and `state` come back bitwise as given,
+            every leaf (integer counts and 8-bit codes included). The one exception is a
+            wrapper's record of non-finite gradients (skip_nonfinite's skips_in_a_row,
+            loss_scaled's backoff), which counts whatever `where` says: loss_scaled hands its
+            inner optimizer where=False on an overflow.
+            The step is branch-free: the update is computed either way and each leaf selected
+            (`select_tree`), so the compiled program has no conditional, and an inf or NaN in
+            the update of a skipped step never reaches the result. A `lax.cond` whose branches
+            return the whole state is what this avoids: XLA's GPU buffer assignment gives the
+            cond's tuples their own copies of params and moments.
 
 Wrappers, each with a state that holds the inner state (as optax.apply_if_finite's):
 
     skip_nonfinite(opt)            SkipNonFiniteState(inner, applied, skips_in_a_row)
-        finite = all_finite(grads) & where; inner runs with where=finite; counters kept
+        finite = all_finite(grads); inner runs with where=finite & where
+        applied += finite & where
+        skips_in_a_row = skips_in_a_row + 1 if not finite else 0 if where else skips_in_a_row
     loss_scaled(opt, loss_scale)   LossScaledState(inner, loss_scale)
         grads = loss_scale.unscale(grads); finite = all_finite(grads)
-        inner runs with where=finite & where; loss_scale = loss_scale.adjust(finite)
+        inner runs with where=finite & where
+        if where or not finite: loss_scale = loss_scale.adjust(finite)
 
 `loss_scaled(skip_nonfinite(as_optimizer(tx)), DynamicLossScale.create())` is what
 torch.amp.GradScaler does around `optimizer.step()`: unscale, skip on inf/nan, adjust the scale.
@@ -34,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxmem.optim._loss_scale import LossScale, NoOpLossScale, all_finite
+from jaxmem.optim._loss_scale import LossScale, NoOpLossScale, all_finite, select_tree
 from jaxmem.optim._stochastic import apply_updates_sr
 
 
@@ -56,7 +68,7 @@ def as_optimizer(tx: optax.GradientTransformation, *,
     """Any optax transformation as an `Optimizer`: `tx.update`, then `optax.apply_updates`, or
     `apply_updates_sr(params, updates, key)` with `stochastic_rounding` (bf16 params without an
     fp32 master: pass `key` on every call). A traced `where` selects, leaf by leaf, between the
-    updated and the given params and state (no `lax.cond`: see update_and_apply).
+    updated and the given params and state (the module docstring says why not a `lax.cond`).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
@@ -78,13 +90,9 @@ def as_optimizer(tx: optax.GradientTransformation, *,
 
         if where is True:
             return apply(None)
-        # Branch-free: every leaf picks new or old. A lax.cond whose branches return the whole
-        # state makes XLA's GPU buffer assignment copy params and moments into the cond's
-        # tuples (1B AdamW step on the H100 compiler: temp 18.42 GiB with the cond, 6.23 without).
-        # where=False gives the inputs bitwise (select never touches the unselected value, so
-        # inf/nan updates of a skipped step do not leak).
-        new = apply(None)
-        return jax.tree.map(lambda n, o: jnp.where(where, n, o), new, (params, state))
+        # jnp.where reads only the selected operand's value: a skipped step's inf/nan updates
+        # stay out, and where=False gives the inputs bitwise
+        return select_tree(where, apply(None), (params, state))
 
     return Optimizer(tx.init, update_and_apply)
 
@@ -104,7 +112,8 @@ class SkipNonFiniteState(NamedTuple):
 
 def skip_nonfinite(opt: Optimizer) -> Optimizer:
     """`opt`, run only where every gradient is finite; a step with an inf or NaN anywhere in
-    `grads` leaves params and the inner state bitwise as they were and counts a skip.
+    `grads` leaves params and the inner state bitwise as they were and counts a skip (a finite
+    step with `where` False changes nothing).
 
     Returns:
       An Optimizer with state `SkipNonFiniteState` (init: counters at 0).
@@ -123,11 +132,14 @@ def skip_nonfinite(opt: Optimizer) -> Optimizer:
                                   jnp.zeros((), jnp.int32))
 
     def update_and_apply(grads, state, params, *, key=None, where=True):
-        finite = all_finite(grads) & where
-        params, inner = opt.update_and_apply(grads, state.inner, params, key=key, where=finite)
-        return params, SkipNonFiniteState(
-            inner, state.applied + finite.astype(jnp.int32),
-            jnp.where(finite, 0, state.skips_in_a_row + 1))
+        finite = all_finite(grads)
+        apply = finite & where
+        params, inner = opt.update_and_apply(grads, state.inner, params, key=key, where=apply)
+        # a non-finite step counts as a skip whatever `where` says: loss_scaled hands its inner
+        # optimizer where=False on an overflow
+        kept = jnp.where(where, 0, state.skips_in_a_row)
+        skips = jnp.where(finite, kept, state.skips_in_a_row + 1).astype(jnp.int32)
+        return params, SkipNonFiniteState(inner, state.applied + apply.astype(jnp.int32), skips)
 
     return Optimizer(init, update_and_apply)
 
@@ -175,6 +187,9 @@ def loss_scaled(opt: Optimizer, loss_scale: LossScale = NoOpLossScale()) -> Opti
         finite = all_finite(grads)
         params, inner = opt.update_and_apply(grads, state.inner, params, key=key,
                                              where=finite & where)
-        return params, LossScaledState(inner, state.loss_scale.adjust(finite))
+        scale = state.loss_scale.adjust(finite)
+        if where is not True:  # an overflow backs the scale off whatever `where` says
+            scale = select_tree(where | ~finite, scale, state.loss_scale)
+        return params, LossScaledState(inner, scale)
 
     return Optimizer(init, update_and_apply)
