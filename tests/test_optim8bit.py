@@ -382,3 +382,52 @@ def _assert_same_update(prev, ref, got, exact_8bit):
     for x, y in zip(jax.tree_util.tree_leaves(s_ref), jax.tree_util.tree_leaves(s_got)):
         if x.dtype == jnp.int32:  # the Adam and schedule counts
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16-sr", marks=SLOW)])
+@pytest.mark.slow  # 5 s of CPU cold per case
+def test_fused_skip_is_bitwise_and_branch_free(precision, monkeypatch):
+    """The trainer's in-place adamw8bit (train_optimizer) under jit with donation, from a state
+    one step in: where=False with inf / nan gradients (in every element, or in one) leaves params,
+    codes, scales, fp32 moments and counts bitwise; where=True gives bitwise the call without
+    `where`; leaves in row pieces (CHUNK 2^10) run their loop, and the program has a while loop
+    per large leaf and no conditional."""
+    import jaxmem.optim._stochastic as sr
+    from jaxmem.train.fused8bit import train_optimizer
+    monkeypatch.setattr(sr, "CHUNK", 2**10)
+    prec = get_precision(precision)
+    ocfg = OptimConfig(lr=1e-2, warmup_steps=1, total_steps=10, clip=1.0, optimizer="adamw8bit")
+    state = create_train_state(StepConfig(CFG, prec, optim=ocfg))
+    assert sr.row_chunks(state.params["embed_tokens"].shape, sr.CHUNK) > 1
+    opt = train_optimizer(ocfg, prec.stochastic_rounding)
+    key = jax.random.PRNGKey(5)
+    plain = jax.jit(lambda g, s, p: opt.update_and_apply(g, s, p, key=key))
+    step = jax.jit(lambda g, s, p, w: opt.update_and_apply(g, s, p, key=key, where=w),
+                   donate_argnums=(1, 2))
+    rng = np.random.default_rng(0)
+    grads = jax.tree_util.tree_map(
+        lambda p: jnp.asarray(rng.standard_normal(p.shape) * 0.1, p.dtype), state.params)
+    params, opt_state = plain(grads, state.opt_state, state.params)
+    copy = lambda t: jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), t)  # noqa: E731
+
+    def bits(tree):
+        return [np.atleast_1d(np.asarray(x)).view(np.uint8)
+                for x in jax.tree_util.tree_leaves(tree)]
+
+    def assert_bitwise(want, got):
+        assert jax.tree_util.tree_structure(want) == jax.tree_util.tree_structure(got)
+        for a, b in zip(bits(want), bits(got)):
+            np.testing.assert_array_equal(a, b)
+
+    for bad in (jnp.inf, jnp.nan):
+        for everywhere in (True, False):
+            g = jax.tree_util.tree_map(
+                lambda x: jnp.full_like(x, bad) if everywhere
+                else x.reshape(-1).at[1].set(bad).reshape(x.shape), grads)
+            got = step(g, copy(opt_state), copy(params), jnp.bool_(False))
+            assert_bitwise((params, opt_state), got)
+    assert_bitwise(plain(grads, opt_state, params),
+                   step(grads, copy(opt_state), copy(params), jnp.bool_(True)))
+    hlo = jax.jit(lambda g, s, p, w: opt.update_and_apply(g, s, p, key=key, where=w)).lower(
+        grads, opt_state, params, jnp.bool_(True)).compile().as_text()
+    assert " conditional(" not in hlo and " while(" in hlo

@@ -10,15 +10,18 @@ and the trainer's optimizer as a jaxmem.optim.Optimizer (`train_optimizer`).
 
 The optax chain (clip, scale_by_adam_8bit, add_decayed_weights, -lr; jaxmem.train.optim) hands
 whole-leaf arrays from link to link: new codes and scales, the updates, then the new weights,
-each a fresh buffer of the leaf's size while the old ones are still live (and a lax.cond around
-it all for the skip). On llama-3-8b's stacked [L, 4096, 14336] leaves that was ~13 B/element of
-CPU temporaries on top of the state. Here each large leaf is one lax.fori_loop over row pieces
-(the same <= 2^24-element pieces as jaxmem.optim.apply_updates_sr, so the same random bits) whose carry
-is the leaf's weights, codes and scales: a piece is read with a dynamic slice, clipped, put
-through Adam (jaxmem.optim's adam_piece), decayed, scaled by -lr, added to the weights (stochastically
-rounded under bf16-sr) and written back with a dynamic update slice, so XLA updates the donated
-state buffers in place. The loop runs zero times on a non-finite step: every leaf stays bitwise
-as it was, as the lax.cond skip does.
+each a fresh buffer of the leaf's size while the old ones are still live (~13 B/element of CPU
+temporaries on llama-3-8b's stacked [L, 4096, 14336] leaves, on top of the state). Here each
+large leaf is one lax.fori_loop over row pieces (the same <= 2^24-element pieces as
+jaxmem.optim.apply_updates_sr, so the same random bits) whose carry is the leaf's weights, codes
+and scales: a piece is read with a dynamic slice, clipped, put through Adam (jaxmem.optim's
+adam_piece), decayed, scaled by -lr, added to the weights (stochastically rounded under bf16-sr)
+and written back with a dynamic update slice, so XLA updates the donated state buffers in place.
+
+`where` (the Optimizer contract; the trainer passes finite & where) is honoured without a
+conditional: a large leaf's loop runs `where ? n : 0` times, so a skipped step runs no piece and
+its carry stays bitwise; the small leaves and the counts pick new or old with jnp.where. Nothing
+of a skipped step's update, inf or NaN, reaches the state.
 
 Each line of `_piece` mirrors one optax link (clip_by_global_norm, add_decayed_weights,
 scale_by_learning_rate, apply_updates), with the same dtypes, so both paths agree bit for bit
@@ -68,7 +71,8 @@ def _split_state(cfg: OptimConfig, opt_state):
 def fused_adamw8bit_apply(cfg: OptimConfig, grads, opt_state, params, finite: jax.Array,
                           key: jax.Array | None = None):
     """make_optimizer(cfg).update + apply, in place; `key` given: bf16 leaves rounded
-    stochastically (jaxmem.optim.apply_updates_sr's keys); `finite` False: everything unchanged."""
+    stochastically (jaxmem.optim.apply_updates_sr's keys); `finite` (a bool scalar) False:
+    params and every state leaf bitwise unchanged, without a conditional (module docstring)."""
     clip_state, adam, decay, sched = _split_state(cfg, opt_state)
     g_norm = tree_norm(grads)
     trigger = jnp.squeeze(g_norm < cfg.clip)
