@@ -137,17 +137,26 @@ def compile_eval(spec: StepSpec) -> dict:
 
 
 def sample_params(spec: StepSpec):
-    """The params the end-of-run sample is given, as ShapeDtypeStructs: the state's; for LoRA
-    the plain model's (an upper bound: the run passes the frozen base with adapters)."""
-    return abstract_params(spec.model) if spec.peft is not None else abstract_state(spec).params
+    """The params the end-of-run sample is given, as ShapeDtypeStructs: the state's params; for
+    LoRA / QLoRA what the run passes (jaxmem.train.loop): `peft.full_params(frozen base,
+    adapters)`, the quantized base (as the step holds it) with each target wrapped with its
+    adapters as stored."""
+    params = abstract_state(spec).params
+    if spec.peft is None:
+        return params
+    return jax.eval_shape(lambda f, a: spec.peft.full_params(f, a), abstract_frozen(spec), params)
 
 
 def compile_sample(spec: StepSpec, n_prompt: int, total: int, temperature: float = 0.0,
-                   top_k: int = 0) -> dict:
+                   top_k: int = 0, dtype: str | None = None) -> dict:
     """XLA's memory numbers of the end-of-run sampler for `total` positions (arguments: the
-    params in the compute dtype, the token buffer, the key)."""
+    params as the run passes them (`sample_params`), the token buffer, the key), computing in
+    the dtype the run samples in: jaxmem.decode.stopping.sample_dtype(dtype, the compute dtype)
+    (`dtype`: the run's --dtype, None: bf16 on a GPU (fp16 for an fp16 run), else the compute
+    dtype)."""
     from jaxmem.decode.sampling import lower_sample
+    from jaxmem.decode.stopping import sample_dtype
     lowered = lower_sample(spec.model, sample_params(spec), n_prompt, total,
-                           compute_dtype=spec.precision.compute_dtype, temperature=temperature,
-                           top_k=min(top_k, spec.model.vocab_size))
+                           compute_dtype=sample_dtype(dtype, spec.precision.compute_dtype),
+                           temperature=temperature, top_k=min(top_k, spec.model.vocab_size))
     return compiled_stats(lowered.compile())[0]

@@ -14,8 +14,10 @@ the largest of them:
             logits); the loop still holds the whole train state, so the optimizer state and
             counters are live outside the program
     sample  the end-of-run sample (jaxmem.decode.sampling) over [1, prompt + new tokens]:
-            the params cast to the compute dtype (a new copy unless the dtype is the params'),
-            with the whole train state still live
+            the params cast to the sampling dtype (jaxmem.decode.stopping.sample_dtype; a new
+            copy unless the dtype is the params'), with the whole train state still live. A
+            LoRA / QLoRA run samples with its frozen base as stored (int8 / NF4 projections,
+            dequantized one layer at a time inside the sampler) and its adapters
 
 Each phase's total is what its program needs (XLA's compiled peak: temp + arguments + output -
 aliases) plus what the run holds outside it. The step is always compiled (jaxmem.memory.compiled);
@@ -52,18 +54,25 @@ class SampleShape:
     """The end-of-run sample: `max_new_tokens` after a prompt of `prompt_tokens` (0: no sample).
 
     total: positions of its token buffer, capped by the model's (jaxmem.decode.sampling).
+    dtype: the run's sampling dtype flag (None: jaxmem.decode.stopping.sample_dtype's default).
     """
 
     max_new_tokens: int = 200
     temperature: float = 0.8
     top_k: int = 40
     prompt_tokens: int = PROMPT_TOKENS
+    dtype: str | None = None
 
     @classmethod
     def of(cls, cfg) -> "SampleShape":
         """The sample of a RunConfig (its sample section)."""
         s = cfg.sample
-        return cls(s.max_new_tokens, s.temperature, s.top_k)
+        return cls(s.max_new_tokens, s.temperature, s.top_k, dtype=s.dtype)
+
+    def compute_dtype(self, run_dtype):
+        """The dtype the sampler computes and caches in for a run computing in `run_dtype`."""
+        from jaxmem.decode.stopping import sample_dtype
+        return sample_dtype(self.dtype, run_dtype)
 
     def total(self, limit: int) -> int:
         n = min(self.prompt_tokens, limit - 1)
@@ -126,13 +135,31 @@ def analytic_phases(spec: StepSpec, sample: SampleShape | None = None) -> dict:
     if sample is not None and sample.max_new_tokens > 0:
         limit = c.max_position_embeddings
         total = sample.total(limit)
-        P, Pn = c.num_params(), norm_params(c)
-        changed = jnp.dtype(p.param_dtype) != jnp.dtype(p.compute_dtype) or spec.peft is not None
-        cast = (P - Pn) * _b(p.compute_dtype) + Pn * FP32 if changed else 0
+        sd = sample.compute_dtype(p.compute_dtype)
+        if spec.peft is None:
+            P, Pn = c.num_params(), norm_params(c)
+            changed = jnp.dtype(p.param_dtype) != jnp.dtype(sd)
+            cast = (P - Pn) * _b(sd) + Pn * FP32 if changed else 0
+        else:  # the adapters cast; the base as stored, a quantized layer dequantized at a time
+            cast = _lora_sample_cast(spec, sd)
         out["sample"] = {"total": state + cast + _forward_working_set(spec, 1, total, "full"),
                          "what": f"end-of-run sample, 1 x {total} tokens "
                                                f"(with the whole state)"}
     return out
+
+
+def _lora_sample_cast(spec: StepSpec, dtype) -> int:
+    """What a LoRA sampler makes of its params in `dtype`: the adapters cast, the base's 16-bit
+    leaves (embedding, head, an unquantized base's projections) cast where `dtype` is not the
+    compute dtype they are stored in, and one quantized layer's projections dequantized."""
+    from jaxmem.peft import memory as peft_memory
+    c, lora, p = spec.model, spec.peft, spec.precision
+    out = peft_memory.trainable_params(c, lora) * _b(dtype)
+    if jnp.dtype(dtype) != jnp.dtype(p.compute_dtype):
+        out += sum(b // _b(p.compute_dtype) * _b(dtype)
+                   for n, b, d in peft_memory.base_components(c, lora, p.compute_dtype)
+                   if d == jnp.dtype(p.compute_dtype).name)
+    return out + peft_memory.dequant_transient(c, lora, dtype) // c.num_layers
 
 
 def _held_outside(spec: StepSpec) -> dict:
@@ -145,10 +172,9 @@ def _held_outside(spec: StepSpec) -> dict:
         from jaxmem.memory.lora_mesh import base_split
         frozen -= base_split(spec, {}).layers
     # the sampler takes the params as stored and casts them inside its program (a temporary):
-    # its arguments are the state's own buffers; for LoRA, a plain model's params (upper bound)
-    same = 0 if spec.peft is not None else param_bytes
+    # its arguments are the state's own params (LoRA: the frozen base and the adapters)
     return {"state": frozen, "step": 0, "eval": state_bytes - param_bytes,
-            "sample": state_bytes - same + frozen}
+            "sample": state_bytes - param_bytes}
 
 
 def _compile_phase(name: str, spec: StepSpec, sample: SampleShape) -> dict:
@@ -158,7 +184,7 @@ def _compile_phase(name: str, spec: StepSpec, sample: SampleShape) -> dict:
         return compile_eval(spec)
     limit = spec.model.max_position_embeddings
     return compile_sample(spec, sample.n_prompt(limit), sample.total(limit), sample.temperature,
-                          sample.top_k)
+                          sample.top_k, sample.dtype)
 
 
 def run_phases(spec: StepSpec, sample: SampleShape | None = None, compile: bool = False,
