@@ -10,6 +10,8 @@
     compile_state(spec)        the program that makes the train state (jaxmem.memory.phases)
     compile_eval(spec)         the eval function of a run (make_eval_fn: the fused loss)
     compile_sample(spec, ...)  the end-of-run sampler (jaxmem.decode.sampling.lower_sample)
+    compile_import(spec)       a QLoRA run's import: its base quantized layer by layer
+                               (jaxmem.peft.base.import_programs)
 
 Both compile the code that trains: `jaxmem.train.step.jit_train_step` on
 `jaxmem.train.run.abstract_step_args` (the step's own arguments) and
@@ -160,3 +162,22 @@ def compile_sample(spec: StepSpec, n_prompt: int, total: int, temperature: float
                            compute_dtype=sample_dtype(dtype, spec.precision.compute_dtype),
                            temperature=temperature, top_k=min(top_k, spec.model.vocab_size))
     return compiled_stats(lowered.compile())[0]
+
+
+def compile_import(spec: StepSpec) -> dict:
+    """XLA's memory numbers of a LoRA run's import of its frozen base, from the programs the
+    one-device import runs (jaxmem.peft.base.import_programs: per projection, one layer
+    quantized into the donated stacked result; the layer read in fp32, a seed's init; a 16-bit
+    checkpoint's layer is half of it).
+
+    Returns {"peak_bytes": the largest over the projections of (program peak - its stacked
+    result's bytes): what the import needs beyond the finished base, "roles": {role: the
+    program's stats}}; peak_bytes 0 for a base that is not quantized (its leaves are only put).
+    """
+    from jaxmem.peft.base import import_programs
+    roles, extra = {}, 0
+    for prog in import_programs(spec.model, spec.peft):
+        stats = compiled_stats(prog["fn"].lower(*prog["args"]).compile())[0]
+        roles[prog["role"]] = {**stats, "stacked_bytes": prog["stacked_bytes"]}
+        extra = max(extra, stats["peak_bytes"] - prog["stacked_bytes"])
+    return {"peak_bytes": int(extra), "roles": roles}
