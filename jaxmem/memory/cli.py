@@ -25,7 +25,8 @@ other three. The verdict is on the largest phase, and so is `--fit`'s choice.
 
 `--fit GIB --global-batch N` runs the planner instead (jaxmem.memory.planner.plan): candidates from
 fastest to most frugal, the first whose *compiled* peak fits is printed with its breakdown, with
-every rejected candidate and why; exit 1 when nothing fits.
+every rejected candidate and why; exit 1 when nothing fits. GIB is the GPU's size; a candidate
+fits when its peak is within jaxmem.memory.verdict.usable_bytes(GIB), the verdict's own rule.
 
 `--mesh data=D,fsdp=F,tensor=T` (with `--devices N` on the CPU backend: N simulated devices)
 prints the per-device breakdown instead: the analytic model split by the sharding rules and the
