@@ -210,9 +210,12 @@ def test_memory_fit_searches_meshes():
                                               "data=1,fsdp=4,tensor=1", "data=1,fsdp=2,tensor=2"]
     peaks = [t["peak_bytes"] for t in r["tried"]]
     assert min(peaks) < peaks[0]  # splitting the params pays off per device
-    budget = (min(peaks) + 1024) / 2**30
+    # the GPU size whose usable bytes (verdict.usable_bytes, the subprocess's environment:
+    # preallocation off) are just above the smallest per-device peak
+    from jaxmem.memory.verdict import device_gib_for, usable_bytes
+    budget = device_gib_for(min(peaks) + 1024, fraction=1.0)
     rc, r = fit(budget)
-    first = next(i for i, p in enumerate(peaks) if p <= budget * 2**30)
+    first = next(i for i, p in enumerate(peaks) if p <= usable_bytes(budget, fraction=1.0))
     assert rc == 0 and first > 0
     assert r["chosen"]["mesh"] == r["tried"][-1]["mesh"] and len(r["tried"]) == first + 1
     assert r["chosen"]["peak_bytes"] == peaks[first]

@@ -134,6 +134,45 @@ def test_sampler_lowering_is_the_sampler():
     assert len(out) == 9 and out[:3] == prompt
 
 
+@pytest.mark.parametrize("quantize", ["nf4", pytest.param("none", marks=pytest.mark.slow)])
+def test_lora_sample_phase_compiles_what_the_run_samples_with(quantize):
+    """A LoRA / QLoRA run samples with peft.full_params(its frozen base, its adapters)
+    (jaxmem.train.loop): the sample phase's program takes exactly those params (the same leaves,
+    shapes and dtypes, so the same argument bytes), and on the tiny preset compiles to less than
+    the plain fp32 model's sampler it used to stand in for."""
+    from jaxmem.memory.compiled import sample_params, state_program
+    from jaxmem.peft.base import base_on_device
+    from jaxmem.peft.lora import LoraSpec
+    c = get_preset("tiny")
+    lora = LoraSpec(8, quantize=quantize, double_quant=quantize == "nf4")
+    spec = StepSpec(c, get_precision("amp-bf16"), RematPolicy.parse("full"), 1, 64, peft=lora)
+    host = jax.tree_util.tree_map(np.asarray, init_params(c, jax.random.PRNGKey(0)))
+    frozen = base_on_device(host, lora, spec.precision.compute_dtype)  # the run's import
+    adapters = state_program(*spec.step_config())().params  # the run's state's params
+    run_params = lora.full_params(frozen, adapters)
+    shapes = lambda t: [(x.shape, jnp.dtype(x.dtype)) for x in jax.tree_util.tree_leaves(t)]  # noqa: E731
+    assert (jax.tree_util.tree_structure(sample_params(spec))
+            == jax.tree_util.tree_structure(run_params))
+    assert shapes(sample_params(spec)) == shapes(run_params)
+    n_prompt, total = 16, 80
+    lora_prog = compile_sample(spec, n_prompt, total, 0.8, 40)
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    tokens = n_prompt * 4 + n_prompt * 1 + key.size * key.dtype.itemsize  # ids, valid, key
+    assert lora_prog["argument_bytes"] == tree_bytes(run_params) + tokens
+    plain = StepSpec(c, get_precision("fp32"), RematPolicy.parse("full"), 1, 64)
+    plain_prog = compile_sample(plain, n_prompt, total, 0.8, 40)
+    assert lora_prog["argument_bytes"] < plain_prog["argument_bytes"]
+    if quantize != "none":  # (a bf16 base: XLA:CPU emulates bf16 with fp32 copies in its temp)
+        assert lora_prog["peak_bytes"] < plain_prog["peak_bytes"], (lora_prog, plain_prog)
+    # the phase: the program plus what the run holds outside it (the adapters' optimizer state)
+    r = run_phases(spec, SampleShape(max_new_tokens=total - n_prompt, prompt_tokens=n_prompt),
+                   compile=True, step_compiled={"peak_bytes": 0})
+    row = {x["name"]: x for x in r["phases"]}["sample"]
+    state = abstract_state(spec)
+    assert row["outside_bytes"] == tree_bytes(state) - tree_bytes(state.params)
+    assert row["compiled_bytes"] == lora_prog["peak_bytes"] + row["outside_bytes"]
+
+
 @pytest.mark.slow  # 4.9 s cold on 2 cores (default run kept under 5 min)
 def test_adamw8bit_update_has_no_params_sized_buffer(monkeypatch):
     """The in-place 8-bit update (jaxmem.train.fused8bit) in row pieces: the compiled step holds

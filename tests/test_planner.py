@@ -162,6 +162,47 @@ def test_planner_rejects_with_fake_compiler_and_errors():
     assert "> budget" in reasons[1] and result["chosen"]["peak_bytes"] == 5 * 10**6
 
 
+@pytest.mark.parametrize("fraction", [".75", ".95", None])
+@pytest.mark.parametrize("device_gib", [40, 37.5, 80])
+def test_fit_and_verdict_share_one_budget_rule(monkeypatch, device_gib, fraction):
+    """A peak `plan` accepts for a GPU of `device_gib` (the budget `--fit` passes:
+    verdict.usable_bytes) is one the verdict says fits on that size, and one byte more is
+    rejected by both (the 37.59 GiB candidate of `--fit 40` is now refused by both at .75)."""
+    from jaxmem.memory.verdict import device_gib_for, fits, usable_bytes, verdict_lines
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    if fraction is None:  # preallocation off: XLA may use all but the CUDA context
+        monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    else:
+        monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", fraction)
+    base = StepSpec(CFG, get_precision("fp32"), RematPolicy(), 1, 24)
+    usable = usable_bytes(device_gib)
+    for peak in (usable - 1, usable, usable + 1, int(37.59 * 2**30)):
+        result = plan(base, 1, usable, mu_dtypes=("fp32",), analytic_first=False,
+                      compile_fn=lambda spec: {"peak_bytes": peak})
+        accepted = result["chosen"] is not None
+        line = verdict_lines(peak, "compiled", "gpu", "fp32", sizes=(device_gib,))[0]
+        assert accepted == fits(peak, device_gib) == (peak <= usable)
+        assert accepted == ("does not fit" not in line), (peak, line)
+        assert device_gib_for(peak) <= device_gib or not accepted
+    assert usable_bytes(device_gib_for(usable + 1)) >= usable + 1
+
+
+@pytest.mark.slow  # the planner compiles one candidate (tiny, 2 layers)
+def test_cli_fit_searches_the_usable_budget_and_its_verdict_agrees(capsys, monkeypatch):
+    """`--fit GIB`: every candidate is judged against usable_bytes(GIB), which the JSON gives,
+    and the chosen configuration's verdict names GIB among the sizes it fits."""
+    from jaxmem.memory.verdict import usable_bytes
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".75")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    assert main(["--preset", "tiny", "--num-layers", "2", "--seq-len", "32", "--fit", "37",
+                 "--global-batch", "1", "--max-new-tokens", "0", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["usable_bytes"] == usable_bytes(37) == int(0.75 * 37 * 2**30)
+    assert all(f"budget {usable_bytes(37) / 2**30:.3f} GiB" in t["reason"] for t in r["tried"])
+    verdict = r["chosen"]["verdict"][0]
+    assert "37 GiB" in verdict and "does not fit" not in verdict.split("37 GiB")[0][-40:]
+
+
 @pytest.mark.slow  # a JAX subprocess
 def test_cli_nothing_fits_exits_1():
     """A budget below the state itself: every candidate is rejected without compiling."""

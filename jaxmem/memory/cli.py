@@ -25,7 +25,8 @@ other three. The verdict is on the largest phase, and so is `--fit`'s choice.
 
 `--fit GIB --global-batch N` runs the planner instead (jaxmem.memory.planner.plan): candidates from
 fastest to most frugal, the first whose *compiled* peak fits is printed with its breakdown, with
-every rejected candidate and why; exit 1 when nothing fits.
+every rejected candidate and why; exit 1 when nothing fits. GIB is the GPU's size; a candidate
+fits when its peak is within jaxmem.memory.verdict.usable_bytes(GIB), the verdict's own rule.
 
 `--mesh data=D,fsdp=F,tensor=T` (with `--devices N` on the CPU backend: N simulated devices)
 prints the per-device breakdown instead: the analytic model split by the sharding rules and the
@@ -58,7 +59,8 @@ from jaxmem.memory.phases import SampleShape, format_phases, run_phases
 from jaxmem.memory.planner import plan
 from jaxmem.memory.report import format_plan, format_report, step_report
 from jaxmem.memory.spec import GiB, StepSpec
-from jaxmem.memory.verdict import header_line, train_command, verdict_lines
+from jaxmem.memory.verdict import (COMMON_GIB, header_line, train_command, usable_bytes,
+                                    verdict_lines)
 from jaxmem.model.remat import RematPolicy
 from jaxmem.train.run import build_step_config
 
@@ -101,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--global-batch", type=positive_int, default=None,
                    help="sequences per optimizer step; sets --grad-accum = global / batch size")
     g.add_argument("--fit", type=positive_gib, default=None, metavar="GIB",
-                   help="plan: the fastest configuration whose compiled peak fits in GIB GiB")
+                   help="plan: the fastest configuration whose compiled peak fits a GPU of GIB "
+                        "GiB (what XLA may use of it: XLA_PYTHON_CLIENT_MEM_FRACTION, default "
+                        ".75, less ~0.5 GiB of CUDA context; the verdict's rule)")
     g.add_argument("--compile", action="store_true",
                    help="also compile the run's other phases (making the state, evaluation, the "
                         "end-of-run sample; the step is always compiled): the verdict and --fit "
@@ -145,12 +149,14 @@ def _resolve(parser, args):
     return spec, args.global_batch or batch * accum, batch if batch_given else None
 
 
-def _verdict(report: dict) -> list[str]:
-    """The verdict on the run's largest phase (jaxmem.memory.phases), and which one it is."""
+def _verdict(report: dict, fit: float | None = None) -> list[str]:
+    """The verdict on the run's largest phase (jaxmem.memory.phases), and which one it is; with
+    --fit its size is judged too (by `usable_bytes`, the rule the search used)."""
     ph = report["phases"]
     others = ", ".join(f"{r['name']} {_gib(r)}" for r in ph["phases"])
+    sizes = COMMON_GIB if fit is None else tuple(sorted({*COMMON_GIB, fit}))
     return verdict_lines(ph["peak_bytes"], ph["peak_source"], report["backend"],
-                         report["precision"]) + [
+                         report["precision"], sizes) + [
         f"  the run's largest phase: {ph['peak_phase']} (GiB: {others}; a = analytic)"]
 
 
@@ -201,12 +207,12 @@ def _fit_mesh_and_step(args, spec, global_batch: int, max_micro: int | None) -> 
     log = None if args.json else (lambda t: print(
         f"  mesh {t['mesh']} micro {t['batch_size']} remat {t['remat']} loss chunk "
         f"{t['loss_chunk'] or 'auto'}: {t['reason']}", file=sys.stderr, flush=True))
-    result = plan_mesh(spec, meshes, global_batch, int(args.fit * GiB),
+    result = plan_mesh(spec, meshes, global_batch, usable_bytes(args.fit),
                        analytic_fn=lambda s, m: analytic_per_device(s, m, args.devices),
                        compile_fn=None if args.analytic_only else (
                            lambda s, m: compile_per_device(s, m) if target.device_count() > 1
                            else None), max_micro=max_micro, log=log)
-    out = {"budget_gib": args.fit, "devices": args.devices, "global_batch": global_batch,
+    out = {"budget_gib": args.fit, "usable_bytes": usable_bytes(args.fit), "devices": args.devices, "global_batch": global_batch,
            "tried": result["tried"], "chosen": result["chosen"]}
     if args.json:
         print(json.dumps(out, indent=2))
@@ -258,7 +264,7 @@ def _main(parser, args) -> int:
         return _fit_mesh_and_step(args, spec, global_batch, max_micro)
     if args.fit is not None and args.devices is not None:
         from jaxmem.memory.mesh import fit_mesh
-        result = fit_mesh(spec, int(args.fit * GiB), log=None if args.json else (
+        result = fit_mesh(spec, usable_bytes(args.fit), log=None if args.json else (
             lambda t: print(f"  mesh {t['mesh']}: per-device peak {t['peak_bytes'] / GiB:.3f} GiB"
                             f"{'' if t['fits'] else ' > budget'}", file=sys.stderr, flush=True)))
         if args.json:
@@ -300,13 +306,14 @@ def _main(parser, args) -> int:
         lambda t: print(f"  tried micro {t['batch_size']} remat {t['remat']} mu {t['mu_dtype']}: "
                         f"{t['reason']}", file=sys.stderr, flush=True))
     cache = {}
-    result = plan(spec, global_batch, int(args.fit * GiB),
+    result = plan(spec, global_batch, usable_bytes(args.fit),
                   mu_dtypes=(spec.mu_dtype,) if spec.mu_dtype else ("fp32", "bf16"),
                   max_micro=max_micro, log=log,
                   phases_fn=lambda c, compiled: run_phases(c, SampleShape.of(cfg), args.compile,
                                                            compiled, cache=cache))
     chosen = result["spec"]
-    out = {"budget_gib": args.fit, "global_batch": global_batch, "tried": [
+    out = {"budget_gib": args.fit, "usable_bytes": usable_bytes(args.fit),
+           "global_batch": global_batch, "tried": [
         {k: v for k, v in t.items() if k != "compiled"} for t in result["tried"]]}
     if chosen is not None:
         measured = measure_in_subprocess(chosen) if args.measure else None
@@ -317,7 +324,7 @@ def _main(parser, args) -> int:
     else:
         out["chosen"] = None
     if chosen is not None:
-        out["chosen"]["verdict"] = _verdict(out["chosen"])
+        out["chosen"]["verdict"] = _verdict(out["chosen"], args.fit)
         out["train_command"] = train_command(cfg.replace({
             "data.batch_size": chosen.batch_size, "data.grad_accum": chosen.grad_accum,
             "remat.policy": str(chosen.remat), "optim.mu_dtype": chosen.mu_dtype}))
@@ -325,6 +332,8 @@ def _main(parser, args) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(result, args.fit))
+        print(f"  (a {args.fit:g} GiB GPU: {usable_bytes(args.fit) / GiB:.3f} GiB usable, "
+              f"jaxmem.memory.verdict.usable_bytes)")
         if chosen is not None:
             print(f"\nchosen: micro-batch {chosen.batch_size} x grad-accum {chosen.grad_accum}, "
                   f"remat {chosen.remat}, mu {chosen.mu_dtype}; train it with:\n"
@@ -341,7 +350,7 @@ def _main(parser, args) -> int:
                     for t in result["tried"] if t.get("compiled")]
         _plot(parser, args.plot, [step_report(c, compiled=t["compiled"]) for c, t in compiled],
               [f"micro {t['batch_size']} x{t['grad_accum']}\n{_short(t['remat'])}, mu "
-               f"{t['mu_dtype']}" for _, t in compiled], budget=args.fit)
+               f"{t['mu_dtype']}" for _, t in compiled], budget=usable_bytes(args.fit) / GiB)
     if chosen is None:
         print(f"error: nothing fits in {args.fit:g} GiB for global batch {global_batch} x "
               f"{spec.seq_len} tokens ({len(result['tried'])} candidates tried; smallest "

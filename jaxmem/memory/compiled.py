@@ -10,6 +10,8 @@
     compile_state(spec)        the program that makes the train state (jaxmem.memory.phases)
     compile_eval(spec)         the eval function of a run (make_eval_fn: the fused loss)
     compile_sample(spec, ...)  the end-of-run sampler (jaxmem.decode.sampling.lower_sample)
+    compile_import(spec)       a QLoRA run's import: its base quantized layer by layer
+                               (jaxmem.peft.base.import_programs)
 
 Both compile the code that trains: `jaxmem.train.step.jit_train_step` on
 `jaxmem.train.run.abstract_step_args` (the step's own arguments) and
@@ -137,17 +139,45 @@ def compile_eval(spec: StepSpec) -> dict:
 
 
 def sample_params(spec: StepSpec):
-    """The params the end-of-run sample is given, as ShapeDtypeStructs: the state's; for LoRA
-    the plain model's (an upper bound: the run passes the frozen base with adapters)."""
-    return abstract_params(spec.model) if spec.peft is not None else abstract_state(spec).params
+    """The params the end-of-run sample is given, as ShapeDtypeStructs: the state's params; for
+    LoRA / QLoRA what the run passes (jaxmem.train.loop): `peft.full_params(frozen base,
+    adapters)`, the quantized base (as the step holds it) with each target wrapped with its
+    adapters as stored."""
+    params = abstract_state(spec).params
+    if spec.peft is None:
+        return params
+    return jax.eval_shape(lambda f, a: spec.peft.full_params(f, a), abstract_frozen(spec), params)
 
 
 def compile_sample(spec: StepSpec, n_prompt: int, total: int, temperature: float = 0.0,
-                   top_k: int = 0) -> dict:
+                   top_k: int = 0, dtype: str | None = None) -> dict:
     """XLA's memory numbers of the end-of-run sampler for `total` positions (arguments: the
-    params in the compute dtype, the token buffer, the key)."""
+    params as the run passes them (`sample_params`), the token buffer, the key), computing in
+    the dtype the run samples in: jaxmem.decode.stopping.sample_dtype(dtype, the compute dtype)
+    (`dtype`: the run's --dtype, None: bf16 on a GPU (fp16 for an fp16 run), else the compute
+    dtype)."""
     from jaxmem.decode.sampling import lower_sample
+    from jaxmem.decode.stopping import sample_dtype
     lowered = lower_sample(spec.model, sample_params(spec), n_prompt, total,
-                           compute_dtype=spec.precision.compute_dtype, temperature=temperature,
-                           top_k=min(top_k, spec.model.vocab_size))
+                           compute_dtype=sample_dtype(dtype, spec.precision.compute_dtype),
+                           temperature=temperature, top_k=min(top_k, spec.model.vocab_size))
     return compiled_stats(lowered.compile())[0]
+
+
+def compile_import(spec: StepSpec) -> dict:
+    """XLA's memory numbers of a LoRA run's import of its frozen base, from the programs the
+    one-device import runs (jaxmem.peft.base.import_programs: per projection, one layer
+    quantized into the donated stacked result; the layer read in fp32, a seed's init; a 16-bit
+    checkpoint's layer is half of it).
+
+    Returns {"peak_bytes": the largest over the projections of (program peak - its stacked
+    result's bytes): what the import needs beyond the finished base, "roles": {role: the
+    program's stats}}; peak_bytes 0 for a base that is not quantized (its leaves are only put).
+    """
+    from jaxmem.peft.base import import_programs
+    roles, extra = {}, 0
+    for prog in import_programs(spec.model, spec.peft):
+        stats = compiled_stats(prog["fn"].lower(*prog["args"]).compile())[0]
+        roles[prog["role"]] = {**stats, "stacked_bytes": prog["stacked_bytes"]}
+        extra = max(extra, stats["peak_bytes"] - prog["stacked_bytes"])
+    return {"peak_bytes": int(extra), "roles": roles}

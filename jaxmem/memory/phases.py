@@ -5,21 +5,29 @@
     run_phases(spec, sample, ...)         each phase with its analytic and (compile=True)
                                           compiled peak, and the largest: the run's peak
 
-A run (jaxmem.train.loop) goes through four programs, one at a time, and the device must hold
+A run (jaxmem.train.loop) goes through these programs, one at a time, and the device must hold
 the largest of them:
 
+    import  LoRA / QLoRA: the frozen base put on the device, each quantized projection one
+            layer at a time into its stacked result (jaxmem.peft.base.quantize_on_device):
+            the base made so far (counted whole: an upper bound), one projection's stacked
+            result, one layer's fp32 weight and the quantizer's temporaries. Shown for every
+            LoRA run, from the preset's shapes: an `--init-from` checkpoint and a seed's init
+            are imported alike (a 16-bit checkpoint's layer is half the fp32 one counted)
     state   making the train state (or restoring it): the program's output is the state
     step    the train step: the state and batch are its (donated) arguments
     eval    the eval function on one [B, T] batch (the fused LM-head loss, never [B, T, V]
             logits); the loop still holds the whole train state, so the optimizer state and
             counters are live outside the program
     sample  the end-of-run sample (jaxmem.decode.sampling) over [1, prompt + new tokens]:
-            the params cast to the compute dtype (a new copy unless the dtype is the params'),
-            with the whole train state still live
+            the params cast to the sampling dtype (jaxmem.decode.stopping.sample_dtype; a new
+            copy unless the dtype is the params'), with the whole train state still live. A
+            LoRA / QLoRA run samples with its frozen base as stored (int8 / NF4 projections,
+            dequantized one layer at a time inside the sampler) and its adapters
 
 Each phase's total is what its program needs (XLA's compiled peak: temp + arguments + output -
 aliases) plus what the run holds outside it. The step is always compiled (jaxmem.memory.compiled);
-the other three with `compile=True` (`python -m jaxmem.memory --compile`), else their analytic
+the others with `compile=True` (`python -m jaxmem.memory --compile`), else their analytic
 numbers stand in. Saving a checkpoint is left out: it runs on the host copy of the state
 (another branch makes it asynchronous).
 """
@@ -34,14 +42,14 @@ import jax.numpy as jnp
 from jaxmem.memory.analytic import (FP32, analytic_breakdown, layer_residuals, norm_params,
                                     outside_residuals)
 from jaxmem.memory.compiled import (abstract_frozen, abstract_state, compile_eval,
-                                    compile_sample, compile_state, sample_params, tree_bytes)
+                                    compile_import, compile_sample, compile_state, tree_bytes)
 from jaxmem.memory.spec import StepSpec
 from jaxmem.model.attention import query_chunk
 from jaxmem.model.llama import abstract_params
 from jaxmem.model.remat import RematPolicy
 from jaxmem.loss.chunked import resolve_loss_chunk
 
-PHASES = ("state", "step", "eval", "sample")
+PHASES = ("import", "state", "step", "eval", "sample")
 # The end-of-run sample's prompt, in tokens: its default is the first line of the eval data cut
 # to 60 characters (jaxmem.train.loop.eval_prompt), <= 61 tokens with BOS for any tokenizer.
 PROMPT_TOKENS = 64
@@ -52,18 +60,25 @@ class SampleShape:
     """The end-of-run sample: `max_new_tokens` after a prompt of `prompt_tokens` (0: no sample).
 
     total: positions of its token buffer, capped by the model's (jaxmem.decode.sampling).
+    dtype: the run's sampling dtype flag (None: jaxmem.decode.stopping.sample_dtype's default).
     """
 
     max_new_tokens: int = 200
     temperature: float = 0.8
     top_k: int = 40
     prompt_tokens: int = PROMPT_TOKENS
+    dtype: str | None = None
 
     @classmethod
     def of(cls, cfg) -> "SampleShape":
         """The sample of a RunConfig (its sample section)."""
         s = cfg.sample
-        return cls(s.max_new_tokens, s.temperature, s.top_k)
+        return cls(s.max_new_tokens, s.temperature, s.top_k, dtype=s.dtype)
+
+    def compute_dtype(self, run_dtype):
+        """The dtype the sampler computes and caches in for a run computing in `run_dtype`."""
+        from jaxmem.decode.stopping import sample_dtype
+        return sample_dtype(self.dtype, run_dtype)
 
     def total(self, limit: int) -> int:
         n = min(self.prompt_tokens, limit - 1)
@@ -123,16 +138,49 @@ def analytic_phases(spec: StepSpec, sample: SampleShape | None = None) -> dict:
                  + _forward_working_set(spec, B, T, "fused"),
                  "what": f"evaluation, batch {B} x {T}, fused loss (with the whole state)"},
     }
+    if spec.peft is not None:
+        out = {"import": _analytic_import(spec), **out}
     if sample is not None and sample.max_new_tokens > 0:
         limit = c.max_position_embeddings
         total = sample.total(limit)
-        P, Pn = c.num_params(), norm_params(c)
-        changed = jnp.dtype(p.param_dtype) != jnp.dtype(p.compute_dtype) or spec.peft is not None
-        cast = (P - Pn) * _b(p.compute_dtype) + Pn * FP32 if changed else 0
+        sd = sample.compute_dtype(p.compute_dtype)
+        if spec.peft is None:
+            P, Pn = c.num_params(), norm_params(c)
+            changed = jnp.dtype(p.param_dtype) != jnp.dtype(sd)
+            cast = (P - Pn) * _b(sd) + Pn * FP32 if changed else 0
+        else:  # the adapters cast; the base as stored, a quantized layer dequantized at a time
+            cast = _lora_sample_cast(spec, sd)
         out["sample"] = {"total": state + cast + _forward_working_set(spec, 1, total, "full"),
                          "what": f"end-of-run sample, 1 x {total} tokens "
                                                f"(with the whole state)"}
     return out
+
+
+def _analytic_import(spec: StepSpec) -> dict:
+    """The frozen base (as the step holds it) and, while a projection is quantized, its largest
+    layer three times in fp32: the weight read, its fp32 blocks and their normalized values."""
+    from jaxmem.peft import memory as peft_memory
+    c, lora = spec.model, spec.peft
+    base = sum(b for _, b, _ in peft_memory.base_components(c, lora, spec.precision.compute_dtype))
+    layer = max(i * o for i, o in peft_memory._in_out(c).values())
+    work = 3 * layer * FP32 if lora.quantize != "none" else 0
+    what = ("importing the frozen base: " + (f"{lora.quantize} quantized one layer at a time"
+                                            if lora.quantize != "none" else "put as stored"))
+    return {"total": base + work, "what": what}
+
+
+def _lora_sample_cast(spec: StepSpec, dtype) -> int:
+    """What a LoRA sampler makes of its params in `dtype`: the adapters cast, the base's 16-bit
+    leaves (embedding, head, an unquantized base's projections) cast where `dtype` is not the
+    compute dtype they are stored in, and one quantized layer's projections dequantized."""
+    from jaxmem.peft import memory as peft_memory
+    c, lora, p = spec.model, spec.peft, spec.precision
+    out = peft_memory.trainable_params(c, lora) * _b(dtype)
+    if jnp.dtype(dtype) != jnp.dtype(p.compute_dtype):
+        out += sum(b // _b(p.compute_dtype) * _b(dtype)
+                   for n, b, d in peft_memory.base_components(c, lora, p.compute_dtype)
+                   if d == jnp.dtype(p.compute_dtype).name)
+    return out + peft_memory.dequant_transient(c, lora, dtype) // c.num_layers
 
 
 def _held_outside(spec: StepSpec) -> dict:
@@ -145,20 +193,21 @@ def _held_outside(spec: StepSpec) -> dict:
         from jaxmem.memory.lora_mesh import base_split
         frozen -= base_split(spec, {}).layers
     # the sampler takes the params as stored and casts them inside its program (a temporary):
-    # its arguments are the state's own buffers; for LoRA, a plain model's params (upper bound)
-    same = 0 if spec.peft is not None else param_bytes
-    return {"state": frozen, "step": 0, "eval": state_bytes - param_bytes,
-            "sample": state_bytes - same + frozen}
+    # its arguments are the state's own params (LoRA: the frozen base and the adapters)
+    return {"import": frozen, "state": frozen, "step": 0, "eval": state_bytes - param_bytes,
+            "sample": state_bytes - param_bytes}
 
 
 def _compile_phase(name: str, spec: StepSpec, sample: SampleShape) -> dict:
+    if name == "import":  # peak_bytes: what the import needs beyond the finished base
+        return compile_import(spec)
     if name == "state":
         return compile_state(spec)
     if name == "eval":
         return compile_eval(spec)
     limit = spec.model.max_position_embeddings
     return compile_sample(spec, sample.n_prompt(limit), sample.total(limit), sample.temperature,
-                          sample.top_k)
+                          sample.top_k, sample.dtype)
 
 
 def run_phases(spec: StepSpec, sample: SampleShape | None = None, compile: bool = False,
@@ -170,7 +219,7 @@ def run_phases(spec: StepSpec, sample: SampleShape | None = None, compile: bool 
     step_compiled: compile_step(spec)'s result (the step is compiled by its caller);
     step_measured: the step's measured peak (--measure on a GPU), which then stands for it.
     cache: a dict kept across calls that vary only the micro-batch, remat and accumulation (the
-    planner's candidates): state and sample are compiled once per mu dtype, eval per micro-batch.
+    planner's candidates): import once, state and sample once per mu dtype, eval per micro-batch.
     Returns {"phases": [{name, what, analytic_bytes, compiled_bytes, outside_bytes,
     program_compiled}], "peak_bytes", "peak_phase", "peak_source"}.
     """
@@ -185,7 +234,8 @@ def run_phases(spec: StepSpec, sample: SampleShape | None = None, compile: bool 
         if name == "step" and step_compiled is not None:
             compiled, source = int(step_compiled["peak_bytes"]), "compiled"
         elif compile and name != "step":
-            key = (name, spec.mu_dtype, spec.batch_size if name == "eval" else None)
+            key = (name, None if name == "import" else spec.mu_dtype,
+                   spec.batch_size if name == "eval" else None)
             program = (cache or {}).get(key) or _compile_phase(name, spec, sample)
             if cache is not None:
                 cache[key] = program

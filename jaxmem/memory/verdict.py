@@ -2,6 +2,10 @@
 accelerator sizes with the headroom assumed, and the `jaxmem.train` command for a plan.
 
     header_line(cfg, spec, params)          what was measured: precision, remat, optimizer, batch
+    usable_bytes(device_gib)                what a program may use on a device of that size:
+                                            the one budget rule of the verdict, `--fit`, and the
+                                            mesh planners (`fits`, `device_gib_for`: its test
+                                            and its inverse)
     verdict_lines(peak_bytes, source, ...)  fits / does not fit on 24, 40, 80, 141 GiB
     train_command(cfg)                      `python -m jaxmem.train ...` with the flags of cfg
 
@@ -15,6 +19,7 @@ environment, else .75.
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 from typing import TYPE_CHECKING
@@ -40,9 +45,40 @@ def xla_fraction() -> float:
 
 
 def usable_gib(device_gib: float, fraction: float | None = None) -> float:
-    """GiB XLA can give a step on a `device_gib` GPU."""
+    """GiB XLA can give a program on a `device_gib` GPU: `usable_bytes` in GiB."""
+    return usable_bytes(device_gib, fraction) / GiB
+
+
+def usable_bytes(device_gib: float, fraction: float | None = None) -> int:
+    """Bytes a compiled program (or a phase of a run) may need on a GPU of `device_gib` GiB.
+
+    The rule: min(fraction x device, device - CUDA_CONTEXT_GIB), rounded down to a byte.
+    fraction is the share XLA's client takes at start-up (`xla_fraction`:
+    XLA_PYTHON_CLIENT_MEM_FRACTION, default .75; 1.0 with XLA_PYTHON_CLIENT_PREALLOCATE=false);
+    CUDA_CONTEXT_GIB (0.5, assumed) is the margin for the CUDA context, which lives outside
+    XLA's share: with the fraction near 1 it is what is left. No other margin is taken for what
+    a compile cannot see (autotuning, cuDNN / cuBLAS workspaces, fragmentation): none has been
+    measured yet. Every "fits" of jaxmem.memory is `peak_bytes <= usable_bytes(size)`: the
+    verdict on each size, `--fit GIB` (GIB is the device's size), and the mesh planners.
+    """
     fraction = xla_fraction() if fraction is None else fraction
-    return min(fraction * device_gib, device_gib - CUDA_CONTEXT_GIB)
+    return int(min(fraction * device_gib, device_gib - CUDA_CONTEXT_GIB) * GiB)
+
+
+def device_gib_for(peak_bytes: int, fraction: float | None = None) -> float:
+    """The smallest device size in GiB (to 1e-9 GiB) whose `usable_bytes` holds `peak_bytes`:
+    the inverse of the rule, e.g. the `--fit` that just admits a given peak."""
+    fraction = xla_fraction() if fraction is None else fraction
+    gib = max(peak_bytes / GiB / fraction, peak_bytes / GiB + CUDA_CONTEXT_GIB)
+    gib = math.ceil(gib * 1e9) / 1e9
+    while usable_bytes(gib, fraction) < peak_bytes:  # float rounding: a nano-GiB more
+        gib += 1e-9
+    return gib
+
+
+def fits(peak_bytes: int, device_gib: float, fraction: float | None = None) -> bool:
+    """Whether a peak of `peak_bytes` fits a GPU of `device_gib` GiB (`usable_bytes`' rule)."""
+    return peak_bytes <= usable_bytes(device_gib, fraction)
 
 
 def header_line(cfg: RunConfig, spec, params: int) -> str:
@@ -60,15 +96,15 @@ def verdict_lines(peak_bytes: int, source: str, backend: str, precision: str,
     """'verdict: ...' and the assumptions behind it."""
     frac = xla_fraction()
     peak = peak_bytes / GiB
-    fits = [g for g in sizes if peak <= usable_gib(g, frac)]
-    no = [g for g in sizes if g not in fits]
-    say = lambda gs: ", ".join(f"{g} GiB" for g in gs)  # noqa: E731
+    ok = [g for g in sizes if fits(peak_bytes, g, frac)]
+    no = [g for g in sizes if g not in ok]
+    say = lambda gs: ", ".join(f"{g:g} GiB" for g in gs)  # noqa: E731
     if not no:
         verdict = f"fits on every common GPU size ({say(sizes)})"
-    elif not fits:
+    elif not ok:
         verdict = f"does not fit on any common GPU size ({say(sizes)})"
     else:
-        verdict = f"fits on {say(fits)}; does not fit on {say(no)}"
+        verdict = f"fits on {say(ok)}; does not fit on {say(no)}"
     lines = [f"verdict: {source} peak {peak:.2f} GiB {verdict}",
              f"  assumed: XLA may use {frac:.0%} of the device (JAX preallocates "
              f"XLA_PYTHON_CLIENT_MEM_FRACTION, default .75),",

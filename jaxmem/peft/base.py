@@ -4,6 +4,7 @@
     digest = base_sha256(host)                       # recorded in config.json, checked on resume
     frozen = base_on_device(host, spec, dtype)       # int8 / NF4 projections, layer by layer
     frozen = base_on_device(host, spec, dtype, shardings)  # on a mesh: each device its shard
+    programs = import_programs(model_cfg, spec)      # what the import compiles (memory planner)
 
 The run's checkpoints hold the adapters only; the base is referenced by its source (a Hugging
 Face directory given with --init-from, or "init:seed=N", the same random init a full run of that
@@ -12,9 +13,13 @@ continue on other weights (RunError, exit 2): adapters trained on one base mean 
 another.
 
 The full-precision base never sits whole on the device: it is read into host memory, and each
-projection is put on the device one layer at a time and quantized there
-(jaxmem.peft.quant.quantize_layers). The embedding, the norms and the LM head are never
-quantized (the fused LM-head loss reads the head weight as an array).
+projection is put on the device one layer at a time and quantized there into its stacked,
+donated result (`quantize_on_device`, one jitted `layer_quantizer` per projection shape; the
+next layer is put only once the last one is quantized, so one layer's full-precision weight is
+on the device at a time). The device's peak while importing is the base made so far, one
+projection's stacked result and one layer's input with the quantizer's temporaries
+(`import_programs` gives the planner those programs). The embedding, the norms and the LM head
+are never quantized (the fused LM-head loss reads the head weight as an array).
 
 On a mesh the base is split by the parameter rules (jaxmem.parallel.rules.base_shardings: codes,
 absmax and double-quantization scales are each a sharded leaf) and stays split: the train step's
@@ -26,6 +31,7 @@ it for whatever mesh it runs on.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import jax
@@ -35,7 +41,7 @@ import numpy as np
 from jaxmem.model.roles import param_role, path_text
 from jaxmem.peft.lora import LoraSpec
 from jaxmem.peft.offload import offload_shardings, one_device_shardings
-from jaxmem.peft.quant import quantize_layers
+from jaxmem.peft.quant import QuantizedWeight, quantize, quantize_layers
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -89,6 +95,9 @@ def base_on_device(host_params, spec: LoraSpec, dtype, shardings=None):
         role = param_role(path)
         if role in PROJECTIONS and spec.quantize != "none":
             n_in = 2 if role == "o_proj" else 1
+            if shardings is None and not isinstance(leaf, jax.core.Tracer):  # eval_shape: not
+                return quantize_on_device(leaf, spec.quantize, n_in, spec.block,
+                                          spec.double_quant)
             return quantize_layers(leaf, spec.quantize, n_in, spec.block, spec.double_quant,
                                    to_host=shardings is not None)
         if shardings is not None:  # the cast on the host (round to nearest even, as XLA's)
@@ -101,6 +110,68 @@ def base_on_device(host_params, spec: LoraSpec, dtype, shardings=None):
         return base
     return jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: x[i]),
                         base, shardings)
+
+
+@functools.lru_cache(maxsize=None)
+def layer_quantizer(kind: str, n_in: int, block: int, double_quant: bool):
+    """jit((stacked leaves, w, i) -> stacked leaves with layer i replaced by quantize(w)), the
+    stacked leaves donated (updated in place): w is one layer [in..., out...] in any float
+    dtype, i an int32 scalar, the leaves a tuple as QuantizedWeight.tree_flatten gives them."""
+    def put(stacked, w, i):
+        leaves = quantize(w, kind, n_in, block, double_quant).tree_flatten()[0]
+        return tuple(None if s is None else jax.lax.dynamic_update_index_in_dim(s, x, i, 0)
+                     for s, x in zip(stacked, leaves))
+    return jax.jit(put, donate_argnums=0)
+
+
+def _stacked_abstract(layer, num_layers: int, kind, n_in, block, double_quant):
+    """(abstract stacked leaves, the QuantizedWeight's static data) for `num_layers` layers
+    shaped like `layer` (a ShapeDtypeStruct)."""
+    q = jax.eval_shape(functools.partial(quantize, kind=kind, n_in=n_in, block=block,
+                                         double_quant=double_quant), layer)
+    leaves, aux = q.tree_flatten()
+    return tuple(None if x is None else jax.ShapeDtypeStruct((num_layers,) + x.shape, x.dtype)
+                 for x in leaves), aux
+
+
+def quantize_on_device(w, kind: str, n_in: int, block: int, double_quant: bool):
+    """A stacked weight w [L, in..., out...] (host or device) quantized layer by layer into
+    its stacked QuantizedWeight on the default device: bitwise `quant.quantize_layers`' result,
+    holding on the device the stacked result and one layer of w (each layer is quantized before
+    the next is put: async dispatch would otherwise put every layer first)."""
+    layer = jax.ShapeDtypeStruct(w.shape[1:], w.dtype)
+    abstract, aux = _stacked_abstract(layer, w.shape[0], kind, n_in, block, double_quant)
+    fn = layer_quantizer(kind, n_in, block, double_quant)
+    stacked = tuple(None if a is None else jnp.zeros(a.shape, a.dtype) for a in abstract)
+    for i in range(w.shape[0]):
+        stacked = fn(stacked, jnp.asarray(w[i]), np.int32(i))
+        jax.block_until_ready(stacked)
+    return QuantizedWeight.tree_unflatten(aux, list(stacked))
+
+
+def import_programs(model_cfg, spec: LoraSpec, host_dtype=np.float32) -> list[dict]:
+    """The programs a one-device import of a QLoRA base runs, one per projection role:
+    {"role", "fn" (layer_quantizer), "args" (ShapeDtypeStructs: the stacked leaves, one layer
+    of `host_dtype`, the layer index), "stacked_bytes"}; [] when the base is not quantized.
+    host_dtype: the dtype the base is read in (a seed's init: float32, the largest; a
+    checkpoint: its own dtype, jaxmem.peft.slices.host_dtype)."""
+    from jaxmem.model.llama import abstract_params
+    if spec.quantize == "none":
+        return []
+    out = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params(model_cfg)):
+        role = param_role(path)
+        if role not in PROJECTIONS:
+            continue
+        n_in = 2 if role == "o_proj" else 1
+        layer = jax.ShapeDtypeStruct(leaf.shape[1:], np.dtype(host_dtype))
+        stacked, _ = _stacked_abstract(layer, leaf.shape[0], spec.quantize, n_in, spec.block,
+                                       spec.double_quant)
+        nbytes = sum(int(x.size) * x.dtype.itemsize for x in stacked if x is not None)
+        out.append({"role": role, "stacked_bytes": nbytes,
+                    "fn": layer_quantizer(spec.quantize, n_in, spec.block, spec.double_quant),
+                    "args": (stacked, layer, jax.ShapeDtypeStruct((), np.int32))})
+    return out
 
 
 def check_base(record: dict, source: str, digest: str) -> None:
