@@ -177,7 +177,7 @@ def gemms(comps) -> dict:
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
           "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "s4": 0.5, "u4": 0.5}
-_ARRAY = re.compile(r"\b([a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
+_ARRAY = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call",
          "conditional", "custom-call", "fusion", "after-all", "partition-id", "replica-id",
          "opt-barrier", "iota", "copy-start", "copy-done", "add-dependency"}
