@@ -96,7 +96,9 @@ def inspect_lowered(lowered, traced) -> dict:
 def _measure(args, precision: str, profile_dir: str | None, inspect: bool) -> dict:
     cfg, _, lowered, traced = lower_step(args.preset, precision, args.remat, args.batch_size,
                                             args.seq_len)
-    compiled = lowered.compile()
+    # on a GPU, fp8 is compiled as jaxmem.train's CLI compiles it (jaxmem.model.fp8's flags)
+    gpu_fp8 = precision == "fp8" and jax.default_backend() == "gpu"
+    compiled = lowered.compile(compiler_options=dict(COMPILER_OPTIONS_FP8) if gpu_fp8 else None)
     row = {"precision": precision}
     if inspect:
         row.update(inspect_lowered(lowered, traced))
