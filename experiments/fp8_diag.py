@@ -24,6 +24,18 @@ It builds jaxmem's train step with `--precision fp8` (remat `full` by default) a
 - step_ms (median), tokens_per_s, and the same step in `--baseline` precision (amp-bf16) for the
   ratio the issue measured (fp8 0.66x of amp-bf16 on an H100, 2026-11-23).
 
+With `--target h100` nothing runs: the steps are compiled by XLA's GPU compiler for that card
+(jaxmem.target, no GPU needed) and the report is a table read from their optimized HLO
+(experiments.fp8_hlo.step_table): for amp-bf16 and fp8, each in the forms that matter (XLA's
+default, Triton GEMMs, and `--xla_gpu_enable_triton_gemm=false`; fp8 also with jaxmem's flags,
+jaxmem.model.fp8.COMPILER_OPTIONS_FP8), GEMMs per step by backend and dtype (cublasLt f8,
+cublasLt bf16, Triton), non-GEMM fusions and the bytes they move (operands read plus results
+written, from the HLO text: a deviceless compile has no cost_analysis), the passes fp8 scaling
+adds (amax reductions, quantize converts), and a roofline estimate (every GEMM at the card's
+published peak for its dtype, every non-GEMM byte at its bandwidth, no overlap). The step is
+compiled with `--layers` and `--layers` + 1 layers; the difference is one layer, and the table
+is scaled to the preset's layer count.
+
 With `--json` the last line of stdout is one JSON object (experiments.gpu_check reads it). Numbers
 from a CPU say nothing about GPU speed (the CPU emulates bf16 and fp8); the counts are what the
 CPU can check.
@@ -32,6 +44,7 @@ CPU can check.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -42,7 +55,10 @@ import time
 
 import jax
 
-from experiments.fp8_hlo import F8_TARGET, fp8_dots, gemms, parse_hlo, top_kernels
+from experiments.fp8_hlo import (F8_TARGET, fp8_dots, gemms, parse_hlo, roofline_ms, step_table,
+                                 top_kernels)
+from jaxmem import target
+from jaxmem.model.fp8 import COMPILER_OPTIONS_FP8
 from jaxmem.config.model import PRESETS, get_preset
 from jaxmem.model.fp8 import count_traced
 from jaxmem.model.remat import RematError, RematPolicy
@@ -53,10 +69,14 @@ from jaxmem.train.step import StepConfig, create_train_state, jit_train_step
 # ------------------------------------------------------------------------------ the step
 
 
-def lower_step(preset: str, precision: str, remat: str, batch_size: int, seq_len: int):
+def lower_step(preset: str, precision: str, remat: str, batch_size: int, seq_len: int,
+               num_layers: int | None = None):
     """(step config, jitted step, lowered step, traced fp8 einsums) without allocating anything:
     the step is lowered for the state's and the batch's shapes (`jax.eval_shape`)."""
-    cfg = StepConfig(get_preset(preset), get_precision(precision), RematPolicy.parse(remat))
+    model = get_preset(preset)
+    if num_layers is not None:
+        model = dataclasses.replace(model, num_layers=num_layers)
+    cfg = StepConfig(model, get_precision(precision), RematPolicy.parse(remat))
     state = jax.eval_shape(lambda: create_train_state(cfg))
     batch = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((1, *s.shape), s.dtype),
                                    abstract_batch(batch_size, seq_len))  # [K=1, B, T]
@@ -76,7 +96,9 @@ def inspect_lowered(lowered, traced) -> dict:
 def _measure(args, precision: str, profile_dir: str | None, inspect: bool) -> dict:
     cfg, _, lowered, traced = lower_step(args.preset, precision, args.remat, args.batch_size,
                                             args.seq_len)
-    compiled = lowered.compile()
+    # on a GPU, fp8 is compiled as jaxmem.train's CLI compiles it (jaxmem.model.fp8's flags)
+    gpu_fp8 = precision == "fp8" and jax.default_backend() == "gpu"
+    compiled = lowered.compile(compiler_options=dict(COMPILER_OPTIONS_FP8) if gpu_fp8 else None)
     row = {"precision": precision}
     if inspect:
         row.update(inspect_lowered(lowered, traced))
@@ -133,6 +155,118 @@ def _measure(args, precision: str, profile_dir: str | None, inspect: bool) -> di
     return row
 
 
+# ------------------------------------------------------------------------------ --target
+
+# (precision, form, compiler options): the programs the --target table compares.
+TARGET_FORMS = (
+    ("amp-bf16", "default (Triton GEMMs)", {}),
+    ("amp-bf16", "triton_gemm=false", {"xla_gpu_enable_triton_gemm": False}),
+    ("fp8", "default (Triton GEMMs)", {}),
+    ("fp8", "triton_gemm=false", {"xla_gpu_enable_triton_gemm": False}),
+    ("fp8", "jaxmem (COMPILER_OPTIONS_FP8)", COMPILER_OPTIONS_FP8),
+)
+
+
+def _combine(a, b, f):
+    """f(a, b) on every number of two step tables (keys of either; a missing one is 0)."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        a, b = a or {}, b or {}
+        return {k: _combine(a.get(k), b.get(k), f) for k in {**a, **b}}
+    if isinstance(a, list) or isinstance(b, list):
+        return (a or []) + (b or [])
+    return f(a or 0, b or 0)
+
+
+def _round(t):
+    return _combine(t, None, lambda x, _: round(x, 3) if isinstance(x, float) else x)
+
+
+def target_table(args, card) -> list[dict]:
+    """One row per TARGET_FORMS entry: per-layer, outside-the-layers and whole-step tables
+    (scaled to the preset's layers) and the roofline estimate of the whole step."""
+    n = args.layers
+    layers = get_preset(args.preset).num_layers
+    tflops = {"bf16": card.peak_tflops[0], "f16": card.peak_tflops[0],
+              "f32": card.peak_tflops[0] / 2, "f8": card.peak_tflops[1]}
+    rows = []
+    for precision, form, options in TARGET_FORMS:
+        tables = []
+        for count in (n, n + 1):
+            _, _, lowered, _ = lower_step(args.preset, precision, args.remat, args.batch_size,
+                                          args.seq_len, num_layers=count)
+            text = lowered.compile(compiler_options=dict(options)).as_text()
+            if args.dump:
+                name = f"{precision}.{form.split()[0]}.{count}layers.optimized.hlo.txt"
+                with open(os.path.join(args.dump, name), "w") as f:
+                    f.write(text)
+            tables.append(step_table(text))
+        layer = _combine(tables[1], tables[0], lambda b, a: b - a)
+        outside = _combine(tables[0], layer, lambda t, l: t - n * l)
+        step = _combine(outside, layer, lambda o, l: o + layers * l)
+        rows.append({"precision": precision, "form": form, "compiler_options": dict(options),
+                     "per_layer": _round(layer), "outside_layers": _round(outside),
+                     "step": _round(step), "estimate_ms": roofline_ms(step, tflops,
+                                                                      card.bandwidth)})
+        print(f"  compiled {precision}, {form}", file=sys.stderr, flush=True)
+    return rows
+
+
+def _gemm_counts(t: dict) -> dict:
+    g = t["gemms"]
+    pick = lambda pred: round(sum(r["count"] for k, r in g.items() if pred(k)), 1)  # noqa: E731
+    return {"cublasLt f8": pick(lambda k: k == "cublasLt f8"),
+            "cublas(Lt) wider": pick(lambda k: k.startswith("cublas") and k != "cublasLt f8"),
+            "triton f8": pick(lambda k: k == "triton f8"),
+            "triton wider": pick(lambda k: k.startswith("triton") and k != "triton f8")}
+
+
+def _print_target(r: dict) -> None:
+    print(f"fp8 on {r['device']}: {r['compiler']}; {r['preset']} ({r['num_layers']} layers, "
+          f"compiled with {r['layers_compiled']} and {r['layers_compiled'] + 1}: one layer is the "
+          f"difference) {r['batch_size']}x{r['seq_len']} remat {r['remat']}")
+    print("  per step (whole model); GEMMs per layer in brackets; bytes: non-GEMM fusions' "
+          "operands + results from the optimized HLO")
+    print(f"  {'precision / form':44s} {'Lt f8':>9s} {'Lt wider':>9s} {'tri f8':>7s} "
+          f"{'tri wider':>9s} {'fusions':>8s} {'GB':>7s} {'scaling passes (GB)':>34s} "
+          f"{'estimate ms':>11s}")
+    for row in r["rows"]:
+        step, layer = _gemm_counts(row["step"]), _gemm_counts(row["per_layer"])
+        scaling = ", ".join(f"{k} {v['count']:.0f} ({v['bytes'] / 1e9:.2f})"
+                            for k, v in row["step"]["scaling"].items()) or "-"
+        cells = " ".join(f"{f'{step[k]:.0f} [{layer[k]:.0f}]':>9s}" for k in step)
+        print(f"  {row['precision'] + ' / ' + row['form']:44s} {cells} "
+              f"{row['step']['fusions']['count']:8.0f} "
+              f"{row['step']['fusions']['bytes'] / 1e9:7.2f} {scaling:>34s} "
+              f"{row['estimate_ms']['total_ms']:11.2f}")
+    print("  estimate: a roofline, not a measurement: GEMM FLOPs at the published peak of their "
+          "dtype + cuDNN attention at the bf16 peak + non-GEMM bytes at the memory bandwidth, no "
+          "overlap, no launch cost")
+    for row in r["rows"]:
+        e = row["estimate_ms"]
+        print(f"    {row['precision'] + ' / ' + row['form']:44s} GEMM {e['gemm_ms']:.2f} + "
+              f"attention {e['attention_ms']:.2f} + non-GEMM {e['non_gemm_ms']:.2f} = "
+              f"{e['total_ms']:.2f} ms")
+
+
+def target_main(args, p) -> int:
+    target.prepare()
+    try:
+        with target.compiling_for(args.target) as t:
+            print(f"compiling for {t.describe()}", file=sys.stderr, flush=True)
+            rows = target_table(args, t.card)
+            report = {"target": args.target, "device": t.card.device_name,
+                      "compiler": t.describe(), "preset": args.preset,
+                      "num_layers": get_preset(args.preset).num_layers,
+                      "layers_compiled": args.layers, "batch_size": args.batch_size,
+                      "seq_len": args.seq_len, "remat": args.remat, "rows": rows}
+    except target.TargetError as e:
+        p.error(str(e).splitlines()[0])
+    _print_target(report)
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -161,6 +295,12 @@ def main(argv=None) -> int:
                    help="precision to time beside fp8, or 'none'")
     p.add_argument("--dump", default=None, help="directory to write the optimized HLO texts into")
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
+    p.add_argument("--target", default=None, choices=sorted(target.CARDS), metavar="GPU",
+                   help="compile for this GPU with XLA's GPU compiler (no GPU needed, nothing "
+                        "runs) and report the step's GEMMs, fusions and bytes: "
+                        + ", ".join(sorted(target.CARDS)))
+    p.add_argument("--layers", type=_positive, default=2,
+                   help="with --target: compile with this many layers and one more (default 2)")
     args = p.parse_args(argv)
     if args.baseline != "none" and args.baseline not in PRECISIONS:
         p.error(f"--baseline: unknown precision {args.baseline!r}; choose one of: "
@@ -171,6 +311,8 @@ def main(argv=None) -> int:
         p.error(f"--remat: {e}")
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
+    if args.target is not None:
+        return target_main(args, p)
 
     with tempfile.TemporaryDirectory() as tmp:
         report = _measure(args, "fp8", os.path.join(tmp, "fp8"), inspect=True)

@@ -165,3 +165,135 @@ def test_cli_json_on_cpu(capsys):
     assert dots >= 27  # on CPU every dot stays a plain dot
     assert report["top_kernels"] and all(ms >= 0 for _, ms in report["top_kernels"])
     assert sum(report["kernel_ms_by_kind"].values()) >= report["top_kernels"][0][1]
+
+
+STEP_HLO = r"""HloModule jit_train_step, is_scheduled=true
+
+%max (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %m = f32[] maximum(%a, %b)
+}
+
+%fused_amax (param_0: bf16[64,128]) -> f32[] {
+  %param_0 = bf16[64,128]{1,0} parameter(0)
+  %abs.1 = bf16[64,128]{1,0} abs(%param_0)
+  %convert.2 = f32[64,128]{1,0} convert(%abs.1)
+  %zero = f32[] constant(0)
+  ROOT %reduce.1 = f32[] reduce(%convert.2, %zero), dimensions={0,1}, to_apply=%max
+}
+
+%fused_quantize (param_0.1: bf16[64,128], param_1.1: f32[]) -> f8e4m3fn[64,128] {
+  %param_0.1 = bf16[64,128]{1,0} parameter(0)
+  %param_1.1 = f32[] parameter(1)
+  %c = f32[64,128]{1,0} convert(%param_0.1)
+  %b = f32[64,128]{1,0} broadcast(%param_1.1), dimensions={}
+  %d = f32[64,128]{1,0} divide(%c, %b)
+  ROOT %q = f8e4m3fn[64,128]{1,0} convert(%d)
+}
+
+%fused_dus (param_0.2: bf16[4,64,128], param_1.2: bf16[64,128], param_2.2: s32[]) -> bf16[4,64,128] {
+  %param_0.2 = bf16[4,64,128]{2,1,0} parameter(0)
+  %param_1.2 = bf16[64,128]{1,0} parameter(1)
+  %neg = bf16[64,128]{1,0} negate(%param_1.2)
+  %upd = bf16[1,64,128]{2,1,0} bitcast(%neg)
+  %param_2.2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %dus = bf16[4,64,128]{2,1,0} dynamic-update-slice(%param_0.2, %upd, %param_2.2, %z, %z)
+}
+
+%fused_ds (param_0.3: bf16[4,64,128], param_1.3: s32[]) -> bf16[64,128] {
+  %param_0.3 = bf16[4,64,128]{2,1,0} parameter(0)
+  %param_1.3 = s32[] parameter(1)
+  %z.1 = s32[] constant(0)
+  %ds = bf16[1,64,128]{2,1,0} dynamic-slice(%param_0.3, %param_1.3, %z.1, %z.1), dynamic_slice_sizes={1,64,128}
+  ROOT %bc = bf16[64,128]{1,0} bitcast(%ds)
+}
+
+%gemm_fusion_dot_computation (parameter_0: bf16[64,128], parameter_1: bf16[32,128]) -> bf16[64,32] {
+  %parameter_0 = bf16[64,128]{1,0} parameter(0)
+  %parameter_1 = bf16[32,128]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[64,32]{1,0} dot(%parameter_0, %parameter_1), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+
+%body (p: (s32[], bf16[4,64,128], bf16[64,128], f8e4m3fn[32,128])) -> (s32[], bf16[4,64,128], bf16[64,128], f8e4m3fn[32,128]) {
+  %p = (s32[], bf16[4,64,128]{2,1,0}, bf16[64,128]{1,0}, f8e4m3fn[32,128]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %stack = bf16[4,64,128]{2,1,0} get-tuple-element(%p), index=1
+  %x = bf16[64,128]{1,0} get-tuple-element(%p), index=2
+  %w = f8e4m3fn[32,128]{1,0} get-tuple-element(%p), index=3
+  %amax = f32[] fusion(%x), kind=kInput, calls=%fused_amax
+  %xq = f8e4m3fn[64,128]{1,0} fusion(%x, %amax), kind=kLoop, calls=%fused_quantize
+  %one = f32[] constant(1)
+  %y = (bf16[64,32]{1,0}, s8[1024]{0}) custom-call(%xq, %w, %one, %one), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %new = bf16[4,64,128]{2,1,0} fusion(%stack, %x, %i), kind=kLoop, calls=%fused_dus
+  %old = bf16[64,128]{1,0} fusion(%stack, %i), kind=kLoop, calls=%fused_ds
+  %i1 = s32[] add(%i, %i)
+  ROOT %t = (s32[], bf16[4,64,128]{2,1,0}, bf16[64,128]{1,0}, f8e4m3fn[32,128]{1,0}) tuple(%i1, %new, %old, %w)
+}
+
+%cond (pc: (s32[], bf16[4,64,128], bf16[64,128], f8e4m3fn[32,128])) -> pred[] {
+  %pc = (s32[], bf16[4,64,128]{2,1,0}, bf16[64,128]{1,0}, f8e4m3fn[32,128]{1,0}) parameter(0)
+  %ic = s32[] get-tuple-element(%pc), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%ic, %n), direction=LT
+}
+
+ENTRY %main (a: bf16[4,64,128], b: bf16[64,128], c: f8e4m3fn[32,128], d: bf16[32,128]) -> bf16[64,32] {
+  %a = bf16[4,64,128]{2,1,0} parameter(0)
+  %b = bf16[64,128]{1,0} parameter(1)
+  %c = f8e4m3fn[32,128]{1,0} parameter(2)
+  %d = bf16[32,128]{1,0} parameter(3)
+  %zero.i = s32[] constant(0)
+  %init = (s32[], bf16[4,64,128]{2,1,0}, bf16[64,128]{1,0}, f8e4m3fn[32,128]{1,0}) tuple(%zero.i, %a, %b, %c)
+  %loop = (s32[], bf16[4,64,128]{2,1,0}, bf16[64,128]{1,0}, f8e4m3fn[32,128]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"},"known_init_step":{"init":"0","step":"1"}}
+  %out = bf16[64,128]{1,0} get-tuple-element(%loop), index=2
+  ROOT %g = bf16[64,32]{1,0} fusion(%out, %d), kind=kCustom, calls=%gemm_fusion_dot_computation, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+}
+"""
+
+
+def test_step_table_sums_bytes_and_weights_loops():
+    """The table of a hand-written module: a loop of 3 trips with an amax, a quantize, an fp8
+    cuBLASLt GEMM, an in-place dynamic-update-slice and a dynamic-slice of a stacked buffer,
+    then a bf16 Triton GEMM fusion outside the loop."""
+    from experiments.fp8_hlo import fusion_bytes, roofline_ms, step_table, type_bytes
+    assert type_bytes("(bf16[64,32]{1,0}, f32[])") == 64 * 32 * 2 + 4
+    assert type_bytes("f8e4m3fn[32,128]{1,0}") == 32 * 128
+    t = step_table(STEP_HLO)
+    assert t["unknown_trip_counts"] == []
+    flop = 2 * 64 * 32 * 128 / 1e9
+    assert t["gemms"] == {"cublasLt f8": {"count": 3, "gflop": round(3 * flop, 3)},
+                          "triton bf16": {"count": 1, "gflop": round(flop, 3)}}
+    x, stack = 64 * 128 * 2, 4 * 64 * 128 * 2
+    amax = x + 4  # reads x, writes the scalar
+    quantize = x + 4 + 64 * 128  # reads x and the scale, writes 1 byte an element
+    dus = x + 4 + x  # in place: the buffer is not read; reads the update, writes one slice
+    ds = x + 4 + x  # reads one slice of the stack, writes it
+    assert t["fusions"] == {"count": 12, "bytes": 3 * (amax + quantize + dus + ds)}
+    assert t["scaling"] == {"amax": {"count": 3, "bytes": 3 * amax},
+                            "quantize": {"count": 3, "bytes": 3 * quantize}}
+    # the body's add (3 trips) and the condition's compare (4 evaluations): 4 B ints, 1 B pred
+    assert t["other_ops"] == {"count": 7, "bytes": 3 * 12 + 4 * 9}
+    from experiments.fp8_hlo import parse_hlo
+    comps = parse_hlo(STEP_HLO)
+    assert fusion_bytes(comps, "body", comps["body"]["instrs"]["new"]) == dus
+    assert stack > dus  # the whole stack would have been counted without the in-place rule
+    e = roofline_ms(t, {"f8": 2000.0, "bf16": 1000.0}, 1e12)
+    assert e["gemm_ms"] == round((3 * flop / 2000 + flop / 1000) * 1e9 / 1e12 * 1e3, 3)
+    assert e["non_gemm_ms"] == round((t["fusions"]["bytes"] + t["other_ops"]["bytes"]) / 1e9, 3)
+
+
+def test_target_without_the_gpu_compiler_exits_2_with_one_line(monkeypatch, capsys):
+    from jaxmem import target
+
+    def missing():
+        raise target.TargetError("--target needs XLA's GPU compiler, which is not installed: "
+                                 "pip install x")
+    monkeypatch.setattr(target, "check_installed", missing)
+    with pytest.raises(SystemExit) as e:
+        fp8_diag.main(["--target", "h100"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("fp8_diag: error: --target needs XLA's GPU compiler, which is not "
+                       "installed: pip install x")
