@@ -240,6 +240,9 @@ def main(argv=None) -> int:
         if args.measure:
             parser.error("--measure runs real steps on this machine's device; --target only "
                          "compiles for a GPU that is not here: drop one of them")
+        if given_overrides(args).get("precision.mode") == "fp8":
+            from jaxmem.model.fp8 import set_xla_flags  # the flags an fp8 run gets (train CLI)
+            set_xla_flags()
         target.prepare()
         try:
             with target.compiling_for(args.target, devices=args.devices or 1) as t:
