@@ -257,7 +257,7 @@ def test_step_table_sums_bytes_and_weights_loops():
     """The table of a hand-written module: a loop of 3 trips with an amax, a quantize, an fp8
     cuBLASLt GEMM, an in-place dynamic-update-slice and a dynamic-slice of a stacked buffer,
     then a bf16 Triton GEMM fusion outside the loop."""
-    from experiments.fp8_hlo import fusion_bytes, roofline_ms, step_table, type_bytes
+    from experiments.fp8_table import fusion_bytes, roofline_ms, step_table, type_bytes
     assert type_bytes("(bf16[64,32]{1,0}, f32[])") == 64 * 32 * 2 + 4
     assert type_bytes("f8e4m3fn[32,128]{1,0}") == 32 * 128
     t = step_table(STEP_HLO)
