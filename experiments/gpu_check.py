@@ -26,10 +26,15 @@ flags. Rows (`--rows` picks some; experiments.gpu_check_rows has the exact flags
     suite         with --suite: the whole test suite, pytest -n 8 (no -n without pytest-xdist)
 
 The plan of a train row is `python -m jaxmem.memory ... --json` for the same flags: the analytic
-total and XLA's compiled peak, side by side with the measured peak and their ratio. `--plan cpu`
-(default) compiles on the CPU in the background while the GPU rows run: an upper bound of the GPU
-plan (the 8B step compiled to 83.95 GiB on a CPU and 49.21 on an H100), free in wall time; `--plan
-gpu` compiles on the GPU after each row (the real plan, a few minutes more); `--plan off`.
+total and XLA's compiled peak, side by side with the measured peak and their ratio, so one run
+calibrates the planner (docs/memory.md "Calibration"). `--plan target` compiles every phase of
+the run (`--compile`) with `--target CARD` in the background while the GPU rows run: the GPU's
+own compiler without the GPU (deviceless: no autotuning, workspaces or fragmentation), the
+prediction a user without the card gets; CARD is `--plan-card`, by default the card of
+nvidia-smi's name (else h100). `--plan cpu` compiles the step on the CPU (not a GPU's program:
+the 1B step is 22% below the H100's); `--plan gpu` on the GPU after each row, a few minutes
+more; `--plan off`. The default, auto, is target where XLA's GPU compiler is installed (jax with
+CUDA has it), else cpu.
 
 Every row is its own subprocess (one configuration per process: the GPU peak never goes down)
 with XLA_PYTHON_CLIENT_PREALLOCATE=false (and a memory fraction of .95 for the train rows, as
@@ -57,7 +62,8 @@ from pathlib import Path
 
 from experiments import cpu_isa
 from experiments.gpu_check_rows import (ROOT, Row, compare_numbers, diag_note, last_record,
-                                        plan_numbers, pytest_counts, rows, train_metrics)
+                                        plan_numbers, pytest_counts, rows, target_card,
+                                        target_installed, train_metrics)
 from experiments.gpu_check_table import commit, gpu_name, markdown, versions, write_report
 
 PROG = "python -m experiments.gpu_check"
@@ -83,9 +89,14 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=None,
                    help="train steps per train row (default: 10, --smoke 3); tok/s leaves out the "
                         "first 2 (compilation)")
-    p.add_argument("--plan", choices=("cpu", "gpu", "off"), default="cpu",
-                   help="where the train rows' plans compile: cpu (background, an upper bound), "
-                        "gpu (after each row, the real plan), off (default: cpu)")
+    p.add_argument("--plan", choices=("auto", "target", "cpu", "gpu", "off"), default="auto",
+                   help="where the train rows' plans compile: target (background, every phase "
+                        "with the GPU's compiler and no GPU: --target), cpu (background, the "
+                        "CPU's program), gpu (after each row, the real compile), off; auto: "
+                        "target where the CUDA plugin is installed, else cpu")
+    p.add_argument("--plan-card", default=None, metavar="CARD",
+                   help="the --target card of --plan target (default: nvidia-smi's GPU, else "
+                        "h100)")
     p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                    help="skip rows that would start after this many seconds (0: no limit; "
                         "default: 540, with --smoke 0); the suite is exempt")
@@ -106,6 +117,14 @@ def parse_args(argv=None):
     args.steps = args.steps or (3 if args.smoke else 10)
     if args.budget is None:
         args.budget = 0.0 if args.smoke else 540.0
+    if args.plan == "auto":
+        args.plan = "target" if target_installed() else "cpu"
+    if args.plan_card is None:
+        args.plan_card = target_card(gpu_name())
+    from jaxmem.target._cards import CARDS  # noqa: PLC0415 (plain data: no jax)
+    if args.plan_card not in CARDS:
+        p.exit(2, f"{PROG}: error: --plan-card {args.plan_card!r}: not a card of jaxmem.target "
+                  f"({', '.join(CARDS)})\n")
     return args
 
 
@@ -167,14 +186,19 @@ def error_line(res: dict, timeout: float) -> str:
 # ---------------------------------------------------------------- rows
 
 
-def plan_cmd(row: Row) -> list[str]:
-    return [sys.executable, "-m", "jaxmem.memory", *row.model, *row.shape, "--json"]
+def plan_cmd(row: Row, card: str | None = None) -> list[str]:
+    target = ["--target", card, "--compile"] if card else []
+    return [sys.executable, "-m", "jaxmem.memory", *row.model, *row.shape, *target, "--json"]
 
 
-def run_plan(row: Row, out: Path, where: str) -> dict:
-    env = child_env(cpu_only=where == "cpu")
+def run_plan(row: Row, out: Path, where: str, card: str | None = None) -> dict:
+    """`where`: cpu, gpu or target (then `card`: the deviceless compile on this host's CPU)."""
+    env = child_env(cpu_only=where != "gpu")
+    if card:
+        where = f"{card}, deviceless"
     report = out / "logs" / f"{row.name}.plan.json"
-    res = run(plan_cmd(row), out / "logs" / f"{row.name}.plan.log", 900, env, stdout=report)
+    res = run(plan_cmd(row, card), out / "logs" / f"{row.name}.plan.log", 900, env,
+              stdout=report)
     if res["rc"] != 0 or res["timed_out"]:
         return {"error": error_line(res, 900), "where": where}
     doc = json.loads(report.read_text())
@@ -302,8 +326,9 @@ def main(argv=None) -> int:
     write_report(args.out, doc)
     plans = {}
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    if args.plan == "cpu":  # compiled on the CPU while the GPU rows run
-        plans = {r.name: pool.submit(run_plan, r, args.out, "cpu") for r in chosen
+    if args.plan in ("cpu", "target"):  # compiled on the CPU while the GPU rows run
+        card = args.plan_card if args.plan == "target" else None
+        plans = {r.name: pool.submit(run_plan, r, args.out, args.plan, card) for r in chosen
                  if r.kind == "train"}
     hf = None
     for i, (row, rec) in enumerate(zip(chosen, doc["rows"])):

@@ -128,14 +128,36 @@ def train_metrics(rec: dict) -> dict:
 
 
 def plan_numbers(report: dict) -> dict:
-    """The plan of `python -m jaxmem.memory --json`: analytic total, compiled peak, backend (and
-    the phases, when the planner reports them)."""
+    """The plan of `python -m jaxmem.memory --json`: analytic total, compiled peak (the run's
+    largest phase where every phase was compiled, `--compile`; else the step's), the step's,
+    backend, compiler (and the phases, when the planner reports them)."""
+    step = report.get("compiled", {}).get("peak_bytes")
+    ph = report.get("phases") or {}
+    run_peak = ph.get("peak_bytes") if ph.get("peak_source") == "compiled" else None
     out = {"analytic_bytes": report.get("analytic", {}).get("total_bytes"),
-           "compiled_bytes": report.get("compiled", {}).get("peak_bytes"),
-           "backend": report.get("backend")}
-    if "phases" in report:
-        out["phases"] = report["phases"]
+           "compiled_bytes": run_peak or step, "step_bytes": step,
+           "largest_phase": ph.get("peak_phase") if run_peak else "step",
+           "backend": report.get("backend"), "compiler": report.get("compiler")}
+    if ph:
+        out["phases"] = ph
     return out
+
+
+def target_card(gpu: str | None) -> str:
+    """The jaxmem.target card of nvidia-smi's GPU name (`gpu_name()`), else h100."""
+    from jaxmem.target._cards import CARDS  # noqa: PLC0415 (plain data: no jax)
+    for name, card in CARDS.items():
+        if gpu and gpu.split(",")[0].strip() == card.device_name:
+            return name
+    return "h100"
+
+
+def target_installed() -> bool:
+    """Whether XLA's GPU compiler (the CUDA plugin, `jaxmem[gpu-plan]`) is importable, without
+    importing jax: the `--plan auto` choice (the child checks the rest and names what is missing)."""
+    import importlib.util  # noqa: PLC0415
+    return all(importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin",
+                                                                 "jax_plugins"))
 
 
 def pytest_counts(text: str) -> dict:

@@ -42,7 +42,8 @@ def row_cells(r: dict) -> list[str]:
         notes.append(f"plan failed: {plan['error']}")
     tps, mfu, peak = r.get("tokens_per_s"), r.get("mfu"), r.get("peak_bytes")
     compiled = plan.get("compiled_bytes")
-    where = f" ({plan['where']})" if plan.get("where") and not plan.get("error") else ""
+    where = f" ({plan['where']}" + (f"; {plan['largest_phase']}" if plan.get("largest_phase")
+                                    else "") + ")" if plan.get("where") and not plan.get("error") else ""
     pending = "pending" if r.get("kind") == "train" and "plan" not in r else "n/a"
     return [r["name"], status, "n/a" if tps is None else f"{tps:,.0f}",
             "n/a" if mfu is None else f"{100 * mfu:.1f}%", _gib(peak),
@@ -61,7 +62,9 @@ def markdown(doc: dict) -> str:
              f"project commit {doc['commit'] or 'unknown (no git)'}; {v}. Total: {total}.",
              "Measured peak: the row process's GPU `peak_bytes_in_use` (state creation, steps and "
              "the evaluation); plan: `python -m jaxmem.memory --json` for the same flags "
-             "(analytic total; XLA's compiled peak, compiled on the backend named).", "",
+             "(analytic total; XLA's compiled peak, compiled where named: a card's name is its own "
+             "compiler run deviceless on the host, `--target`; with the run's largest compiled "
+             "phase).", "",
              *isa_lines(doc),
              "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
     lines += ["| " + " | ".join(row_cells(r)) + " |" for r in doc["rows"]]

@@ -46,6 +46,31 @@ def test_smoke_train_row_with_plan_and_skipped_diag(tmp_path, capsys):
     assert "gpu_check: 2 rows in" in capsys.readouterr().err
 
 
+@pytest.mark.gpu_target  # a tiny train row and its plan from the H100's compiler: ~60 s
+def test_smoke_plan_from_the_targets_compiler(tmp_path):
+    out = tmp_path / "g"
+    assert gpu_check.main(["--smoke", "--out", str(out), "--rows", "1b-adamw", "--plan",
+                           "target", "--plan-card", "h100"]) == 0
+    plan = _doc(out)["rows"][0]["plan"]
+    assert plan["where"] == "h100, deviceless" and "H100" in plan["compiler"], plan
+    # every phase compiled (--compile): the plan is the run's largest, never below the step
+    assert {p["name"] for p in plan["phases"]["phases"]} >= {"state", "step"}
+    assert plan["compiled_bytes"] >= plan["step_bytes"] > 0
+    assert "(h100, deviceless; " in (out / "gpu_check.md").read_text()
+
+
+def test_plan_card_is_checked_and_auto_follows_the_plugin(tmp_path, monkeypatch):
+    with pytest.raises(SystemExit) as e:
+        gpu_check.parse_args(["--out", str(tmp_path), "--plan-card", "h1000"])
+    assert e.value.code == 2
+    assert gr.target_card("NVIDIA H100 80GB HBM3, 81559 MiB") == "h100"
+    assert gr.target_card("NVIDIA GeForce RTX 4090, 24564 MiB") == "rtx4090"
+    assert gr.target_card(None) == "h100"
+    for installed, want in ((True, "target"), (False, "cpu")):
+        monkeypatch.setattr(gpu_check, "target_installed", lambda i=installed: i)
+        assert gpu_check.parse_args(["--out", str(tmp_path)]).plan == want
+
+
 @pytest.mark.slow  # every row at tiny size: several minutes on 2 cores
 def test_smoke_every_row(tmp_path):
     out = tmp_path / "g"
