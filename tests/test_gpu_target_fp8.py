@@ -32,10 +32,12 @@ PER_LAYER = PROJECTIONS + (PROJECTIONS - 1) + 2 * PROJECTIONS
 _PROJECTION = re.compile(r"/layers/(self_attn|mlp)/Projection_\d+/")
 
 
-def compile_fp8_step(options: dict) -> str:
-    """The optimized HLO text of the fp8 step compiled for a deviceless H100 with `options`."""
+def compile_fp8_step(options: dict | None = None) -> str:
+    """The optimized HLO text of the fp8 step compiled for a deviceless H100: `jit_train_step`
+    as a library user calls it (options None), or the bare jitted step with `options`."""
+    import jax
     from jaxmem.train.run import abstract_step_args
-    from jaxmem.train.step import jit_train_step
+    from jaxmem.train.step import jit_train_step, make_train_step
     target.prepare()  # a no-op here (JAX started on the CPU): per-compile options carry the flags
     cfg = RunConfig().replace({
         "model.preset": "small", "model.num_layers": LAYERS, "precision.mode": "fp8",
@@ -44,7 +46,9 @@ def compile_fp8_step(options: dict) -> str:
     with target.compiling_for("h100"):
         step_cfg, loss_scale = sp.step_config()
         args = abstract_step_args(step_cfg, loss_scale, 1, 256, 1)
-        return jit_train_step(step_cfg).lower(*args).compile(
+        if options is None:
+            return jit_train_step(step_cfg).lower(*args).compile().as_text()
+        return jax.jit(make_train_step(step_cfg), donate_argnums=0).lower(*args).compile(
             compiler_options=dict(options)).as_text()
 
 
@@ -72,6 +76,12 @@ def projection_gemms(text: str) -> list[tuple[str, bool]]:
 @pytest.fixture(scope="module")
 def fp8_step():
     return compile_fp8_step(COMPILER_OPTIONS_FP8)
+
+
+def test_jit_train_step_alone_compiles_fp8_gemms():
+    # a library user's jit_train_step, with no XLA_FLAGS and no options of its own
+    gemms = projection_gemms(compile_fp8_step())
+    assert len(gemms) == PER_LAYER and all(f8 for _, f8 in gemms)
 
 
 def test_every_projection_gemm_is_fp8_with_jaxmems_options(fp8_step):

@@ -93,6 +93,16 @@ def set_xla_flags(environ=None) -> bool:
     return True
 
 
+def compiler_options(precision) -> dict | None:
+    """`jax.jit(..., compiler_options=...)` for a program of `precision` (a Precision): under
+    fp8 compiled for a GPU (a real one, or `jaxmem.target`'s), `COMPILER_OPTIONS_FP8`, so a
+    library user's `jit_train_step` gets the fp8 GEMMs the CLI's XLA_FLAGS give; else None."""
+    from jaxmem import target  # noqa: PLC0415
+    if getattr(precision, "fp8", False) and target.platform() == "gpu":
+        return dict(COMPILER_OPTIONS_FP8)
+    return None
+
+
 E4M3 = jnp.float8_e4m3fn  # forward operands: 3 mantissa bits, range to 448
 E5M2 = jnp.float8_e5m2  # gradients: 2 mantissa bits, range to 57344 (gradients span more)
 

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from jaxmem.model.sharding import activation_sharding
+from jaxmem.model.fp8 import compiler_options as fp8_compiler_options
 import jaxmem.parallel.rules as R
 from jaxmem.peft.offload import offload_shardings
 from jaxmem.peft.quant import gather_packed
@@ -131,6 +132,7 @@ class Placement:
         shardings = self.state_shardings(like)
         base = self.base_shardings(step_cfg)
         jitted = jax.jit(make_train_step(step_cfg), donate_argnums=0,
+                         compiler_options=fp8_compiler_options(step_cfg.precision),
                          in_shardings=(shardings, R.batch_sharding(self.mesh))
                          + (() if base is None else (base,)),
                          out_shardings=(shardings, R.replicated(self.mesh)))
