@@ -51,3 +51,29 @@ def test_every_card_compiles_a_program(name):
         compiled = jax.jit(lambda a, b: a @ b).lower(x, x).compile()
     assert "cublas" in compiled.as_text() or "gemm" in compiled.as_text()
     assert compiled.memory_analysis().argument_size_in_bytes == 2 * 256 * 256 * 2
+
+
+def test_hosts_needs_target_and_must_divide_the_devices(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--preset", "tiny", "--devices", "2", "--hosts", "2"])
+    assert e.value.code == 2 and "--hosts needs --target" in capsys.readouterr().err
+    with pytest.raises(target.TargetError, match="--hosts 3 must divide --devices 8"):
+        with target.compiling_for("h100", devices=8, hosts=3):
+            pass
+
+
+@pytest.mark.gpu_target
+def test_two_hosts_of_four_gpus_compile_one_sharded_program():
+    """`--hosts 2 --devices 8`: the devices of two processes, one program over all 8 whose
+    per-device argument is 1/8 and whose collectives span both hosts."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import numpy as np
+    with target.compiling_for("h100", devices=8, hosts=2) as t:
+        assert [d.process_index for d in t.devices] == [0] * 4 + [1] * 4
+        assert "on 2 hosts of 4" in t.describe()
+        mesh = Mesh(np.array(t.devices), ("fsdp",))
+        x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32,
+                                 sharding=NamedSharding(mesh, P("fsdp")))
+        compiled = jax.jit(lambda a: (a @ a.T).sum()).lower(x).compile()
+    assert compiled.memory_analysis().argument_size_in_bytes == 1024 * 1024 * 4 // 8
+    assert "all-gather" in compiled.as_text()

@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile for N devices (with --mesh: the per-device breakdown, "
                         "jaxmem.memory.mesh): N --target GPUs, or on the CPU backend N simulated "
                         "devices of this host")
+    p.add_argument("--hosts", type=positive_int, default=None, metavar="H",
+                   help="with --target: the --devices GPUs on H hosts (a multi-host job: "
+                        "collectives between hosts; per-device figures as on one host)")
     p.add_argument("--target", default=None, choices=sorted(target.CARDS), metavar="GPU",
                    help="compile every figure with this GPU's own XLA compiler, on this machine "
                         "without the GPU (deviceless: no autotuning, workspaces or "
@@ -245,12 +248,15 @@ def main(argv=None) -> int:
             set_xla_flags()
         target.prepare()
         try:
-            with target.compiling_for(args.target, devices=args.devices or 1) as t:
+            with target.compiling_for(args.target, devices=args.devices or 1,
+                                      hosts=args.hosts or 1) as t:
                 if not args.json:
                     print(f"compiling for {t.describe()}", file=sys.stderr, flush=True)
                 return _main(parser, args)
         except target.TargetError as e:
             parser.error(str(e))
+    if args.hosts is not None:
+        parser.error("--hosts needs --target: simulated CPU devices are one process")
     if args.devices is not None:  # before anything initializes the backend
         import jax
         jax.config.update("jax_num_cpu_devices", args.devices)

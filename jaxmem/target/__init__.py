@@ -49,7 +49,7 @@ class TargetError(ValueError):
 
 @dataclass(frozen=True)
 class Target:
-    """An active target: the card and its deviceless devices (one host)."""
+    """An active target: the card and its deviceless devices (on `hosts` hosts)."""
 
     card: Card
     devices: tuple
@@ -61,8 +61,10 @@ class Target:
     def describe(self) -> str:
         import jax  # noqa: PLC0415
         n = len(self.devices)
-        return (f"{'' if n == 1 else f'{n} x '}{self.card.device_name}, XLA's GPU compiler without "
-                f"a GPU (jax {jax.__version__})")
+        hosts = len({d.process_index for d in self.devices})
+        where = "" if hosts == 1 else f" on {hosts} hosts of {n // hosts}"
+        return (f"{'' if n == 1 else f'{n} x '}{self.card.device_name}{where}, XLA's GPU compiler "
+                f"without a GPU (jax {jax.__version__})")
 
 
 _ACTIVE: contextvars.ContextVar[Target | None] = contextvars.ContextVar("jaxmem_target",
@@ -167,11 +169,11 @@ def check_installed() -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _topology(name: str, n: int) -> tuple:
+def _topology(name: str, n: int, hosts: int = 1) -> tuple:
     from jax.experimental import topologies  # noqa: PLC0415
     try:
         topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(
-            CARDS[name]), topology=f"1x1x{n}")
+            CARDS[name]), topology=f"1x{hosts}x{n // hosts}")
     except NotImplementedError as e:
         raise TargetError(
             f"--target: JAX started on a platform other than the CPU, so the CUDA plugin cannot "
@@ -185,18 +187,23 @@ def _topology(name: str, n: int) -> tuple:
 
 
 @contextlib.contextmanager
-def compiling_for(name: str, devices: int = 1):
-    """Compile for `devices` deviceless GPUs of the card `name` (one host) inside the block.
+def compiling_for(name: str, devices: int = 1, hosts: int = 1):
+    """Compile for `devices` deviceless GPUs of the card `name`, on `hosts` hosts of
+    devices / hosts GPUs each (device i on process i // (devices / hosts), as JAX numbers a
+    multi-host job), inside the block.
 
     Yields the active `Target`. Raises TargetError (nothing installed, JAX on a GPU platform
     already, an unknown card) before anything is compiled.
     """
     import jax  # noqa: PLC0415
     c = card(name)
-    check_installed()
     if devices < 1:
         raise TargetError(f"--target {name}: --devices must be at least 1, got {devices}")
-    t = Target(c, _topology(name, devices))
+    if hosts < 1 or devices % hosts:
+        raise TargetError(f"--target {name}: --hosts {hosts} must divide --devices {devices} "
+                          f"(every host has the same number of GPUs)")
+    check_installed()
+    t = Target(c, _topology(name, devices, hosts))
     token = _ACTIVE.set(t)
     # a deviceless program cannot be loaded from (or usefully written to) the persistent cache
     cache = jax.config.jax_enable_compilation_cache
