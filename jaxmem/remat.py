@@ -18,8 +18,8 @@ any function, with the user's own tags (`checkpoint_name(x, "attn_out")` inside 
     offload:a,b     keep the values tagged a, b in pinned host memory instead of device memory
                     (save_and_offload_only_these_names); needs a device with a `pinned_host`
                     memory space (GPU/TPU, not the CPU backend)
-    offload         offload jaxmem's default tags (jaxmem.model.remat.DEFAULT_OFFLOAD_TAGS: query,
-                    key, value, attn_context, mlp_gate, mlp_up)
+    offload         offload jaxmem's default tags (jaxmem.model.remat.DEFAULT_OFFLOAD_TAGS:
+                    block_input, query, key, value, attn_context, mlp_gate, mlp_up)
 
 Whether a policy saves memory is a measurement: compile the gradient and read
 `compiled.memory_analysis().temp_size_in_bytes` (docs/remat.md measures jaxmem's Llama).

@@ -183,3 +183,25 @@ def test_memory_cli_plans_every_phase_with_the_h100_compiler():
     phases = {p["name"]: p for p in r["phases"]["phases"]}
     assert {"state", "step", "eval", "sample"} <= set(phases)
     assert all(p["compiled_bytes"] for p in phases.values())
+
+
+def test_remat_offload_moves_the_residuals_to_host_and_lowers_the_device_peak(h100):
+    """`--remat offload` in the H100 program: the saved residuals (the block inputs of every layer
+    included: tag `block_input`) are host memory (S(5)) and counted apart (`host_bytes`), and the
+    device peak is below remat full's and selective's. Without `block_input` (the old default
+    tags), the scan's [L, B, T, D] input stack stays on the device and the peak is not lower
+    than full's: the tag is what makes offload pay."""
+    from jaxmem.memory.compiled import compile_step
+    b, t, layers = 4, 1024, 4
+    got = {r: compile_step(spec(**{"remat.policy": r, "remat.loss_chunk": 0,
+                                   "model.vocab_size": 32_000, "model.num_layers": layers,
+                                   "data.batch_size": b, "data.seq_len": t}))
+           for r in ("full", "names:attn_out,mlp_out", "offload",
+                     "offload:query,key,value,attn_context,mlp_gate,mlp_up")}
+    off, full = got["offload"], got["full"]
+    assert off["peak_bytes"] < full["peak_bytes"] < got["names:attn_out,mlp_out"]["peak_bytes"]
+    d = 512  # the small preset's width
+    assert off["host_bytes"] >= layers * b * t * d * 2  # at least the bf16 block inputs
+    assert full["host_bytes"] == 0
+    old = got["offload:query,key,value,attn_context,mlp_gate,mlp_up"]
+    assert old["peak_bytes"] >= full["peak_bytes"] - 2**20, (old, full)

@@ -113,10 +113,11 @@ class MemoryAnalysis:
 
     def stats(self) -> dict[str, int]:
         """The dict `jaxmem.memory.compiled.compiled_stats` returns: temp, argument, output,
-        alias and peak bytes."""
+        alias and peak bytes (the device's), and host_bytes (host memory: offloaded values,
+        never part of the device peak)."""
         return {"temp_bytes": self.temp_bytes, "argument_bytes": self.argument_bytes,
                 "output_bytes": self.output_bytes, "alias_bytes": self.alias_bytes,
-                "peak_bytes": self.peak_bytes}
+                "peak_bytes": self.peak_bytes, "host_bytes": self.host_bytes}
 
     @classmethod
     def of_compiled(cls, compiled, name: str = "", precision: str = "float32") -> "MemoryAnalysis":

@@ -103,7 +103,7 @@ def tag_shapes(c: ModelConfig, B: int, T: int) -> dict[str, int]:
     """Elements of each tagged activation of one block (jaxmem.model.remat.TAGS)."""
     D, F, N, K, H = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
                      c.resolved_head_dim)
-    return {"attn_norm": B * T * D, "query": B * T * N * H, "key": B * T * K * H,
+    return {"block_input": B * T * D, "attn_norm": B * T * D, "query": B * T * N * H, "key": B * T * K * H,
             "value": B * T * K * H, "attn_context": B * T * N * H, "attn_out": B * T * D,
             "mlp_norm": B * T * D, "mlp_gate": B * T * F, "mlp_up": B * T * F,
             "mlp_hidden": B * T * F, "mlp_out": B * T * D}
@@ -129,7 +129,8 @@ def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematP
         the probabilities: the custom VJP hides it from the policy).
     names:a,b / offload:a,b: the block input plus the tagged tensors the backward reads
         (`mlp_out` is only added to the residual stream, so it is never kept); offloaded
-        tensors live in host memory and count zero here.
+        tensors live in host memory and count zero here, the block input too when it is
+        offloaded (tag `block_input`, in the default `offload`).
     """
     D, F, N = c.hidden_size, c.intermediate_size, c.num_heads
     cb, cd = _nbytes(compute_dtype), _dname(compute_dtype)
@@ -159,9 +160,9 @@ def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematP
         return out
     if kind == "names":
         return [block_input] + [(f"tag {t}", tags[t] * cb, cd) for t in remat.names
-                                if t != "mlp_out"]
+                                if t not in ("mlp_out", "block_input")]
     if kind == "offload":  # offloaded to pinned host memory: nothing extra on the device
-        return [block_input]
+        return [] if "block_input" in remat.names else [block_input]
     raise RematError(f"no activation formula for remat policy {remat}")
 
 

@@ -99,6 +99,8 @@ def format_report(r: dict, unit: str | None = None) -> str:
               "compiled (XLA memory_analysis, gradient of the loss)"]
     lines += [f"  {k:<44}{_mb(c[k + '_bytes']):>18}"
               for k in ("temp", "argument", "output", "alias", "peak")]
+    if c.get("host_bytes"):  # --remat offload: residuals in pinned host memory
+        lines += [f"  {'host memory (offloaded; not in the peak)':<44}{_mb(c['host_bytes']):>18}"]
     lines += [f"  {'flops':<44}{r['flops']:>18.4g}"]
     if "analytic" in r:
         lines += [f"  {'analytic / compiled':<44}{r['analytic_over_compiled']:>18.3f}"]

@@ -107,6 +107,7 @@ class DecoderBlock(nn.Module):
     @nn.compact
     def __call__(self, x, cos, sin, mask, segment_ids=None, cache=None, cache_index=None):
         c = self.config
+        x = checkpoint_name(x, "block_input")  # the scan's per-layer residual, named: offloadable
         h = checkpoint_name(RMSNorm(c.rms_norm_eps, name="input_layernorm")(x), "attn_norm")
         a, cache = Attention(c, self.einsum, name="self_attn")(h, cos, sin, mask, segment_ids,
                                                                cache, cache_index)

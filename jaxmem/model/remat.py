@@ -30,6 +30,7 @@ from jaxmem import target
 
 # Activation tags placed in jaxmem.model.llama with `checkpoint_name`, in the order they occur.
 TAGS = (
+    "block_input",  # the decoder block's input (the scan carry the backward needs) [B, T, D]
     "attn_norm",    # RMSNorm output feeding q/k/v         [B, T, D]
     "query",        # q projection after RoPE               [B, T, N, H]
     "key",          # k projection after RoPE               [B, T, K, H]
@@ -44,7 +45,8 @@ TAGS = (
 )
 
 # What `offload` moves to host when no tags are given: the big per-token matmul outputs.
-DEFAULT_OFFLOAD_TAGS = ("query", "key", "value", "attn_context", "mlp_gate", "mlp_up")
+DEFAULT_OFFLOAD_TAGS = ("block_input", "query", "key", "value", "attn_context", "mlp_gate",
+                        "mlp_up")
 
 _SIMPLE = ("none", "full", "dots", "dots_no_batch", "offload")
 VALID_POLICIES = _SIMPLE + ("names:<tag>[,<tag>...]", "offload:<tag>[,<tag>...]")
