@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan: the fastest configuration whose compiled peak fits a GPU of GIB "
                         "GiB (what XLA may use of it: XLA_PYTHON_CLIENT_MEM_FRACTION, default "
                         ".75, less ~0.5 GiB of CUDA context; the verdict's rule)")
+    g.add_argument("--fit-seq", type=positive_gib, default=None, metavar="GIB",
+                   help="plan: the longest --seq-len (multiples of 1024, up to the model's "
+                        "max positions) whose run fits a GPU of GIB GiB, batch and the rest "
+                        "as given (jaxmem.memory.fit_seq: doubling, then bisection on compiled "
+                        "peaks)")
     g.add_argument("--compile", action="store_true",
                    help="also compile the run's other phases (making the state, evaluation, the "
                         "end-of-run sample; the step is always compiled): the verdict and --fit "
@@ -266,6 +271,14 @@ def main(argv=None) -> int:
 def _main(parser, args) -> int:
     spec, global_batch, max_micro = _resolve(parser, args)
     mesh = given_overrides(args).get("parallel.mesh")
+    if args.fit_seq is not None:
+        if args.fit is not None or mesh is not None or args.devices is not None:
+            parser.error("--fit-seq plans one device: drop --fit, --mesh and --devices")
+        from jaxmem.memory.fit_seq import run as fit_seq
+        return fit_seq(spec, SampleShape.of(RunConfig().replace(given_overrides(args))),
+                       args.fit_seq, args.compile, args.json, log=None if args.json else (
+                           lambda e: print(f"  {e['seq_len']:,} tokens: {e['reason']}",
+                                           file=sys.stderr, flush=True)))
     if args.fit is not None and mesh is not None:
         parser.error("--fit with --devices searches the meshes itself; drop --mesh")
     if args.fit is not None and args.devices is not None and (

@@ -1,0 +1,66 @@
+"""`--fit-seq GIB` (jaxmem.memory.fit_seq): the longest sequence whose run fits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jaxmem.config.run import RunConfig
+from jaxmem.memory.cli import main
+from jaxmem.memory.fit_seq import fit_seq
+from jaxmem.memory.spec import StepSpec
+
+
+def _spec(seq_len=2048, max_pos=131072):
+    cfg = RunConfig().replace({"model.preset": "tiny", "model.max_position_embeddings": max_pos,
+                               "data.seq_len": min(seq_len, max_pos)})
+    return dataclasses.replace(StepSpec.from_run_config(cfg), seq_len=seq_len)
+
+
+def _linear(per_token, fixed=0):
+    """A fake compile whose peak is fixed + per_token x T, and phases that pass it on."""
+    calls = []
+
+    def compile_fn(s):
+        calls.append(s.seq_len)
+        return {"peak_bytes": fixed + per_token * s.seq_len, "host_bytes": 0}
+
+    def phases_fn(s, step):
+        return {"peak_bytes": step["peak_bytes"], "peak_phase": "step"}
+    return compile_fn, phases_fn, calls
+
+
+@pytest.mark.parametrize("start", [1024, 2048, 100_000])
+def test_the_longest_multiple_of_the_granule_under_the_budget(start):
+    compile_fn, phases_fn, calls = _linear(1000, fixed=10_000)
+    budget = 10_000 + 1000 * 37_000  # fits up to T = 37,000: the answer is 36 x 1024 = 36,864
+    r = fit_seq(_spec(start), budget, phases_fn, compile_fn=compile_fn)
+    assert r["chosen"]["seq_len"] == 36_864 and r["limit"] == "memory"
+    assert all(e["fits"] == (e["seq_len"] <= 37_000) for e in r["tried"])
+    assert len(calls) == len(set(calls)) <= 12  # doubling/halving then bisection, no repeats
+
+
+def test_the_model_positions_cap_the_search_and_say_so():
+    compile_fn, phases_fn, _ = _linear(1)
+    r = fit_seq(_spec(2048, max_pos=8192), 10**12, phases_fn, compile_fn=compile_fn)
+    assert r["chosen"]["seq_len"] == 8192 and r["limit"] == "max_position_embeddings"
+
+
+def test_nothing_fits_and_compile_errors_do_not_fit():
+    def broken(s):
+        raise ValueError("RESOURCE_EXHAUSTED: too big\nmore")
+    r = fit_seq(_spec(4096), 10**12, lambda s, c: None, compile_fn=broken)
+    assert r["chosen"] is None
+    assert all(e["reason"] == "compile error: RESOURCE_EXHAUSTED: too big" for e in r["tried"])
+
+
+def test_cli_fit_seq_compiles_and_refuses_fit_with_it(capsys):
+    rc = main(["--preset", "tiny", "--max-position-embeddings", "4096", "--seq-len", "1024",
+               "--batch-size", "1",
+               "--fit-seq", "0.9"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "chosen: --seq-len" in out and "1,024 tokens: step" in out
+    with pytest.raises(SystemExit) as e:
+        main(["--preset", "tiny", "--fit-seq", "40", "--fit", "40"])
+    assert e.value.code == 2 and "--fit-seq plans one device" in capsys.readouterr().err
