@@ -277,3 +277,21 @@ def activation_rules(mesh, vocab_size: int | None = None) -> dict:
 
 def replicated(mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+def weight_rule(mesh, num_layers: int):
+    """The rule for jaxmem.model.sharding.weight_sharding: a weight's gradient gets the weight's
+    own sharding (`leaf_spec`), one layer's slice inside the scan that of its stacked leaf
+    without the layer axis; None (left alone) where nothing is split."""
+    sizes = dict(mesh.shape)
+
+    def rule(path: str, shape: tuple, stacked: bool):
+        keys = tuple(path.split("/"))
+        full = shape if stacked or "layers" not in keys else (num_layers, *shape)
+        spec = leaf_spec(keys, full, sizes)
+        if not stacked and "layers" in keys:
+            spec = P(*tuple(spec)[1:]) if len(tuple(spec)) > 1 else P()
+        if all(a is None for a in tuple(spec)):
+            return None
+        return NamedSharding(mesh, spec)
+    return rule
