@@ -49,6 +49,18 @@ def test_sharding_rules_by_role_and_shape():
     assert leaf_spec(("layers", "self_attn", "o_proj"), (4, 4, 32, 128), sizes) == \
         P(None, "tensor", None, "fsdp")
     assert leaf_spec(("layers", "mlp", "down_proj"), (4, 384, 128), sizes) == P(None, "tensor", "fsdp")
+    # issue 28: the last axis first when its shards hold whole blocks, so the optimizer's row
+    # pieces and blocks stay on one device; llama-3-8b on fsdp=8
+    f8 = {"data": 1, "fsdp": 8, "tensor": 1}
+    assert leaf_spec(("layers", "mlp", "down_proj"), (32, 14336, 4096), f8) == P(None, None, "fsdp")
+    assert leaf_spec(("layers", "mlp", "up_proj"), (32, 4096, 14336), f8) == P(None, None, "fsdp")
+    assert leaf_spec(("embed_tokens",), (128256, 4096), f8) == P(None, "fsdp")
+    # V = 128256: a shard of 16032 cuts a block; still the largest axis (whole-leaf pieces
+    # would need D, which the loop over pieces gathers)
+    assert leaf_spec(("lm_head",), (4096, 128256), f8) == P(None, "fsdp")
+    # an 8-bit moment's block scales [..., nblocks] split as its codes
+    assert leaf_spec((1, "mu", "layers", "mlp", "up_proj", "scale"), (32, 4096, 56), f8) == \
+        P(None, None, "fsdp")
     # Adam's mu of a param has the param's path below the optimizer's own keys: same rule
     assert leaf_spec((0, "mu", "layers", "mlp", "up_proj"), (4, 128, 384), sizes) == \
         P(None, "fsdp", "tensor")
