@@ -59,7 +59,12 @@ def main(out):
         batches.append({k: np.asarray(v)[None] for k, v in b.items()})  # [K=1, B, T]
     # amp-fp16 with an initial scale so large that the first two steps overflow and are skipped (checked on one device)
     fp16 = base.replace({"precision.mode": "amp-fp16", "precision.loss_scale_init": 2.0**20})
-    for name, cfg, meshes in (("fp32", base, MESHES), ("fp16", fp16, {"fsdp8": "fsdp=8"})):
+    # bf16-sr + adamw8bit on widths where fsdp=2 splits the last axes (512 x 2 divides 512 and
+    # 1024): the optimizer's row pieces on each shard (issue 28)
+    sr8 = base.replace({"precision.mode": "bf16-sr", "optim.optimizer": "adamw8bit",
+                        "model.hidden_size": 512, "model.intermediate_size": 1024})
+    for name, cfg, meshes in (("fp32", base, MESHES), ("fp16", fp16, {"fsdp8": "fsdp=8"}),
+                              ("sr8", sr8, {"data4_fsdp2": "data=4,fsdp=2"})):
         np.savez(os.path.join(out, f"{name}_single.npz"), **run(cfg, None, batches))
         for key, text in meshes.items():
             np.savez(os.path.join(out, f"{name}_{key}.npz"), **run(cfg, text, batches))

@@ -205,3 +205,22 @@ def test_remat_offload_moves_the_residuals_to_host_and_lowers_the_device_peak(h1
     assert full["host_bytes"] == 0
     old = got["offload:query,key,value,attn_context,mlp_gate,mlp_up"]
     assert old["peak_bytes"] >= full["peak_bytes"] - 2**20, (old, full)
+
+
+def test_fsdp8_step_temp_shrinks_with_the_devices():
+    """Issue 28's 8-layer variant: llama-3-8b widths, 8 layers, bf16-sr + adamw8bit, remat full,
+    1x2048 per device, 8 deviceless H100s. The per-device temp on fsdp=8 against one device's:
+    1.01x before issue 28 (whole gradients, and the optimizer's row pieces all-gathered whole
+    leaves: params, 8-bit codes, random bits), 0.52x with the gradients placed like the weights
+    and the last-axis fsdp rule (jaxmem.parallel.rules._fsdp_axis). The issue's target, 0.4x,
+    is not met yet: the untied LM head's update still gathers it (docs/distributed.md)."""
+    from jaxmem.memory.compiled import compiled_stats
+    from jaxmem.memory.mesh import compile_per_device
+    over = {"optim.optimizer": "adamw8bit", "model.preset": "llama-3-8b", "model.num_layers": 8,
+            "model.vocab_size": 128_256, "data.seq_len": 2048}
+    with target.compiling_for("h100"):
+        one, _ = compiled_stats(compile_step(spec("bf16-sr", **over, **{"data.batch_size": 1})))
+    with target.compiling_for("h100", devices=8):
+        eight = compile_per_device(spec("bf16-sr", **over, **{"data.batch_size": 8}), "fsdp=8")
+    ratio = eight["temp_bytes"] / one["temp_bytes"]
+    assert ratio <= 0.6, (ratio, eight["temp_bytes"], one["temp_bytes"])

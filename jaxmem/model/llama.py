@@ -33,7 +33,7 @@ from jaxmem.model.layers import (RMSNorm, apply_rope, attention_mask, cache_mask
                                  scaled_normal)
 from jaxmem.model.projection import Einsum, Projection, default_einsum, logits_einsum, project
 from jaxmem.model.remat import TAGS, RematPolicy
-from jaxmem.model.sharding import constrain
+from jaxmem.model.sharding import constrain, constrain_weight
 from jaxmem.model.tiled import mlp_tile, tiled_mlp
 
 
@@ -178,6 +178,7 @@ class Llama(nn.Module):
         D, V = c.hidden_size, c.vocab_size
         # std D^-0.5: with tied embeddings the head then gives unit-variance logits at init.
         embed = self.param("embed_tokens", scaled_normal(D), (V, D), jnp.float32)
+        embed = constrain_weight(embed, "embed_tokens")  # its gradient split like it on a mesh
         x = constrain(jnp.take(embed, tokens, axis=0), "embed")  # [B, T, D]
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T), (B, T))

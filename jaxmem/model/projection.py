@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem.model.layers import cpu_lacks, scaled_normal
+from jaxmem.model.sharding import constrain_weight
 
 Einsum = Callable[[str, jax.Array, jax.Array], jax.Array]
 
@@ -115,4 +116,4 @@ class Projection(nn.Module):
                 "layers" in self.scope.path) else ""
             raise ValueError(f"param {path} has shape {tuple(w.shape)}, the model expects "
                              f"{tuple(self.shape)}{stacked}")
-        return w
+        return constrain_weight(w, path)  # its gradient placed like the weight on a mesh

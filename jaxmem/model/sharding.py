@@ -21,12 +21,21 @@ in context (`jax.set_mesh`); a kind the mapping lacks is left alone.
 
 Rules act at trace time: install them around the first call (or `.lower`) of a jitted function,
 not around later calls, which reuse the trace. jaxmem.parallel owns the rules themselves.
+
+Weights: `constrain_weight(w, path)` is called where the model reads a weight (each projection,
+the embedding). It returns `w` unchanged; only its gradient is placed: with a rule installed
+(`weight_sharding(rule)`, rule(path, shape, stacked) -> a Sharding or None) the cotangent of
+`w` is constrained to the weight's own (FSDP) sharding. Inside the layer scan this makes XLA's
+SPMD partitioner reduce-scatter each layer's weight gradients as the backward pass leaves the
+layer, instead of all-reducing whole gradients (issue 28); `constrain_grads(tree)` places a
+whole gradient tree (the stacked leaves) the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from typing import Callable, Mapping, Union
 
 import jax
@@ -52,6 +61,60 @@ def activation_sharding(rules: Rules | None):
         yield
     finally:
         _RULES.reset(token)
+
+
+_WEIGHTS: contextvars.ContextVar = contextvars.ContextVar("jaxmem_weight_rule", default=None)
+
+
+@contextlib.contextmanager
+def weight_sharding(rule):
+    """Install `rule(path: str, shape, stacked: bool) -> Sharding | None` for the gradients of
+    the weights read inside the block (None: none). `stacked` is False for one layer's slice
+    read inside the layer scan (its shape has no layer axis)."""
+    token = _WEIGHTS.set(rule)
+    try:
+        yield
+    finally:
+        _WEIGHTS.reset(token)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _grad_placed(w, sharding):
+    return w
+
+
+def _grad_placed_fwd(w, sharding):
+    return w, None
+
+
+def _grad_placed_bwd(sharding, _, g):
+    return (jax.lax.with_sharding_constraint(g, sharding),)
+
+
+_grad_placed.defvjp(_grad_placed_fwd, _grad_placed_bwd)
+
+
+def constrain_weight(w, path: str, stacked: bool = False):
+    """`w` itself; its gradient placed by the installed weight rule (module docstring)."""
+    rule = _WEIGHTS.get()
+    if rule is None or not isinstance(w, jax.Array):
+        return w
+    sharding = rule(path, tuple(w.shape), stacked)
+    return w if sharding is None else _grad_placed(w, sharding)
+
+
+def constrain_grads(tree):
+    """A gradient tree (params-shaped, stacked) constrained leaf by leaf to the installed weight
+    rule's shardings; the tree itself without a rule."""
+    rule = _WEIGHTS.get()
+    if rule is None:
+        return tree
+    from jaxmem.model.roles import path_text
+
+    def one(path, g):
+        sharding = rule(path_text(path), tuple(g.shape), True)
+        return g if sharding is None else jax.lax.with_sharding_constraint(g, sharding)
+    return jax.tree_util.tree_map_with_path(one, tree)
 
 
 def _mesh_in_context():

@@ -6,7 +6,9 @@ Parameters (and every optimizer leaf shaped like one: Adam's mu and nu), by role
        them saves nothing and costs a collective each;
     2. the layer axis L of the scanned block params is never split (scan slices it per layer);
     3. tensor: the head / width axis of the role's Megatron split (below), when it divides;
-    4. fsdp: the largest remaining axis divisible by the fsdp size (none divides: not split).
+    4. fsdp: the last axis when each shard of it holds whole 8-bit moment blocks (256 x fsdp
+       divides it: the optimizer's row pieces and blocks stay on one device, issue 28), else
+       the largest remaining axis divisible by the fsdp size (none divides: not split).
 
     role        stored shape (after L)   tensor splits   Megatron
     q_proj      [D, N, H]                N               column parallel (heads)
@@ -66,6 +68,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmem.model.roles import param_role, path_text
+from jaxmem.optim import BLOCK
 from jaxmem.parallel.mesh import BATCH_AXES
 from jaxmem.peft.quant import QuantizedWeight
 
@@ -112,10 +115,28 @@ def leaf_spec(path, shape: tuple[int, ...], axis_sizes: dict[str, int]) -> P:
         if dim < len(shape) and shape[dim] % tensor == 0:
             spec[dim] = "tensor"
     if fsdp > 1:
-        free = [d for d in range(first, len(shape)) if spec[d] is None and shape[d] % fsdp == 0]
-        if free:
-            spec[max(free, key=lambda d: (shape[d], -d))] = "fsdp"
+        axis = _fsdp_axis(shape, first, spec, fsdp, names[-1] == "scale")
+        if axis is not None:
+            spec[axis] = "fsdp"
     return P(*spec)
+
+
+def _fsdp_axis(shape, first, spec, fsdp, block_scale):
+    """The axis fsdp splits (module docstring, rule 4), or None.
+
+    The last axis comes first when each shard of it holds whole 8-bit moment blocks
+    (jaxmem.optim.BLOCK; issue 28): the optimizer's row pieces (every axis but the last,
+    flattened, jaxmem.optim.row_chunks) then stay on their devices and the update runs where the
+    shard is, where a split of an inner axis made XLA all-gather whole leaves (params, codes,
+    random bits) for the loop over pieces. Otherwise the largest divisible axis.
+    `block_scale`: an 8-bit moment's block scales [..., nblocks], whose last axis is the codes'
+    divided by BLOCK: split as the codes are, so each block's scale lives with its codes."""
+    last = len(shape) - 1
+    if last > first and spec[last] is None and \
+            shape[last] % (fsdp if block_scale else BLOCK * fsdp) == 0:
+        return last
+    free = [d for d in range(first, len(shape)) if spec[d] is None and shape[d] % fsdp == 0]
+    return max(free, key=lambda d: (shape[d], -d)) if free else None
 
 
 _WARNED: set = set()
@@ -277,3 +298,21 @@ def activation_rules(mesh, vocab_size: int | None = None) -> dict:
 
 def replicated(mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+def weight_rule(mesh, num_layers: int):
+    """The rule for jaxmem.model.sharding.weight_sharding: a weight's gradient gets the weight's
+    own sharding (`leaf_spec`), one layer's slice inside the scan that of its stacked leaf
+    without the layer axis; None (left alone) where nothing is split."""
+    sizes = dict(mesh.shape)
+
+    def rule(path: str, shape: tuple, stacked: bool):
+        keys = tuple(path.split("/"))
+        full = shape if stacked or "layers" not in keys else (num_layers, *shape)
+        spec = leaf_spec(keys, full, sizes)
+        if not stacked and "layers" in keys:
+            spec = P(*tuple(spec)[1:]) if len(tuple(spec)) > 1 else P()
+        if all(a is None for a in tuple(spec)):
+            return None
+        return NamedSharding(mesh, spec)
+    return rule

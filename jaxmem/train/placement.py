@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmem.model.sharding import activation_sharding
+from jaxmem.model.sharding import activation_sharding, weight_sharding
 from jaxmem.model.fp8 import compiler_options as fp8_compiler_options
 import jaxmem.parallel.rules as R
 from jaxmem.peft.offload import offload_shardings
@@ -42,15 +42,18 @@ from jaxmem.train.step import (create_train_state, jit_train_step, make_train_st
 class _WithRules:
     """A jitted function called (and lowered) with the activation rules installed."""
 
-    def __init__(self, jitted, rules, gather=None):
+    def __init__(self, jitted, rules, gather=None, weights=None):
         self._jitted, self._rules, self._gather = jitted, rules, gather
+        self._weights = weights
 
     def __call__(self, *args):
-        with activation_sharding(self._rules), gather_packed(self._gather):
+        with activation_sharding(self._rules), gather_packed(self._gather), \
+                weight_sharding(self._weights):
             return self._jitted(*args)
 
     def lower(self, *args):
-        with activation_sharding(self._rules), gather_packed(self._gather):
+        with activation_sharding(self._rules), gather_packed(self._gather), \
+                weight_sharding(self._weights):
             return self._jitted.lower(*args)
 
 
@@ -137,7 +140,8 @@ class Placement:
                          + (() if base is None else (base,)),
                          out_shardings=(shardings, R.replicated(self.mesh)))
         return _WithRules(jitted, R.activation_rules(self.mesh, step_cfg.model.vocab_size),
-                          R.lora_packed_gather(step_cfg, self.mesh))
+                          R.lora_packed_gather(step_cfg, self.mesh),
+                          R.weight_rule(self.mesh, step_cfg.model.num_layers))
 
     def eval_fn(self, step_cfg):
         if self.mesh is None:

@@ -36,6 +36,7 @@ from jaxmem.bits import key_data, tree_norm, wrap_key_data
 from jaxmem.model.llama import Llama, init_params
 from jaxmem.model.fp8 import compiler_options as fp8_compiler_options
 from jaxmem.model.projection import default_einsum
+from jaxmem.model.sharding import constrain_grads
 from jaxmem.optim import (LossScale, LossScaledState, NoOpLossScale, Optimizer,
                           SkipNonFiniteState, loss_scaled, skip_nonfinite)
 from jaxmem.train.fused8bit import train_optimizer
@@ -197,15 +198,19 @@ def make_train_step(cfg: StepConfig, optimizer: Optimizer | None = None):
 
         grad_fn = jax.grad(micro_loss, has_aux=True)
 
+        def sharded_grad(params, mb):  # on a mesh: gradients split like the params
+            g, loss = grad_fn(params, mb)
+            return constrain_grads(g), loss
+
         def accumulate(carry, mb):
             g_sum, loss_sum = carry
-            g, loss = grad_fn(state.params, mb)
+            g, loss = sharded_grad(state.params, mb)
             return (jax.tree_util.tree_map(jnp.add, g_sum, g), loss_sum + loss), None
 
         if cfg.grad_accum == 1:
-            grads, loss = grad_fn(state.params, jax.tree_util.tree_map(lambda x: x[0], batch))
+            grads, loss = sharded_grad(state.params, jax.tree_util.tree_map(lambda x: x[0], batch))
         else:
-            zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
+            zeros = constrain_grads(jax.tree_util.tree_map(jnp.zeros_like, state.params))
             (grads, loss), _ = jax.lax.scan(accumulate, (zeros, jnp.zeros((), jnp.float32)), batch)
 
         # the wrapper unscales the same way; XLA computes the unscaled gradients once
