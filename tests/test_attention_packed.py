@@ -75,8 +75,23 @@ def test_pallas_packed_rows_never_attend_across_documents():
         assert np.abs(bumped[np.asarray(seg == s)] - base[np.asarray(seg == s)]).max() > 1e3
 
 
-def test_pallas_needs_a_multiple_of_its_block():
-    assert "multiple of 128" in flash.pallas_unsupported((1, 100, 4, 16), (1, 100, 2, 16))
+def test_pallas_pads_a_length_off_its_block_with_padding_segments():
+    """T=100 (not a multiple of the kernel's 128-row block): padded with segment 0, rows dropped."""
+    q, k, v, d, seg = (a[:, :100] for a in inputs())
+    real = seg != 0
+    assert flash.pallas_unsupported(q.shape, k.shape) == ""
+    fn = lambda q, k, v: flash.packed_flash_attention(q, k, v, seg, interpret=True)  # noqa
+    idx = jnp.arange(100)
+    ref = lambda q, k, v: attention._chunk_attention(  # noqa
+        q, k, v, segment_mask(seg, seg, idx, idx))
+    with jax.default_matmul_precision("highest"):
+        got = jax.grad(_loss(fn, d, real), argnums=(0, 1, 2))(q, k, v)
+        want = jax.grad(_loss(ref, d, real), argnums=(0, 1, 2))(q, k, v)
+        out = fn(q, k, v)
+    assert out.shape == q.shape
+    assert_reordered_fp32((np.asarray(out)[np.asarray(real)], got),
+                          (np.asarray(ref(q, k, v))[np.asarray(real)], want))
+    assert "as many keys" in flash.pallas_unsupported((1, 100, 4, 16), (1, 128, 2, 16))
 
 
 @pytest.mark.parametrize("packed", [False, True])

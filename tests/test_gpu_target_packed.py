@@ -44,6 +44,8 @@ def test_packed_rows_take_the_pallas_kernel_and_hold_no_t_by_t_buffer(h100):
     assert attention.attention_path((1, t, N, H), (1, t, K, H), "bfloat16",
                                     segments=True).path == "pallas"
     assert attention.attention_path((1, t, N, H), (1, t, K, H), "bfloat16").path == "cudnn"
+    assert attention.attention_path((1, 8000, N, H), (1, 8000, K, H), "bfloat16",
+                                    segments=True).path == "pallas"  # padded to 8064
     hlo = compile_packed(t).as_text()
     assert "__gpu$xla.gpu.triton" in hlo  # the Pallas kernels (forward, backward)
     assert "__cudnn$fmha" not in hlo

@@ -14,8 +14,8 @@ VJP from the [B, T] ids (the residual is the ids, never [B, T, T]), the query-ch
 [B, 1, Tq, S] chunk at a time, and the cuDNN path as the `mask` that jax turns into a dense
 bias (cuDNN's packed layout, q/kv offsets, exists only in a private jax module; not used).
 On GPUs packed rows take jax's Pallas flash kernel with segment ids instead (jaxmem.model.flash:
-no [T, T] buffer, measured), where T is a multiple of 128; the dense-mask cuDNN call is the
-fallback for other lengths.
+no [T, T] buffer, measured), where queries and keys are as many; the dense-mask cuDNN call is
+the fallback otherwise (never in a training step).
 
 `jax.nn.dot_product_attention(implementation=None)` always takes the XLA path (jax 0.10), so the
 cuDNN kernel is asked for explicitly, on a GPU, for bf16/fp16 inputs with the causal mask only.
@@ -236,7 +236,7 @@ def _on_gpu() -> bool:
 class AttentionPath:
     """The attention implementation a call takes.
 
-    path: "cudnn", "pallas" (packed rows on a GPU: jaxmem.model.flash) or "xla".
+    path: "cudnn", "pallas" (packed rows on a GPU, jaxmem.model.flash) or "xla".
     reason: why not cuDNN ("" when cuDNN is taken).
     rejected: cuDNN was tried for these shapes and raised (a fallback worth a warning), as
         opposed to not applying at all (CPU, fp32, a padding mask).

@@ -30,7 +30,7 @@ try:  # jax.experimental: guarded, a jax without it falls back to the dense mask
 except ImportError:  # pragma: no cover
     _pallas = None
 
-BLOCK = 128  # the kernel's default query/key block: T must be a multiple of it
+BLOCK = 128  # the kernel's default query/key block: T is padded up to a multiple of it
 
 
 def pallas_unsupported(q_shape, kv_shape) -> str:
@@ -39,20 +39,28 @@ def pallas_unsupported(q_shape, kv_shape) -> str:
     if _pallas is None or not hasattr(_pallas, "mha"):
         return "jax.experimental.pallas.ops.gpu.attention.mha is missing in this jax"
     T, S = q_shape[1], kv_shape[1]
-    if T != S or T % BLOCK:
-        return f"the Pallas kernel needs T == S, a multiple of {BLOCK} (T={T}, S={S})"
+    if T != S:
+        return f"the Pallas path needs as many keys as queries (T={T}, S={S})"
     if q_shape[2] % kv_shape[2] or q_shape[3] != kv_shape[3]:
-        return f"heads {q_shape[2]} over {kv_shape[2]} kv heads, head dims {q_shape[3]}/{kv_shape[3]}"
+        return (f"heads {q_shape[2]} over {kv_shape[2]} kv heads, "
+                f"head dims {q_shape[3]}/{kv_shape[3]}")
     return ""
 
 
 def packed_flash_attention(q, k, v, segment_ids, interpret: bool = False):
     """Causal attention of packed rows, within each segment: [B, T, N, H] (see the module).
 
-    interpret: run the kernel in Pallas' interpreter (CPU tests)."""
-    N, H = q.shape[2:]
+    interpret: run the kernel in Pallas' interpreter (CPU tests).
+    T not a multiple of BLOCK: q, k, v are padded at the end with segment id 0 (padding), which
+    no real query attends to (another segment, and later), and the padded rows are dropped."""
+    T, N, H = q.shape[1:]
+    pad = -T % BLOCK
+    if pad:
+        q, k, v = (jnp.pad(a, [(0, 0), (0, pad), (0, 0), (0, 0)]) for a in (q, k, v))
+        segment_ids = jnp.pad(segment_ids, [(0, 0), (0, pad)])
     G = N // k.shape[2]
     if G > 1:
         k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)  # [B, T, N, H]
-    return _pallas.mha(q, k, v, segment_ids.astype(jnp.int32), sm_scale=H ** -0.5, causal=True,
-                       interpret=interpret)
+    out = _pallas.mha(q, k, v, segment_ids.astype(jnp.int32), sm_scale=H ** -0.5, causal=True,
+                      interpret=interpret)
+    return out[:, :T]
