@@ -12,7 +12,9 @@ T=8192, 1.25 GiB at 16,384, with pred/bf16 [T, T] buffers in the optimized HLO).
 `jax.experimental.pallas.ops.gpu.attention.mha` (jax 0.10.2 and 0.11) is a flash kernel with
 segment ids, a causal mask and its own backward (custom_vjp, Triton kernels): the same measure
 gives 0.127 GiB at 8192 and 0.254 GiB at 16,384, no [T, T] buffer. It is taken for packed rows
-on GPUs; unpacked rows keep cuDNN (faster, and already flash).
+on GPUs; unpacked rows keep cuDNN (faster, and already flash). Not taken: tokamax 0.0.12 (on
+the package index, jax >= 0.9.2): its public `dot_product_attention` takes a dense [.., T, S]
+`mask`, no segment ids, and it would add pydantic, qwix, jaxtyping and einshape.
 
 Semantics: the kernel's mask is causal AND seg_q == seg_kv, without jaxmem's seg_kv != 0: padding
 queries (id 0) attend to earlier padding keys instead of to nothing. Real tokens never attend to
