@@ -126,12 +126,28 @@ def test_model_logits_on_the_fallback_equal_the_cpu_path(fresh):
     np.testing.assert_array_equal(got, want)
 
 
-def test_packed_rows_on_a_simulated_gpu_give_cudnn_the_segment_mask(fresh):
-    """Packed rows: cuDNN is asked (once) with the [B, 1, T, S] segment mask and gets it in the
-    call; where it rejects the mask, the XLA path runs the same segment mask, with one warning."""
+def test_packed_rows_on_a_simulated_gpu_take_the_pallas_kernel(fresh):
+    """Packed rows on a GPU: jax's Pallas flash kernel with the [B, T] ids (jaxmem.model.flash),
+    no [B, 1, T, S] mask; unpacked rows still cuDNN."""
+    fresh.setattr(attn, "_on_gpu", lambda: True)
+    seen = []
+    fresh.setattr(attn, "packed_flash_attention",
+                  lambda q, k, v, seg: seen.append(seg.shape) or jnp.zeros_like(q))
+    q, k, v = qkv()
+    seg = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1, 1, 1]], jnp.int32)
+    assert attn.attention_path(q.shape, k.shape, q.dtype, segments=True).path == "pallas"
+    attn.causal_attention(q, k, v, None, seg)
+    assert seen == [(B, T)]
+
+
+def test_packed_rows_without_pallas_give_cudnn_the_segment_mask(fresh):
+    """Where the Pallas path does not apply: cuDNN is asked (once) with the [B, 1, T, S] segment
+    mask and gets it in the call; where it rejects the mask, the XLA path runs the same segment
+    mask, with one warning."""
     from jaxmem.model.layers import segment_mask
 
     fresh.setattr(attn, "_on_gpu", lambda: True)
+    fresh.setattr(attn, "pallas_unsupported", lambda q_shape, kv_shape: "not here")
     seen = []
 
     def accepting(q, k, v, mask=None):

@@ -13,6 +13,9 @@ causally within their own segment only: mask = causal AND seg_q == seg_kv AND se
 VJP from the [B, T] ids (the residual is the ids, never [B, T, T]), the query-chunked path one
 [B, 1, Tq, S] chunk at a time, and the cuDNN path as the `mask` that jax turns into a dense
 bias (cuDNN's packed layout, q/kv offsets, exists only in a private jax module; not used).
+On GPUs packed rows take jax's Pallas flash kernel with segment ids instead (jaxmem.model.flash:
+no [T, T] buffer, measured), where queries and keys are as many; the dense-mask cuDNN call is
+the fallback otherwise (never in a training step).
 
 `jax.nn.dot_product_attention(implementation=None)` always takes the XLA path (jax 0.10), so the
 cuDNN kernel is asked for explicitly, on a GPU, for bf16/fp16 inputs with the causal mask only.
@@ -36,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem import target
+from jaxmem.model.flash import packed_flash_attention, pallas_unsupported
 from jaxmem.model.layers import cpu_lacks, segment_mask
 
 
@@ -232,7 +236,7 @@ def _on_gpu() -> bool:
 class AttentionPath:
     """The attention implementation a call takes.
 
-    path: "cudnn" or "xla".
+    path: "cudnn", "pallas" (packed rows on a GPU, jaxmem.model.flash) or "xla".
     reason: why not cuDNN ("" when cuDNN is taken).
     rejected: cuDNN was tried for these shapes and raised (a fallback worth a warning), as
         opposed to not applying at all (CPU, fp32, a padding mask).
@@ -248,7 +252,8 @@ def attention_path(q_shape, kv_shape, dtype, causal_only: bool = True,
     """The path `causal_attention` takes for q [B, T, N, H], k and v [B, S, K, H] in `dtype`.
 
     causal_only: no padding mask is given (the cuDNN path here handles the causal mask only).
-    segments: the rows are packed (segment ids given): cuDNN gets the segment mask as a bias.
+    segments: the rows are packed (segment ids given): Pallas' flash kernel with segment ids
+        (no [T, T] mask) where it applies, else cuDNN with the segment mask as a dense bias.
     """
     dtype = jnp.dtype(dtype)
     if not causal_only:
@@ -257,6 +262,8 @@ def attention_path(q_shape, kv_shape, dtype, causal_only: bool = True,
         return AttentionPath("xla", f"the backend is {target.platform()}, not gpu")
     if dtype not in (jnp.bfloat16, jnp.float16):
         return AttentionPath("xla", f"{dtype.name} inputs (cuDNN takes bf16/fp16)")
+    if segments and not pallas_unsupported(q_shape, kv_shape):
+        return AttentionPath("pallas")
     return _cudnn_verdict(tuple(q_shape), tuple(kv_shape), dtype.name, segments)
 
 
@@ -292,6 +299,8 @@ def causal_attention(q, k, v, mask, segment_ids=None):
         q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
     choice = attention_path(q.shape, k.shape, q.dtype, causal_only=mask is None,
                             segments=segment_ids is not None)
+    if choice.path == "pallas":
+        return packed_flash_attention(q, k, v, segment_ids)
     if choice.path == "cudnn":
         if segment_ids is None:
             return _cudnn_attention(q, k, v)

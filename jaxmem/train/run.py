@@ -46,23 +46,23 @@ def abstract_train_state(cfg: StepConfig, loss_scale, seed: int = 0):
 
 
 def abstract_step_args(step_cfg: StepConfig, loss_scale, batch_size: int, seq_len: int,
-                       grad_accum: int = 1, seed: int = 0) -> tuple:
+                       grad_accum: int = 1, seed: int = 0, packed: bool = False) -> tuple:
     """(state, batch [K, B, T], frozen base or None) as ShapeDtypeStructs: the train step's
-    arguments, nothing allocated."""
+    arguments, nothing allocated (packed: the batch has segment_ids and positions)."""
     batch = {k: jax.ShapeDtypeStruct((grad_accum,) + v.shape, v.dtype)
-             for k, v in abstract_batch(batch_size, seq_len).items()}
+             for k, v in abstract_batch(batch_size, seq_len, packed).items()}
     frozen = None if step_cfg.peft is None else abstract_base(
         step_cfg.model, step_cfg.peft, step_cfg.precision.compute_dtype)
     return abstract_train_state(step_cfg, loss_scale, seed), batch, frozen
 
 
 def compile_run_step(step_cfg: StepConfig, loss_scale, batch_size: int, seq_len: int,
-                     grad_accum: int = 1, seed: int = 0):
+                     grad_accum: int = 1, seed: int = 0, packed: bool = False):
     """The train step compiled ahead of time on abstract shapes (one device, nothing allocated):
     `compile_run_step(...).memory_analysis()` is what the step needs. The planner's compiled
     figures (jaxmem.memory.compiled.compile_step) and the out-of-memory help of `jaxmem.train`
     (jaxmem.train.failures) both come from here."""
-    args = abstract_step_args(step_cfg, loss_scale, batch_size, seq_len, grad_accum, seed)
+    args = abstract_step_args(step_cfg, loss_scale, batch_size, seq_len, grad_accum, seed, packed)
     return jit_train_step(step_cfg).lower(*args).compile()
 
 
