@@ -146,6 +146,12 @@ class OptimConfig:
                                   choices=["fp32", "bf16"])
     optimizer: str = option("adamw", "adamw, adamw8bit (8-bit block-wise moments), adafactor, "
                             "lion (docs/optimizers.md)", choices=list(OPTIMIZERS))
+    # Changes no state, only where the update happens: a run may resume with it (or without).
+    in_backward: bool = option(False, "apply each layer's optimizer update inside the backward "
+                               "pass, as soon as its gradients exist, so the gradient tree never "
+                               "exists whole (one device; needs --remat full and --clip 0; no "
+                               "--grad-accum, loss scaling or LoRA; docs/optimizers.md)",
+                               flags=("--optimizer-in-backward",), store_true=True, mutable=True)
 
     def __post_init__(self):
         checks = [("lr", self.lr >= 0), ("min_lr", 0 <= self.min_lr),

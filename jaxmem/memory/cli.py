@@ -76,7 +76,7 @@ def positive_gib(text: str) -> float:
 
 
 MEMORY_FLAGS = {"precision": ("mode",), "data": ("batch_size", "seq_len", "grad_accum"),
-                "optim": ("mu_dtype", "optimizer"), "parallel": ("mesh",),
+                "optim": ("mu_dtype", "optimizer", "in_backward"), "parallel": ("mesh",),
                 "sample": ("max_new_tokens", "temperature", "top_k")}
 
 
@@ -135,6 +135,8 @@ def _resolve(parser, args):
     """Validated (spec, global batch, largest micro-batch for --fit or None); exits 2 with a
     one-line message naming the flag."""
     given = given_overrides(args)
+    if given.get("optim.in_backward"):  # it needs --clip 0, which this CLI has no flag for
+        given["optim.clip"] = 0.0
     try:
         cfg = RunConfig().replace(given)
         build_step_config(cfg)  # validates shapes, remat (offload support), precision

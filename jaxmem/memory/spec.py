@@ -52,6 +52,9 @@ class StepSpec:
     loss_chunk: int | None = None  # the fused loss's chunk (None: auto; jaxmem.loss.chunked)
     optimizer: str = "adamw"
     offload_base: str = "none"  # LoRA: where the frozen base lives, "none" or "host" (pinned)
+    # --optimizer-in-backward (jaxmem.train.inbackward): each layer updated inside the
+    # backward pass; the step is planned with --clip 0, which it needs
+    in_backward: bool = False
 
     @classmethod
     def from_run_config(cls, cfg: RunConfig, attention: str | None = None) -> "StepSpec":
@@ -60,7 +63,7 @@ class StepSpec:
         return cls(cfg.model_config(), get_precision(cfg.precision.mode),
                    RematPolicy.parse(cfg.remat.policy), d.batch_size, d.seq_len, d.grad_accum,
                    cfg.optim.mu_dtype, attention, spec_of(cfg.peft), cfg.remat.loss_chunk,
-                   cfg.optim.optimizer, cfg.peft.offload_base)
+                   cfg.optim.optimizer, cfg.peft.offload_base, cfg.optim.in_backward)
 
     def run_config(self) -> RunConfig:
         """A RunConfig with this step: the one input jaxmem.train.run.build_step_config takes."""
@@ -69,6 +72,7 @@ class StepSpec:
             "data.batch_size": self.batch_size, "data.seq_len": self.seq_len,
             "data.grad_accum": self.grad_accum, "optim.mu_dtype": self.mu_dtype,
             "remat.loss_chunk": self.loss_chunk, "optim.optimizer": self.optimizer,
+            **({"optim.in_backward": True, "optim.clip": 0.0} if self.in_backward else {}),
             **({} if self.peft is None else {  # LoRA / QLoRA: the peft section (jaxmem.peft)
                 "peft.lora_rank": self.peft.rank, "peft.lora_alpha": self.peft.alpha,
                 "peft.lora_targets": ",".join(self.peft.targets),

@@ -41,8 +41,17 @@ def round_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
       [1.0, 1.0078125]
     """
     x = x.astype(jnp.float32)
+    return round_bf16_bits(x, jax.random.bits(key, x.shape, jnp.uint32))
+
+
+def round_bf16_bits(x: jax.Array, random_bits: jax.Array) -> jax.Array:
+    """`round_bf16` with its random bits given: `round_bf16(x, key)` is
+    `round_bf16_bits(x, jax.random.bits(key, x.shape, jnp.uint32))`. For a caller that rounds
+    a slice of an array whose bits were drawn for a larger shape (the optimizer applied layer
+    by layer, jaxmem.train.inbackward)."""
+    x = x.astype(jnp.float32)
     bits = to_bits(x)                                              # uint32
-    noise = jax.random.bits(key, x.shape, jnp.uint32) >> 16       # uniform in [0, 2^16)
+    noise = random_bits.astype(jnp.uint32) >> 16                  # uniform in [0, 2^16)
     rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
     out = from_bits(rounded, jnp.float32)
     # A carry past the largest finite bf16 would give inf: keep those (and inf/nan) to nearest.
@@ -95,22 +104,25 @@ def apply_updates_sr(params, updates, key: jax.Array):
       (dtype(bfloat16), True)
     """
     leaves, treedef = jax.tree_util.tree_flatten(params)
-    new = []
-    for i, (p, u) in enumerate(zip(leaves, treedef.flatten_up_to(updates))):
-        if p.dtype != jnp.bfloat16:
-            new.append((p.astype(jnp.float32) + u.astype(jnp.float32)).astype(p.dtype))
-            continue
-        leaf_key = jax.random.fold_in(key, i)
-        n = row_chunks(p.shape, CHUNK)
-        if n == 1:
-            new.append(_add_round(p, u, leaf_key))
-            continue
-        split = lambda x: x.reshape((n, -1, x.shape[-1]))  # noqa: E731
-        keys = jax.vmap(lambda j: jax.random.fold_in(leaf_key, j))(jnp.arange(n))
-        # p and u enter the loop as raw bits, so XLA cannot hoist their fp32 converts out of it
-        # (whole-leaf 4 B/element buffers; the 8-bit AdamW's update does the same)
-        out = jax.lax.map(lambda a: _add_round(from_bits(a[0], p.dtype),
-                                               from_bits(a[1], u.dtype), a[2]),
-                          (split(to_bits(p)), split(to_bits(u)), keys))
-        new.append(out.reshape(p.shape))
-    return treedef.unflatten(new)
+    return treedef.unflatten([apply_leaf_sr(p, u, jax.random.fold_in(key, i))
+                              for i, (p, u) in enumerate(zip(leaves,
+                                                             treedef.flatten_up_to(updates)))])
+
+
+def apply_leaf_sr(p: jax.Array, u: jax.Array, leaf_key: jax.Array) -> jax.Array:
+    """One leaf of `apply_updates_sr` (leaf_key = fold_in(key, leaf index)): a bf16 leaf
+    rounded stochastically (in row pieces over CHUNK elements, piece j with fold_in(leaf_key,
+    j)), any other p + u in fp32, cast back."""
+    if p.dtype != jnp.bfloat16:
+        return (p.astype(jnp.float32) + u.astype(jnp.float32)).astype(p.dtype)
+    n = row_chunks(p.shape, CHUNK)
+    if n == 1:
+        return _add_round(p, u, leaf_key)
+    split = lambda x: x.reshape((n, -1, x.shape[-1]))  # noqa: E731
+    keys = jax.vmap(lambda j: jax.random.fold_in(leaf_key, j))(jnp.arange(n))
+    # p and u enter the loop as raw bits, so XLA cannot hoist their fp32 converts out of it
+    # (whole-leaf 4 B/element buffers; the 8-bit AdamW's update does the same)
+    out = jax.lax.map(lambda a: _add_round(from_bits(a[0], p.dtype),
+                                           from_bits(a[1], u.dtype), a[2]),
+                      (split(to_bits(p)), split(to_bits(u)), keys))
+    return out.reshape(p.shape)

@@ -174,6 +174,9 @@ def setup(args, parser) -> Setup:
         s = Setup(cfg, model_cfg, step_cfg, loss_scale, out, tokenizer, train_tokens, eval_tokens,
                   stats, continuing=continuing, record=record, changes=changes)
         mesh = run_mesh(cfg.parallel.mesh, model_cfg, cfg.data.batch_size)
+        if mesh is not None and cfg.optim.in_backward:
+            raise RunError(f"--optimizer-in-backward runs on one device; this run has a mesh "
+                           f"({dict(mesh.shape)}): pass --mesh with one device, or drop the flag")
         s.placement = (Placement.single() if mesh is None
                        else Placement.on(mesh, cfg.peft.offload_base))
         if step_cfg.peft is not None:  # LoRA / QLoRA: the frozen base, checked against the run's

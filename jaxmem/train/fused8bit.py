@@ -73,27 +73,9 @@ def fused_adamw8bit_apply(cfg: OptimConfig, grads, opt_state, params, finite: ja
     """make_optimizer(cfg).update + apply, in place; `key` given: bf16 leaves rounded
     stochastically (jaxmem.optim.apply_updates_sr's keys); `finite` (a bool scalar) False:
     params and every state leaf bitwise unchanged, without a conditional (module docstring)."""
-    clip_state, adam, decay, sched = _split_state(cfg, opt_state)
-    g_norm = tree_norm(grads)
-    trigger = jnp.squeeze(g_norm < cfg.clip)
-    count = optax.safe_int32_increment(adam.count)
-    c1, c2 = bias_corrections(count, cfg.b1, cfg.b2)
-    step_size = -1 * schedule(cfg)(sched.count)  # scale_by_learning_rate
-    wd = cfg.weight_decay
-
-    def piece(g, m, v, p, decays, pkey):
-        if cfg.clip > 0:  # clip_by_global_norm
-            g = jax.lax.select(trigger, g, (g / g_norm.astype(g.dtype)) * cfg.clip)
-        u, m, v = adam_piece(g, m, v, c1, c2, cfg.b1, cfg.b2, cfg.eps)
-        if decays and wd != 0.0:  # add_decayed_weights (masked)
-            u = u + wd * p
-        u = jnp.array(step_size, dtype=u.dtype) * u
-        if pkey is None:
-            if key is not None:  # apply_updates_sr's non-bf16 leaves
-                return (p.astype(jnp.float32) + u.astype(jnp.float32)).astype(p.dtype), m, v
-            return jnp.asarray(p + u).astype(p.dtype), m, v  # optax.apply_updates
-        return sr.round_bf16(p.astype(jnp.float32) + u.astype(jnp.float32), pkey), m, v
-
+    piece, finish = adamw8bit_piece(cfg, opt_state, tree_norm(grads) if cfg.clip > 0 else None,
+                                    key is not None)
+    _, adam, _, _ = _split_state(cfg, opt_state)
     leaves, treedef = jax.tree_util.tree_flatten(params)
     cols = [treedef.flatten_up_to(t) for t in (grads, adam.mu, adam.nu,
                                                decay_mask(params, cfg.decay_embeddings))]
@@ -101,21 +83,65 @@ def fused_adamw8bit_apply(cfg: OptimConfig, grads, opt_state, params, finite: ja
     for i, (p, g, m, v, decays) in enumerate(zip(leaves, *cols)):
         leaf_key = (jax.random.fold_in(key, i)
                     if key is not None and p.dtype == jnp.bfloat16 else None)
-        n = sr.row_chunks(p.shape, sr.CHUNK)
-        if n == 1:
-            out = piece(g, m, v, p, decays, leaf_key)
-            out = jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), out, (p, m, v))
-        else:
-            out = _in_place(piece, n, g, m, v, p, decays, leaf_key, finite)
+        out = apply_leaf(piece, g, m, v, p, decays, leaf_key, finite)
         for lst, x in zip((new_p, new_m, new_v), out):
             lst.append(x)
+    return treedef.unflatten(new_p), finish(treedef.unflatten(new_m), treedef.unflatten(new_v),
+                                            finite)
 
-    adam = ScaleByAdam8bitState(count=jnp.where(finite, count, adam.count),
-                                mu=treedef.unflatten(new_m), nu=treedef.unflatten(new_v))
-    sched = sched._replace(count=jnp.where(finite, optax.safe_int32_increment(sched.count),
-                                           sched.count))
-    inner = (adam, decay, sched)
-    return treedef.unflatten(new_p), ((clip_state, inner) if cfg.clip > 0 else inner)
+
+def adamw8bit_piece(cfg: OptimConfig, opt_state, g_norm: jax.Array | None, rounds: bool):
+    """(piece, finish) of one 8-bit AdamW step on make_optimizer(cfg)'s state `opt_state`:
+
+        piece(g, m, v, p, decays, pkey, bits=None) -> (new p, new m, new v)   (a piece of a
+            leaf: clip by `g_norm`, Adam, decay, -lr, add; `rounds`: bf16 leaves are rounded
+            stochastically with `pkey`'s bits, or the given `bits`; pkey None: to nearest)
+        finish(new mu tree, new nu tree, finite) -> the new opt_state (counts advanced where
+            `finite`)
+
+    Shared by the whole-tree update (`fused_adamw8bit_apply`) and the one applied layer by
+    layer inside the backward pass (jaxmem.train.inbackward), so both compute the same bits."""
+    clip_state, adam, decay, sched = _split_state(cfg, opt_state)
+    count = optax.safe_int32_increment(adam.count)
+    c1, c2 = bias_corrections(count, cfg.b1, cfg.b2)
+    step_size = -1 * schedule(cfg)(sched.count)  # scale_by_learning_rate
+    wd = cfg.weight_decay
+    trigger = None if g_norm is None else jnp.squeeze(g_norm < cfg.clip)
+
+    def piece(g, m, v, p, decays, pkey, bits=None):
+        if cfg.clip > 0:  # clip_by_global_norm
+            g = jax.lax.select(trigger, g, (g / g_norm.astype(g.dtype)) * cfg.clip)
+        u, m, v = adam_piece(g, m, v, c1, c2, cfg.b1, cfg.b2, cfg.eps)
+        if decays and wd != 0.0:  # add_decayed_weights (masked)
+            u = u + wd * p
+        u = jnp.array(step_size, dtype=u.dtype) * u
+        if pkey is None and bits is None:
+            if rounds:  # apply_updates_sr's non-bf16 leaves
+                return (p.astype(jnp.float32) + u.astype(jnp.float32)).astype(p.dtype), m, v
+            return jnp.asarray(p + u).astype(p.dtype), m, v  # optax.apply_updates
+        total = p.astype(jnp.float32) + u.astype(jnp.float32)
+        if bits is not None:
+            return sr.round_bf16_bits(total, bits), m, v
+        return sr.round_bf16(total, pkey), m, v
+
+    def finish(mu, nu, finite):
+        new_adam = ScaleByAdam8bitState(count=jnp.where(finite, count, adam.count), mu=mu, nu=nu)
+        new_sched = sched._replace(count=jnp.where(
+            finite, optax.safe_int32_increment(sched.count), sched.count))
+        inner = (new_adam, decay, new_sched)
+        return (clip_state, inner) if cfg.clip > 0 else inner
+
+    return piece, finish
+
+
+def apply_leaf(piece, g, m, v, p, decays, leaf_key, finite):
+    """One whole leaf through `piece`: in row pieces of <= CHUNK elements (`_in_place`, keys
+    fold_in(leaf_key, j)) when it is larger, else at once (key leaf_key)."""
+    n = sr.row_chunks(p.shape, sr.CHUNK)
+    if n == 1:
+        out = piece(g, m, v, p, decays, leaf_key)
+        return jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), out, (p, m, v))
+    return _in_place(piece, n, g, m, v, p, decays, leaf_key, finite)
 
 
 def _in_place(piece, n, g, m, v, p, decays, leaf_key, finite):

@@ -10,6 +10,7 @@ import jax
 from jaxmem.config.model import ConfigError, ModelConfig
 from jaxmem.config.run import RunConfig
 from jaxmem.model.remat import RematPolicy
+from jaxmem.train.inbackward import check as check_in_backward
 from jaxmem.train.loss import abstract_batch, token_loss
 from jaxmem.train.loss_scale import LossScale, parse_loss_scale
 from jaxmem.model.precision import get_precision
@@ -36,6 +37,8 @@ def build_step_config(cfg: RunConfig) -> tuple[ModelConfig, StepConfig, LossScal
                                   growth_interval=p.loss_scale_growth_interval)
     step_cfg = StepConfig(model_cfg, precision, remat, cfg.optim, grad_accum=cfg.data.grad_accum,
                           peft=spec_of(cfg.peft), loss_chunk=cfg.remat.loss_chunk)
+    if cfg.optim.in_backward:
+        check_in_backward(step_cfg, loss_scale)
     return model_cfg, step_cfg, loss_scale
 
 

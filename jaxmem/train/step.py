@@ -40,6 +40,7 @@ from jaxmem.model.sharding import constrain_grads
 from jaxmem.optim import (LossScale, LossScaledState, NoOpLossScale, Optimizer,
                           SkipNonFiniteState, loss_scaled, skip_nonfinite)
 from jaxmem.train.fused8bit import train_optimizer
+from jaxmem.train.inbackward import make_train_step_in_backward
 from jaxmem.train.loss import token_loss
 from jaxmem.train.optim import OptimConfig, make_optimizer, schedule
 from jaxmem.model.precision import Precision, cast_floating
@@ -175,6 +176,11 @@ def make_train_step(cfg: StepConfig, optimizer: Optimizer | None = None):
     TrainState's `opt_state`; None: `train_optimizer(cfg.optim, bf16-sr?)`, whose init is the
     one `state_creation_fn` uses. The step wraps it in skip_nonfinite and loss_scaled.
     """
+    if cfg.optim.in_backward:  # --optimizer-in-backward: the gradient tree never whole
+        if optimizer is not None:
+            raise ValueError("optimizer_in_backward applies the run's own optimizer "
+                             "(jaxmem.train.layerwise); it takes no `optimizer`")
+        return make_train_step_in_backward(cfg, step_key)
     model = cfg.build_model()
     if optimizer is None:
         optimizer = train_optimizer(cfg.optim, cfg.precision.stochastic_rounding)
