@@ -136,10 +136,12 @@ def adamw8bit_piece(cfg: OptimConfig, opt_state, g_norm: jax.Array | None, round
 
 def apply_leaf(piece, g, m, v, p, decays, leaf_key, finite):
     """One whole leaf through `piece`: in row pieces of <= CHUNK elements (`_in_place`, keys
-    fold_in(leaf_key, j)) when it is larger, else at once (key leaf_key)."""
+    fold_in(leaf_key, j)) when it is larger, else at once (key leaf_key). `g` may be a function
+    (n, j) -> piece j of the gradient of n (rows [j * rows / n, (j + 1) * rows / n)), so a
+    caller can make each piece where it is used, never the whole gradient."""
     n = sr.row_chunks(p.shape, sr.CHUNK)
     if n == 1:
-        out = piece(g, m, v, p, decays, leaf_key)
+        out = piece(g(1, 0).reshape(p.shape) if callable(g) else g, m, v, p, decays, leaf_key)
         return jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), out, (p, m, v))
     return _in_place(piece, n, g, m, v, p, decays, leaf_key, finite)
 
@@ -148,13 +150,13 @@ def _in_place(piece, n, g, m, v, p, decays, leaf_key, finite):
     """One leaf through `piece` in n row pieces, the carry (p, m, v) updated slice by slice."""
     split = lambda x: x.reshape((n, -1, x.shape[-1]))  # noqa: E731  rows -> [n, rows / n, last]
     # the gradient enters as raw bits, so XLA cannot hoist a whole-leaf fp32 convert out of the loop
-    gs = split(to_bits(g))
+    gs = None if callable(g) else split(to_bits(g))
 
     def body(j, carry):
         take = lambda x: jax.lax.dynamic_index_in_dim(x, j, 0, keepdims=False)  # noqa: E731
         put = lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, j, 0)  # noqa: E731
         pkey = None if leaf_key is None else jax.random.fold_in(leaf_key, j)
-        gj = from_bits(take(gs), g.dtype)
+        gj = g(n, j) if gs is None else from_bits(take(gs), g.dtype)
         out = piece(gj, *jax.tree_util.tree_map(take, carry[1:]), take(carry[0]), decays, pkey)
         pj, mj, vj = out
         return jax.tree_util.tree_map(put, carry, (pj, mj, vj))

@@ -41,6 +41,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import jaxmem.optim._stochastic as sr
 from jaxmem.config.model import ConfigError
 from jaxmem.loss.chunked import chunked_cross_entropy, resolve_loss_chunk
 from jaxmem.model.layers import RMSNorm, attention_mask, rope_tables
@@ -135,17 +136,16 @@ def make_train_step_in_backward(cfg, step_key, loss_scale=None):
         new_leaves, new_states = list(leaves), list(states)
         sumsq, finite_all = jnp.zeros((), jnp.float32), jnp.asarray(True)
 
-        def update_leaf(name, g):
+        def update_leaf(name, g, stats=None):
             nonlocal sumsq, finite_all
             i = index[(name,) if (name,) in index else (name, "scale")]
-            finite = all_finite(g)
-            sumsq = sumsq + jnp.sum(jnp.square(g.astype(jnp.float32)))
-            finite_all = finite_all & finite
+            ss, finite = stats or (jnp.sum(jnp.square(g.astype(jnp.float32))), all_finite(g))
+            sumsq, finite_all = sumsq + ss, finite_all & finite
             new_leaves[i], new_states[i] = upd.leaf(i, g, leaves[i], states[i], finite)
 
         # forward: the embedding, then the layers keeping each one's input
-        x0, embed_vjp = jax.vjp(lambda e: jnp.take(cast({"embed_tokens": e})["embed_tokens"],
-                                                   tokens, axis=0), params["embed_tokens"])
+        x0 = jnp.take(cast({"embed_tokens": params["embed_tokens"]})["embed_tokens"], tokens,
+                      axis=0)  # [B, T, D]
         xL, xs = jax.lax.scan(lambda x, lp: (layer(lp, x), x), x0, params["layers"])
         head = {"norm": params["norm"]}
         head["embed_tokens" if c.tie_embeddings else "lm_head"] = (
@@ -181,10 +181,29 @@ def make_train_step_in_backward(cfg, step_key, loss_scale=None):
             new_leaves[i], new_states[i] = ps[i], sts[i]
         sumsq, finite_all = sumsq + ss, finite_all & fin
 
-        (d_embed,) = embed_vjp(dx)
-        if c.tie_embeddings:
-            d_embed = d_embed + d_head["embed_tokens"]
-        update_leaf("embed_tokens", d_embed)
+        # the embedding's gradient, a row piece at a time where the update uses it: the
+        # whole one ([V, D], 1 GiB at 8B in bf16) never exists
+        embed = params["embed_tokens"]
+        V, D = embed.shape
+        rows, dx_rows = tokens.reshape(-1), dx.reshape(-1, D)
+
+        def d_embed(n, j):  # rows [j V / n, (j + 1) V / n) of d(embed): take's transpose
+            P = V // n
+            at = rows - j * P
+            at = jnp.where((at >= 0) & (at < P), at, P)  # other pieces' tokens: dropped
+            g = jnp.zeros((P, D), dx.dtype).at[at].add(dx_rows, mode="drop").astype(embed.dtype)
+            if c.tie_embeddings:  # the head's share
+                g = g + jax.lax.dynamic_slice_in_dim(d_head["embed_tokens"], j * P, P, 0)
+            return g
+
+        n = sr.row_chunks(embed.shape, sr.CHUNK)
+
+        def embed_stats(j, acc):
+            g = d_embed(n, j)
+            return acc[0] + jnp.sum(jnp.square(g.astype(jnp.float32))), acc[1] & all_finite(g)
+
+        update_leaf("embed_tokens", d_embed, jax.lax.fori_loop(
+            0, n, embed_stats, (jnp.zeros((), jnp.float32), jnp.asarray(True))))
 
         new_params = upd.treedef.unflatten(new_leaves)
         skips = jnp.where(finite_all, 0, state.skips_in_a_row + 1).astype(jnp.int32)

@@ -20,7 +20,7 @@ jaxmem.optim.as_optimizer), because each piece goes through the same code with t
   fold_in(key, i), and a leaf over 2^24 elements is rounded in row pieces j with
   fold_in(fold_in(key, i), j) (jaxmem.optim.apply_updates_sr's scheme). Where a layer's rows
   are whole pieces, its pieces are updated one at a time with their own keys; otherwise the
-  bits of the pieces the layer overlaps are drawn and the layer's rows cut out of them.
+  piece's bits are drawn and the layer's rows cut out of them (`_layer_rows`).
 
 The stacked arrays are updated with dynamic_update_slice, so inside a loop whose carry holds
 them XLA writes each layer into the donated state's buffers (no second copy of the params).
@@ -149,7 +149,11 @@ class LayerwiseUpdate:
         return jax.random.fold_in(self.key, i)
 
     def leaf(self, i: int, g, p, state, finite):
-        """(new p, new state) of leaf `i` (outside the stack), as the whole-tree update."""
+        """(new p, new state) of leaf `i` (outside the stack), as the whole-tree update. `g`
+        may be a function (n, j) -> piece j of n of the gradient's rows (fused8bit.apply_leaf):
+        8-bit AdamW then makes each piece where it uses it."""
+        if callable(g) and not self.eight_bit:
+            g = g(1, 0).reshape(p.shape)
         if self.eight_bit:
             m, v = state
             new_p, m, v = apply_leaf(self.piece, g, m, v, p, self.decays[i],
@@ -235,48 +239,35 @@ def _flatten_sub(paths, idx, tree):
 def _layer_rows(fn, ins, stacked, l, shape, leaf_key, finite):
     """Layer `l` of the stacked arrays `stacked` (each [L, ..., last_k], rows = every axis but
     the last) through fn(ins rows, stacked rows, piece key, bits) -> new stacked rows, written
-    back in place; `ins` are layer-l arrays ([..., last_k]). The pieces and their random bits
-    are the whole-tree update's (module docstring)."""
+    back in place; `ins` are layer-l arrays ([..., last_k]).
+
+    The whole-tree update cuts a leaf's L * a rows (a per layer) into pieces of P rows, piece j
+    rounded with key(j). Here the layer goes through in sub-pieces of g = gcd(a, P) rows, each
+    inside one piece: g = P gives the piece's key itself; otherwise the piece's bits are drawn
+    and the sub-piece's rows cut out of them (a piece's bits drawn P / g times)."""
     L = shape[0]
     a = math.prod(shape[1:-1])  # rows per layer
     n = sr.row_chunks(shape, sr.CHUNK)
     P = L * a // n  # rows per piece of the whole-tree update
-    last = shape[-1]
+    g = math.gcd(a, P)
     rows = lambda x: x.reshape((-1, x.shape[-1]))  # noqa: E731
-    s2 = jax.tree_util.tree_map(rows, stacked)
-    i2 = jax.tree_util.tree_map(rows, ins)
-    piece_key = lambda j: (None if leaf_key is None else  # noqa: E731
-                           leaf_key if n == 1 else jax.random.fold_in(leaf_key, j))
     take = lambda x, r0, k: jax.lax.dynamic_slice_in_dim(x, r0, k, 0)  # noqa: E731
     put = lambda x, y, r0: jax.lax.dynamic_update_slice_in_dim(x, y, r0, 0)  # noqa: E731
+    i2 = jax.tree_util.tree_map(rows, ins)
 
-    if a % P == 0 and a // P > 1:  # the layer is whole pieces: one at a time, their own keys
-        per = a // P
-
-        def body(k, carry):
-            j = l * per + k
-            st = jax.tree_util.tree_map(lambda x: take(x, j * P, P), carry)
-            xin = jax.tree_util.tree_map(lambda x: take(x, k * P, P), i2)
-            out = fn(xin, st, piece_key(j), None)
-            return jax.tree_util.tree_map(lambda x, y: put(x, y, j * P), carry, out)
-
-        s2 = jax.lax.fori_loop(0, jnp.where(finite, per, 0), body, s2)
-    else:  # one piece: the layer's rows, bits cut from the pieces it overlaps
-        r0 = l * a
+    def body(k, carry):
+        r0 = l * a + k * g  # first row of the sub-piece in the stacked leaf
+        j = r0 // P  # its piece
+        key = None if leaf_key is None else leaf_key if n == 1 else jax.random.fold_in(leaf_key, j)
         bits = None
-        if leaf_key is not None:
-            if n == 1:
-                full = jax.random.bits(leaf_key, (L * a, last), jnp.uint32)
-                bits = take(full, r0, a)
-            else:
-                m = 1 if P % a == 0 else a // P + 2
-                j0 = r0 // P
-                drawn = jnp.concatenate([jax.random.bits(jax.random.fold_in(leaf_key, j0 + k),
-                                                         (P, last), jnp.uint32)
-                                         for k in range(m)])
-                bits = take(drawn, r0 - j0 * P, a)
-        st = jax.tree_util.tree_map(lambda x: take(x, r0, a), s2)
-        out = fn(i2, st, None, bits)
-        out = jax.tree_util.tree_map(lambda x, y: jnp.where(finite, x, y), out, st)
-        s2 = jax.tree_util.tree_map(lambda x, y: put(x, y, r0), s2, out)
-    return jax.tree_util.tree_map(lambda x, ref: x.reshape(ref.shape), s2, stacked)
+        if key is not None and g != P:
+            bits = take(jax.random.bits(key, (P, shape[-1]), jnp.uint32), r0 - j * P, g)
+            key = None
+        st = jax.tree_util.tree_map(lambda x: take(x, r0, g), carry)
+        out = fn(jax.tree_util.tree_map(lambda x: take(x, k * g, g), i2), st, key, bits)
+        return jax.tree_util.tree_map(lambda x, y: put(x, y, r0), carry, out)
+
+    # a part with non-finite gradients runs no sub-piece: its rows stay bitwise
+    out = jax.lax.fori_loop(0, jnp.where(finite, a // g, 0), body,
+                            jax.tree_util.tree_map(rows, stacked))
+    return jax.tree_util.tree_map(lambda x, ref: x.reshape(ref.shape), out, stacked)

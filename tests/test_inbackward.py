@@ -1,0 +1,173 @@
+"""--optimizer-in-backward (jaxmem.train.inbackward): the ordinary step's losses, its update to
+the bit, exact resume, the refused combinations, and the whole gradient tree gone from memory."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmem.optim._stochastic as sr
+from jaxmem.config.model import get_preset
+from jaxmem.model.llama import init_params
+from jaxmem.model.precision import get_precision
+from jaxmem.model.remat import RematPolicy
+from jaxmem.train.cli import main
+from jaxmem.train.fused8bit import train_optimizer
+from jaxmem.train.layerwise import LayerwiseUpdate
+from jaxmem.train.loss import synthetic_batch
+from jaxmem.train.optim import OptimConfig, make_optimizer
+from jaxmem.train.run import compile_run_step
+from jaxmem.train.step import StepConfig, create_train_state, make_train_step
+
+from runs import SMALL, error_line, losses, params_of
+
+
+def _configs(optimizer, precision="fp32", tie=False, **optim):
+    model = get_preset("tiny", tie_embeddings=tie)
+    ordinary = StepConfig(model, get_precision(precision), RematPolicy("full"),
+                          OptimConfig(optimizer=optimizer, clip=0.0, lr=1e-2, warmup_steps=2,
+                                      total_steps=20, **optim))
+    return ordinary, dataclasses.replace(
+        ordinary, optim=dataclasses.replace(ordinary.optim, in_backward=True))
+
+
+@pytest.mark.slow  # two tiny steps compiled per case, 10 steps each
+@pytest.mark.parametrize("optimizer,tie", [("adamw", False), ("adamw8bit", False),
+                                           ("lion", True)])
+def test_fp32_losses_equal_the_ordinary_step_for_10_steps(optimizer, tie):
+    ordinary, oib = _configs(optimizer, tie=tie)
+    s1, s2 = create_train_state(ordinary, seed=1), create_train_state(oib, seed=1)
+    f1, f2 = jax.jit(make_train_step(ordinary)), jax.jit(make_train_step(oib))
+    l1, l2 = [], []
+    for k in range(10):
+        batch = jax.tree.map(lambda x: x[None], synthetic_batch(jax.random.PRNGKey(k), 2, 16, 259))
+        s1, m1 = f1(s1, batch)
+        s2, m2 = f2(s2, batch)
+        l1.append(float(m1["loss"]))
+        l2.append(float(m2["loss"]))
+        np.testing.assert_allclose(float(m2["grad_norm"]), float(m1["grad_norm"]), rtol=1e-5)
+        np.testing.assert_allclose(float(m2["lr"]), float(m1["lr"]), rtol=0)
+    np.testing.assert_allclose(l2, l1, rtol=1e-6)
+    assert l1[-1] != l1[0]  # it trained
+    assert int(s2.step) == int(s2.applied) == 10 and int(s2.skips_in_a_row) == 0
+    for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
+
+
+def _whole_and_layerwise(cfg, model, rounds):
+    """The ordinary update of the whole tree, and the layer-by-layer one, as jitted functions
+    (params, opt_state, grads, key) -> (params, opt_state). XLA may keep bf16 arithmetic in
+    more precision where it fuses (xla_allow_excess_precision), which depends on the program's
+    shape, so both compile without it: the comparison is then of the update's own numbers."""
+    options = {"xla_allow_excess_precision": False}
+
+    def whole(params, st, g, key):
+        return train_optimizer(cfg, rounds).update_and_apply(g, st, params, key=key)
+
+    def layerwise(params, st, g, key):
+        upd = LayerwiseUpdate(cfg, rounds, params, st, key)
+        leaves, grads, states = jax.tree.leaves(params), jax.tree.leaves(g), upd.leaf_states()
+        new_l, new_s = list(leaves), list(states)
+        yes = jnp.asarray(True)
+        for i in range(len(leaves)):
+            if i not in upd.stacked:
+                new_l[i], new_s[i] = upd.leaf(i, grads[i], leaves[i], states[i], yes)
+        ps, sts = {i: leaves[i] for i in upd.stacked}, {i: states[i] for i in upd.stacked}
+        for l in reversed(range(model.num_layers)):  # as the backward pass does
+            ps, sts = upd.layer(jnp.int32(l), {i: grads[i][l] for i in upd.stacked}, ps, sts,
+                                yes)
+        for i in upd.stacked:
+            new_l[i], new_s[i] = ps[i], sts[i]
+        return upd.treedef.unflatten(new_l), upd.finish(new_s)
+
+    return (jax.jit(whole, compiler_options=options),
+            jax.jit(layerwise, compiler_options=options))
+
+
+@pytest.mark.slow  # 6 x 2 optimizer programs
+@pytest.mark.parametrize("optimizer", ["adamw8bit", "adamw", "lion"])
+@pytest.mark.parametrize("chunk", [2**24, 2**11, 2**8])
+def test_bf16_sr_update_layer_by_layer_is_the_whole_tree_update(optimizer, chunk,
+                                                                         monkeypatch):
+    # small CHUNKs cut the stacked leaves into row pieces as 8B-sized leaves are: several
+    # pieces per layer (their own keys), and several layers per piece (bits cut out of it)
+    monkeypatch.setattr(sr, "CHUNK", chunk)
+    model = get_preset("tiny")
+    cfg = OptimConfig(optimizer=optimizer, clip=0.0, lr=1e-2, warmup_steps=0, total_steps=20)
+    params = init_params(model, jax.random.PRNGKey(0), dtype=jnp.bfloat16)
+    state = make_optimizer(cfg).init(jax.tree.map(lambda p: jnp.zeros(p.shape), params))
+    whole, layerwise = _whole_and_layerwise(cfg, model, rounds=True)
+    a, b = (params, state), (params, state)
+    leaves, treedef = jax.tree.flatten(params)
+    for k in range(3):
+        grads = treedef.unflatten([jax.random.normal(jax.random.PRNGKey(100 * k + i), x.shape,
+                                                     x.dtype) for i, x in enumerate(leaves)])
+        key = jax.random.PRNGKey(7 + k)
+        a, b = whole(*a, grads, key), layerwise(*b, grads, key)
+        for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+            where = f"step {k}: {jax.tree_util.keystr(path)}"
+            if optimizer == "adamw8bit":  # the fused piece, shared: bitwise
+                np.testing.assert_array_equal(np.asarray(y), np.asarray(x), err_msg=where)
+            else:  # optax's bf16 arithmetic: now and then 1 ulp apart before the rounding
+                np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(x, np.float32),
+                                           rtol=2**-7, atol=1e-5, err_msg=where)
+    assert not all(np.array_equal(x, y) for x, y in zip(leaves, jax.tree.leaves(a[0])))
+
+
+OIB = ["--optimizer-in-backward", "--remat", "full", "--clip", "0"]
+
+
+@pytest.mark.slow  # three CLI runs
+def test_resume_is_bitwise_exact(tmp_path, corpus):
+    args = [*SMALL, "--data", corpus, "--steps", "6", "--precision", "bf16-sr",
+            "--optimizer", "adamw8bit", *OIB]
+    assert main([*args, "--out", str(tmp_path / "straight")]) == 0
+    assert main([*args, "--out", str(tmp_path / "split"), "--stop-at", "3"]) == 0
+    assert main([*args, "--out", str(tmp_path / "split"), "--resume"]) == 0
+    straight, split = losses(tmp_path / "straight"), losses(tmp_path / "split")
+    assert straight == split and len(straight) == 6
+    assert straight[-1][1] < straight[0][1]
+    s1, p1 = params_of(tmp_path / "straight")
+    s2, p2 = params_of(tmp_path / "split")
+    assert s1 == s2 == 6
+    for a, b in zip(p1, p2):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--optimizer-in-backward", "--remat", "full"], "--optimizer-in-backward cannot clip by "
+     "the global gradient norm (--clip 1): each layer is updated before the next one's "
+     "gradients exist; pass --clip 0"),
+    ([*OIB, "--grad-accum", "2"], "--optimizer-in-backward cannot accumulate gradients"),
+    ([*OIB, "--precision", "amp-fp16"], "--optimizer-in-backward cannot scale the loss"),
+    ([*OIB, "--loss-scale", "static:128"], "--optimizer-in-backward cannot scale the loss"),
+    (["--optimizer-in-backward", "--clip", "0"], "pass --remat full, not --remat none"),
+    ([*OIB, "--lora-rank", "4"], "--optimizer-in-backward is for full fine-tunes"),
+    ([*OIB, "--optimizer", "adafactor"], "not adafactor"),
+])
+def test_combinations_it_cannot_run_exit_2_with_one_line(tmp_path, extra, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*SMALL, "--out", str(tmp_path / "run"), *extra])
+    assert e.value.code == 2
+    assert needle in error_line(capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # two compiles of the small preset
+def test_the_gradient_tree_is_gone_from_the_compiled_step():
+    # CPU compile (a test of the program, not a GPU figure): the ordinary step's temporaries
+    # hold every gradient; here one layer's, with the stacked params and moments updated in
+    # the donated buffers (no second params-sized buffer)
+    def compiled(in_backward):
+        cfg = StepConfig(get_preset("small"), get_precision("bf16-sr"), RematPolicy("full"),
+                         OptimConfig(optimizer="adamw8bit", clip=0.0, in_backward=in_backward))
+        return compile_run_step(cfg, None, 1, 256).memory_analysis()
+
+    ordinary, oib = compiled(False), compiled(True)
+    params_bytes = sum(x.size * 2 for x in jax.tree.leaves(
+        jax.eval_shape(lambda: init_params(get_preset("small"), jax.random.PRNGKey(0)))))
+    assert oib.argument_size_in_bytes == ordinary.argument_size_in_bytes
+    assert oib.alias_size_in_bytes == oib.argument_size_in_bytes  # the state updated in place
+    assert ordinary.temp_size_in_bytes - oib.temp_size_in_bytes > 0.9 * params_bytes
