@@ -110,9 +110,9 @@ def test_bf16_sr_update_layer_by_layer_is_the_whole_tree_update(optimizer, chunk
             where = f"step {k}: {jax.tree_util.keystr(path)}"
             if optimizer == "adamw8bit":  # the fused piece, shared: bitwise
                 np.testing.assert_array_equal(np.asarray(y), np.asarray(x), err_msg=where)
-            else:  # optax's bf16 arithmetic: now and then 1 ulp apart before the rounding
+            else:  # optax's bf16 update: now and then 1 ulp (~6e-5 at lr 1e-2) apart
                 np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(x, np.float32),
-                                           rtol=2**-7, atol=1e-5, err_msg=where)
+                                           rtol=2**-7, atol=1e-4, err_msg=where)
     assert not all(np.array_equal(x, y) for x, y in zip(leaves, jax.tree.leaves(a[0])))
 
 
@@ -169,5 +169,6 @@ def test_the_gradient_tree_is_gone_from_the_compiled_step():
     params_bytes = sum(x.size * 2 for x in jax.tree.leaves(
         jax.eval_shape(lambda: init_params(get_preset("small"), jax.random.PRNGKey(0)))))
     assert oib.argument_size_in_bytes == ordinary.argument_size_in_bytes
-    assert oib.alias_size_in_bytes == oib.argument_size_in_bytes  # the state updated in place
+    batch = 3 * 256 * 4  # inputs, targets, mask: the one argument not donated
+    assert oib.argument_size_in_bytes - oib.alias_size_in_bytes == batch  # state in place
     assert ordinary.temp_size_in_bytes - oib.temp_size_in_bytes > 0.9 * params_bytes

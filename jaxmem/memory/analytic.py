@@ -311,13 +311,20 @@ def analytic_breakdown(spec: StepSpec) -> dict:
         layer_bwd += peft_memory.adapter_backward_transient(c, lora, B, T, p.compute_dtype)
     transient = max(logits_group, layer_bwd)
 
+    Pg = Pt  # parameters whose gradients (and compute copies) exist at once
+    if spec.in_backward:  # jaxmem.train.inbackward: one part at a time, the largest
+        head_params = c.vocab_size * c.hidden_size
+        stacked = P - head_params * (1 if c.tie_embeddings else 2) - c.hidden_size
+        Pg = max(stacked // c.num_layers, head_params)
+        compute_copy = Pg * cb if amp else 0
     pd, cdn = _dname(p.param_dtype), _dname(p.compute_dtype)
     # Two phases; the peak is the larger (XLA reuses buffers, it does not sum them):
     # backward: grads + compute copy + saved activations + the largest transient;
     # optimizer: grads + one params-sized update buffer (activations freed by then).
     head = "fused loss: one chunk's logits group" if loss_chunk else "logits + dlogits [B,T,V]"
     phase_b = [("params (compute copy)", compute_copy, cdn),
-               ("gradients", Pt * pb, pd),
+               ("gradients" if Pg == Pt else "gradients (one part)",
+                Pg * pb, pd),
                ("grad accumulator", Pt * pb if K > 1 else 0, pd),
                ("saved activations", saved, _mixed(per_layer + outside)),
                (head if transient == logits_group else "one layer's backward",
@@ -326,7 +333,7 @@ def analytic_breakdown(spec: StepSpec) -> dict:
     # dtype (jaxmem.optim.adamw_8bit); either is added to the bf16 weights in fp32, then rounded
     sr_fp32 = p.stochastic_rounding and spec.optimizer != "adamw8bit"
     ub, ud = (FP32, "float32") if sr_fp32 else (pb, pd)
-    phase_o = [("gradients", Pt * pb, pd), ("optimizer update buffer", Pt * ub, ud)]
+    phase_o = [("gradients", Pg * pb, pd), ("optimizer update buffer", Pg * ub, ud)]
     if spec.optimizer == "adamw8bit" and lora is None:  # updated in place (.fused8bit)
         phase_o[1] = ("optimizer update in place: small leaves + one piece",
                       update_8bit_working_set(c), "float32")
@@ -341,7 +348,8 @@ def analytic_breakdown(spec: StepSpec) -> dict:
     elif lora is not None:
         comps += [(n, b, d, "both") for n, b, d in peft_memory.base_components(c, lora,
                                                                                p.compute_dtype)]
-    comps += [(n, b, d, "both" if n == "gradients" else "backward") for n, b, d in phase_b]
+    comps += [(n, b, d, "both" if n.startswith("gradients") else "backward")
+              for n, b, d in phase_b]
     comps += [(n, b, d, "optimizer") for n, b, d in phase_o if n != "gradients"]
     in_phase = {ph: sum(b for _, b, _, q in comps if q == ph) for ph in ("backward", "optimizer")}
     peak_phase = "backward" if in_phase["backward"] >= in_phase["optimizer"] else "optimizer"

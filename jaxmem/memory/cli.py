@@ -273,6 +273,10 @@ def main(argv=None) -> int:
 def _main(parser, args) -> int:
     spec, global_batch, max_micro = _resolve(parser, args)
     mesh = given_overrides(args).get("parallel.mesh")
+    if spec.in_backward and (mesh is not None or args.devices is not None or
+                             args.fit is not None):
+        parser.error("--optimizer-in-backward plans one device and one configuration: drop "
+                     "--mesh, --devices and --fit (--fit-seq works)")
     if args.fit_seq is not None:
         if args.fit is not None or mesh is not None or args.devices is not None:
             parser.error("--fit-seq plans one device: drop --fit, --mesh and --devices")

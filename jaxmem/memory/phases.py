@@ -125,7 +125,7 @@ def analytic_phases(spec: StepSpec, sample: SampleShape | None = None) -> dict:
     c, p = spec.model, spec.precision
     comps = {x["name"]: x for x in a["components"]}
     state = sum(x["bytes"] for x in a["components"] if x["phase"] == "both"
-                and x["name"] not in ("gradients",) and not x["name"].startswith("batch"))
+                and not x["name"].startswith(("gradients", "batch")))
     leaf = max(int(x.size) for x in jax.tree_util.tree_leaves(abstract_params(c))) * FP32
     B, T = spec.batch_size, spec.seq_len
     copy = comps["params (compute copy)"]["bytes"]
