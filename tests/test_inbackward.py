@@ -134,6 +134,12 @@ def test_resume_is_bitwise_exact(tmp_path, corpus):
     assert s1 == s2 == 6
     for a, b in zip(p1, p2):
         np.testing.assert_array_equal(a, b)
+    # as if killed after step 6 before saving it: steps 4..6 redone from the step-3 checkpoint
+    assert main(["--out", str(tmp_path / "split"), "--resume", "--resume-step", "3"]) == 0
+    s3, p3 = params_of(tmp_path / "split")
+    assert s3 == 6
+    for a, b in zip(p1, p3):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("extra,needle", [

@@ -20,6 +20,9 @@ batch: dict of int32 arrays [K, B, T] (K = grad-accumulation micro-batches). Per
 
 Dividing every micro-batch by the token count of the whole step makes K micro-batches of B give
 the same gradient as one batch of K*B.
+
+With `cfg.optim.in_backward` (--optimizer-in-backward) the step is jaxmem.train.inbackward's
+instead: the same state, batch and metrics, each layer updated inside the backward pass.
 """
 
 from __future__ import annotations
