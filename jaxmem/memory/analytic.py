@@ -49,7 +49,7 @@ from jaxmem.memory.lora_mesh import base_components as offloaded_base
 from jaxmem.memory.spec import StepSpec
 from jaxmem.model.llama import abstract_params
 from jaxmem.model.attention import query_chunk
-from jaxmem.model.tiled import mlp_tile
+from jaxmem.model.tiled import mlp_tile, tiles_under
 from jaxmem.model.remat import RematError, RematPolicy
 from jaxmem.loss.chunked import resolve_loss_chunk, vocab_chunk
 from jaxmem.model.roles import count_by_role
@@ -190,11 +190,10 @@ def outside_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: Rema
 
 def mlp_tiled(spec: StepSpec) -> int:
     """The MLP's sequence tile when the step runs it tiled (jaxmem.model.tiled; the rule of
-    jaxmem.model.llama: `full` remat or a `names:` policy without MLP tags, the plain einsum,
-    [B, T, F] fp32 over TILE_BYTES), else 0."""
-    r, c = spec.remat, spec.model
-    if not (r.kind == "full" or (r.kind == "names" and not any(
-            t.startswith("mlp_") for t in r.names))):
+    jaxmem.model.llama: `tiles_under` the remat policy, the plain einsum, [B, T, F] fp32 over
+    TILE_BYTES), else 0."""
+    c = spec.model
+    if not tiles_under(spec.remat):
         return 0
     if spec.precision.fp8 or spec.peft is not None:  # another einsum: never tiled
         return 0
@@ -218,8 +217,10 @@ def mlp_backward(spec: StepSpec) -> int:
     c, B, T = spec.model, spec.batch_size, spec.seq_len
     F, cb = c.intermediate_size, _nbytes(spec.precision.compute_dtype)
     r = spec.remat
-    recomputed = r.kind == "full" or (r.kind == "names" and not {"mlp_gate", "mlp_up"} <= set(r.names))
-    if not recomputed:  # gate and up saved (none, dots*, offload): measured, nothing beyond them
+    recomputed = r.kind == "full" or (r.kind in ("names", "offload")
+                                      and not {"mlp_gate", "mlp_up"} <= set(r.names))
+    if not recomputed:  # gate and up saved or offloaded (none, dots*, the default offload):
+        # measured, nothing beyond them
         return 0
     tile = mlp_tiled(spec)
     if tile:

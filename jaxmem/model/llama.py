@@ -34,7 +34,7 @@ from jaxmem.model.layers import (RMSNorm, apply_rope, attention_mask, cache_mask
 from jaxmem.model.projection import Einsum, Projection, default_einsum, logits_einsum, project
 from jaxmem.model.remat import TAGS, RematPolicy
 from jaxmem.model.sharding import constrain, constrain_weight
-from jaxmem.model.tiled import mlp_tile, tiled_mlp
+from jaxmem.model.tiled import mlp_tile, tiled_mlp, tiles_under
 
 
 class Attention(nn.Module):
@@ -194,8 +194,7 @@ class Llama(nn.Module):
         stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                         in_axes=(nn.broadcast,) * 4, length=c.num_layers)
         # Tile the MLP only where no remat policy wants its tagged activations (jaxmem.model.tiled)
-        tile = self.remat.kind == "full" or (self.remat.kind == "names" and not any(
-            t.startswith("mlp_") for t in self.remat.names))
+        tile = tiles_under(self.remat)
         x, _ = stack(c, self.einsum, tile, name="layers")(x, cos, sin, mask,
                                                           segment_ids)  # [B, T, D]
 

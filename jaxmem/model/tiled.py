@@ -15,7 +15,7 @@ should drop it; not verified with a FLOP count, because XLA's `cost_analysis()` 
 body once (docs/memory.md).
 
 Used only where it changes nothing else (jaxmem.model.llama decides): under `full` remat (or a
-`names:` policy naming no MLP tag: the tags live inside the tile, where no policy sees them),
+`names:` or `offload:` policy naming no MLP tag, e.g. `offload:block_input`: the tags live inside the tile, where no policy sees them),
 with the plain einsum or an einsum with a `prepare_weight` hook (fp8), and when a [B, T, F]
 fp32 activation is over TILE_BYTES. fp8 in tiles: each tile's activations get their own
 current scale (a finer scaling than one per tensor, not bitwise the untiled values), and the
@@ -33,6 +33,14 @@ from jaxmem.model.lean import swiglu
 from jaxmem.model.projection import project
 
 TILE_BYTES = 64 * 2**20  # fp32 [B, Tc, F] per tile
+
+
+def tiles_under(remat) -> bool:
+    """Whether a remat policy (jaxmem.model.remat.RematPolicy) lets the MLP run in tiles: `full`,
+    or a `names:` / `offload:` policy naming no MLP tag (the tags live inside the tile, where no
+    policy sees them). jaxmem.model.llama and the analytic planner both ask this."""
+    return remat.kind == "full" or (remat.kind in ("names", "offload") and not any(
+        t.startswith("mlp_") for t in remat.names))
 
 
 def mlp_tile(batch: int, seq_len: int, ffn: int) -> int:
