@@ -318,7 +318,8 @@ def adamw_8bit(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
 
     `optax.adamw`'s algorithm and chain, with each moment dequantized to fp32 for the update and
     quantized again after it. With :math:`Q` the block-wise quantization (absmax per block of
-    `block_size` elements, nearest of 256 map values, a positive :math:`v` never 0) and :math:`\eta_t` the learning rate:
+    `block_size` elements, nearest of 256 map values, a positive :math:`v` never 0) and
+    :math:`\eta_t` the learning rate:
 
     .. math::
       m_t = \beta_1 Q^{-1}(\hat m_{t-1}) + (1 - \beta_1) g_t,\quad
