@@ -71,7 +71,8 @@ def test_map_shapes_and_known_values():
 @pytest.mark.parametrize("shape", [(4, 512), (3, 300), (2, 3, 256), (1000,)])
 @pytest.mark.parametrize("signed", [True, False])
 def test_round_trip_error_per_block(shape, signed):
-    """Each value comes back as absmax x the nearest map value: error <= half the widest gap of
+    """Each value comes back as absmax x the nearest map value (a positive value under the
+    unsigned map's least positive one: that one): error <= half the widest gap of
     the map x the block's absmax; each block's absmax itself is exact (1.0 is in both maps)."""
     qmap = SIGNED_MAP if signed else UNSIGNED_MAP
     rng = np.random.default_rng(0)
@@ -92,9 +93,12 @@ def test_round_trip_error_per_block(shape, signed):
     half_gap = np.diff(qmap).max() / 2  # 0.0070 (between -0.993 and -0.979)
     # + 1e-6 x absmax: fp32 rounding of x / absmax and of map x absmax
     assert np.all(eb.max(-1) <= (half_gap + 1e-6) * absmax)
-    # nearest map value, brute force
+    # nearest map value, brute force; a positive value never rounds to the unsigned map's 0
     normed = xb / np.where(absmax == 0, 1, absmax)[..., None]
-    nearest = qmap[np.abs(normed[..., None] - qmap).argmin(-1)] * absmax[..., None]
+    code = np.abs(normed[..., None] - qmap).argmin(-1)
+    if not signed:
+        code = np.where((normed > 0) & (code == 0), 1, code)
+    nearest = qmap[code] * absmax[..., None]
     nearest = nearest.reshape(nearest.shape[:-2] + (-1,))[..., : shape[-1]]
     np.testing.assert_allclose(back, nearest, rtol=1e-6, atol=0)
 

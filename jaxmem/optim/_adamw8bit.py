@@ -9,7 +9,8 @@ Dettmers et al., "8-bit Optimizers via Block-wise Quantization" (arXiv 2110.0286
     v (>= 0)    uses UNSIGNED_MAP = create_dynamic_map(signed=False)  (bitsandbytes' "udynamic")
 
 Each step dequantizes a leaf's moments to fp32, does the Adam update in fp32, and quantizes them
-again with a fresh absmax per block (nearest map value). A linear int8 map for the second moment
+again with a fresh absmax per block (nearest map value, except that a positive second moment
+never rounds to 0: `_boundaries`). A linear int8 map for the second moment
 diverges (its small values all round to zero and the update blows up), so none is offered.
 
 Which leaves keep fp32 moments is the caller's rule (`keep_fp32`); the default keeps non-float
@@ -117,12 +118,27 @@ def _block_size(shape, block: int) -> int:
     return min(block, shape[-1]) if shape else 1
 
 
+def _boundaries(qmap: np.ndarray) -> np.ndarray:
+    """The 256 decision boundaries of the sorted `qmap` (fp32): the midpoints between neighbours,
+    then inf. For a map whose least value is 0 (UNSIGNED_MAP, the second moment's), the first
+    boundary is 0 itself instead of the midpoint to the least positive value: a positive value
+    never rounds to 0. Adam divides by sqrt(v); a v rounded to 0 under an m that is not turns the
+    next update into m / eps (a 0.05 jump on a 3e-3 learning rate in
+    experiments/adamw8bit_vs_bnb.py's linear problem), so v rounds up to the map's least positive
+    value instead, which only shrinks that update. Exact zeros stay 0."""
+    mids = np.append((qmap[1:] + qmap[:-1]) / 2, np.inf).astype(np.float32)
+    if qmap[0] == 0.0:
+        mids[0] = 0.0
+    return mids
+
+
 def _nearest_code(normed: jax.Array, qmap: np.ndarray) -> jax.Array:
-    """Index of the nearest value of the sorted 256-entry `qmap`: the number of decision
-    boundaries (midpoints) below each value, found by a binary search unrolled into 8
-    elementwise steps. jnp.searchsorted runs a while loop over the whole array, which XLA cannot
-    fuse: on llama-3-8b's shapes it kept ~37 B/param of temporaries; this is one fused loop."""
-    mids = jnp.asarray(np.append((qmap[1:] + qmap[:-1]) / 2, np.inf), jnp.float32)  # [256]
+    """Index of the nearest value of the sorted 256-entry `qmap` (`_boundaries` says the one
+    exception): the number of decision boundaries below each value, found by a binary search
+    unrolled into 8 elementwise steps. jnp.searchsorted runs a while loop over the whole array,
+    which XLA cannot fuse: on llama-3-8b's shapes it kept ~37 B/param of temporaries; this is one
+    fused loop."""
+    mids = jnp.asarray(_boundaries(qmap), jnp.float32)  # [256]
     idx = jnp.where(mids[127] < normed, 128, 0)  # the first step compares with one constant
     for step in (64, 32, 16, 8, 4, 2, 1):
         below = mids[idx + (step - 1)] < normed  # mids[255] = inf: never below
@@ -131,7 +147,8 @@ def _nearest_code(normed: jax.Array, qmap: np.ndarray) -> jax.Array:
 
 
 def quantize(x: jax.Array, qmap: np.ndarray, block: int = BLOCK) -> Quantized:
-    """Block-wise absmax + nearest value of `qmap` (sorted, 256 values).
+    """Block-wise absmax + nearest value of `qmap` (sorted, 256 values; with UNSIGNED_MAP a
+    positive value rounds to at least the least positive map value, never to 0: `_boundaries`).
 
     Args:
       x: any float dtype, ndim >= 1; blocks run along the last axis.
@@ -156,8 +173,7 @@ def quantized_zeros(shape, qmap: np.ndarray, block: int = BLOCK) -> Quantized:
     """`quantize(zeros(shape), qmap, block)` from the shape alone: every code the one of 0.0,
     every scale 0. Quantizing real zeros would keep fp32 temporaries of the leaf's size at init
     (llama-3-8b state creation compiled to 40.5 GiB of temporaries on CPU; with this, 0.58)."""
-    mids = np.append((qmap[1:] + qmap[:-1]) / 2, np.inf).astype(np.float32)
-    code = int(np.sum(mids < np.float32(0.0)))  # what _nearest_code gives for 0.0
+    code = int(np.sum(_boundaries(qmap) < np.float32(0.0)))  # what _nearest_code gives for 0.0
     nb = -(-shape[-1] // _block_size(shape, block))
     return Quantized(codes=jnp.full(shape, code, jnp.uint8),
                      scale=jnp.zeros(tuple(shape[:-1]) + (nb,), jnp.float32), block=block)
@@ -302,7 +318,8 @@ def adamw_8bit(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
 
     `optax.adamw`'s algorithm and chain, with each moment dequantized to fp32 for the update and
     quantized again after it. With :math:`Q` the block-wise quantization (absmax per block of
-    `block_size` elements, nearest of 256 map values) and :math:`\eta_t` the learning rate:
+    `block_size` elements, nearest of 256 map values, a positive :math:`v` never 0) and
+    :math:`\eta_t` the learning rate:
 
     .. math::
       m_t = \beta_1 Q^{-1}(\hat m_{t-1}) + (1 - \beta_1) g_t,\quad
