@@ -48,7 +48,7 @@ def resolve(spec: StepSpec, mesh_text: str | None, devices: int | None = None) -
     """The mesh spec for `devices` (default: this host's device count), checked for `spec`."""
     n = devices if devices is not None else target.device_count()
     mesh = MeshSpec.parse(mesh_text).resolve(n, mesh_text)
-    mesh.check(spec.model, spec.batch_size, mesh_text)
+    mesh.check(spec.model, spec.batch_size, mesh_text, spec.seq_len)
     return mesh
 
 
@@ -123,7 +123,7 @@ def compile_per_device(spec: StepSpec, mesh_text: str | None) -> dict:
     batch = abstract_step_batch(spec)
     frozen = abstract_frozen(spec)  # LoRA: the frozen base, the step's third argument
     base = () if frozen is None else (frozen,)
-    mesh = run_mesh(mesh_text, spec.model, spec.batch_size) if mesh_text else None
+    mesh = run_mesh(mesh_text, spec.model, spec.batch_size, seq_len=spec.seq_len) if mesh_text else None
     offload = frozen is not None and spec.offload_base == "host"
     if mesh is None:
         par = Placement.single()

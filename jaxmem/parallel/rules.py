@@ -22,7 +22,8 @@ Parameters (and every optimizer leaf shaped like one: Adam's mu and nu), by role
 Column-then-row parallel pairs keep the activations between them split by heads / width, so
 each block needs one reduction of its output per pair. `data` never splits a parameter.
 
-The batch [K, B, T] is split over (data, fsdp) on B. The activations are constrained the same
+The batch [K, B, T] is split over (data, fsdp) on B and over `context` on T (context
+parallelism, jaxmem.model.context: the step permutes T into the load-balanced layout first). The activations are constrained the same
 way at the model's hook (jaxmem.model.sharding): without it XLA all-gathers the global batch on
 every device (docs/architecture.md). Logits are also split over `tensor` on V.
 
@@ -276,24 +277,31 @@ def with_shardings(abstract_state, mesh):
                         abstract_state, shardings)
 
 
+def _seq(mesh):
+    """The mesh axis the sequence is split over: `context` when it is larger than 1."""
+    return "context" if dict(mesh.shape).get("context", 1) > 1 else None
+
+
 def batch_sharding(mesh) -> NamedSharding:
-    """A step batch [K, B, T]: B split over (data, fsdp)."""
-    return NamedSharding(mesh, P(None, BATCH_AXES, None))
+    """A step batch [K, B, T]: B split over (data, fsdp), T over context."""
+    return NamedSharding(mesh, P(None, BATCH_AXES, _seq(mesh)))
 
 
 def eval_batch_sharding(mesh) -> NamedSharding:
-    """An eval batch [B, T]: B split over (data, fsdp)."""
-    return NamedSharding(mesh, P(BATCH_AXES, None))
+    """An eval batch [B, T]: B split over (data, fsdp), T over context."""
+    return NamedSharding(mesh, P(BATCH_AXES, _seq(mesh)))
 
 
 def activation_rules(mesh, vocab_size: int | None = None) -> dict:
-    """Rules for jaxmem.model.sharding.activation_sharding: [B, T, D] split on B; logits
-    [B, T, V] on B and also on V over `tensor` when the LM head is split there (V divisible)."""
+    """Rules for jaxmem.model.sharding.activation_sharding: [B, T, D] split on B (and on T over
+    `context`, context parallelism); logits [B, T, V] likewise and also on V over `tensor` when
+    the LM head is split there (V divisible)."""
     t = mesh.shape["tensor"]
     tensor = "tensor" if t > 1 and vocab_size is not None and vocab_size % t == 0 else None
-    return {"embed": NamedSharding(mesh, P(BATCH_AXES, None, None)),
-            "block": NamedSharding(mesh, P(BATCH_AXES, None, None)),
-            "logits": NamedSharding(mesh, P(BATCH_AXES, None, tensor))}
+    seq = _seq(mesh)
+    return {"embed": NamedSharding(mesh, P(BATCH_AXES, seq, None)),
+            "block": NamedSharding(mesh, P(BATCH_AXES, seq, None)),
+            "logits": NamedSharding(mesh, P(BATCH_AXES, seq, tensor))}
 
 
 def replicated(mesh) -> NamedSharding:

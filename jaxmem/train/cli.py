@@ -173,7 +173,7 @@ def setup(args, parser) -> Setup:
             print(line, file=sys.stderr)
         s = Setup(cfg, model_cfg, step_cfg, loss_scale, out, tokenizer, train_tokens, eval_tokens,
                   stats, continuing=continuing, record=record, changes=changes)
-        mesh = run_mesh(cfg.parallel.mesh, model_cfg, cfg.data.batch_size)
+        mesh = run_mesh(cfg.parallel.mesh, model_cfg, cfg.data.batch_size, seq_len=cfg.data.seq_len)
         s.placement = (Placement.single() if mesh is None
                        else Placement.on(mesh, cfg.peft.offload_base))
         if step_cfg.peft is not None:  # LoRA / QLoRA: the frozen base, checked against the run's
