@@ -101,3 +101,15 @@ def test_context_parallel_matches_one_device_at_4096(tmp_path):
     run_worker("context_worker.py", tmp_path, "4096", "packed", timeout=1800)
     for mesh in ("context4", "fsdp2_context2"):
         _compare(tmp_path, "packed", mesh)
+
+
+def test_context_shards_the_state_with_fsdp():
+    """ZeRO-3 over fsdp x context: a context device holds 1/(fsdp x context) of each weight."""
+    from jax.sharding import PartitionSpec as P
+    from jaxmem.parallel.rules import leaf_spec
+    assert leaf_spec(("layers", "mlp", "up_proj"), (32, 4096, 14336), {"context": 8}) == \
+        P(None, None, "context")
+    assert leaf_spec(("layers", "mlp", "up_proj"), (4, 128, 2048), {"fsdp": 2, "context": 2}) == \
+        P(None, None, ("fsdp", "context"))
+    assert leaf_spec(("layers", "mlp", "up_proj"), (4, 128, 2048), {"fsdp": 2}) == \
+        P(None, None, "fsdp")

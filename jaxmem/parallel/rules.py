@@ -6,7 +6,8 @@ Parameters (and every optimizer leaf shaped like one: Adam's mu and nu), by role
        them saves nothing and costs a collective each;
     2. the layer axis L of the scanned block params is never split (scan slices it per layer);
     3. tensor: the head / width axis of the role's Megatron split (below), when it divides;
-    4. fsdp: the last axis when each shard of it holds whole 8-bit moment blocks (256 x fsdp
+    4. fsdp (times context: context parallelism shards the state over its devices too, as
+       ZeRO-3 over fsdp x context; the spec then names ("fsdp", "context")): the last axis when each shard of it holds whole 8-bit moment blocks (256 x fsdp
        divides it: the optimizer's row pieces and blocks stay on one device, issue 28), else
        the largest remaining axis divisible by the fsdp size (none divides: not split).
 
@@ -104,6 +105,11 @@ def leaf_spec(path, shape: tuple[int, ...], axis_sizes: dict[str, int]) -> P:
     first = 1 if _has_layer_axis(path) and len(shape) > 1 else 0
     spec: list = [None] * len(shape)
     tensor, fsdp = axis_sizes.get("tensor", 1), axis_sizes.get("fsdp", 1)
+    # context parallelism: `context` shards the state with fsdp (torchtitan's dp_shard x cp):
+    # its devices hold different tokens, never different weights, so ZeRO-3 over both
+    context = axis_sizes.get("context", 1)
+    shard_axes = ("fsdp",) if context == 1 else (("context",) if fsdp == 1 else ("fsdp", "context"))
+    fsdp *= context
     names = path_text(path).split("/")
     adapter = next((n for n in ADAPTERS if n in names), None)
     if adapter is not None:  # lora_a [in..., R]: in axis 0; lora_b [R, out...]: out axis 1
@@ -118,7 +124,7 @@ def leaf_spec(path, shape: tuple[int, ...], axis_sizes: dict[str, int]) -> P:
     if fsdp > 1:
         axis = _fsdp_axis(shape, first, spec, fsdp, names[-1] == "scale")
         if axis is not None:
-            spec[axis] = "fsdp"
+            spec[axis] = shard_axes[0] if len(shard_axes) == 1 else shard_axes
     return P(*spec)
 
 
