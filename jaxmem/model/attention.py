@@ -340,6 +340,14 @@ def _indexed_chunks(q, q_idx, q_seg, chunk):
     return _query_chunks(q, chunk), idx, seg
 
 
+def _tied(chunk):
+    """A scan step's slices behind one optimization barrier, so that the chunk's mask is
+    computed from the query chunk's own step: without it the H100 compiler precomputed every
+    chunk's fp32 bias into one stacked [n, B, 1, 1, Tq, S] buffer ([T, T] in all: 1 GiB of a
+    1.03 GiB temp at T=32,768, tiny model, context=8; seen in the buffer assignment)."""
+    return jax.lax.optimization_barrier(chunk)
+
+
 @jax.custom_vjp
 def indexed_attention(q, k, v, q_idx, k_idx, q_seg=None, k_seg=None):
     """Causal attention of q [B, T, N, H] over k, v [B, S, K, H] where row t of q sits at true
@@ -355,7 +363,7 @@ def _indexed_fwd(q, k, v, q_idx, k_idx, q_seg=None, k_seg=None):
     qs, idx, seg = _indexed_chunks(q, q_idx, q_seg, chunk)
 
     def body(_, c):
-        qc, ic, sc = c
+        qc, ic, sc = _tied(c)
         return None, _chunk_attention(qc, k, v, _index_chunk_mask(ic, k_idx, sc, k_seg))
 
     out = _from_chunks(jax.lax.scan(body, None, (qs, idx, seg))[1], q.shape[1])
@@ -369,7 +377,7 @@ def _indexed_bwd(res, d_ctx):
     ds = _query_chunks(d_ctx, chunk)
 
     def body(acc, c):
-        qc, ic, sc, dc = c
+        qc, ic, sc, dc = _tied(c)
         mc = _index_chunk_mask(ic, k_idx, sc, k_seg)
         _, vjp = jax.vjp(lambda qc, k, v: _chunk_attention(qc, k, v, mc), qc, k, v)
         dqc, dkc, dvc = vjp(dc)
