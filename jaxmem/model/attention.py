@@ -192,7 +192,7 @@ def _chunked_attention(q, k, v, mask, seg, chunk):
     starts = jnp.arange(qs.shape[0]) * chunk
 
     def body(_, c):
-        qc, start = c  # [B, Tq, N, H], []
+        qc, start = _tied(c)  # [B, Tq, N, H], []
         return None, _chunk_attention(qc, k, v, _chunk_mask(mask, seg, start, chunk, k.shape[1]))
 
     return _from_chunks(jax.lax.scan(body, None, (qs, starts))[1], q.shape[1])
@@ -205,7 +205,7 @@ def _chunked_attention_bwd(q, k, v, mask, seg, d_ctx, chunk):
     starts = jnp.arange(qs.shape[0]) * chunk
 
     def body(acc, c):
-        qc, start, dc = c
+        qc, start, dc = _tied(c)
         mc = _chunk_mask(mask, seg, start, chunk, k.shape[1])
         _, vjp = jax.vjp(lambda qc, k, v: _chunk_attention(qc, k, v, mc), qc, k, v)
         dqc, dkc, dvc = vjp(dc)
