@@ -28,7 +28,8 @@ from jaxmem.train.run import build_step_config  # noqa: E402
 
 BATCH = 4
 MESHES = {"context4": "context=4", "fsdp2_context2": "fsdp=2,context=2",
-          "data2_context4": "data=2,context=4", "tensor2_context2": "tensor=2,context=2"}
+          "data2_context4": "data=2,context=4", "tensor2_context2": "tensor=2,context=2",
+          "fsdp4": "fsdp=4"}
 CASES = {  # name: (RunConfig overrides, grad_accum, meshes)
     "packed": ({}, 1, ("context4", "fsdp2_context2")),
     "unpacked": ({}, 1, ("context4",)),
@@ -36,7 +37,9 @@ CASES = {  # name: (RunConfig overrides, grad_accum, meshes)
     "tensor": ({}, 1, ("tensor2_context2",)),
     "qlora": ({"peft.lora_rank": 4, "peft.quantize_base": "nf4", "peft.double_quant": True},
               1, ("fsdp2_context2",)),
-    "fp8": ({"precision.mode": "fp8"}, 1, ("context4",)),
+    # fp8 on any mesh differs from one device (fsdp=2 without context too: loss 4e-5 relative,
+    # gradients 14%; not context parallelism's doing): compared with fsdp=4 instead
+    "fp8": ({"precision.mode": "fp8"}, 1, ("context4", "fsdp4")),
 }
 
 
