@@ -63,4 +63,22 @@ def test_cli_fit_seq_compiles_and_refuses_fit_with_it(capsys):
     assert rc == 0 and "chosen: --seq-len" in out and "1,024 tokens: step" in out
     with pytest.raises(SystemExit) as e:
         main(["--preset", "tiny", "--fit-seq", "40", "--fit", "40"])
-    assert e.value.code == 2 and "--fit-seq plans one device" in capsys.readouterr().err
+    assert e.value.code == 2 and "--fit-seq searches the sequence length" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.slow  # a JAX subprocess compiling on 4 simulated CPU devices
+def test_cli_fit_seq_on_a_context_mesh(tmp_path):
+    """--fit-seq with --devices / --mesh context=N: the per-device step peak decides."""
+    import subprocess
+    import sys
+
+    from testenv import ROOT, subprocess_env
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxmem.memory", "--preset", "tiny", "--num-layers", "2",
+         "--max-position-embeddings", "8192", "--seq-len", "1024", "--batch-size", "1",
+         "--devices", "4", "--mesh", "context=4", "--fit-seq", "0.9"],
+        cwd=ROOT, env=subprocess_env(cpu_devices=4), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "step per device (data=1,fsdp=1,tensor=1,context=4)" in proc.stdout
+    assert "chosen: --seq-len" in proc.stdout

@@ -262,7 +262,8 @@ class ParallelSection:
     (the checkpoint is restored onto the current mesh). Which processes take part is not part
     of the run: those flags (--coordinator ...) belong to each launch (jaxmem.parallel.distributed)."""
 
-    mesh: str | None = option(None, "device mesh AXIS=SIZE,... over data, fsdp, tensor (product = "
+    mesh: str | None = option(None, "device mesh AXIS=SIZE,... over data, fsdp, tensor, context "
+                              "(context: the sequence split over devices; product = "
                               "device count; -1 on one axis takes the rest; default: all devices "
                               "on fsdp; one device: no mesh)", metavar="AXES", mutable=True)
 

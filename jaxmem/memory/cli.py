@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan: the longest --seq-len (multiples of 1024, up to the model's "
                         "max positions) whose run fits a GPU of GIB GiB, batch and the rest "
                         "as given (jaxmem.memory.fit_seq: doubling, then bisection on compiled "
-                        "peaks)")
+                        "peaks); with --devices / --mesh (e.g. --mesh context=8: the sequence "
+                        "split over 8 devices) the step's per-device compiled peak decides")
     g.add_argument("--compile", action="store_true",
                    help="also compile the run's other phases (making the state, evaluation, the "
                         "end-of-run sample; the step is always compiled): the verdict and --fit "
@@ -278,13 +279,20 @@ def _main(parser, args) -> int:
         parser.error("--optimizer-in-backward plans one device and one configuration: drop "
                      "--mesh, --devices and --fit (--fit-seq works)")
     if args.fit_seq is not None:
-        if args.fit is not None or mesh is not None or args.devices is not None:
-            parser.error("--fit-seq plans one device: drop --fit, --mesh and --devices")
+        if args.fit is not None:
+            parser.error("--fit-seq searches the sequence length, --fit the batch: drop one")
+        mesh_text = None
+        if mesh is not None or (args.devices or 1) > 1:  # per device on a mesh (context=N...)
+            from jaxmem.memory.mesh import resolve
+            try:
+                mesh_text = str(resolve(spec, mesh))
+            except ValueError as e:  # MeshError names --mesh
+                parser.error(str(e))
         from jaxmem.memory.fit_seq import run as fit_seq
         return fit_seq(spec, SampleShape.of(RunConfig().replace(given_overrides(args))),
                        args.fit_seq, args.compile, args.json, log=None if args.json else (
                            lambda e: print(f"  {e['seq_len']:,} tokens: {e['reason']}",
-                                           file=sys.stderr, flush=True)))
+                                           file=sys.stderr, flush=True)), mesh_text=mesh_text)
     if args.fit is not None and mesh is not None:
         parser.error("--fit with --devices searches the meshes itself; drop --mesh")
     if args.fit is not None and args.devices is not None and (

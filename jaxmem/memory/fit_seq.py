@@ -9,6 +9,10 @@ with `--compile`, of the run's other phases (the state and sample programs do no
 compiled once); the largest phase decides, by `jaxmem.memory.verdict.usable_bytes`, the rule of
 the verdict and `--fit`. The search stops at the model's `max_position_embeddings` (RoPE
 positions beyond it are not trained: `--max-position-embeddings` raises it).
+
+On a mesh (`--devices N --mesh ...`, context parallelism's `context=N` above all) each length
+is one compile of the step for the mesh (jaxmem.memory.mesh.compile_per_device) and its
+per-device peak decides; the other phases are not compiled there (they do not depend on T).
 """
 
 from __future__ import annotations
@@ -114,9 +118,24 @@ def format_fit_seq(result: dict, budget_gib: float) -> list[str]:
 
 
 def run(spec: StepSpec, sample, budget_gib: float, compile_phases: bool, as_json: bool,
-        log=None) -> int:
-    """`--fit-seq GIB` of the CLI: search, print (a table or JSON); 1 when nothing fits."""
+        log=None, mesh_text: str | None = None) -> int:
+    """`--fit-seq GIB` of the CLI: search, print (a table or JSON); 1 when nothing fits.
+    mesh_text: the resolved mesh (per-device step peaks) or None (one device)."""
     import json  # noqa: PLC0415
+    if mesh_text is not None:
+        from jaxmem.memory.mesh import compile_per_device  # noqa: PLC0415
+        from jaxmem.memory.verdict import usable_bytes  # noqa: PLC0415
+        result = fit_seq(spec, usable_bytes(budget_gib),
+                         lambda s, step: {"peak_bytes": step["peak_bytes"],
+                                          "peak_phase": f"step per device ({mesh_text})"},
+                         compile_fn=lambda s: compile_per_device(s, mesh_text), log=log)
+        result["mesh"] = mesh_text
+        if as_json:
+            print(json.dumps({"budget_gib": budget_gib, "usable_bytes": usable_bytes(budget_gib),
+                              **result}, indent=2))
+        else:
+            print("\n".join(format_fit_seq(result, budget_gib)))
+        return 0 if result["chosen"] else 1
 
     from jaxmem.memory.phases import run_phases  # noqa: PLC0415
     from jaxmem.memory.verdict import usable_bytes  # noqa: PLC0415

@@ -99,7 +99,7 @@ def _abstract_base(model, peft, dtype_name: str):
 
 def _split(spec, sizes: dict[str, int]) -> tuple[int, int]:
     """(devices a leaf with PartitionSpec `spec` is split over, of which over tensor)."""
-    axes = [a for a in spec if a]
+    axes = [n for a in spec if a for n in ((a,) if isinstance(a, str) else a)]
     tensor = sizes.get("tensor", 1) if "tensor" in axes else 1
     return math.prod(sizes.get(a, 1) for a in axes), tensor
 

@@ -48,7 +48,7 @@ def resolve(spec: StepSpec, mesh_text: str | None, devices: int | None = None) -
     """The mesh spec for `devices` (default: this host's device count), checked for `spec`."""
     n = devices if devices is not None else target.device_count()
     mesh = MeshSpec.parse(mesh_text).resolve(n, mesh_text)
-    mesh.check(spec.model, spec.batch_size, mesh_text)
+    mesh.check(spec.model, spec.batch_size, mesh_text, spec.seq_len)
     return mesh
 
 
@@ -58,7 +58,8 @@ def param_fraction(spec: StepSpec, mesh: MeshSpec) -> float:
     params = abstract_params(spec.model)
     total = local = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        split = math.prod(sizes[a] for a in leaf_spec(path, tuple(leaf.shape), sizes) if a)
+        split = math.prod(sizes[n] for a in leaf_spec(path, tuple(leaf.shape), sizes) if a
+                          for n in ((a,) if isinstance(a, str) else a))
         total += leaf.size
         local += leaf.size // split
     return local / total
@@ -68,7 +69,9 @@ def analytic_per_device(spec: StepSpec, mesh_text: str | None, devices: int | No
     """analytic_breakdown as one device of the mesh holds it (see the module docstring)."""
     mesh = resolve(spec, mesh_text, devices) if (mesh_text or devices not in (None, 1)) \
         else MeshSpec(1, 1, 1)
-    local = dataclasses.replace(spec, batch_size=spec.batch_size // mesh.batch_shards)
+    # context parallelism: each device holds T / context tokens of every activation
+    local = dataclasses.replace(spec, batch_size=spec.batch_size // mesh.batch_shards,
+                                seq_len=spec.seq_len // mesh.context)
     base = analytic_breakdown(local)
     # activations under tensor parallelism: a block's heads and MLP width are split, so model
     # them as the block of a model with N/t heads, K/t kv heads and width F/t (same head dim)
@@ -123,7 +126,7 @@ def compile_per_device(spec: StepSpec, mesh_text: str | None) -> dict:
     batch = abstract_step_batch(spec)
     frozen = abstract_frozen(spec)  # LoRA: the frozen base, the step's third argument
     base = () if frozen is None else (frozen,)
-    mesh = run_mesh(mesh_text, spec.model, spec.batch_size) if mesh_text else None
+    mesh = run_mesh(mesh_text, spec.model, spec.batch_size, seq_len=spec.seq_len) if mesh_text else None
     offload = frozen is not None and spec.offload_base == "host"
     if mesh is None:
         par = Placement.single()

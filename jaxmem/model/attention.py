@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem import target
+from jaxmem.model.context import context_attention, context_mesh
 from jaxmem.model.flash import packed_flash_attention, pallas_unsupported
 from jaxmem.model.layers import cpu_lacks, segment_mask
 
@@ -191,7 +192,7 @@ def _chunked_attention(q, k, v, mask, seg, chunk):
     starts = jnp.arange(qs.shape[0]) * chunk
 
     def body(_, c):
-        qc, start = c  # [B, Tq, N, H], []
+        qc, start = _tied(c)  # [B, Tq, N, H], []
         return None, _chunk_attention(qc, k, v, _chunk_mask(mask, seg, start, chunk, k.shape[1]))
 
     return _from_chunks(jax.lax.scan(body, None, (qs, starts))[1], q.shape[1])
@@ -204,7 +205,7 @@ def _chunked_attention_bwd(q, k, v, mask, seg, d_ctx, chunk):
     starts = jnp.arange(qs.shape[0]) * chunk
 
     def body(acc, c):
-        qc, start, dc = c
+        qc, start, dc = _tied(c)
         mc = _chunk_mask(mask, seg, start, chunk, k.shape[1])
         _, vjp = jax.vjp(lambda qc, k, v: _chunk_attention(qc, k, v, mc), qc, k, v)
         dqc, dkc, dvc = vjp(dc)
@@ -297,6 +298,12 @@ def causal_attention(q, k, v, mask, segment_ids=None):
     """
     if cpu_lacks(q.dtype):
         q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
+    mesh = context_mesh()
+    if mesh is not None:  # the sequence split over `context` (jaxmem.model.context)
+        if mask is not None:
+            raise ValueError("context parallelism takes no attention padding mask "
+                             "(right padding or segment ids only)")
+        return context_attention(q, k, v, segment_ids, mesh)
     choice = attention_path(q.shape, k.shape, q.dtype, causal_only=mask is None,
                             segments=segment_ids is not None)
     if choice.path == "pallas":
@@ -311,3 +318,75 @@ def causal_attention(q, k, v, mask, segment_ids=None):
         warnings.warn(f"attention falls back from cuDNN to XLA (first seen for q {q.shape}, "
                       f"k/v {k.shape}): {choice.reason}", stacklevel=2)
     return xla_attention_recomputed(q, k, v, mask, segment_ids)
+
+
+# ---- attention over a sequence split on the `context` mesh axis (jaxmem.parallel.context) ----
+
+def _index_chunk_mask(q_idx, k_idx, q_seg, k_seg):
+    """[B|1, 1, Tq, S] mask from the rows' true sequence indices (not their slots: under context
+    parallelism the slots are permuted), with `layers.segment_mask`'s semantics for packed rows."""
+    if q_seg is None:
+        return (q_idx[:, None] >= k_idx[None, :])[None, None]  # [1, 1, Tq, S]
+    return segment_mask(q_seg, k_seg, q_idx, k_idx)  # [B, 1, Tq, S]
+
+
+def _indexed_chunks(q, q_idx, q_seg, chunk):
+    """q [B, T, N, H], q_idx [T], q_seg [B, T] | None -> per-chunk stacks (zero-padded)."""
+    T = q.shape[1]
+    pad = -(-T // chunk) * chunk - T
+    idx = jnp.pad(q_idx, (0, pad), constant_values=-1).reshape(-1, chunk)  # [n, Tq]
+    seg = None if q_seg is None else jnp.moveaxis(
+        jnp.pad(q_seg, [(0, 0), (0, pad)]).reshape(q_seg.shape[0], -1, chunk), 1, 0)  # [n, B, Tq]
+    return _query_chunks(q, chunk), idx, seg
+
+
+def _tied(chunk):
+    """A scan step's slices behind one optimization barrier, so that the chunk's mask is
+    computed from the query chunk's own step: without it the H100 compiler precomputed every
+    chunk's fp32 bias into one stacked [n, B, 1, 1, Tq, S] buffer ([T, T] in all: 1 GiB of a
+    1.03 GiB temp at T=32,768, tiny model, context=8; seen in the buffer assignment)."""
+    return jax.lax.optimization_barrier(chunk)
+
+
+@jax.custom_vjp
+def indexed_attention(q, k, v, q_idx, k_idx, q_seg=None, k_seg=None):
+    """Causal attention of q [B, T, N, H] over k, v [B, S, K, H] where row t of q sits at true
+    sequence index q_idx[t] and key s at k_idx[s] (int [T], [S]); packed rows: q_seg [B, T],
+    k_seg [B, S] (0 = padding). Query-chunked like `_chunked_attention` (one [B, N, Tq, S]
+    chunk of fp32 probabilities at a time, memory linear in S); the backward recomputes the
+    probabilities chunk by chunk (the residuals are the inputs only)."""
+    return _indexed_fwd(q, k, v, q_idx, k_idx, q_seg, k_seg)[0]
+
+
+def _indexed_fwd(q, k, v, q_idx, k_idx, q_seg=None, k_seg=None):
+    chunk = query_chunk(q.shape, k.shape[1])
+    qs, idx, seg = _indexed_chunks(q, q_idx, q_seg, chunk)
+
+    def body(_, c):
+        qc, ic, sc = _tied(c)
+        return None, _chunk_attention(qc, k, v, _index_chunk_mask(ic, k_idx, sc, k_seg))
+
+    out = _from_chunks(jax.lax.scan(body, None, (qs, idx, seg))[1], q.shape[1])
+    return out, (q, k, v, q_idx, k_idx, q_seg, k_seg)
+
+
+def _indexed_bwd(res, d_ctx):
+    q, k, v, q_idx, k_idx, q_seg, k_seg = res
+    chunk = query_chunk(q.shape, k.shape[1])
+    qs, idx, seg = _indexed_chunks(q, q_idx, q_seg, chunk)
+    ds = _query_chunks(d_ctx, chunk)
+
+    def body(acc, c):
+        qc, ic, sc, dc = _tied(c)
+        mc = _index_chunk_mask(ic, k_idx, sc, k_seg)
+        _, vjp = jax.vjp(lambda qc, k, v: _chunk_attention(qc, k, v, mc), qc, k, v)
+        dqc, dkc, dvc = vjp(dc)
+        return (acc[0] + dkc.astype(jnp.float32), acc[1] + dvc.astype(jnp.float32)), dqc
+
+    zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    (dk, dv), dqs = jax.lax.scan(body, zeros, (qs, idx, seg, ds))
+    return (_from_chunks(dqs, q.shape[1]), dk.astype(k.dtype), dv.astype(v.dtype),
+            None, None, None, None)
+
+
+indexed_attention.defvjp(_indexed_fwd, _indexed_bwd)

@@ -1,4 +1,4 @@
-"""The device mesh of a run: `--mesh data=D,fsdp=F,tensor=T` parsed, checked and built.
+"""The device mesh of a run: `--mesh data=D,fsdp=F,tensor=T,context=C` parsed, checked, built.
 
     spec = MeshSpec.parse("data=2,fsdp=-1")      # -1: this axis takes the devices left over
     spec.resolve(8)                             # MeshSpec(data=2, fsdp=4, tensor=1)
@@ -8,11 +8,13 @@ Axes (docs/distributed.md):
     data    pure data parallel: params replicated, batch split
     fsdp    ZeRO-3: params, gradients and optimizer state split, batch split too
     tensor  Megatron-style: heads / kv heads / MLP width split, the batch is not
+    context context parallel: the sequence split (load-balanced causal chunks, attention
+            all-gathers K/V over this axis: jaxmem.parallel.context), params not split
 
 The default with more than one device is all of them on `fsdp`; with one device there is no
 mesh at all and the train step is exactly the single-device one (`run_mesh` returns None).
 
-The mesh always has the three axes (size-1 axes cost nothing), so one set of rules covers every
+The mesh always has the four axes (size-1 axes cost nothing), so one set of rules covers every
 combination. Its axes are `AxisType.Auto`: `jax.make_mesh` defaults to Explicit axes in current
 JAX, and Explicit mode fails on the embedding gather in jax 0.10.2 (docs/architecture.md).
 """
@@ -27,7 +29,7 @@ import jax
 from jaxmem import target
 from jaxmem.config.model import ConfigError, ModelConfig
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("data", "fsdp", "tensor", "context")
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
 
 
@@ -42,6 +44,7 @@ class MeshSpec:
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
+    context: int = 1
 
     @classmethod
     def parse(cls, text: str | None) -> "MeshSpec":
@@ -73,8 +76,8 @@ class MeshSpec:
         return cls(**{a: sizes.get(a, 1) for a in AXES})
 
     @property
-    def sizes(self) -> tuple[int, int, int]:
-        return (self.data, self.fsdp, self.tensor)
+    def sizes(self) -> tuple[int, int, int, int]:
+        return (self.data, self.fsdp, self.tensor, self.context)
 
     def resolve(self, devices: int, text: str | None = None) -> "MeshSpec":
         """The spec with -1 replaced so that the product is `devices`; MeshError otherwise."""
@@ -95,9 +98,15 @@ class MeshSpec:
         """How many pieces the batch is split into (data x fsdp)."""
         return self.data * self.fsdp
 
-    def check(self, model: ModelConfig, batch_size: int, text: str | None = None) -> None:
-        """MeshError when the model or the batch cannot be split this way."""
+    def check(self, model: ModelConfig, batch_size: int, text: str | None = None,
+              seq_len: int | None = None) -> None:
+        """MeshError when the model or the batch (or the sequence) cannot be split this way."""
         shown = text if text is not None else str(self)
+        c = self.context
+        if c > 1 and seq_len is not None and seq_len % (2 * c):
+            raise MeshError(f"--mesh {shown}: --seq-len {seq_len} is not divisible by 2 x context "
+                            f"= {2 * c} (each device holds one chunk from the start of the "
+                            f"sequence and its mirror from the end)")
         t = self.tensor
         for name, value in (("num_kv_heads", model.num_kv_heads), ("num_heads", model.num_heads),
                             ("intermediate_size", model.intermediate_size)):
@@ -110,12 +119,13 @@ class MeshSpec:
                             f"data x fsdp = {n} (--batch-size counts the sequences of all devices "
                             f"together: one per device here is --batch-size {n})")
 
-    def __str__(self) -> str:
-        return ",".join(f"{a}={s}" for a, s in zip(AXES, self.sizes))
+    def __str__(self) -> str:  # context shown only when used (the three-axis text otherwise)
+        return ",".join(f"{a}={s}" for a, s in zip(AXES, self.sizes)
+                        if a != "context" or s != 1)
 
 
 def build_mesh(spec: MeshSpec, devices=None) -> jax.sharding.Mesh:
-    """A Mesh with axes data, fsdp, tensor (all `AxisType.Auto`) over `devices` (default all:
+    """A Mesh with axes data, fsdp, tensor, context (all `AxisType.Auto`) over `devices` (default all:
     `jaxmem.target.devices()`, the deviceless GPUs when compiling for a --target)."""
     devices = target.devices() if devices is None else list(devices)
     if math.prod(spec.sizes) != len(devices):
@@ -124,7 +134,8 @@ def build_mesh(spec: MeshSpec, devices=None) -> jax.sharding.Mesh:
     return jax.make_mesh(spec.sizes, AXES, axis_types=auto, devices=devices)
 
 
-def run_mesh(text: str | None, model: ModelConfig, batch_size: int, devices=None):
+def run_mesh(text: str | None, model: ModelConfig, batch_size: int, devices=None,
+             seq_len: int | None = None):
     """The mesh of a run, or None for one device (today's single-device step, bit for bit).
 
     MeshError (a ConfigError: exit 2 in the CLIs) names --mesh when it cannot work here."""
@@ -132,7 +143,7 @@ def run_mesh(text: str | None, model: ModelConfig, batch_size: int, devices=None
     spec = MeshSpec.parse(text).resolve(len(devices), text)
     if len(devices) == 1:
         return None
-    spec.check(model, batch_size, text)
+    spec.check(model, batch_size, text, seq_len)
     return build_mesh(spec, devices)
 
 
@@ -140,4 +151,4 @@ def mesh_spec(mesh) -> MeshSpec:
     """The MeshSpec of a mesh built here (None: one device)."""
     if mesh is None:
         return MeshSpec(1, 1, 1)
-    return MeshSpec(*(mesh.shape[a] for a in AXES))
+    return MeshSpec(*(mesh.shape.get(a, 1) for a in AXES))

@@ -6,7 +6,8 @@ Parameters (and every optimizer leaf shaped like one: Adam's mu and nu), by role
        them saves nothing and costs a collective each;
     2. the layer axis L of the scanned block params is never split (scan slices it per layer);
     3. tensor: the head / width axis of the role's Megatron split (below), when it divides;
-    4. fsdp: the last axis when each shard of it holds whole 8-bit moment blocks (256 x fsdp
+    4. fsdp (times context: context parallelism shards the state over its devices too, as
+       ZeRO-3 over fsdp x context; the spec then names ("fsdp", "context")): the last axis when each shard of it holds whole 8-bit moment blocks (256 x fsdp
        divides it: the optimizer's row pieces and blocks stay on one device, issue 28), else
        the largest remaining axis divisible by the fsdp size (none divides: not split).
 
@@ -22,7 +23,8 @@ Parameters (and every optimizer leaf shaped like one: Adam's mu and nu), by role
 Column-then-row parallel pairs keep the activations between them split by heads / width, so
 each block needs one reduction of its output per pair. `data` never splits a parameter.
 
-The batch [K, B, T] is split over (data, fsdp) on B. The activations are constrained the same
+The batch [K, B, T] is split over (data, fsdp) on B and over `context` on T (context
+parallelism, jaxmem.model.context: the step permutes T into the load-balanced layout first). The activations are constrained the same
 way at the model's hook (jaxmem.model.sharding): without it XLA all-gathers the global batch on
 every device (docs/architecture.md). Logits are also split over `tensor` on V.
 
@@ -103,6 +105,11 @@ def leaf_spec(path, shape: tuple[int, ...], axis_sizes: dict[str, int]) -> P:
     first = 1 if _has_layer_axis(path) and len(shape) > 1 else 0
     spec: list = [None] * len(shape)
     tensor, fsdp = axis_sizes.get("tensor", 1), axis_sizes.get("fsdp", 1)
+    # context parallelism: `context` shards the state with fsdp (torchtitan's dp_shard x cp):
+    # its devices hold different tokens, never different weights, so ZeRO-3 over both
+    context = axis_sizes.get("context", 1)
+    shard_axes = ("fsdp",) if context == 1 else (("context",) if fsdp == 1 else ("fsdp", "context"))
+    fsdp *= context
     names = path_text(path).split("/")
     adapter = next((n for n in ADAPTERS if n in names), None)
     if adapter is not None:  # lora_a [in..., R]: in axis 0; lora_b [R, out...]: out axis 1
@@ -117,7 +124,7 @@ def leaf_spec(path, shape: tuple[int, ...], axis_sizes: dict[str, int]) -> P:
     if fsdp > 1:
         axis = _fsdp_axis(shape, first, spec, fsdp, names[-1] == "scale")
         if axis is not None:
-            spec[axis] = "fsdp"
+            spec[axis] = shard_axes[0] if len(shard_axes) == 1 else shard_axes
     return P(*spec)
 
 
@@ -276,24 +283,31 @@ def with_shardings(abstract_state, mesh):
                         abstract_state, shardings)
 
 
+def _seq(mesh):
+    """The mesh axis the sequence is split over: `context` when it is larger than 1."""
+    return "context" if dict(mesh.shape).get("context", 1) > 1 else None
+
+
 def batch_sharding(mesh) -> NamedSharding:
-    """A step batch [K, B, T]: B split over (data, fsdp)."""
-    return NamedSharding(mesh, P(None, BATCH_AXES, None))
+    """A step batch [K, B, T]: B split over (data, fsdp), T over context."""
+    return NamedSharding(mesh, P(None, BATCH_AXES, _seq(mesh)))
 
 
 def eval_batch_sharding(mesh) -> NamedSharding:
-    """An eval batch [B, T]: B split over (data, fsdp)."""
-    return NamedSharding(mesh, P(BATCH_AXES, None))
+    """An eval batch [B, T]: B split over (data, fsdp), T over context."""
+    return NamedSharding(mesh, P(BATCH_AXES, _seq(mesh)))
 
 
 def activation_rules(mesh, vocab_size: int | None = None) -> dict:
-    """Rules for jaxmem.model.sharding.activation_sharding: [B, T, D] split on B; logits
-    [B, T, V] on B and also on V over `tensor` when the LM head is split there (V divisible)."""
+    """Rules for jaxmem.model.sharding.activation_sharding: [B, T, D] split on B (and on T over
+    `context`, context parallelism); logits [B, T, V] likewise and also on V over `tensor` when
+    the LM head is split there (V divisible)."""
     t = mesh.shape["tensor"]
     tensor = "tensor" if t > 1 and vocab_size is not None and vocab_size % t == 0 else None
-    return {"embed": NamedSharding(mesh, P(BATCH_AXES, None, None)),
-            "block": NamedSharding(mesh, P(BATCH_AXES, None, None)),
-            "logits": NamedSharding(mesh, P(BATCH_AXES, None, tensor))}
+    seq = _seq(mesh)
+    return {"embed": NamedSharding(mesh, P(BATCH_AXES, seq, None)),
+            "block": NamedSharding(mesh, P(BATCH_AXES, seq, None)),
+            "logits": NamedSharding(mesh, P(BATCH_AXES, seq, tensor))}
 
 
 def replicated(mesh) -> NamedSharding:

@@ -173,7 +173,7 @@ def setup(args, parser) -> Setup:
             print(line, file=sys.stderr)
         s = Setup(cfg, model_cfg, step_cfg, loss_scale, out, tokenizer, train_tokens, eval_tokens,
                   stats, continuing=continuing, record=record, changes=changes)
-        mesh = run_mesh(cfg.parallel.mesh, model_cfg, cfg.data.batch_size)
+        mesh = run_mesh(cfg.parallel.mesh, model_cfg, cfg.data.batch_size, seq_len=cfg.data.seq_len)
         if mesh is not None and cfg.optim.in_backward:
             raise RunError(f"--optimizer-in-backward runs on one device; this run has a mesh "
                            f"({dict(mesh.shape)}): pass --mesh with one device, or drop the flag")

@@ -16,6 +16,10 @@ On a mesh:
   the state donated;
 - the activation rules (jaxmem.parallel.rules.activation_rules) are installed around every call,
   so they are in place whenever jit traces;
+- with a `context` axis (context parallelism, jaxmem.model.context) the step and the eval
+  function permute the batch's sequence into the load-balanced layout first (inside the jit:
+  the host batch is the plain one, split over `context` as it comes) and attention runs over
+  the split sequence;
 - a batch is built on each process from its own rows only (`make_array_from_callback` asks for
   exactly the rows of the devices this process holds), so multi-process runs read the same
   global batch at the same data position as a single process would.
@@ -29,6 +33,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxmem.config.model import ConfigError
+from jaxmem.model.context import balance, context_parallel
 from jaxmem.model.sharding import activation_sharding, weight_sharding
 from jaxmem.model.fp8 import compiler_options as fp8_compiler_options
 import jaxmem.parallel.rules as R
@@ -42,19 +48,34 @@ from jaxmem.train.step import (create_train_state, jit_train_step, make_train_st
 class _WithRules:
     """A jitted function called (and lowered) with the activation rules installed."""
 
-    def __init__(self, jitted, rules, gather=None, weights=None):
+    def __init__(self, jitted, rules, gather=None, weights=None, mesh=None):
         self._jitted, self._rules, self._gather = jitted, rules, gather
-        self._weights = weights
+        self._weights, self._mesh = weights, mesh
 
     def __call__(self, *args):
         with activation_sharding(self._rules), gather_packed(self._gather), \
-                weight_sharding(self._weights):
+                weight_sharding(self._weights), context_parallel(self._mesh):
             return self._jitted(*args)
 
     def lower(self, *args):
         with activation_sharding(self._rules), gather_packed(self._gather), \
-                weight_sharding(self._weights):
+                weight_sharding(self._weights), context_parallel(self._mesh):
             return self._jitted.lower(*args)
+
+
+def _balanced(fn, mesh, step_cfg):
+    """`fn(state_or_params, batch, *rest)` with the batch permuted into context parallelism's
+    load-balanced layout first (jaxmem.model.context.balance); `fn` itself without `context`."""
+    c = dict(mesh.shape).get("context", 1)
+    if c == 1:
+        return fn
+    if step_cfg.attention_padding:
+        raise ConfigError(f"--mesh context={c}: context parallelism takes right-padded or "
+                          f"packed rows only (no attention padding mask)")
+
+    def balanced(first, batch, *rest):
+        return fn(first, balance(batch, c), *rest)
+    return balanced
 
 
 @dataclass(frozen=True)
@@ -134,21 +155,23 @@ class Placement:
             return jit_train_step(step_cfg)
         shardings = self.state_shardings(like)
         base = self.base_shardings(step_cfg)
-        jitted = jax.jit(make_train_step(step_cfg), donate_argnums=0,
+        jitted = jax.jit(_balanced(make_train_step(step_cfg), self.mesh, step_cfg),
+                         donate_argnums=0,
                          compiler_options=fp8_compiler_options(step_cfg.precision),
                          in_shardings=(shardings, R.batch_sharding(self.mesh))
                          + (() if base is None else (base,)),
                          out_shardings=(shardings, R.replicated(self.mesh)))
         return _WithRules(jitted, R.activation_rules(self.mesh, step_cfg.model.vocab_size),
                           R.lora_packed_gather(step_cfg, self.mesh),
-                          R.weight_rule(self.mesh, step_cfg.model.num_layers))
+                          R.weight_rule(self.mesh, step_cfg.model.num_layers), self.mesh)
 
     def eval_fn(self, step_cfg):
         if self.mesh is None:
             return make_eval_fn(step_cfg)
-        jitted = jax.jit(make_eval_fn(step_cfg), out_shardings=R.replicated(self.mesh))
+        jitted = jax.jit(_balanced(make_eval_fn(step_cfg), self.mesh, step_cfg),
+                         out_shardings=R.replicated(self.mesh))
         return _WithRules(jitted, R.activation_rules(self.mesh, step_cfg.model.vocab_size),
-                          R.lora_packed_gather(step_cfg, self.mesh))
+                          R.lora_packed_gather(step_cfg, self.mesh), mesh=self.mesh)
 
     def _place(self, batch: dict, sharding):
         def one(x):
