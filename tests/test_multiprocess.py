@@ -108,7 +108,7 @@ def test_killing_a_process_ends_the_other_naming_it(tmp_path, corpus):
     (["--mesh", "fsdp=2"], None, "--mesh fsdp=2: the axis sizes multiply to 2, but there are 1 devices"),
     # a JAX process each; slow: the first runs by default
     pytest.param(["--mesh", "pipe=2"], None,
-                 "--mesh 'pipe=2': unknown axis 'pipe' (axes: data, fsdp, tensor)", marks=SLOW),
+                 "--mesh 'pipe=2': unknown axis 'pipe' (axes: data, fsdp, tensor, context)", marks=SLOW),
     pytest.param(["--mesh", "tensor=4"], 4,
                  "--mesh tensor=4: tensor=4 does not divide the model's num_kv_heads 2", marks=SLOW),
     pytest.param(["--num-processes", "2"], None, "--num-processes needs --coordinator HOST:PORT",

@@ -303,7 +303,7 @@ def causal_attention(q, k, v, mask, segment_ids=None):
         if mask is not None:
             raise ValueError("context parallelism takes no attention padding mask "
                              "(right padding or segment ids only)")
-        return context_attention(q, k, v, segment_ids, mesh)
+        return context_attention(q, k, v, segment_ids, mesh, indexed_attention)
     choice = attention_path(q.shape, k.shape, q.dtype, causal_only=mask is None,
                             segments=segment_ids is not None)
     if choice.path == "pallas":

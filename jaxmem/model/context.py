@@ -83,10 +83,13 @@ def balance(batch: dict, c: int, axis: int = -1) -> dict:
     return {k: jnp.take(v, idx, axis=axis) for k, v in out.items()}
 
 
-def context_attention(q, k, v, segment_ids, mesh):
+def context_attention(q, k, v, segment_ids, mesh, indexed_attention):
     """Causal attention of q [B, T, N, H] over k, v [B, T, K, H] (slots in the balanced layout,
-    T split over `context`) -> [B, T, N, H]; segment ids [B, T] (packed rows) or None."""
-    from jaxmem.model.attention import indexed_attention
+    T split over `context`) -> [B, T, N, H]; segment ids [B, T] (packed rows) or None.
+
+    indexed_attention(q, k, v, q_idx, k_idx[, q_seg, k_seg]): each device's local attention,
+    masked by true sequence index (jaxmem.model.attention.indexed_attention, passed in by its
+    caller so that this module does not import attention, which imports it)."""
     c = mesh.shape[AXIS]
     T = q.shape[1]
     t = dict(mesh.shape).get("tensor", 1)
