@@ -27,6 +27,7 @@ from jaxmem.train.placement import Placement, _balanced, _WithRules  # noqa: E40
 from jaxmem.train.run import build_step_config  # noqa: E402
 
 BATCH = 4
+LONG_BATCH = 2  # rows at T >= 4096: half the CPU time of the size test, same meshes
 MESHES = {"context4": "context=4", "fsdp2_context2": "fsdp=2,context=2",
           "data2_context4": "data=2,context=4", "tensor2_context2": "tensor=2,context=2",
           "fsdp4": "fsdp=4"}
@@ -67,7 +68,7 @@ def packed_batch(rng, K, B, T, vocab, packed=True):
 def run(cfg, mesh_text, batches, accum):
     model_cfg, step_cfg, loss_scale = build_step_config(cfg)
     mesh = None if mesh_text is None else run_mesh(
-        mesh_text, model_cfg, BATCH, devices=jax.devices()[:int(np.prod(
+        mesh_text, model_cfg, cfg.data.batch_size, devices=jax.devices()[:int(np.prod(
             [int(p.split("=")[1]) for p in mesh_text.split(",")]))],
         seq_len=cfg.data.seq_len)
     par = Placement.single() if mesh is None else Placement.on(mesh)
@@ -109,12 +110,13 @@ def run(cfg, mesh_text, batches, accum):
 def main(out, seq, cases):
     for case in cases.split(","):
         overrides, accum, meshes = CASES[case]
-        cfg = RunConfig().replace({"data.batch_size": BATCH, "data.seq_len": seq,
+        batch = BATCH if seq < 4096 else LONG_BATCH
+        cfg = RunConfig().replace({"data.batch_size": batch, "data.seq_len": seq,
                                    "data.grad_accum": accum, "model.num_layers": 2,
                                    "model.max_position_embeddings": max(512, seq),
                                    "optim.warmup_steps": 1, **overrides})
         rng = np.random.default_rng(0)
-        batches = [packed_batch(rng, accum, BATCH, seq, cfg.model_config().vocab_size,
+        batches = [packed_batch(rng, accum, batch, seq, cfg.model_config().vocab_size,
                                 packed=case != "unpacked") for _ in range(2)]
         np.savez(os.path.join(out, f"{case}_single.npz"), **run(cfg, None, batches, accum))
         for m in meshes:
