@@ -55,6 +55,7 @@ def test_nothing_fits_and_compile_errors_do_not_fit():
     assert all(e["reason"] == "compile error: RESOURCE_EXHAUSTED: too big" for e in r["tried"])
 
 
+@pytest.mark.slow  # 7.6 s cold on 2 cores (the README run stays near 5 min)
 def test_cli_fit_seq_compiles_and_refuses_fit_with_it(capsys):
     rc = main(["--preset", "tiny", "--max-position-embeddings", "4096", "--seq-len", "1024",
                "--batch-size", "1",
