@@ -62,7 +62,7 @@ def test_layers_go_to_pinned_host_with_the_same_values(base):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("remat", ["full", "none"])
+@pytest.mark.parametrize("remat", [pytest.param("full", marks=pytest.mark.slow), "none"])  # full: 6.4 s
 def test_each_layer_is_fetched_inside_the_loops_never_outside(base, remat):
     """Lowered for CUDA (no GPU needed; the CPU lowering drops device_put): one copy to the
     device per layer leaf in the forward loop and again in the backward's, none outside a loop,
@@ -186,6 +186,7 @@ print(json.dumps({"kinds": kinds, "fetches": device_fetches(text),
 '''
 
 
+@pytest.mark.slow  # 9.1 s cold on 2 cores (the README run kept under 5 min)
 def test_on_a_mesh_each_device_keeps_its_shard_of_the_layers_on_the_host():
     """fsdp=2 on simulated CPU devices: the layers' leaves are split by the base rules and in
     pinned_host, each device's host arguments are half the layers' bytes, and each layer's shard
