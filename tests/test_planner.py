@@ -163,7 +163,8 @@ def test_planner_rejects_with_fake_compiler_and_errors():
 
 
 @pytest.mark.parametrize("fraction", [".75", ".95", None])
-@pytest.mark.parametrize("device_gib", [40, 37.5, 80])
+@pytest.mark.parametrize("device_gib", [40, pytest.param(37.5, marks=pytest.mark.slow),
+                                        pytest.param(80, marks=pytest.mark.slow)])  # 3-6 s each
 def test_fit_and_verdict_share_one_budget_rule(monkeypatch, device_gib, fraction):
     """A peak `plan` accepts for a GPU of `device_gib` (the budget `--fit` passes:
     verdict.usable_bytes) is one the verdict says fits on that size, and one byte more is
