@@ -28,7 +28,7 @@ With `--target h100` nothing runs: the steps are compiled by XLA's GPU compiler 
 (jaxmem.target, no GPU needed) and the report is a table read from their optimized HLO
 (experiments.fp8_table.step_table): for amp-bf16 and fp8, each in the forms that matter (XLA's
 default, Triton GEMMs, and `--xla_gpu_enable_triton_gemm=false`; fp8 also with jaxmem's flags,
-jaxmem.model.fp8.COMPILER_OPTIONS_FP8), GEMMs per step by backend and dtype (cublasLt f8,
+jaxmem.model.fp8_compile.COMPILER_OPTIONS_FP8), GEMMs per step by backend and dtype (cublasLt f8,
 cublasLt bf16, Triton), non-GEMM fusions and the bytes they move (operands read plus results
 written, from the HLO text: a deviceless compile has no cost_analysis), the passes fp8 scaling
 adds (amax reductions, quantize converts), and a roofline estimate (every GEMM at the card's
@@ -58,7 +58,7 @@ import jax
 from experiments.fp8_hlo import F8_TARGET, fp8_dots, gemms, parse_hlo, top_kernels
 from experiments.fp8_table import roofline_ms, step_table
 from jaxmem import target
-from jaxmem.model.fp8 import COMPILER_OPTIONS_FP8
+from jaxmem.model.fp8_compile import COMPILER_OPTIONS_FP8
 from jaxmem.config.model import PRESETS, get_preset
 from jaxmem.model.fp8 import count_traced
 from jaxmem.model.remat import RematError, RematPolicy

@@ -1,5 +1,5 @@
 """fp8 on the H100's own compiler without a GPU (jaxmem.target): every projection GEMM of an fp8
-train step is an fp8 GEMM, with jaxmem's compiler options (jaxmem.model.fp8.COMPILER_OPTIONS_FP8).
+train step is an fp8 GEMM, with jaxmem's compiler options (jaxmem.model.fp8_compile.COMPILER_OPTIONS_FP8).
 
 The step (preset small, 2 layers, remat full, 1 x 256) is compiled for a deviceless H100 and its
 optimized HLO is read: each GEMM whose op_name is one of a decoder layer's projections
@@ -22,7 +22,7 @@ from experiments.fp8_table import step_table
 from jaxmem import target
 from jaxmem.config.run import RunConfig
 from jaxmem.memory.spec import StepSpec
-from jaxmem.model.fp8 import COMPILER_OPTIONS_FP8
+from jaxmem.model.fp8_compile import COMPILER_OPTIONS_FP8
 
 pytestmark = pytest.mark.gpu_target
 

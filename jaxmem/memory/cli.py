@@ -252,7 +252,7 @@ def main(argv=None) -> int:
             parser.error("--measure runs real steps on this machine's device; --target only "
                          "compiles for a GPU that is not here: drop one of them")
         if given_overrides(args).get("precision.mode") == "fp8":
-            from jaxmem.model.fp8 import set_xla_flags  # the flags an fp8 run gets (train CLI)
+            from jaxmem.model.fp8_compile import set_xla_flags  # the flags an fp8 run gets (train CLI)
             set_xla_flags()
         target.prepare()
         try:

@@ -157,7 +157,7 @@ def setup(args, parser) -> Setup:
             overrides["model.vocab_size"] = load_tokenizer(overrides["data.tokenizer"]).vocab_size
         cfg, continuing, record, changes = _choose_config(overrides, args.resume, out)
         if cfg.precision.mode == "fp8":  # fp8 GEMMs need these XLA flags (jaxmem.model.fp8)
-            from jaxmem.model.fp8 import set_xla_flags
+            from jaxmem.model.fp8_compile import set_xla_flags
             set_xla_flags()
         model_cfg, step_cfg, loss_scale = build_step_config(cfg)
         tokenizer = load_tokenizer(run_tokenizer(out, cfg) if continuing else cfg.data.tokenizer)

@@ -37,7 +37,7 @@ from flax import struct
 from jaxmem.config.model import ModelConfig
 from jaxmem.bits import key_data, tree_norm, wrap_key_data
 from jaxmem.model.llama import Llama, init_params
-from jaxmem.model.fp8 import compiler_options as fp8_compiler_options
+from jaxmem.model.fp8_compile import compiler_options as fp8_compiler_options
 from jaxmem.model.projection import default_einsum
 from jaxmem.model.sharding import constrain_grads
 from jaxmem.optim import (LossScale, LossScaledState, NoOpLossScale, Optimizer,
@@ -247,6 +247,6 @@ def make_train_step(cfg: StepConfig, optimizer: Optimizer | None = None):
 def jit_train_step(cfg: StepConfig):
     """`make_train_step` under jit with the state donated (updated in place); an fp8 step for a
     GPU compiles with the options that make its projections fp8 GEMMs
-    (`jaxmem.model.fp8.compiler_options`)."""
+    (`jaxmem.model.fp8_compile.compiler_options`)."""
     return jax.jit(make_train_step(cfg), donate_argnums=0,
                    compiler_options=fp8_compiler_options(cfg.precision))
