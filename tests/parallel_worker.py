@@ -26,13 +26,16 @@ from jaxmem.train.loss import synthetic_batch  # noqa: E402
 from jaxmem.train.run import build_step_config  # noqa: E402
 
 MESHES = {"fsdp8": "fsdp=8", "data2_fsdp4": "data=2,fsdp=4", "tensor2_fsdp4": "tensor=2,fsdp=4",
-          "data8": "data=8"}
+          "data8": "data=8", "data2_fsdp2_tensor2": "data=2,fsdp=2,tensor=2"}
 BATCH, SEQ, STEPS = 8, 32, 5
 
 
 def run(cfg: RunConfig, mesh_text, batches):
     model_cfg, step_cfg, loss_scale = build_step_config(cfg)
-    mesh = None if mesh_text is None else run_mesh(mesh_text, model_cfg, BATCH)
+    k = cfg.data.grad_accum  # the same rows as [k, BATCH / k, T] micro-batches
+    batches = [{n: v.reshape((k, BATCH // k) + v.shape[2:]) for n, v in b.items()}
+               for b in batches]
+    mesh = None if mesh_text is None else run_mesh(mesh_text, model_cfg, BATCH // k)
     par = Placement.single() if mesh is None else Placement.on(mesh)
     state = par.init_state(step_cfg, loss_scale, 0)
     step = par.train_step(step_cfg, state)
@@ -63,6 +66,9 @@ def main(out):
     # 1024): the optimizer's row pieces on each shard (issue 28)
     sr8 = base.replace({"precision.mode": "bf16-sr", "optim.optimizer": "adamw8bit",
                         "model.hidden_size": 512, "model.intermediate_size": 1024})
+    # fp32 with 2 micro-batches of 4 rows on fsdp=4: the gradients accumulate on their shards
+    accum = base.replace({"data.grad_accum": 2, "data.batch_size": BATCH // 2})
+    np.savez(os.path.join(out, "fp32_fsdp4_accum2.npz"), **run(accum, "fsdp=4", batches))
     for name, cfg, meshes in (("fp32", base, MESHES), ("fp16", fp16, {"fsdp8": "fsdp=8"}),
                               ("sr8", sr8, {"data4_fsdp2": "data=4,fsdp=2"})):
         np.savez(os.path.join(out, f"{name}_single.npz"), **run(cfg, None, batches))

@@ -28,7 +28,8 @@ the embedding). It returns `w` unchanged; only its gradient is placed: with a ru
 `w` is constrained to the weight's own (FSDP) sharding. Inside the layer scan this makes XLA's
 SPMD partitioner reduce-scatter each layer's weight gradients as the backward pass leaves the
 layer, instead of all-reducing whole gradients (issue 28); `constrain_grads(tree)` places a
-whole gradient tree (the stacked leaves) the same way.
+whole gradient tree (the stacked leaves) the same way, and `weight_placement(path, shape)` tells
+the optimizer where a leaf lives, so that it updates each device's shard where it is.
 """
 
 from __future__ import annotations
@@ -101,6 +102,14 @@ def constrain_weight(w, path: str, stacked: bool = False):
         return w
     sharding = rule(path, tuple(w.shape), stacked)
     return w if sharding is None else _grad_placed(w, sharding)
+
+
+def weight_placement(path: str, shape) -> "jax.sharding.NamedSharding | None":
+    """The installed weight rule's sharding of a stacked state leaf of `shape` at `path` (a
+    parameter, or a leaf shaped and named like one); None without a rule, or when the rule
+    leaves the leaf whole."""
+    rule = _WEIGHTS.get()
+    return None if rule is None else rule(path, tuple(shape), True)
 
 
 def constrain_grads(tree):

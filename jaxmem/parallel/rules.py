@@ -7,9 +7,11 @@ Parameters (and every optimizer leaf shaped like one: Adam's mu and nu), by role
     2. the layer axis L of the scanned block params is never split (scan slices it per layer);
     3. tensor: the head / width axis of the role's Megatron split (below), when it divides;
     4. fsdp (times context: context parallelism shards the state over its devices too, as
-       ZeRO-3 over fsdp x context; the spec then names ("fsdp", "context")): the last axis when each shard of it holds whole 8-bit moment blocks (256 x fsdp
-       divides it: the optimizer's row pieces and blocks stay on one device, issue 28), else
-       the largest remaining axis divisible by the fsdp size (none divides: not split).
+       ZeRO-3 over fsdp x context; the spec then names ("fsdp", "context")): a projection's
+       first axis after L (D, or N for o_proj, F for down_proj) when it divides; else the last
+       axis when each shard of it holds whole 8-bit moment blocks (256 x fsdp divides it);
+       else the largest remaining divisible axis (none divides: not split). `_fsdp_axis` says
+       why.
 
     role        stored shape (after L)   tensor splits   Megatron
     q_proj      [D, N, H]                N               column parallel (heads)
@@ -81,6 +83,8 @@ TENSOR_AXIS = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 0,
                "gate_proj": 1, "up_proj": 1, "down_proj": 0, "lm_head": 1}
 ROW_PARALLEL = ("o_proj", "down_proj")  # tensor splits their input axes
 ADAPTERS = ("lora_a", "lora_b")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+               "lm_head")
 
 
 def _role(path):
@@ -122,23 +126,29 @@ def leaf_spec(path, shape: tuple[int, ...], axis_sizes: dict[str, int]) -> P:
         if dim < len(shape) and shape[dim] % tensor == 0:
             spec[dim] = "tensor"
     if fsdp > 1:
-        axis = _fsdp_axis(shape, first, spec, fsdp, names[-1] == "scale")
+        leading = role in PROJECTIONS and adapter is None
+        axis = _fsdp_axis(shape, first, spec, fsdp, names[-1] == "scale", leading)
         if axis is not None:
             spec[axis] = shard_axes[0] if len(shard_axes) == 1 else shard_axes
     return P(*spec)
 
 
-def _fsdp_axis(shape, first, spec, fsdp, block_scale):
+def _fsdp_axis(shape, first, spec, fsdp, block_scale, leading=False):
     """The axis fsdp splits (module docstring, rule 4), or None.
 
-    The last axis comes first when each shard of it holds whole 8-bit moment blocks
-    (jaxmem.optim.BLOCK; issue 28): the optimizer's row pieces (every axis but the last,
-    flattened, jaxmem.optim.row_chunks) then stay on their devices and the update runs where the
-    shard is, where a split of an inner axis made XLA all-gather whole leaves (params, codes,
-    random bits) for the loop over pieces. Otherwise the largest divisible axis.
-    `block_scale`: an 8-bit moment's block scales [..., nblocks], whose last axis is the codes'
-    divided by BLOCK: split as the codes are, so each block's scale lives with its codes."""
+    `leading` (a projection's weight, or a moment shaped like one): the first axis after L when
+    fsdp divides it and tensor left it free. One layer's slice is then gathered along its
+    major axis, which the GPU's all-gather takes as it is laid out (a split minor axis made XLA
+    copy whole stacks of weights into a layout with that axis first). Otherwise, and for the
+    embedding: the last axis when each shard of it holds whole 8-bit moment blocks
+    (jaxmem.optim.BLOCK): 8-bit blocks run along it and never straddle a shard. Otherwise the
+    largest divisible axis. The optimizer updates each shard where it lives whatever the axis
+    (jaxmem.train.fused8bit.apply_placed). `block_scale`: an 8-bit moment's block scales
+    [..., nblocks], whose last axis is the codes' divided by BLOCK: split as the codes are, so
+    each block's scale lives with its codes."""
     last = len(shape) - 1
+    if leading and first < last and spec[first] is None and shape[first] % fsdp == 0:
+        return first
     if last > first and spec[last] is None and \
             shape[last] % (fsdp if block_scale else BLOCK * fsdp) == 0:
         return last

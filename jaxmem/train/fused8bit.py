@@ -34,11 +34,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
 import jaxmem.optim._stochastic as sr
 from jaxmem.bits import from_bits, to_bits, tree_norm
-from jaxmem.optim import Optimizer, ScaleByAdam8bitState, as_optimizer
+from jaxmem.model.roles import path_text
+from jaxmem.model.sharding import weight_placement
+from jaxmem.optim import Optimizer, Quantized, ScaleByAdam8bitState, as_optimizer
 from jaxmem.optim._adamw8bit import adam_piece, bias_corrections
 from jaxmem.train.optim import OptimConfig, OptimizerName, decay_mask, make_optimizer, schedule
 
@@ -76,14 +80,14 @@ def fused_adamw8bit_apply(cfg: OptimConfig, grads, opt_state, params, finite: ja
     piece, finish = adamw8bit_piece(cfg, opt_state, tree_norm(grads) if cfg.clip > 0 else None,
                                     key is not None)
     _, adam, _, _ = _split_state(cfg, opt_state)
-    leaves, treedef = jax.tree_util.tree_flatten(params)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     cols = [treedef.flatten_up_to(t) for t in (grads, adam.mu, adam.nu,
                                                decay_mask(params, cfg.decay_embeddings))]
     new_p, new_m, new_v = [], [], []
-    for i, (p, g, m, v, decays) in enumerate(zip(leaves, *cols)):
+    for i, ((path, p), g, m, v, decays) in enumerate(zip(paths, *cols)):
         leaf_key = (jax.random.fold_in(key, i)
                     if key is not None and p.dtype == jnp.bfloat16 else None)
-        out = apply_leaf(piece, g, m, v, p, decays, leaf_key, finite)
+        out = apply_placed(path_text(path), piece, g, m, v, p, decays, leaf_key, finite)
         for lst, x in zip((new_p, new_m, new_v), out):
             lst.append(x)
     return treedef.unflatten(new_p), finish(treedef.unflatten(new_m), treedef.unflatten(new_v),
@@ -132,6 +136,40 @@ def adamw8bit_piece(cfg: OptimConfig, opt_state, g_norm: jax.Array | None, round
         return (clip_state, inner) if cfg.clip > 0 else inner
 
     return piece, finish
+
+
+def apply_placed(path: str, piece, g, m, v, p, decays, leaf_key, finite):
+    """`apply_leaf` where the leaf lives: on a mesh (a weight rule installed,
+    jaxmem.model.sharding.weight_placement) each device updates its own shard inside a
+    `shard_map`, in row pieces of its shard, so the update never gathers a leaf whole, whatever
+    axis the mesh splits (a row piece of the whole leaf would cross the shards of an inner axis,
+    and XLA all-gathers the leaf for the loop over pieces). Blocks run along the last axis:
+    when it is split, each shard must hold whole blocks, else the leaf is updated whole.
+    bf16 rounding on a shard draws from fold_in(leaf_key, the shard's index): other bits than
+    one device's, as unbiased. Off a mesh, or for a leaf left whole: `apply_leaf`."""
+    sharding = weight_placement(path, p.shape)
+    if sharding is None or not isinstance(m, Quantized):
+        return apply_leaf(piece, g, m, v, p, decays, leaf_key, finite)
+    mesh, spec = sharding.mesh, P(*sharding.spec, *[None] * (p.ndim - len(sharding.spec)))
+    sizes = dict(mesh.shape)
+    axes_of = lambda e: () if e is None else (e if isinstance(e, tuple) else (e,))  # noqa: E731
+    split = tuple(a for e in spec for a in axes_of(e))
+    last = int(np.prod([sizes[a] for a in axes_of(spec[-1])]))
+    if last > 1 and (p.shape[-1] // last) % m.block:
+        return apply_leaf(piece, g, m, v, p, decays, leaf_key, finite)
+    # each block's scale with its codes (the state may keep small scales whole: then each
+    # device takes its slice, and the jit's out_shardings put it back)
+    moment = Quantized(codes=spec, scale=P(*spec[:-1], spec[-1] if last > 1 else None),
+                       block=m.block)
+
+    def body(g, m, v, p, finite, *key):
+        k = jax.random.fold_in(key[0], jax.lax.axis_index(split)) if key else None
+        return apply_leaf(piece, g, m, v, p, decays, k, finite)
+
+    keys = () if leaf_key is None else (leaf_key,)
+    run = jax.shard_map(body, mesh=mesh, in_specs=(spec, moment, moment, spec, P())
+                        + (P(),) * len(keys), out_specs=(spec, moment, moment), check_vma=False)
+    return run(g, m, v, p, finite, *keys)
 
 
 def apply_leaf(piece, g, m, v, p, decays, leaf_key, finite):
