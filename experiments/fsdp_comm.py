@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read this optimized HLO text instead of compiling")
     p.add_argument("--param-bytes", type=positive_int, default=None,
                    help="the parameter bytes of the theory (default: params x compute dtype)")
+    p.add_argument("--save-hlo", default=None, metavar="FILE",
+                   help="also write the compiled step's optimized HLO text here")
     p.add_argument("--out", default=None, help="JSON path (default: experiments/results/)")
     p.add_argument("--json", action="store_true", help="print the JSON instead of tables")
     return p
@@ -99,6 +101,9 @@ def main(argv=None) -> int:
         except target.TargetError as e:
             parser.error(str(e))
         source = f"compiled for {args.devices} x {args.target} (deviceless), mesh {mesh}"
+        if args.save_hlo:
+            with open(args.save_hlo, "w") as f:
+                f.write(text)
     report = comm_report(text, ops=True)
     pbytes = args.param_bytes or param_bytes(spec)
     out = {"source": source, "preset": cfg.model.preset, "mesh": mesh, "fsdp": n,

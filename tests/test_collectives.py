@@ -10,8 +10,8 @@ import pytest
 from jaxmem.memory.collectives import (collective_counts, comm_report, find_collectives,
                                        format_comm_table, fsdp_volume, group_size, ring_bytes)
 
-# Two nested loops (3 x 4 runs) around an all-gather-start/done with a fusion between, and an
-# async reduce-scatter; in ENTRY a sync all-reduce (mesh-form groups), a collective-permute pair
+# Two nested loops (3 x 4 runs) around an all-gather-start/done with a fusion between, an
+# async reduce-scatter and a two-operand reduce-scatter-start; in ENTRY a sync all-reduce (mesh-form groups), a collective-permute pair
 # with a fusion between, a fusion calling a sync all-gather twice; a while with no trip count
 # around an all-to-all (iota groups); a computation nothing calls, holding an all-reduce.
 MODULE = """\
@@ -57,6 +57,8 @@ HloModule jit_step, is_scheduled=true, entry_computation_layout={(f32[256]{0})->
   %m = f32[64,16]{1,0} fusion(%x), kind=kLoop, calls=%fused
   %agd = bf16[16,32]{1,0} all-gather-done(%ag)
   %bc = bf16[16,32]{1,0} bitcast(%agd)
+  %rs2 = ((f32[64,16]{1,0}, f32[64,16]{1,0}), (f32[64,2]{1,0}, f32[64,2]{1,0})) reduce-scatter-start(%x, %m), channel_id=4, replica_groups=mesh['a'=1,'b'=8] {'b'}, dimensions={1}, to_apply=%add
+  %rs2d = (f32[64,2]{1,0}, f32[64,2]{1,0}) reduce-scatter-done(%rs2)
   %rss = ((f32[64,16]{1,0}), f32[8,16]{1,0}) async-start(%m), calls=%rs_comp, backend_config={"collective_backend_config":{"is_sync":true}}
   %rsd = f32[8,16]{1,0} async-done(%rss)
   ROOT %t = (s32[], bf16[2,32]{1,0}, f32[64,16]{1,0}) tuple(%i, %w, %x)
@@ -110,13 +112,16 @@ def test_each_collective_bytes_runs_and_group_by_hand():
     c = by_name()
     # dead's all-reduce is never called; the reduce-scatter inside rs_comp is counted at its
     # async-start (rss), not again where it is written.
-    assert set(c) == {"ag", "rss", "ar", "cp", "g", "a2a"}
+    assert set(c) == {"ag", "rss", "rs2", "ar", "cp", "g", "a2a"}
     # all-gather of output bf16[16,32] = 1024 B over 8: 1024 x 7/8 = 896 B, loops 3 x 4 = 12.
     assert (c["ag"].group_size, c["ag"].data_bytes, c["ag"].bytes_per_run, c["ag"].runs) == \
         (8, 1024, 896.0, 12)
     # reduce-scatter to f32[8,16] = 512 B: input 8 x 512 = 4096 B, 4096 x 7/8 = 3584 B, 12 runs.
     assert (c["rss"].kind, c["rss"].data_bytes, c["rss"].bytes_per_run, c["rss"].runs) == \
         ("reduce-scatter", 4096, 3584.0, 12)
+    # reduce-scatter-start to two f32[64,2] (1024 B): input 8 x 1024 = 8192 B, x 7/8 = 7168 B.
+    assert (c["rs2"].kind, c["rs2"].data_bytes, c["rs2"].bytes_per_run, c["rs2"].runs) == \
+        ("reduce-scatter", 8192, 7168.0, 12)
     # all-reduce of f32[256] = 1024 B over axis 'b' (2 devices): 2 x 1024 x 1/2 = 1024 B.
     assert (c["ar"].group_size, c["ar"].bytes_per_run, c["ar"].runs) == (2, 1024.0, 1)
     # collective-permute of f32[100]: its operand, 400 B.
@@ -139,6 +144,8 @@ def test_async_pairs_and_compute_between():
         (True, 0, True)
     # cp: the fusion %f1 between start and done.
     assert (c["cp"].asynchronous, c["cp"].compute_between) == (True, 1)
+    # rs2: its done right after its start, nothing between.
+    assert (c["rs2"].asynchronous, c["rs2"].compute_between) == (True, 0)
     assert [c[n].asynchronous for n in ("ar", "g", "a2a")] == [False] * 3
     assert [c[n].compute_between for n in ("ar", "g", "a2a")] == [None] * 3
 
@@ -147,16 +154,16 @@ def test_report_totals_per_kind():
     r = comm_report(MODULE)
     assert r["devices"] == 8
     sent = {k: v["send_bytes"] for k, v in r["by_kind"].items()}
-    # 896 x 12 + 56 x 2; 3584 x 12; 1024; 96; 400
-    assert sent == {"all-gather": 10864.0, "reduce-scatter": 43008.0, "all-reduce": 1024.0,
+    # 896 x 12 + 56 x 2; (3584 + 7168) x 12; 1024; 96; 400
+    assert sent == {"all-gather": 10864.0, "reduce-scatter": 129024.0, "all-reduce": 1024.0,
                     "all-to-all": 96.0, "collective-permute": 400.0}
-    assert r["send_bytes"] == r["recv_bytes"] == 55392.0
+    assert r["send_bytes"] == r["recv_bytes"] == 141408.0
     assert r["by_kind"]["all-gather"]["runs"] == 14 and r["by_kind"]["all-gather"]["ops"] == 2
-    assert r["async"] == {"pairs": 3, "with_compute_between": 2, "forced_sync": 1,
+    assert r["async"] == {"pairs": 4, "with_compute_between": 2, "forced_sync": 1,
                           "done_elsewhere": 0}
     assert r["synchronous"] == 3
     assert r["uncertain"] == ["a2a: loose (while, no known trip count: counted once)"]
-    assert collective_counts(MODULE) == {"all-gather": 2, "reduce-scatter": 1, "all-reduce": 1,
+    assert collective_counts(MODULE) == {"all-gather": 2, "reduce-scatter": 2, "all-reduce": 1,
                                          "all-to-all": 1, "collective-permute": 1}
 
 
@@ -164,7 +171,7 @@ def test_table_states_totals_and_theory():
     table = format_comm_table(comm_report(MODULE), param_bytes=2**30, group=8)
     # FSDP theory: 3 x 1 GiB x 7/8 = 2.625 GiB, printed rounded.
     assert "| FSDP theory: 3 x 1.00 GiB params x (8-1)/8 | | | 2.62 GiB" in table
-    assert "async pairs: 3, 2 with compute scheduled between start and done, 1 marked is_sync" \
+    assert "async pairs: 4, 2 with compute scheduled between start and done, 1 marked is_sync" \
         in table
 
 

@@ -100,12 +100,10 @@ def ring_bytes(kind: str, data_bytes: int, n: int) -> float:
 
 def _data_bytes(kind: str, op: str, type_: str, n: int) -> int:
     """The ring model's O / I of an instruction, from its result shape."""
-    if op.endswith("-start"):  # all-gather: (operands, outputs); permute: (operand, output, ...)
-        parts = tuple_elements(type_)
-        if kind == "all-gather" and len(parts) >= 2:
-            type_ = parts[1]
-        elif kind == "collective-permute":
-            type_ = parts[0]
+    if op.endswith("-start") and kind != "all-reduce":  # all-reduce-start: the outputs
+        parts = tuple_elements(type_)  # permute: (operand, output, contexts); others: (ins, outs)
+        type_ = parts[0] if kind == "collective-permute" else parts[1] if len(parts) > 1 \
+            else type_
     out = shape_bytes(type_)
     return n * out if kind == "reduce-scatter" else out
 
