@@ -16,8 +16,11 @@ Bytes follow the ring model, per device and per run, sent = received, for a grou
     all-to-all of I                 I (n-1)/n     (keeps its own 1/n)
     collective-permute of I         I
 
-Shapes are the instructions' result shapes (an all-gather-start's second tuple element, the
-op an async-start wraps). n comes from `replica_groups` in its three printed forms: explicit
+Shapes are the instructions' result shapes: a sync op's result; an all-gather-start's,
+reduce-scatter-start's or all-to-all-start's second tuple element (its outputs); an
+all-reduce-start's result; a collective-permute-start's first element (its operand); the op an
+async-start wraps. Compute between an async start and its done is any op other than parameter,
+constant, get-tuple-element, tuple, bitcast, copy-start / -done and collectives (sync ones too). n comes from `replica_groups` in its three printed forms: explicit
 {{0,1,...}}, iota [groups,n]<=[...], and mesh['a'=8,'b'=1] {'a'}; {} is every device of the
 module. A collective runs once per run of its computation: a while body runs `known_trip_count`
 times (XLA's backend_config; nested loops multiply) and a computation called from several places
