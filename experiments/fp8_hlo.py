@@ -18,6 +18,8 @@ import json
 import os
 import re
 
+from jaxmem.memory.hlo import attr, entry_name, parse_hlo  # noqa: F401  (re-exported)
+
 F8_TARGET = "__cublas$lt$matmul$f8"
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
 # Ops the rewriter lets stand between a dequantized fp8 value and its dot (MatchFp8Param).
@@ -25,71 +27,13 @@ _PASS_THROUGH = {"convert", "multiply", "broadcast", "transpose", "reshape", "bi
                  "slice", "pad", "select", "dynamic-slice"}
 
 # ------------------------------------------------------------------------------ HLO text
-
-
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\(.*?\)|\S+)\s+([a-z][\w\-]*)\((.*)$")
-
-
-def _split_call(rest: str) -> tuple[list[str], str]:
-    """'a, f32[2] %b), attrs...' -> (['a', 'b'], 'attrs...'): operand names and what follows."""
-    depth, i = 1, 0
-    while i < len(rest) and depth:
-        depth += {"(": 1, ")": -1}.get(rest[i], 0)
-        i += 1
-    inner, attrs = rest[:i - 1], rest[i:]
-    names, depth, token = [], 0, ""
-    for ch in inner + ",":
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        if ch == "," and depth == 0:
-            if token.strip():
-                names.append(token.strip().split()[-1].lstrip("%"))
-            token = ""
-        else:
-            token += ch
-    return names, attrs
-
-
-def parse_hlo(text: str) -> dict:
-    """HLO module text -> {computation: {"root": name, "instrs": {name: instr}}}, where an instr
-    is a dict with type, op, operands (names) and attrs (the text after the operands)."""
-    comps, current = {}, None
-    for line in text.splitlines():
-        if current is None:
-            m = _HEADER.match(line)
-            if m:
-                current = comps.setdefault(m.group(1), {"root": None, "instrs": {}})
-            continue
-        if line.startswith("}"):
-            current = None
-            continue
-        m = _INSTR.match(line)
-        if m:
-            name, type_, op, rest = m.groups()
-            operands, attrs = _split_call(rest)
-            current["instrs"][name] = {"type": type_, "op": op, "operands": operands,
-                                       "attrs": attrs}
-            if line.lstrip().startswith("ROOT"):
-                current["root"] = name
-    return comps
-
-
-def entry_name(text: str) -> str | None:
-    """The ENTRY computation's name in an HLO module text."""
-    m = re.search(r"^ENTRY\s+%?([\w.\-]+)", text, re.M)
-    return m.group(1) if m else None
+# The reader is jaxmem.memory.hlo's (one implementation); `_attr` is its `attr`, kept under the
+# name experiments.fp8_table imports.
+_attr = attr
 
 
 def _is_f8(type_: str) -> bool:
     return type_.startswith("f8")
-
-
-def _attr(attrs: str, key: str) -> str | None:
-    m = re.search(rf'{key}=("[^"]*"|\{{[^}}]*\}}|[^,\s]+)', attrs)
-    return m.group(1).strip('"') if m else None
 
 
 def _fp8_fed(comps, comp, name, depth=0) -> bool:

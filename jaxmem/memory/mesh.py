@@ -28,6 +28,7 @@ import jax
 
 from jaxmem import target
 from jaxmem.memory.analytic import analytic_breakdown
+from jaxmem.memory.collectives import comm_line, comm_report
 from jaxmem.memory.lora_mesh import (adapter_fraction, base_components as lora_base_components,
                                      compare_line, format_compiled_host, format_host_lines,
                                      host_split)
@@ -118,9 +119,11 @@ def analytic_per_device(spec: StepSpec, mesh_text: str | None, devices: int | No
             "host": sum(c["bytes"] for c in comps if c["phase"] == "host")}
 
 
-def compile_per_device(spec: StepSpec, mesh_text: str | None) -> dict:
+def compile_per_device(spec: StepSpec, mesh_text: str | None, keep_hlo: bool = False) -> dict:
     """The train step compiled for the mesh over this host's devices (None, or one device:
-    the single-device step); XLA's per-device memory numbers and the HLO's collectives."""
+    the single-device step); XLA's per-device memory numbers, the HLO's collectives (static
+    ops per kind) and "communication": bytes per device per step (jaxmem.memory.collectives
+    .comm_report). keep_hlo: also the optimized HLO text ("hlo")."""
     step_cfg, loss_scale = spec.step_config()
     state = abstract_state(spec)
     batch = abstract_step_batch(spec)
@@ -145,23 +148,11 @@ def compile_per_device(spec: StepSpec, mesh_text: str | None) -> dict:
     compiled = lowered.compile()
     stats, flops = compiled_stats(compiled)
     hlo = compiled.as_text()
-    return {**stats, "flops": flops, "collectives": collective_counts(hlo),
-            **host_split(compiled, stats, hlo)}
-
-
-def collective_counts(hlo: str) -> dict[str, int]:
-    """How many all-gather / reduce-scatter / all-reduce / all-to-all / collective-permute ops
-    the optimized HLO has (static count: an op inside the layer scan runs once per layer)."""
-    names = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-    counts = {n: 0 for n in names}
-    for line in hlo.splitlines():
-        if "=" not in line:
-            continue
-        rhs = line.split("=", 1)[1]
-        for n in names:
-            if f" {n}(" in rhs or f" {n}-start(" in rhs:
-                counts[n] += 1
-    return counts
+    comm = comm_report(hlo)
+    return {**stats, "flops": flops,
+            "collectives": {k: r["ops"] for k, r in comm["by_kind"].items()},
+            "communication": comm, **host_split(compiled, stats, hlo),
+            **({"hlo": hlo} if keep_hlo else {})}
 
 
 def mesh_report(spec: StepSpec, mesh_text: str | None, compile: bool = True) -> dict:
@@ -205,7 +196,8 @@ def format_mesh_report(r: dict) -> str:
                             "peak_bytes")),
               compare_line(r),
               "collectives in the step's HLO: " + ", ".join(
-                  f"{k} {v}" for k, v in c["collectives"].items())]
+                  f"{k} {v}" for k, v in c["collectives"].items()),
+              comm_line(c["communication"])]
     return "\n".join(lines + format_compiled_host(c, mib, "analytic_without_offload" in r))
 
 

@@ -1,0 +1,147 @@
+"""Reading XLA's HLO module text: computations, instructions and shapes (any backend's format).
+
+    parse_hlo(text)       {computation: {"root", "instrs": {name: {type, op, operands, attrs}}}}
+    entry_name(text)      the ENTRY computation's name
+    attr(attrs, key)      one attribute's text ('calls=%f' -> '%f')
+    called(attrs)         [(attribute, computation)] of every computation an instruction calls
+    tuple_elements(type)  '(a, (b, c))' -> ['a', '(b, c)'] (top level only); an array: [type]
+    shape_bytes(type)     bytes of an array or tuple shape, layouts and memory spaces ignored
+    module_devices(text)  replica_count x num_partitions of the HloModule line
+
+Text parsing, so a module compiled for a GPU can be saved (`XLA_FLAGS=--xla_dump_to=DIR`,
+`*after_optimizations.txt`, or `compiled.as_text()`) and read on any machine. Instructions keep
+the text's order: in a scheduled module (`is_scheduled=true`) that is the execution order.
+experiments.fp8_hlo and jaxmem.memory.collectives read HLO through this module.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\(.*?\)|\S+)\s+([a-z][\w\-]*)\((.*)$")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
+# Bits per element; XLA stores sub-byte types packed (s4/u4: two per byte).
+_BITS = {"pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16,
+         "s32": 32, "u32": 32, "s64": 64, "u64": 64, "f16": 16, "bf16": 16, "f32": 32, "f64": 64,
+         "c64": 64, "c128": 128, "token": 0, "opaque": 0}
+# Attributes that name called computations, in the formats XLA prints.
+_CALL_KEYS = ("calls", "to_apply", "body", "condition", "true_computation", "false_computation",
+              "branch_computations", "called_computations", "async_execution_thread_computation")
+
+
+def _split_call(rest: str) -> tuple[list[str], str]:
+    """'a, f32[2] %b), attrs...' -> (['a', 'b'], 'attrs...'): operand names and what follows."""
+    depth, i = 1, 0
+    while i < len(rest) and depth:
+        depth += {"(": 1, ")": -1}.get(rest[i], 0)
+        i += 1
+    inner, attrs = rest[:i - 1], rest[i:]
+    names, depth, token = [], 0, ""
+    for ch in inner + ",":
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            if token.strip():
+                names.append(token.strip().split()[-1].lstrip("%"))
+            token = ""
+        else:
+            token += ch
+    return names, attrs
+
+
+def parse_hlo(text: str) -> dict:
+    """HLO module text -> {computation: {"root": name, "instrs": {name: instr}}}, where an instr
+    is a dict with type, op, operands (names) and attrs (the text after the operands). Both keep
+    the text's order."""
+    comps, current = {}, None
+    for line in text.splitlines():
+        if current is None:
+            m = _HEADER.match(line)
+            if m:
+                current = comps.setdefault(m.group(1), {"root": None, "instrs": {}})
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        m = _INSTR.match(line)
+        if m:
+            name, type_, op, rest = m.groups()
+            operands, attrs = _split_call(rest)
+            current["instrs"][name] = {"type": type_, "op": op, "operands": operands,
+                                       "attrs": attrs}
+            if line.lstrip().startswith("ROOT"):
+                current["root"] = name
+    return comps
+
+
+def entry_name(text: str) -> str | None:
+    """The ENTRY computation's name in an HLO module text."""
+    m = re.search(r"^ENTRY\s+%?([\w.\-]+)", text, re.M)
+    return m.group(1) if m else None
+
+
+def attr(attrs: str, key: str) -> str | None:
+    """The text of attribute `key` in an instruction's attrs (a quoted string unquoted, a {...}
+    group kept whole when it holds no nested braces), or None."""
+    m = re.search(rf'\b{key}=("[^"]*"|\{{[^}}]*\}}|[^,\s]+)', attrs)
+    return m.group(1).strip('"') if m else None
+
+
+def called(attrs: str) -> list[tuple[str, str]]:
+    """Every (attribute, computation name) an instruction's attrs call: a fusion's `calls`, a
+    while's `body` and `condition`, a reduction's `to_apply`, a conditional's branches..."""
+    out = []
+    for key in _CALL_KEYS:
+        text = attr(attrs, key)
+        if text:
+            out += [(key, n.lstrip("%")) for n in re.findall(r"%?[\w.\-]+", text.strip("{}"))]
+    return out
+
+
+def tuple_elements(type_: str) -> list[str]:
+    """The top-level elements of a tuple shape ('(a, (b, c))' -> ['a', '(b, c)']); an array
+    shape is its own single element."""
+    type_ = type_.strip()
+    if not type_.startswith("("):
+        return [type_]
+    out, depth, token = [], 0, ""
+    for ch in type_[1:-1] + ",":
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            if token.strip():
+                out.append(token.strip())
+            token = ""
+        else:
+            token += ch
+    return out
+
+
+def shape_bytes(type_: str) -> int:
+    """Bytes of every array in a shape (a tuple's summed), from dtypes and dimensions; layouts,
+    tiling and memory spaces in {...} are ignored, dynamic bounds (<=N) count at N. An unknown
+    dtype raises ValueError."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(re.sub(r"\{[^{}]*\}", "", type_)):
+        bits = _BITS.get(dtype)
+        if bits is None:
+            if not dtype.startswith("f8") and not dtype.startswith("f4"):
+                raise ValueError(f"unknown HLO element type {dtype!r} in {type_!r}")
+            bits = 8 if dtype.startswith("f8") else 4
+        n = math.prod(int(d.lstrip("<=")) for d in dims.split(",") if d.strip())
+        total += n * bits
+    return total // 8
+
+
+def module_devices(text: str) -> int:
+    """replica_count x num_partitions of the module's HloModule line (1 where not printed)."""
+    head = text[:text.find("\n")] if "\n" in text else text
+    count = re.search(r"replica_count=(\d+)", head)
+    parts = re.search(r"num_partitions=(\d+)", head)
+    return int(count.group(1) if count else 1) * int(parts.group(1) if parts else 1)
