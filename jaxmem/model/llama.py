@@ -33,7 +33,7 @@ from jaxmem.model.layers import (RMSNorm, apply_rope, attention_mask, cache_mask
                                  scaled_normal)
 from jaxmem.model.projection import Einsum, Projection, default_einsum, logits_einsum, project
 from jaxmem.model.remat import TAGS, RematPolicy
-from jaxmem.model.sharding import constrain, constrain_weight
+from jaxmem.model.sharding import constrain, constrain_weight, gather_weight, local_rows
 from jaxmem.model.tiled import mlp_tile, tiled_mlp, tiles_under
 
 
@@ -83,7 +83,7 @@ class MLP(nn.Module):
     def __call__(self, x):
         D, F = self.config.hidden_size, self.config.intermediate_size
         proj = functools.partial(Projection, einsum=self.einsum)  # name, subscripts, shape, fan_in
-        chunk = mlp_tile(x.shape[0], x.shape[1], F)
+        chunk = mlp_tile(local_rows(x.shape[0]), x.shape[1], F)  # sized by a device's rows
         tileable = self.einsum is default_einsum or hasattr(self.einsum, "prepare_weight")  # fp8
         if self.tile and tileable and chunk < x.shape[1]:
             ws = [proj(n, "", shape, fan_in).weight() for n, shape, fan_in in
@@ -207,7 +207,8 @@ class Llama(nn.Module):
         else:
             head = Projection("lm_head", "BTD,DV->BTV", (D, V), D, logits_einsum)
             if return_hidden:
-                return x, head.weight(), "DV"  # [B, T, D], [D, V] (or a weight object)
+                # gathered once for all the loss's chunks (on a mesh), not once per chunk
+                return x, gather_weight(head.weight(), "lm_head"), "DV"  # [B, T, D], [D, V]
             logits = head(x)
         return constrain(logits, "logits")  # [B, T, V] fp32
 

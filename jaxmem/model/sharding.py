@@ -104,6 +104,38 @@ def constrain_weight(w, path: str, stacked: bool = False):
     return w if sharding is None else _grad_placed(w, sharding)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gathered(w, whole, own):
+    return jax.lax.with_sharding_constraint(w, whole)
+
+
+def _gathered_fwd(w, whole, own):
+    return _gathered(w, whole, own), None
+
+
+def _gathered_bwd(whole, own, _, g):
+    return (jax.lax.with_sharding_constraint(g, own),)
+
+
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)
+
+
+def gather_weight(w, path: str):
+    """`w` (not stacked) gathered whole over every mesh axis but `tensor` (which holds other
+    weights, not other tokens), once, where a loop would otherwise gather it on every trip (the
+    fused loss's sequence chunks); its gradient placed like the weight. `w` itself without a
+    rule or where nothing is split."""
+    rule = _WEIGHTS.get()
+    if rule is None or not isinstance(w, jax.Array):
+        return w
+    own = rule(path, tuple(w.shape), True)
+    if own is None:
+        return w
+    keep = [e if e == "tensor" else None for e in own.spec]
+    whole = jax.sharding.NamedSharding(own.mesh, jax.sharding.PartitionSpec(*keep))
+    return _gathered(w, whole, own)
+
+
 def weight_placement(path: str, shape) -> "jax.sharding.NamedSharding | None":
     """The installed weight rule's sharding of a stacked state leaf of `shape` at `path` (a
     parameter, or a leaf shaped and named like one); None without a rule, or when the rule
@@ -124,6 +156,23 @@ def constrain_grads(tree):
         sharding = rule(path_text(path), tuple(g.shape), True)
         return g if sharding is None else jax.lax.with_sharding_constraint(g, sharding)
     return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def local_rows(rows: int) -> int:
+    """Of `rows` batch rows, how many each device holds: `rows` divided by the devices the
+    installed "block" rule splits the batch axis over (a NamedSharding's mesh axes); `rows`
+    itself without one. The model sees global shapes; what it sizes per device (the MLP's
+    sequence tiles) asks here."""
+    rules = _RULES.get()
+    target = rules.get("block") if isinstance(rules, Mapping) else None
+    spec = getattr(target, "spec", None)
+    if not spec or spec[0] is None:
+        return rows
+    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    n = 1
+    for a in axes:
+        n *= dict(target.mesh.shape)[a]
+    return max(1, rows // n)
 
 
 def _mesh_in_context():
