@@ -118,8 +118,11 @@ def test_context_shards_the_state_with_fsdp():
     from jax.sharding import PartitionSpec as P
     from jaxmem.parallel.rules import leaf_spec
     assert leaf_spec(("layers", "mlp", "up_proj"), (32, 4096, 14336), {"context": 8}) == \
-        P(None, None, "context")
+        P(None, "context", None)
     assert leaf_spec(("layers", "mlp", "up_proj"), (4, 128, 2048), {"fsdp": 2, "context": 2}) == \
-        P(None, None, ("fsdp", "context"))
+        P(None, ("fsdp", "context"), None)
     assert leaf_spec(("layers", "mlp", "up_proj"), (4, 128, 2048), {"fsdp": 2}) == \
-        P(None, None, "fsdp")
+        P(None, "fsdp", None)
+    # the embedding keeps the last axis (whole 256-blocks per shard)
+    assert leaf_spec(("embed_tokens",), (128256, 4096), {"fsdp": 2, "context": 4}) == \
+        P(None, ("fsdp", "context"))
