@@ -29,12 +29,12 @@ def is_oom(e: BaseException) -> bool:
 
 
 def device_bytes() -> int | None:
-    """What XLA may allocate on the first device (`memory_stats()["bytes_limit"]`), or None
-    where the backend does not say (the CPU)."""
+    """What XLA may allocate on this process's first device (`memory_stats()["bytes_limit"]`),
+    or None where the backend does not say (the CPU)."""
     import jax  # noqa: PLC0415
 
     try:
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = jax.local_devices()[0].memory_stats() or {}
     except Exception:
         return None
     return stats.get("bytes_limit")
