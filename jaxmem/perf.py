@@ -1,7 +1,13 @@
 """Device facts and throughput arithmetic shared by training, the planner and the experiments:
-training FLOPs per token, dense peak FLOP/s per device kind, and device memory counters."""
+training FLOPs per token, dense peak FLOP/s per device kind, device memory counters, and the
+budget rule: what XLA may use of a GPU of a given size (`usable_bytes`) and its inverse
+(`device_gib_for`), applied by the planner's verdicts and by the trainer's check before its first
+step (re-exported by jaxmem.memory.verdict)."""
 
 from __future__ import annotations
+
+import math
+import os
 
 import jax.numpy as jnp
 
@@ -54,3 +60,46 @@ def device_memory(device) -> dict | None:
         return None
     return {"bytes_in_use": stats["bytes_in_use"],
             "peak_bytes_in_use": stats.get("peak_bytes_in_use")}
+
+
+GiB = 2**30
+CUDA_CONTEXT_GIB = 0.5
+DEFAULT_FRACTION = 0.75
+
+
+def xla_fraction() -> float:
+    """The share of a GPU XLA may use: XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75 (or ~all when
+    preallocation is off)."""
+    if os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() in ("false", "0"):
+        return 1.0
+    try:
+        return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_FRACTION))
+    except ValueError:
+        return DEFAULT_FRACTION
+
+
+def usable_bytes(device_gib: float, fraction: float | None = None) -> int:
+    """Bytes a compiled program (or a phase of a run) may need on a GPU of `device_gib` GiB.
+
+    The rule: min(fraction x device, device - CUDA_CONTEXT_GIB), rounded down to a byte.
+    fraction is the share XLA's client takes at start-up (`xla_fraction`:
+    XLA_PYTHON_CLIENT_MEM_FRACTION, default .75; 1.0 with XLA_PYTHON_CLIENT_PREALLOCATE=false);
+    CUDA_CONTEXT_GIB (0.5, assumed) is the margin for the CUDA context, which lives outside
+    XLA's share: with the fraction near 1 it is what is left. No other margin is taken for what
+    a compile cannot see (autotuning, cuDNN / cuBLAS workspaces, fragmentation): none has been
+    measured yet. Every "fits" of jaxmem.memory is `peak_bytes <= usable_bytes(size)`: the
+    verdict on each size, `--fit GIB` (GIB is the device's size), and the mesh planners.
+    """
+    fraction = xla_fraction() if fraction is None else fraction
+    return int(min(fraction * device_gib, device_gib - CUDA_CONTEXT_GIB) * GiB)
+
+
+def device_gib_for(peak_bytes: int, fraction: float | None = None) -> float:
+    """The smallest device size in GiB (to 1e-9 GiB) whose `usable_bytes` holds `peak_bytes`:
+    the inverse of the rule, e.g. the `--fit` that just admits a given peak."""
+    fraction = xla_fraction() if fraction is None else fraction
+    gib = max(peak_bytes / GiB / fraction, peak_bytes / GiB + CUDA_CONTEXT_GIB)
+    gib = math.ceil(gib * 1e9) / 1e9
+    while usable_bytes(gib, fraction) < peak_bytes:  # float rounding: a nano-GiB more
+        gib += 1e-9
+    return gib

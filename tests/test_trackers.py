@@ -241,7 +241,7 @@ def test_ten_failing_restores_in_one_process_leave_no_stray_tracebacks(tmp_path,
     assert "Traceback" not in p.stderr and "Error" not in p.stderr, p.stderr
 
 
-def test_oom_message_names_estimate_device_and_fit_command():
+def test_oom_message_names_estimate_device_and_fit_command(monkeypatch):
     from jaxmem.config.run import RunConfig
     from jaxmem.train.failures import is_oom, oom_message
 
@@ -249,10 +249,13 @@ def test_oom_message_names_estimate_device_and_fit_command():
                                "data.batch_size": 8, "data.seq_len": 2048, "data.grad_accum": 2})
     err = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1 bytes.")
     assert is_oom(err) and not is_oom(RuntimeError("shapes do not match"))
-    msg = oom_message(cfg, "runs/x", err, peak=int(90.5 * 2**30), device_bytes=60 * 2**30)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)  # the suite turns it off
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    msg = oom_message(cfg, "runs/x", err, peak=int(90.5 * 2**30), limit=60 * 2**30)
     assert "was compiled to need 90.50 GiB; the device has 60.00 GiB for XLA." in msg
+    # the planner's GIB is the card (80 GiB gives XLA 60 by default), not XLA's share of it
     assert ("python -m jaxmem.memory --preset llama-3.2-1b --precision amp-bf16 --seq-len 2048 "
-            "--global-batch 16 --fit 60") in msg
+            "--global-batch 16 --fit 80") in msg
     assert msg.count("\n") == 2  # one paragraph, the command on its own line
 
 

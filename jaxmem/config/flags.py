@@ -38,6 +38,14 @@ positive_float = _number_type(float, lambda v: 0 < v < float("inf"), "a finite n
 TYPES = {"positive_int": positive_int, "nonneg_int": nonneg_int, "nonneg_float": nonneg_float,
          "positive_float": positive_float}
 
+# The RunConfig fields `python -m jaxmem.memory` takes (the planner): its sections, and the
+# fields of the sections it takes in part. `jaxmem.train.failures.fit_command` writes its
+# commands from the same lists.
+PLANNER_SECTIONS = ("model", "precision", "remat", "optim", "data", "peft", "parallel", "sample")
+PLANNER_ONLY = {"precision": ("mode",), "data": ("batch_size", "seq_len", "grad_accum"),
+                "optim": ("mu_dtype", "optimizer", "in_backward"), "parallel": ("mesh",),
+                "sample": ("max_new_tokens", "temperature", "top_k")}
+
 SECTION_TITLES = {"model": "model", "precision": "memory and precision", "remat": "memory and precision",
                   "optim": "optimization", "data": "data and batch", "run": "run directory",
                   "sample": "sampling", "init": "model",

@@ -192,6 +192,12 @@ class RunSection:
     no_tensorboard: bool = option(False, "do not write TensorBoard events to <out>/tensorboard "
                                   "(written when tensorboardX is installed)", store_true=True,
                                   mutable=True)
+    no_memory_check: bool = option(False, "skip the check before the first step that the train "
+                                   "step's compiled peak fits the device's memory (made where "
+                                   "the backend reports the device's size, as GPUs do; a run "
+                                   "that does not fit exits 2 with the planner command); for "
+                                   "this invocation only: --resume does not inherit it",
+                                   store_true=True, mutable=True)
     wandb_project: str | None = option(None, "log to this Weights & Biases project (needs wandb; "
                                        "WANDB_MODE=offline keeps it local)", metavar="PROJECT",
                                        mutable=True)

@@ -52,7 +52,8 @@ import json
 import sys
 
 from jaxmem import target
-from jaxmem.config.flags import add_run_flags, given_overrides, positive_int
+from jaxmem.config.flags import (PLANNER_ONLY, PLANNER_SECTIONS, add_run_flags, given_overrides,
+                                 positive_int)
 from jaxmem.config.run import RunConfig
 from jaxmem.memory.measure import measure_in_subprocess, run_worker
 from jaxmem.memory.phases import SampleShape, format_phases, run_phases
@@ -75,9 +76,6 @@ def positive_gib(text: str) -> float:
     return value
 
 
-MEMORY_FLAGS = {"precision": ("mode",), "data": ("batch_size", "seq_len", "grad_accum"),
-                "optim": ("mu_dtype", "optimizer", "in_backward"), "parallel": ("mesh",),
-                "sample": ("max_new_tokens", "temperature", "top_k")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,8 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "The model, precision, remat and batch flags are jaxmem.train's, with the "
                     "same defaults; with --fit, --batch-size is the largest micro-batch tried "
                     "and --mu-dtype (when not given) tries fp32 then bf16.")
-    add_run_flags(p, ["model", "precision", "remat", "optim", "data", "peft", "parallel", "sample"],
-                  only=MEMORY_FLAGS)
+    add_run_flags(p, PLANNER_SECTIONS, only=PLANNER_ONLY)
     p.add_argument("--devices", type=positive_int, default=None, metavar="N",
                    help="compile for N devices (with --mesh: the per-device breakdown, "
                         "jaxmem.memory.mesh): N --target GPUs, or on the CPU backend N simulated "

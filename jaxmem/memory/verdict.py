@@ -19,61 +19,21 @@ environment, else .75.
 
 from __future__ import annotations
 
-import math
-import os
 import shlex
 from typing import TYPE_CHECKING
+
+# the budget rule lives beside the device counters, so the trainer applies it too
+from jaxmem.perf import (CUDA_CONTEXT_GIB, DEFAULT_FRACTION, device_gib_for, usable_bytes,  # noqa: F401
+                         xla_fraction)
 
 if TYPE_CHECKING:  # the import is deferred: jaxmem.memory.analyze uses verdict_lines alone
     from jaxmem.config.run import RunConfig
 
 GiB = 2**30
 COMMON_GIB = (24, 40, 80, 141)  # RTX 4090 / L4-class 24, A100 40, A100 / H100 80, H200 141
-CUDA_CONTEXT_GIB = 0.5
-DEFAULT_FRACTION = 0.75
-
-
-def xla_fraction() -> float:
-    """The share of a GPU XLA may use: XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.75 (or ~all when
-    preallocation is off)."""
-    if os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() in ("false", "0"):
-        return 1.0
-    try:
-        return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_FRACTION))
-    except ValueError:
-        return DEFAULT_FRACTION
-
-
 def usable_gib(device_gib: float, fraction: float | None = None) -> float:
     """GiB XLA can give a program on a `device_gib` GPU: `usable_bytes` in GiB."""
     return usable_bytes(device_gib, fraction) / GiB
-
-
-def usable_bytes(device_gib: float, fraction: float | None = None) -> int:
-    """Bytes a compiled program (or a phase of a run) may need on a GPU of `device_gib` GiB.
-
-    The rule: min(fraction x device, device - CUDA_CONTEXT_GIB), rounded down to a byte.
-    fraction is the share XLA's client takes at start-up (`xla_fraction`:
-    XLA_PYTHON_CLIENT_MEM_FRACTION, default .75; 1.0 with XLA_PYTHON_CLIENT_PREALLOCATE=false);
-    CUDA_CONTEXT_GIB (0.5, assumed) is the margin for the CUDA context, which lives outside
-    XLA's share: with the fraction near 1 it is what is left. No other margin is taken for what
-    a compile cannot see (autotuning, cuDNN / cuBLAS workspaces, fragmentation): none has been
-    measured yet. Every "fits" of jaxmem.memory is `peak_bytes <= usable_bytes(size)`: the
-    verdict on each size, `--fit GIB` (GIB is the device's size), and the mesh planners.
-    """
-    fraction = xla_fraction() if fraction is None else fraction
-    return int(min(fraction * device_gib, device_gib - CUDA_CONTEXT_GIB) * GiB)
-
-
-def device_gib_for(peak_bytes: int, fraction: float | None = None) -> float:
-    """The smallest device size in GiB (to 1e-9 GiB) whose `usable_bytes` holds `peak_bytes`:
-    the inverse of the rule, e.g. the `--fit` that just admits a given peak."""
-    fraction = xla_fraction() if fraction is None else fraction
-    gib = max(peak_bytes / GiB / fraction, peak_bytes / GiB + CUDA_CONTEXT_GIB)
-    gib = math.ceil(gib * 1e9) / 1e9
-    while usable_bytes(gib, fraction) < peak_bytes:  # float rounding: a nano-GiB more
-        gib += 1e-9
-    return gib
 
 
 def fits(peak_bytes: int, device_gib: float, fraction: float | None = None) -> bool:

@@ -42,25 +42,34 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, llama3: tuple | None = None) -> jax.Array:
-    """RoPE's inverse frequencies [H/2] (fp32), optionally with Llama 3's scaling.
+    """RoPE's inverse frequencies [H/2] (fp32), optionally with Llama 3's scaling; bitwise
+    transformers' (`_compute_default_rope_parameters` / `_compute_llama3_parameters`).
 
-    llama3: (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings), as
-    transformers' `_compute_llama3_parameters`: wavelengths longer than original/low_freq_factor
-    are stretched by `factor` (those dimensions see positions beyond the original training
-    length), wavelengths shorter than original/high_freq_factor are kept, and the band between
-    blends the two linearly in original/wavelength. fp32 throughout, like transformers.
+    llama3: (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings):
+    wavelengths longer than original/low_freq_factor are stretched by `factor` (those dimensions
+    see positions beyond the original training length), wavelengths shorter than
+    original/high_freq_factor are kept, and the band between blends the two linearly in
+    original/wavelength. The same at every position: nothing depends on how far past
+    `original` or `max_position_embeddings` a position is.
+
+    The inputs are Python numbers, so this is a constant made with numpy one fp32 operation at a
+    time, as torch does: under jit, XLA rewrites such chains (x / c, a * b + c) and 18 of the 64
+    Llama 3.1 frequencies came out an ulp off, which at position 1M moves an angle by 1e-4.
+    torch evaluates `2 * math.pi / inv_freq` as reciprocal(inv_freq) * 2pi; so does this.
     """
-    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    if llama3 is None:
-        return inv_freq
-    factor, low, high, original = (jnp.float32(v) for v in llama3)
-    low_wavelen, high_wavelen = original / low, original / high
-    wavelen = jnp.float32(2 * np.pi) / inv_freq
-    scaled = jnp.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (original / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return jnp.where(medium, blended, scaled)
+    f32 = np.float32
+    exponent = np.arange(0, head_dim, 2, dtype=f32) / f32(head_dim)
+    # theta ** exponent correctly rounded to fp32 (what torch's fp32 pow gives for these)
+    inv_freq = f32(1) / (np.float64(theta) ** exponent.astype(np.float64)).astype(f32)
+    if llama3 is not None:
+        factor, low, high, original = (f32(v) for v in llama3)
+        wavelen = (f32(1) / inv_freq) * f32(2 * np.pi)
+        scaled = np.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - low) / (high - low)
+        blended = (f32(1) - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < original / high) & ~(wavelen > original / low)
+        inv_freq = np.where(medium, blended, scaled).astype(f32)
+    return jnp.asarray(inv_freq, jnp.float32)
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float, llama3: tuple | None = None):

@@ -125,8 +125,10 @@ def _choose_config(overrides: dict, resume: bool, out: Path):
         return RunConfig().replace(overrides), False, {}, []
     saved, record = read_run_config(out)
     # --stop-at is an instruction to one invocation, not part of the run: never inherited;
-    # nor is --mesh: a resumed run gets the default mesh of the devices it has now.
-    base = saved.replace({"run.stop_at": None, "parallel.mesh": None}) if resume else RunConfig()
+    # nor are --mesh (a resumed run gets the default mesh of the devices it has now) and
+    # --no-memory-check (the check is about the device this invocation runs on).
+    base = saved.replace({"run.stop_at": None, "parallel.mesh": None,
+                          "run.no_memory_check": False}) if resume else RunConfig()
     cfg = base.replace(overrides)
     fixed = _fixed_differences(saved, record, cfg)
     if fixed and resume:
@@ -237,5 +239,7 @@ def main(argv=None) -> int:
 
         if not is_oom(e):
             raise
-        print(oom_message(s.cfg, s.out, e), file=sys.stderr, flush=True)
+        mesh = s.placement.mesh
+        print(oom_message(s.cfg, s.out, e, devices=1 if mesh is None else mesh.size),
+              file=sys.stderr, flush=True)
         return 1

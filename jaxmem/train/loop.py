@@ -32,6 +32,7 @@ from jaxmem.io.checkpoint import Checkpointer
 from jaxmem.train.rundir import (CKPT_DIR, METRICS_FILE, copy_tokenizer, truncate_metrics,
                               write_run_config)
 from jaxmem.perf import device_memory, flops_per_token, peak_flops
+from jaxmem.train import failures
 from jaxmem.train.placement import Placement
 from jaxmem.train.run import make_eval_fn
 from jaxmem.train.step import create_train_state, jit_train_step
@@ -86,6 +87,17 @@ def eval_prompt(eval_tokens, tokenizer, max_chars: int = 60) -> str:
     return line[:max_chars] + "\n" if len(line) <= max_chars else line[:max_chars]
 
 
+def _too_big(cfg, par, train_step, args) -> str | None:
+    """Where the backend reports the device's size: the train step compiled for these arguments
+    (the run's own compile: its first call finds the executable in jit's cache, no second
+    compile), and `failures.too_big_message` when its peak exceeds the device. Else None."""
+    limit = failures.device_bytes()
+    if not limit:  # the CPU reports no size: nothing to compare with
+        return None
+    peak = failures.compiled_peak(train_step.lower(*args).compile())
+    return failures.too_big_message(cfg, peak, limit, 1 if par.mesh is None else par.mesh.size)
+
+
 def train(s) -> int:
     """Run the loop for a validated `jaxmem.train.cli.Setup`; returns the exit status."""
     from tqdm import tqdm
@@ -95,7 +107,6 @@ def train(s) -> int:
     main = par.is_main  # only process 0 writes config.json, metrics and the progress bar
     d, r = cfg.data, cfg.run
     steps = cfg.optim.total_steps
-    out.mkdir(parents=True, exist_ok=True)
     resumed = s.state is not None
     one = par.mesh is None  # one device: today's functions, called by name here
     state = s.state if resumed else (
@@ -103,18 +114,7 @@ def train(s) -> int:
         else par.init_state(step_cfg, s.loss_scale, d.seed, params=s.init_params))
     s.init_params = None  # --init-from's host copy: the state holds the weights now
     start = int(par.host(state.step))
-    if main:
-        _write_config(s, start)
-        copy_tokenizer(out, cfg)  # generate then works from any directory
-        copy_chat_files(out, cfg.data.tokenizer)  # and finds the chat template there
-    ckpt = s.ckpt or Checkpointer(out / CKPT_DIR, keep=r.keep)
     end = min(steps, r.stop_at or steps)
-    if start >= end:
-        ckpt.close()
-        print(f"{out}: already at step {start} of {steps}"
-              + (f" (--stop-at {r.stop_at})" if end < steps else "") + "; nothing to do")
-        return 0
-
     pad = s.tokenizer.pad_id
     if isinstance(s.train_tokens, PackedData):  # example rows, packed (jaxmem.data.examples)
         batcher = s.train_tokens.batcher(d.batch_size, d.seq_len, d.seed, pad)
@@ -125,14 +125,34 @@ def train(s) -> int:
     train_step, eval_fn = ((jit_train_step(step_cfg), make_eval_fn(step_cfg)) if one
                            else (par.train_step(step_cfg, state), par.eval_fn(step_cfg)))
     frozen = () if s.frozen is None else (s.frozen,)  # LoRA: the frozen base (jaxmem.peft)
-    device = jax.devices()[0]
-    peak = peak_flops(device, step_cfg.precision.compute_dtype)
-    fpt = flops_per_token(s.model_cfg, d.seq_len)
     position = int(par.host(state.data_position))  # batches consumed so far, as the state recorded them
 
     def next_batch(position):
         mbs = [batcher.batch_at(position + i) for i in range(d.grad_accum)]
         return par.batch({k: np.stack([mb[k] for mb in mbs]) for k in mbs[0]})
+
+    if start < end and not r.no_memory_check:  # before anything is written: the dir stays as it was
+        refusal = _too_big(cfg, par, train_step, (state, next_batch(position), *frozen))
+        if refusal:
+            if s.ckpt is not None:
+                s.ckpt.close()
+            print(refusal, file=sys.stderr, flush=True)
+            return 2
+    out.mkdir(parents=True, exist_ok=True)
+    if main:
+        _write_config(s, start)
+        copy_tokenizer(out, cfg)  # generate then works from any directory
+        copy_chat_files(out, cfg.data.tokenizer)  # and finds the chat template there
+    ckpt = s.ckpt or Checkpointer(out / CKPT_DIR, keep=r.keep)
+    if start >= end:
+        ckpt.close()
+        print(f"{out}: already at step {start} of {steps}"
+              + (f" (--stop-at {r.stop_at})" if end < steps else "") + "; nothing to do")
+        return 0
+
+    device = jax.devices()[0]
+    peak = peak_flops(device, step_cfg.precision.compute_dtype)
+    fpt = flops_per_token(s.model_cfg, d.seq_len)
 
     def evaluate(st):
         if not evals:
