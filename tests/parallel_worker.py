@@ -35,7 +35,9 @@ def run(cfg: RunConfig, mesh_text, batches):
     k = cfg.data.grad_accum  # the same rows as [k, BATCH / k, T] micro-batches
     batches = [{n: v.reshape((k, BATCH // k) + v.shape[2:]) for n, v in b.items()}
                for b in batches]
-    mesh = None if mesh_text is None else run_mesh(mesh_text, model_cfg, BATCH // k)
+    # fsdp=4 alone takes the first 4 of the 8 devices
+    devices = jax.devices()[:4] if mesh_text == "fsdp=4" else None
+    mesh = None if mesh_text is None else run_mesh(mesh_text, model_cfg, BATCH // k, devices)
     par = Placement.single() if mesh is None else Placement.on(mesh)
     state = par.init_state(step_cfg, loss_scale, 0)
     step = par.train_step(step_cfg, state)
