@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import math
 import os
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 
-from jaxmem.config.model import ModelConfig
+if TYPE_CHECKING:  # annotations only: `jaxmem.memory.analyze` imports this module, not the config
+    from jaxmem.config.model import ModelConfig
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
