@@ -38,19 +38,24 @@ def _split_call(rest: str) -> tuple[list[str], str]:
         depth += {"(": 1, ")": -1}.get(rest[i], 0)
         i += 1
     inner, attrs = rest[:i - 1], rest[i:]
-    names, depth, token = [], 0, ""
-    for ch in inner + ",":
+    return [t.split()[-1].lstrip("%") for t in _top_level(inner)], attrs
+
+
+def _top_level(text: str) -> list[str]:
+    """The comma-separated items of `text` outside any brackets, stripped, empty ones dropped."""
+    out, depth, token = [], 0, ""
+    for ch in text + ",":
         if ch in "([{":
             depth += 1
         elif ch in ")]}":
             depth -= 1
         if ch == "," and depth == 0:
             if token.strip():
-                names.append(token.strip().split()[-1].lstrip("%"))
+                out.append(token.strip())
             token = ""
         else:
             token += ch
-    return names, attrs
+    return out
 
 
 def parse_hlo(text: str) -> dict:
@@ -108,19 +113,7 @@ def tuple_elements(type_: str) -> list[str]:
     type_ = type_.strip()
     if not type_.startswith("("):
         return [type_]
-    out, depth, token = [], 0, ""
-    for ch in type_[1:-1] + ",":
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        if ch == "," and depth == 0:
-            if token.strip():
-                out.append(token.strip())
-            token = ""
-        else:
-            token += ch
-    return out
+    return _top_level(type_[1:-1])
 
 
 def shape_bytes(type_: str) -> int:

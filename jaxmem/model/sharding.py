@@ -125,10 +125,7 @@ def gather_weight(w, path: str):
     weights, not other tokens), once, where a loop would otherwise gather it on every trip (the
     fused loss's sequence chunks); its gradient placed like the weight. `w` itself without a
     rule or where nothing is split."""
-    rule = _WEIGHTS.get()
-    if rule is None or not isinstance(w, jax.Array):
-        return w
-    own = rule(path, tuple(w.shape), True)
+    own = weight_placement(path, w.shape) if isinstance(w, jax.Array) else None
     if own is None:
         return w
     keep = [e if e == "tensor" else None for e in own.spec]
