@@ -61,3 +61,25 @@ def test_gpt_nnx():
                   "smaller", "fp16: the backward keeps less", "the loss went down"):
         assert f"ok   {claim}" in lines, claim
     assert any(x.startswith("ok   adamw_8bit's loss within 1% of optax.adamw's (") for x in lines)
+
+
+@pytest.mark.slow  # three CLI runs on 4 simulated devices at T=1024: 22 s on 2 cores (README: 65536)
+def test_long_context(tmp_path):
+    p = run_example("long_context.py", "--seq-len", "1024", "--out", str(tmp_path / "lc"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    lines = p.stdout.splitlines()
+    for claim in ("steps 1..2: losses and gradient norms of the resumed run equal the "
+                  "uninterrupted one bitwise", "the saved params at step 2 are bitwise equal"):
+        assert f"ok   {claim}" in lines, claim
+    assert any(x.startswith("ok   rows hold many documents") for x in lines), lines
+    assert any(x.startswith("3 runs, 4 steps at 1024 tokens on 4 CPU devices (context=4)")
+               for x in lines), lines
+    assert "resuming at step 1" in p.stdout
+
+
+def test_long_context_bad_input(tmp_path):
+    p = run_example("long_context.py", "--seq-len", "1001", "--out", str(tmp_path / "lc"))
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1] == (
+        "long_context: error: --seq-len 1001: expected a multiple of 8, at least 256")
+    assert not (tmp_path / "lc").exists()
