@@ -8,7 +8,7 @@
 A `LoraWeight` stands for W + scale * A B (W [in..., out...], A [in..., R], B [R, out...]) and
 multiplies through `project(subscripts, x, einsum)` = einsum(x, W) + scale * (x A) B, never
 forming the dense product; a quantized W is dequantized in the forward and again in the backward
-(jaxmem.quant). The same object is what jaxmem's own Llama multiplies (jaxmem.peft.lora).
+(jaxmem.quant). jaxmem's own trainer puts the same object in its Llama's params (jaxmem.peft).
 
 Flax layers multiply a kernel with `lax.dot_general`, which needs an array, so a layer whose
 kernel is a weight object needs one line of adaptation:
@@ -33,31 +33,50 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem.model.projection import project
-from jaxmem.peft import lora as _lora
 from jaxmem.quant import QuantizedWeight, is_kernel, path_text
 
-__all__ = ["LoraWeight", "combine", "dense", "dot_general", "linen", "promote_dtype", "split",
-           "wrap"]
+__all__ = ["LoraWeight", "adapter_subscripts", "combine", "dense", "dot_general", "linen",
+           "promote_dtype", "split", "wrap"]
 
 Initializer = Callable[[jax.Array, tuple, Any], jax.Array]  # init(key, shape, dtype) -> array
 # peft's default for A (kaiming uniform, a = sqrt(5)): U(-1/sqrt(In), 1/sqrt(In)) on A [In, R]
 peft_a_init = jax.nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform")
 
 
+RANK = "R"  # the adapter rank's axis letter in einsum strings
+
+
+def adapter_subscripts(subscripts: str) -> tuple[str, str, str]:
+    """A weight's einsum -> (x A, (x A) B, A B) einsums, with R the rank's axis letter:
+    'BTD,DNH->BTNH' -> ('BTD,DR->BTR', 'BTR,RNH->BTNH', 'DR,RNH->DNH')."""
+    lhs, out = subscripts.split("->")
+    xs, ws = lhs.split(",")
+    ins = "".join(a for a in ws if a in xs)
+    outs = "".join(a for a in ws if a not in xs)
+    batch = "".join(a for a in xs if a not in ins)
+    return (f"{xs},{ins}{RANK}->{batch}{RANK}", f"{batch}{RANK},{RANK}{outs}->{out}",
+            f"{ins}{RANK},{RANK}{outs}->{ws}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoraWeight:
-    """W + scale * A B as a pytree; `base`, `a`, `b` are its children, the rest static.
+    """W + scale * A B as a pytree; `base`, `a`, `b`, `key` are its children, the rest static.
 
     base: the frozen W [in..., out...]: an array or a `QuantizedWeight` (None in the trainable
         half of `split`). a: [in..., R], b: [R, out...] (None in the frozen half).
+    key: uint32 key data (`jax.random.key_data`) for dropout on the adapter's input; None (the
+        default): no dropout.
     scale: alpha / rank. n_in: how many leading axes of W are input axes.
+    dropout: the probability of zeroing an input value of the adapter (used with `key`).
     """
 
     base: Any
     a: Any
     b: Any
+    key: Any = None
     scale: float = 1.0
     n_in: int = 1
+    dropout: float = 0.0
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -65,9 +84,17 @@ class LoraWeight:
         return tuple(self.base.shape)
 
     def project(self, subscripts: str, x: jax.Array, einsum) -> jax.Array:
-        """einsum(subscripts, x, W + scale * A B), computed as einsum(x, W) + scale * (x A) B."""
-        return _lora.LoraWeight(self.base, self.a, self.b, None, self.scale).project(
-            subscripts, x, einsum)
+        """einsum(subscripts, x, W + scale * A B), computed as
+        einsum(x, W) + scale * (dropout(x) A) B, never forming A B."""
+        y = project(subscripts, x, self.base, einsum)
+        down, up, _ = adapter_subscripts(subscripts)
+        if self.dropout > 0 and self.key is not None:
+            keep = jax.random.bernoulli(jax.random.wrap_key_data(self.key), 1 - self.dropout,
+                                        x.shape)
+            x = jnp.where(keep, x / (1 - self.dropout), 0).astype(x.dtype)
+        h = jnp.einsum(down, x, self.a.astype(x.dtype))  # [..., R]
+        delta = jnp.einsum(up, h, self.b.astype(x.dtype))  # the projection's output shape
+        return y + (self.scale * delta).astype(y.dtype)
 
     def merged(self, dtype=jnp.float32) -> jax.Array:
         """The dense W + scale * A B [in..., out...] in `dtype` (computed in fp32)."""
@@ -85,8 +112,8 @@ class LoraWeight:
         raise TypeError(f"LoraWeight supports only [...], got [{index!r}]")
 
 
-jax.tree_util.register_dataclass(LoraWeight, data_fields=["base", "a", "b"],
-                                 meta_fields=["scale", "n_in"])
+jax.tree_util.register_dataclass(LoraWeight, data_fields=["base", "a", "b", "key"],
+                                 meta_fields=["scale", "n_in", "dropout"])
 
 
 def _is_lora(x) -> bool:
@@ -156,7 +183,7 @@ def split(tree: Any) -> tuple[Any, Any]:
     LoraWeight's A and B (base None; every other leaf None): what to differentiate and give the
     optimizer. `frozen` holds everything else (each LoraWeight's a and b None)."""
     adapters = jax.tree_util.tree_map(
-        lambda x: dataclasses.replace(x, base=None) if _is_lora(x) else None, tree,
+        lambda x: dataclasses.replace(x, base=None, key=None) if _is_lora(x) else None, tree,
         is_leaf=_is_lora)
     frozen = jax.tree_util.tree_map(
         lambda x: dataclasses.replace(x, a=None, b=None) if _is_lora(x) else x, tree,

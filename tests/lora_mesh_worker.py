@@ -17,7 +17,7 @@ memory:  compile only: per-device argument bytes of the QLoRA base (a jit taking
          its shardings; with --step also the whole train step's argument and temp bytes), one
          device and fsdp=2, 4, 8: OUT_DIR/memory.json.
 packed:  compile only: the QLoRA step (4 layers of width 512, amp-bf16, full remat) on fsdp=2
-         with the packed layer gather (jaxmem.peft.quant.gather_packed) and without:
+         with the packed layer gather (jaxmem.quant.gather_packed) and without:
          OUT_DIR/packed.json with each one's per-device temp bytes and the int8/uint8 results
          computed outside the layer loops (a relayout copy of a stacked packed leaf shows here).
 reshard: the quantized base placed for fsdp=4, moved to tensor=2,fsdp=2's shardings and on to

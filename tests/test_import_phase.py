@@ -17,7 +17,7 @@ from jaxmem.model.precision import get_precision
 from jaxmem.model.remat import RematPolicy
 from jaxmem.peft import base as peft_base
 from jaxmem.peft.lora import LoraSpec
-from jaxmem.peft.quant import QuantizedWeight, quantize_layers
+from jaxmem.quant import QuantizedWeight, quantize_layers
 
 # q, k/v, o (two input axes), gate/up and down: five distinct programs
 CFG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3,

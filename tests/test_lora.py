@@ -13,8 +13,9 @@ from jaxmem.config.model import ModelConfig
 from jaxmem.config.run import RunConfig
 from jaxmem.model import Llama, init_params
 from jaxmem.peft.base import base_on_device, base_sha256, check_base
-from jaxmem.peft.lora import LoraSpec, LoraWeight, merge, spec_of
-from jaxmem.peft.quant import QuantizedWeight, dequantize_layers
+from jaxmem.lora import LoraWeight
+from jaxmem.peft.lora import LoraSpec, merge, spec_of
+from jaxmem.quant import QuantizedWeight, dequantize_layers
 from jaxmem.train.cli import main
 from jaxmem.train.loss import synthetic_batch
 from jaxmem.model.precision import get_precision

@@ -192,7 +192,7 @@ def test_packed_gather_adds_no_temp(worker):
     than the one that lets XLA gather the dequantized weight (+1% margin), and nothing int8 or
     uint8 is computed outside the layer loops. With a sharding constraint in place of the flat
     gather XLA copied every stacked packed leaf to the gather's layout before the loop
-    (jaxmem.peft.quant.gather_packed): 23.18 MB temp against 21.46 MB, 21 such copies; the flat
+    (jaxmem.quant.gather_packed): 23.18 MB temp against 21.46 MB, 21 such copies; the flat
     gather: 19.94 MB (XLA:CPU, jax 0.10.2)."""
     r = json.loads((worker / "packed.json").read_text())
     assert r["gather"]["int8_outside_loops"] == [], r["gather"]["int8_outside_loops"]

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.peft.quant import (NF4_CODE, QuantizedWeight, bits_per_param, dequantize_layers,
-                               quantize, quantize_layers)
+from jaxmem.quant import (NF4_CODE, QuantizedWeight, bits_per_param, dequantize_layers,
+                          quantize_layers, quantize_weight)
 from numerics import assert_reordered_fp32
 
 
@@ -69,14 +69,14 @@ def test_layers_are_quantized_separately():
 
 def test_o_proj_blocks_run_along_both_input_axes():
     w = jax.random.normal(jax.random.PRNGKey(1), (4, 32, 128))  # [N, H, D]: In = N*H
-    q = quantize(w, "int8", n_in=2, block=64)
+    q = quantize_weight(w, "int8", n_in=2, block=64)
     assert q.codes.shape == (2, 64, 128) and q.absmax.shape == (2, 128)
     assert _rel_rms(q.dequantize(), w) < 0.01
 
 
 def test_bad_block_is_refused():
     with pytest.raises(ValueError, match="input size 96 is not a multiple of the quantization block 64"):
-        quantize(jnp.ones((96, 8)), "nf4")
+        quantize_weight(jnp.ones((96, 8)), "nf4")
 
 
 def _einsum(s, x, w):
@@ -84,7 +84,7 @@ def _einsum(s, x, w):
 
 
 def test_gradient_equals_the_dense_weights_gradient():
-    q = quantize(W[0], "nf4")
+    q = quantize_weight(W[0], "nf4")
     x = jax.random.normal(jax.random.PRNGKey(2), (2, 8, 512))
     g = jax.grad(lambda x: jnp.sum(jnp.sin(q.project("BTD,DF->BTF", x, _einsum))))(x)
     dense = q.dequantize()

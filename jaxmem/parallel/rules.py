@@ -42,7 +42,7 @@ Llama-3-70B with r=16 on all seven projections has 207M adapter params, 3.3 GB w
 state, a seventh of a 24 GB card on every device if replicated.
 
 The frozen base of a LoRA run (`base_specs`): plain arrays take the rules above; a quantized
-projection (jaxmem.peft.quant.QuantizedWeight, stacked: codes [L, In/b, b', Out], absmax
+projection (jaxmem.quant.QuantizedWeight, stacked: codes [L, In/b, b', Out], absmax
 [L, In/b, Out], absmax_q [L, m, 256], absmax_scale [L, m], absmax_offset [L]) is split on its
 packed layout:
 
@@ -74,7 +74,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxmem.model.roles import param_role, path_text
 from jaxmem.optim import BLOCK
 from jaxmem.parallel.mesh import BATCH_AXES
-from jaxmem.peft.quant import QuantizedWeight
+from jaxmem.quant import QuantizedWeight
 
 MIN_SHARDED = 4096  # elements; smaller leaves are replicated
 
@@ -238,7 +238,7 @@ def base_shardings(abstract_base, mesh):
 
 def packed_layer_shardings(abstract_base, mesh) -> dict:
     """{QuantizedWeight static data: per-leaf NamedShardings of one layer slice as stored} for
-    jaxmem.peft.quant.gather_packed: each stacked leaf's split without its layer axis, so inside
+    jaxmem.quant.gather_packed: each stacked leaf's split without its layer axis, so inside
     the layer scan the packed layer is all-gathered over `fsdp` and stays split over `tensor`.
     Weights whose static data (kind, shape, n_in, block) coincide but whose splits differ get no
     entry (not gathered explicitly: XLA gathers them as it sees fit)."""
@@ -265,7 +265,7 @@ def lora_base_shardings(step_cfg, mesh):
 
 
 def lora_packed_gather(step_cfg, mesh):
-    """`packed_layer_shardings` of a quantized LoRA base (for jaxmem.peft.quant.gather_packed);
+    """`packed_layer_shardings` of a quantized LoRA base (for jaxmem.quant.gather_packed);
     None for a full fine-tune or an unquantized base."""
     if step_cfg.peft is None or step_cfg.peft.quantize == "none":
         return None

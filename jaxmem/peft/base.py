@@ -41,7 +41,7 @@ import numpy as np
 from jaxmem.model.roles import param_role, path_text
 from jaxmem.peft.lora import LoraSpec
 from jaxmem.peft.offload import offload_shardings, one_device_shardings
-from jaxmem.peft.quant import QuantizedWeight, quantize, quantize_layers
+from jaxmem.quant import QuantizedWeight, quantize_layers, quantize_weight
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -114,11 +114,11 @@ def base_on_device(host_params, spec: LoraSpec, dtype, shardings=None):
 
 @functools.lru_cache(maxsize=None)
 def layer_quantizer(kind: str, n_in: int, block: int, double_quant: bool):
-    """jit((stacked leaves, w, i) -> stacked leaves with layer i replaced by quantize(w)), the
+    """jit((stacked leaves, w, i) -> stacked leaves with layer i replaced by quantize_weight(w)), the
     stacked leaves donated (updated in place): w is one layer [in..., out...] in any float
     dtype, i an int32 scalar, the leaves a tuple as QuantizedWeight.tree_flatten gives them."""
     def put(stacked, w, i):
-        leaves = quantize(w, kind, n_in, block, double_quant).tree_flatten()[0]
+        leaves = quantize_weight(w, kind, n_in, block, double_quant).tree_flatten()[0]
         return tuple(None if s is None else jax.lax.dynamic_update_index_in_dim(s, x, i, 0)
                      for s, x in zip(stacked, leaves))
     return jax.jit(put, donate_argnums=0)
@@ -127,7 +127,7 @@ def layer_quantizer(kind: str, n_in: int, block: int, double_quant: bool):
 def _stacked_abstract(layer, num_layers: int, kind, n_in, block, double_quant):
     """(abstract stacked leaves, the QuantizedWeight's static data) for `num_layers` layers
     shaped like `layer` (a ShapeDtypeStruct)."""
-    q = jax.eval_shape(functools.partial(quantize, kind=kind, n_in=n_in, block=block,
+    q = jax.eval_shape(functools.partial(quantize_weight, kind=kind, n_in=n_in, block=block,
                                          double_quant=double_quant), layer)
     leaves, aux = q.tree_flatten()
     return tuple(None if x is None else jax.ShapeDtypeStruct((num_layers,) + x.shape, x.dtype)

@@ -1,4 +1,4 @@
-"""LoRA adapters as weight objects of the projection seam (jaxmem.model.projection).
+"""LoRA / QLoRA on jaxmem's Llama: which projections, their adapters, the merged export.
 
     spec = LoraSpec(rank=8, alpha=16, targets=("q_proj", "v_proj"), quantize="nf4")
     adapters = spec.init_adapters(model_cfg, key)   # the trainable params: adapters only
@@ -6,11 +6,12 @@
     logits = Llama(model_cfg).apply({"params": full}, tokens)
     merged = merge(base_16bit, adapters, spec, model_cfg)  # W + alpha/r * A B, fp32 numpy
 
-A target projection's stored weight becomes LoraWeight(base, A, B): its `project` returns
-einsum(x, W) + alpha/r * (dropout(x) A) B, where W is the plain array or an int8 / NF4
-QuantizedWeight (jaxmem.peft.quant). A [in..., R] is initialised as peft does (kaiming uniform
-with a = sqrt(5): U(-1/sqrt(In), 1/sqrt(In))), B [R, out...] is zero, so the first step computes
-exactly the base model (y + 0). The model is not changed: Flax's scan slices every leaf of the
+A target projection's stored weight becomes a `jaxmem.lora.LoraWeight(base=W, a=A, b=B)` (the
+public class, used as any user would): its `project` returns einsum(x, W) + alpha/r *
+(dropout(x) A) B, where W is the plain array or an int8 / NF4 `jaxmem.quant.QuantizedWeight`.
+A [in..., R] is initialised as peft does (kaiming uniform with a = sqrt(5):
+U(-1/sqrt(In), 1/sqrt(In))), B [R, out...] is zero, so the first step computes exactly the base
+model (y + 0). The model is not changed: Flax's scan slices every leaf of the
 object over the layer axis like any other param.
 
 Adapters live in a tree shaped like the params: params['layers']['self_attn']['q_proj'] ->
@@ -28,9 +29,7 @@ import numpy as np
 
 from jaxmem.config.lora import ALL_TARGETS, TARGETS, parse_targets  # noqa: F401 (re-exported)
 from jaxmem.config.model import ModelConfig
-from jaxmem.model.projection import project
-
-RANK = "R"  # the adapter rank's axis letter in einsum strings
+from jaxmem.lora import LoraWeight, adapter_subscripts
 
 
 def weight_axes(c: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], int]]:
@@ -41,47 +40,6 @@ def weight_axes(c: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], int]]:
             "v": ("BTD,DKH->BTKH", (D, K, H), 1), "o": ("BTNH,NHD->BTD", (N, H, D), 2),
             "gate": ("BTD,DF->BTF", (D, F), 1), "up": ("BTD,DF->BTF", (D, F), 1),
             "down": ("BTF,FD->BTD", (F, D), 1)}
-
-
-def _lora_subscripts(subscripts: str) -> tuple[str, str, str]:
-    """'BTD,DNH->BTNH' -> ('BTD,DR->BTR', 'BTR,RNH->BTNH', 'DR,RNH->DNH')."""
-    lhs, out = subscripts.split("->")
-    xs, ws = lhs.split(",")
-    ins = "".join(a for a in ws if a in xs)
-    outs = "".join(a for a in ws if a not in xs)
-    batch = "".join(a for a in xs if a not in ins)
-    return (f"{xs},{ins}{RANK}->{batch}{RANK}", f"{batch}{RANK},{RANK}{outs}->{out}",
-            f"{ins}{RANK},{RANK}{outs}->{ws}")
-
-
-@jax.tree_util.register_pytree_node_class
-class LoraWeight:
-    """W (array or QuantizedWeight) plus a rank-R update scale * A B; see the module docstring.
-
-    key: uint32 key data for dropout on the adapter's input (None: no dropout).
-    """
-
-    def __init__(self, base, a, b, key=None, scale: float = 1.0, dropout: float = 0.0):
-        self.base, self.a, self.b, self.key = base, a, b, key
-        self.scale, self.dropout = scale, dropout
-
-    def tree_flatten(self):
-        return (self.base, self.a, self.b, self.key), (self.scale, self.dropout)
-
-    @classmethod
-    def tree_unflatten(cls, aux, leaves):
-        return cls(*leaves, *aux)
-
-    def project(self, subscripts: str, x: jax.Array, einsum) -> jax.Array:
-        y = project(subscripts, x, self.base, einsum)
-        down, up, _ = _lora_subscripts(subscripts)
-        if self.dropout > 0 and self.key is not None:
-            keep = jax.random.bernoulli(jax.random.wrap_key_data(self.key), 1 - self.dropout,
-                                        x.shape)
-            x = jnp.where(keep, x / (1 - self.dropout), 0).astype(x.dtype)
-        h = jnp.einsum(down, x, self.a.astype(x.dtype))  # [B, T, R]
-        delta = jnp.einsum(up, h, self.b.astype(x.dtype))  # the projection's output shape
-        return y + (self.scale * delta).astype(y.dtype)
 
 
 @dataclass(frozen=True)
@@ -145,9 +103,9 @@ class LoraSpec:
             a, b = ad["lora_a"], ad["lora_b"]
             if dtype is not None:
                 a, b = a.astype(dtype), b.astype(dtype)
-            layers[group][pname] = LoraWeight(layers[group][pname], a, b,
-                                              None if keys is None else keys[i],
-                                              self.scale, self.dropout)
+            layers[group][pname] = LoraWeight(
+                base=layers[group][pname], a=a, b=b, key=None if keys is None else keys[i],
+                scale=self.scale, n_in=2 if name == "o" else 1, dropout=self.dropout)
         return {**base, "layers": layers}
 
 
@@ -178,7 +136,7 @@ def merge(base, adapters, spec: LoraSpec, c: ModelConfig):
             raise TypeError(f"merge needs the original dense weights; {group}/{pname} is a "
                             f"{type(w).__name__}")
         ad = adapters["layers"][group][pname]
-        _, _, product = _lora_subscripts(axes[name][0])
+        _, _, product = adapter_subscripts(axes[name][0])
         delta = np.einsum("L" + product.replace(",", ",L").replace("->", "->L"),
                           np.asarray(ad["lora_a"], np.float32), np.asarray(ad["lora_b"], np.float32))
         layers[group][pname] = np.asarray(w, np.float32) + spec.scale * delta

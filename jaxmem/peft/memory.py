@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from jaxmem.config.model import ModelConfig
 from jaxmem.peft.lora import TARGETS, LoraSpec, weight_axes
-from jaxmem.peft.quant import DQ_BLOCK
+from jaxmem.quant import DQ_BLOCK
 
 
 def _in_out(c: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -43,7 +43,7 @@ def trainable_params(c: ModelConfig, spec: LoraSpec) -> int:
 
 
 def quantized_bytes(In: int, Out: int, kind: str, block: int, double_quant: bool) -> float:
-    """Bytes of one layer's In x Out weight stored by jaxmem.peft.quant."""
+    """Bytes of one layer's In x Out weight stored by jaxmem.quant."""
     block = block or In
     n_scales = In // block * Out
     codes = In * Out * (0.5 if kind == "nf4" else 1)

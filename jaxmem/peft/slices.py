@@ -19,7 +19,7 @@ is quantized from the HF rectangle [out rows, in columns] it covers (HF stores [
 shard that cuts the block axis itself (axis 2 of the codes) is cut from its whole blocks, read in
 full. Double quantization's second level (absmax in groups of 256 around the layer's mean) needs
 the layer's whole absmax: that one small array (4 bytes per 64 weights) is gathered per layer and
-quantized by the same per-layer code as jaxmem.peft.quant.quantize.
+quantized by the same per-layer code as jaxmem.quant.quantize_weight.
 
 Bytes: a process reads the HF rectangles of its devices' shards (each distinct shard once); with
 fsdp=N over N processes that is about 1/N of every projection and of the embedding / LM head
@@ -45,7 +45,7 @@ from jaxmem.io.hf import HFError, hf_dtype_name, read_hf_config, weight_files
 from jaxmem.io.hf_names import TensorSpec, tensor_specs
 from jaxmem.model.roles import path_text
 from jaxmem.peft.base import base_on_device
-from jaxmem.peft.quant import QuantizedWeight, double_quantize, quantize
+from jaxmem.quant import QuantizedWeight, double_quantize, quantize_weight
 
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -186,11 +186,11 @@ def _dense_leaf(source, spec: TensorSpec, shape, dtype, sharding) -> jax.Array:
 @functools.lru_cache(maxsize=None)
 def _quantize_fn(kind: str, block: int):
     """One [In', Out'] rectangle of whole blocks -> (codes, absmax), jitted once per shape."""
-    return jax.jit(lambda w: quantize(w, kind, 1, block, False).tree_flatten()[0][:2])
+    return jax.jit(lambda w: quantize_weight(w, kind, 1, block, False).tree_flatten()[0][:2])
 
 
 # one layer's absmax [In/block, Out] -> (absmax_q, absmax_scale, absmax_offset): the code of
-# jaxmem.peft.quant.quantize after its absmax, compiled once (tests/test_slices.py: bitwise)
+# jaxmem.quant.quantize_weight after its absmax, compiled once (tests/test_slices.py: bitwise)
 _second_level = jax.jit(double_quantize)
 
 

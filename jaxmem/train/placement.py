@@ -39,7 +39,7 @@ from jaxmem.model.sharding import activation_sharding, weight_sharding
 from jaxmem.model.fp8_compile import compiler_options as fp8_compiler_options
 import jaxmem.parallel.rules as R
 from jaxmem.peft.offload import offload_shardings
-from jaxmem.peft.quant import gather_packed
+from jaxmem.quant import gather_packed
 from jaxmem.train.run import make_eval_fn
 from jaxmem.train.step import (create_train_state, jit_train_step, make_train_step,
                                state_creation_fn)

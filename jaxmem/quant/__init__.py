@@ -3,7 +3,7 @@
     q = jaxmem.quant.quantize(params, kind="nf4", block_size=64, double_quant=True)
     dense = jaxmem.quant.dequantize(q, jnp.bfloat16)
 
-Each selected weight W [in..., out...] becomes a `QuantizedWeight` (jaxmem.peft.quant), a pytree
+Each selected weight W [in..., out...] becomes a `QuantizedWeight`, a pytree
 whose leaves are the stored arrays: NF4 codes two per uint8 byte, or int8 codes, with one fp32
 absmax per block of `block_size` consecutive input values and output column (bitsandbytes'
 layout for a torch [out, in] weight); with double quantization the absmax values are stored in
@@ -12,6 +12,11 @@ quantization; int8 8.5 with blocks of 64 (tests/test_quant.py counts the bytes).
 `QuantizedWeight` multiplies through `project(subscripts, x, einsum)`, which dequantizes in the
 forward and again in the backward (a custom VJP), so no dequantized copy is kept for the
 backward; `jaxmem.lora` makes Flax `Dense` / `DenseGeneral` / NNX `Linear` layers call it.
+
+One weight at a time: `quantize_weight(w, kind, n_in, block, double_quant)`; a stacked weight
+[L, in..., out...] one layer at a time: `quantize_layers` / `dequantize_layers`; on an fsdp mesh,
+`gather_packed` all-gathers the packed leaves before they are dequantized (the layout and the
+reasons: jaxmem/quant/_weight.py and _gather.py).
 
 References: Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs"
 (arXiv:2305.14314), appendix E (NF4, double quantization); bitsandbytes `Linear4bit`.
@@ -26,11 +31,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem.peft import quant as _quant
-from jaxmem.peft.quant import QuantizedWeight
+from jaxmem.quant._gather import gather_packed
+from jaxmem.quant._weight import (DQ_BLOCK, NF4_CODE, QuantizedWeight, bits_per_param,
+                                  dequantize_layers, double_quantize, quantize_layers,
+                                  quantize_weight)
 
-__all__ = ["QuantKind", "QuantizedWeight", "bits_per_param", "dequantize", "is_kernel",
-           "quantize"]
+__all__ = ["DQ_BLOCK", "NF4_CODE", "QuantKind", "QuantizedWeight", "bits_per_param",
+           "dequantize", "dequantize_layers", "double_quantize", "gather_packed", "is_kernel",
+           "path_text", "quantize", "quantize_layers", "quantize_weight"]
 
 
 class QuantKind(str, enum.Enum):
@@ -123,7 +131,7 @@ def quantize(tree: Any, kind: QuantKind | str = QuantKind.NF4, block_size: int =
 
 
 # one compiled program per weight shape instead of a few dozen eager ops per weight
-_quantize_jit = jax.jit(_quant.quantize, static_argnums=(1, 2, 3, 4))
+_quantize_jit = jax.jit(quantize_weight, static_argnums=(1, 2, 3, 4))
 
 
 def dequantize(tree: Any, dtype=jnp.float32) -> Any:
@@ -132,9 +140,3 @@ def dequantize(tree: Any, dtype=jnp.float32) -> Any:
     return jax.tree_util.tree_map(
         lambda x: x.dequantize(dtype) if isinstance(x, QuantizedWeight) else x, tree,
         is_leaf=lambda x: isinstance(x, QuantizedWeight))
-
-
-def bits_per_param(q: QuantizedWeight) -> float:
-    """Storage bits per weight value of one `QuantizedWeight`, counted from its arrays' bytes
-    (NF4 4.5, with double quantization 4.127; int8 with blocks of 64: 8.5)."""
-    return _quant.bits_per_param(q)

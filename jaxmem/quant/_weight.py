@@ -1,7 +1,7 @@
 """Frozen int8 / NF4 weights that really are stored in 8 / 4 bits, and multiply without keeping a
 dequantized copy for the backward.
 
-    q = quantize(w, kind, n_in, block, double_quant)   one layer's weight -> QuantizedWeight
+    q = quantize_weight(w, kind, n_in, block, double_quant)  one weight -> QuantizedWeight
     w = q.dequantize(dtype)                              back to the dense [in..., out...] array
     y = q.project(subscripts, x, einsum)                 einsum(subscripts, x, dequantize(q))
 
@@ -35,14 +35,13 @@ leaves it already holds, and dequantizes again in the backward.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
+
+from jaxmem.quant._gather import gathered as _gathered
 
 # bitsandbytes' NF4 code values (bitsandbytes/functional.py, get_4bit_type("nf4")): QLoRA's
 # quantiles of N(0, 1), normalized to [-1, 1], with an exact zero.
@@ -135,70 +134,6 @@ def _blocks_out(shape, n_in: int, block: int) -> tuple[int, int]:
     return In // block, Out
 
 
-_GATHER: contextvars.ContextVar = contextvars.ContextVar("jaxmem_quant_gather", default=None)
-
-
-@contextlib.contextmanager
-def gather_packed(layer_shardings: dict | None, axis: str = "fsdp"):
-    """While tracing inside: a quantized weight's leaves (one layer's, inside the layer scan) are
-    all-gathered over mesh axis `axis` right before they are dequantized. `layer_shardings` maps a
-    weight's static data (`tree_flatten()[1]`: kind, shape, n_in, block) to a tuple with, per
-    leaf, the NamedSharding (or None) its layer slice has as stored: the stacked leaf's split
-    without its layer axis (jaxmem.parallel.rules.packed_layer_shardings builds it). A leaf split
-    over `axis` on one dimension comes out split as before minus `axis` (kept: `tensor`); None,
-    a weight not in the table or a leaf not split over `axis`: untouched.
-
-    Why gather the packed leaves: on an fsdp mesh the scan slices one layer of each split leaf,
-    and without this XLA dequantizes each shard and all-gathers the dense result (measured on the
-    tiny preset, fsdp=4: f32 all-gathers inside the loop), 8x the bytes of the packed NF4 codes
-    in fp32, 4x in bf16. Gathering the packed leaves moves 4.1 bits per weight, as FSDP-QLoRA does.
-
-    Why a flat all-gather in a shard_map and not a sharding constraint: XLA:CPU lays an
-    all-gather's operand out with the gathered dimension most major, including over the slice's
-    size-1 layer axis, and the scan's dynamic-slice takes its operand's layout, so a constraint
-    made XLA copy every whole stacked leaf to that layout before the loop. A 1-D array has one
-    layout, so the relayout stays inside the loop, on one layer. Compiled temp per device
-    (XLA:CPU, QLoRA NF4 + double quant, amp-bf16, full remat, fsdp=2): Llama-3-8B shapes with 6
-    layers, batch 2 x 128: 1178 MiB without a packed gather, 1390 with the constraint, 1069 with
-    this; Llama-3.1-70B, batch 2 x 2048: peak 33.61 GiB without, 50.05 with the constraint,
-    33.61 with this (tests/test_lora_mesh.py::test_packed_gather_adds_no_temp).
-    """
-    token = _GATHER.set((layer_shardings, axis))
-    try:
-        yield
-    finally:
-        _GATHER.reset(token)
-
-
-def _gather_leaf(leaf: jax.Array, sharding, axis: str) -> jax.Array:
-    """One layer's leaf, split by `sharding`, all-gathered over mesh axis `axis`."""
-    spec = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
-    dims = [d for d, a in enumerate(spec) if a == axis]
-    if not dims:
-        return leaf
-    d, n = dims[0], sharding.mesh.shape[axis]
-    gathered = P(*(None if a == axis else a for a in spec))
-
-    def body(x):  # this device's block of the layer: x.shape[d] = leaf.shape[d] / n
-        flat = jax.lax.all_gather(x.reshape(-1), axis, tiled=True)  # [n * x.size]
-        parts = jnp.moveaxis(flat.reshape(n, *x.shape), 0, d)  # [..., n, x.shape[d], ...]
-        return parts.reshape(*x.shape[:d], n * x.shape[d], *x.shape[d + 1:])
-
-    # check_vma off: jax does not infer that a tiled all_gather's result is the same on every
-    # device of `axis` (it is: each device gets all n blocks)
-    return jax.shard_map(body, mesh=sharding.mesh, in_specs=P(*spec), out_specs=gathered,
-                         check_vma=False)(leaf)
-
-
-def _gathered(aux, leaves):
-    table, axis = _GATHER.get() or (None, None)
-    shardings = (table or {}).get(aux)
-    if shardings is None:
-        return leaves
-    return tuple(l if l is None or s is None else _gather_leaf(l, s, axis)
-                 for l, s in zip(leaves, shardings))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _quantized_einsum(subscripts, einsum, aux, x, leaves):
     leaves = _gathered(aux, leaves)
@@ -225,8 +160,8 @@ def _quantized_einsum_bwd(subscripts, einsum, aux, residuals, g):
 _quantized_einsum.defvjp(_quantized_einsum_fwd, _quantized_einsum_bwd)
 
 
-def quantize(w: jax.Array, kind: str, n_in: int = 1, block: int = 64,
-             double_quant: bool = False) -> QuantizedWeight:
+def quantize_weight(w: jax.Array, kind: str, n_in: int = 1, block: int = 64,
+                    double_quant: bool = False) -> QuantizedWeight:
     """Quantize one layer's weight w [in..., out...] (no layer axis); see the module docstring."""
     if kind not in KINDS:
         raise ValueError(f"quantization kind {kind!r} is not one of {', '.join(KINDS)}")
@@ -278,7 +213,7 @@ def quantize_layers(w, kind: str, n_in: int, block: int, double_quant: bool,
     soon as it is made (what a sharded placement then splits over a mesh: no device ever holds
     more than one layer).
     """
-    fn = jax.jit(functools.partial(quantize, kind=kind, n_in=n_in, block=block,
+    fn = jax.jit(functools.partial(quantize_weight, kind=kind, n_in=n_in, block=block,
                                    double_quant=double_quant))
     keep = (lambda q: jax.tree.map(np.asarray, q)) if to_host else (lambda q: q)
     layers = [keep(fn(jnp.asarray(w[i]))) for i in range(w.shape[0])]
@@ -295,7 +230,8 @@ def dequantize_layers(q: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
 
 
 def bits_per_param(q: QuantizedWeight) -> float:
-    """Storage bits per weight value, counted from the arrays' bytes."""
+    """Storage bits per weight value of one `QuantizedWeight`, counted from its arrays' bytes
+    (NF4 4.5, with double quantization 4.127; int8 with blocks of 64: 8.5)."""
     leaves = [l for l in q.tree_flatten()[0] if l is not None]
     bits = sum(l.size * 8 * l.dtype.itemsize for l in leaves)
     values = q.codes.size * (2 if q.kind == "nf4" else 1)  # NF4: two codes per byte
