@@ -73,9 +73,9 @@ def run(cfg, mesh_text, batches, accum):
         seq_len=cfg.data.seq_len)
     par = Placement.single() if mesh is None else Placement.on(mesh)
     frozen = ()
-    if step_cfg.peft is not None:
+    if not step_cfg.trainable.trains_base:
         _, host = base_on_host(model_cfg, cfg.data.seed)
-        frozen = (base_on_device(host, step_cfg.peft, step_cfg.precision.compute_dtype,
+        frozen = (base_on_device(host, step_cfg.trainable, step_cfg.precision.compute_dtype,
                                  par.base_shardings(step_cfg)),)
     state = par.init_state(step_cfg, loss_scale, 0)
     model, dtype = step_cfg.build_model(), step_cfg.precision.compute_dtype
@@ -84,7 +84,7 @@ def run(cfg, mesh_text, batches, accum):
         total = jnp.maximum(jnp.sum(batch["mask"]).astype(jnp.float32), 1.0)
         d = dtype
         if base:
-            params, d = step_cfg.peft.full_params(base[0], params, dtype), None
+            params, d = step_cfg.trainable.model_params(params, base[0], dtype)
         return sum(token_loss(model, params, jax.tree.map(lambda x: x[k], batch), False, d,
                               step_cfg.loss_chunk)[0]
                    for k in range(batch["mask"].shape[0])) / total

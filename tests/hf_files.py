@@ -69,7 +69,7 @@ def lora_eval_losses(run, batches) -> tuple[float, float]:
     from jaxmem.train.run import make_eval_fn  # noqa: PLC0415
 
     _, host = run_base(run)
-    frozen = base_on_device(host, run.step_config.peft, jnp.float32)
+    frozen = base_on_device(host, run.step_config.trainable, jnp.float32)
     eval_fn = make_eval_fn(run.step_config)
     zero_b = jax.tree_util.tree_map_with_path(
         lambda p, x: jnp.zeros_like(x) if "lora_b" in jax.tree_util.keystr(p) else x,

@@ -76,7 +76,7 @@ def run(cfg: RunConfig, mesh_text, batches, host_base, resume_on=None, ckpt_dir=
     from jaxmem.train.run import abstract_train_state
     model_cfg, step_cfg, loss_scale = build_step_config(cfg)
     par = placement(mesh_text, model_cfg)
-    frozen = base_on_device(host_base, step_cfg.peft, step_cfg.precision.compute_dtype,
+    frozen = base_on_device(host_base, step_cfg.trainable, step_cfg.precision.compute_dtype,
                             par.base_shardings(step_cfg))
     before = host_leaves(frozen)
     state = par.init_state(step_cfg, loss_scale, 0)
@@ -89,7 +89,7 @@ def run(cfg: RunConfig, mesh_text, batches, host_base, resume_on=None, ckpt_dir=
                 par = placement(resume_on, model_cfg)
                 target = par.abstract(abstract_train_state(step_cfg, loss_scale, 0))
                 state, _ = ckpt.restore(2, target)
-            frozen = base_on_device(host_base, step_cfg.peft, step_cfg.precision.compute_dtype,
+            frozen = base_on_device(host_base, step_cfg.trainable, step_cfg.precision.compute_dtype,
                                     par.base_shardings(step_cfg))
             step = par.train_step(step_cfg, state)
         state, metrics = step(state, par.batch(b), frozen)
@@ -135,7 +135,7 @@ def _abstract_step_args(cfg, par):
     from jaxmem.train.run import abstract_train_state
     model_cfg, step_cfg, loss_scale = build_step_config(cfg)
     state = abstract_train_state(step_cfg, loss_scale, 0)
-    base = abstract_base(model_cfg, step_cfg.peft, step_cfg.precision.compute_dtype)
+    base = abstract_base(model_cfg, step_cfg.trainable, step_cfg.precision.compute_dtype)
     batch = {k: jax.ShapeDtypeStruct((1, BATCH, SEQ), jnp.int32)
              for k in batches_for(cfg)[0]}
     return step_cfg, state, batch, base
@@ -246,11 +246,11 @@ def reshard(out):
     model_cfg, step_cfg, _ = build_step_config(cfg)
     _, host = base_on_host(model_cfg, cfg.data.seed)
     dtype = step_cfg.precision.compute_dtype
-    one = host_leaves(base_on_device(host, step_cfg.peft, dtype))
+    one = host_leaves(base_on_device(host, step_cfg.trainable, dtype))
     names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(
-        base_on_device(host, step_cfg.peft, dtype))]
+        base_on_device(host, step_cfg.trainable, dtype))]
     first = placement("fsdp=4", model_cfg)
-    placed = base_on_device(host, step_cfg.peft, dtype, first.base_shardings(step_cfg))
+    placed = base_on_device(host, step_cfg.trainable, dtype, first.base_shardings(step_cfg))
     report = {"leaves": names, "meshes": {}}
     for text, n in (("fsdp=4", 4), ("tensor=2,fsdp=2", 4), ("fsdp=8", 8)):
         par = placement(text, model_cfg, n)

@@ -130,6 +130,7 @@ def test_a_lora_run_builds_its_quantized_base_once_for_all_prompts(tmp_path, mon
 
     import jaxmem.generate.cli as cli
     import jaxmem.peft.export as peft_export
+    from jaxmem.peft.lora import LoraSpec
     from jaxmem.config.run import RunConfig
     from jaxmem.data import ByteTokenizer
     from jaxmem.model.llama import init_params
@@ -139,7 +140,7 @@ def test_a_lora_run_builds_its_quantized_base_once_for_all_prompts(tmp_path, mon
     params = init_params(cfg, jax.random.PRNGKey(0))
     run = SimpleNamespace(state=SimpleNamespace(params=None), model_config=cfg,
                           tokenizer=ByteTokenizer(), config=RunConfig(),
-                          step_config=SimpleNamespace(peft=object(), precision=SimpleNamespace(
+                          step_config=SimpleNamespace(trainable=LoraSpec(4), precision=SimpleNamespace(
                               compute_dtype=jnp.float32)))
     built = []
     monkeypatch.setattr(cli, "load_run", lambda path, step=None: run)

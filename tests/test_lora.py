@@ -14,7 +14,9 @@ from jaxmem.config.run import RunConfig
 from jaxmem.model import Llama, init_params
 from jaxmem.peft.base import base_on_device, base_sha256, check_base
 from jaxmem.lora import LoraWeight
-from jaxmem.peft.lora import LoraSpec, merge, spec_of
+from jaxmem.peft.export import merge
+from jaxmem.peft.lora import LoraSpec, trainable_of
+from jaxmem.peft.trainable import FullFineTune
 from jaxmem.quant import QuantizedWeight, dequantize_layers
 from jaxmem.train.cli import main
 from jaxmem.train.loss import synthetic_batch
@@ -66,7 +68,7 @@ def test_step_0_with_an_nf4_base_is_the_dequantized_base(base):
 @pytest.mark.parametrize("quantize", ["none", "nf4"])
 def test_only_adapters_move_and_the_base_is_bitwise_unchanged(base, quantize):
     spec = LoraSpec(rank=4, targets=("q", "v", "o", "down"), quantize=quantize, dropout=0.1)
-    cfg = StepConfig(CFG, get_precision("fp32"), peft=spec)
+    cfg = StepConfig(CFG, get_precision("fp32"), trainable=spec)
     frozen = base_on_device(base, spec, jnp.float32)
     before = [np.asarray(x).copy() for x in jax.tree_util.tree_leaves(frozen)]
     state = create_train_state(cfg, seed=0)
@@ -102,7 +104,7 @@ def test_fused_loss_step_equals_the_unfused_one(base, quantize):
                                                                        CFG.vocab_size))
     out = {}
     for chunk in (0, 4):
-        cfg = StepConfig(CFG, get_precision("fp32"), peft=spec, loss_chunk=chunk)
+        cfg = StepConfig(CFG, get_precision("fp32"), trainable=spec, loss_chunk=chunk)
         state = create_train_state(cfg, seed=0)
         step = jit_train_step(cfg)
         for _ in range(2):  # step 0 moves B only (B = 0 at init), step 1 moves A through B
@@ -174,5 +176,6 @@ def test_config_section_round_trips():
     cfg = RunConfig().replace({"peft.lora_rank": 8, "peft.quantize_base": "int8",
                                "peft.lora_targets": "q,v"})
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
-    spec = spec_of(cfg.peft)
-    assert spec.targets == ("q", "v") and spec.scale == 2.0 and spec_of(RunConfig().peft) is None
+    spec = trainable_of(cfg.peft)
+    assert spec.targets == ("q", "v") and spec.scale == 2.0
+    assert trainable_of(RunConfig().peft) == FullFineTune()

@@ -68,7 +68,7 @@ def test_each_layer_is_fetched_inside_the_loops_never_outside(base, remat):
     device per layer leaf in the forward loop and again in the backward's, none outside a loop,
     so the whole base is never copied. Twice as many as leaves: the backward fetches the layer
     again instead of keeping L device copies (remat none too: it keeps tagged activations only)."""
-    cfg = StepConfig(CFG, get_precision("fp32"), RematPolicy.parse(remat), peft=SPEC)
+    cfg = StepConfig(CFG, get_precision("fp32"), RematPolicy.parse(remat), trainable=SPEC)
     frozen = _offloaded(base)
     state = jax.eval_shape(lambda: create_train_state(cfg, seed=0))  # traced only
     text = jit_train_step(cfg).trace(state, _batch(), frozen).lower(
@@ -85,7 +85,7 @@ def test_compiled_layout_puts_exactly_the_layers_on_the_host(base):
     """CPU compile of the step with the abstract offloaded base: the entry layout's S(5)
     parameters are exactly the layers' bytes. XLA:CPU's memory_analysis() reports 0 host
     argument bytes and counts them in argument_size_in_bytes with the rest."""
-    cfg = StepConfig(CFG, get_precision("fp32"), RematPolicy.parse("full"), peft=SPEC)
+    cfg = StepConfig(CFG, get_precision("fp32"), RematPolicy.parse("full"), trainable=SPEC)
     abstract = abstract_in_host_memory(abstract_base(CFG, SPEC, jnp.float32))
     state = jax.eval_shape(lambda: create_train_state(cfg, seed=0))
     compiled = jit_train_step(cfg).lower(state, _batch(), abstract).compile()
@@ -167,7 +167,7 @@ cfg = RunConfig().replace({"data.batch_size": 4, "data.seq_len": 16, "remat.poli
 model_cfg, step_cfg, loss_scale = build_step_config(cfg)
 par = Placement.on(run_mesh("fsdp=2", model_cfg, 4), "host")
 shardings = par.base_shardings(step_cfg)
-frozen = base_on_device(base_on_host(model_cfg, 0)[1], step_cfg.peft,
+frozen = base_on_device(base_on_host(model_cfg, 0)[1], step_cfg.trainable,
                         step_cfg.precision.compute_dtype, shardings)
 kinds = {jax.tree_util.keystr(p): (x.sharding.memory_kind, str(x.sharding.spec))
          for p, x in jax.tree_util.tree_leaves_with_path(frozen)}
@@ -179,7 +179,7 @@ with activation_sharding(step._rules):
     text = step._jitted.trace(state, batch, frozen).lower(lowering_platforms=("cuda",)).as_text()
 compiled = step.lower(state, batch, frozen).compile()
 layers = sum(x.size * x.dtype.itemsize for p, x in jax.tree_util.tree_leaves_with_path(
-    abstract_base(model_cfg, step_cfg.peft, step_cfg.precision.compute_dtype))
+    abstract_base(model_cfg, step_cfg.trainable, step_cfg.precision.compute_dtype))
     if jax.tree_util.keystr(p).startswith("['layers']"))
 print(json.dumps({"kinds": kinds, "fetches": device_fetches(text),
                   "host_bytes": host_argument_bytes(compiled)[0], "layer_bytes": int(layers)}))

@@ -96,7 +96,7 @@ def test_resume_with_changed_base_weights_exits_2(qlora, tmp_path, capsys):
 def _adapter_logits(run, tokens):
     """jaxmem's forward of the run with its adapters on the fp32 base (no quantization)."""
     from dataclasses import replace
-    spec = replace(run.step_config.peft, quantize="none")
+    spec = replace(run.step_config.trainable, quantize="none")
     _, host = run_base(run)
     full = spec.full_params(base_on_device(host, spec, jnp.float32), run.state.params)
     return np.asarray(Llama(CFG).apply({"params": full}, jnp.asarray(tokens)))

@@ -63,7 +63,7 @@ def test_lora_saved_residuals_match_jax(name):
         pytest.skip("jax has no saved_residuals")
     spec = StepSpec.from_run_config(RunConfig().replace({**BASE, **MODES[name]}))
     cfg = spec.step_config()[0]
-    model, peft = cfg.build_model(), cfg.peft
+    model, peft = cfg.build_model(), cfg.trainable
     adapters = jax.eval_shape(lambda k: peft.init_adapters(spec.model, k), jax.random.key(0))
     frozen = abstract_base(spec.model, peft, jnp.float32)
 

@@ -30,10 +30,10 @@ TINY = get_preset("tiny")
 def _eager_state(cfg: StepConfig, loss_scale, seed: int) -> TrainState:
     """The state creation before it ran under jit (jaxmem at 55a743b), op by op."""
     init_key, state_key = jax.random.split(jax.random.PRNGKey(seed))
-    if cfg.peft is not None:
-        params = cfg.peft.init_adapters(cfg.model, jax.random.fold_in(init_key, 1))
-    else:
+    if cfg.trainable.trains_base:
         params = init_params(cfg.model, init_key)
+    else:
+        params = cfg.trainable.init_adapters(cfg.model, jax.random.fold_in(init_key, 1))
     params = cast_floating(params, cfg.precision.param_dtype)
     opt_like = cast_floating(params, jnp.float32) if cfg.precision.stochastic_rounding else params
     zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
@@ -72,7 +72,7 @@ def test_state_bitwise_equal_to_the_eager_creation(mode, optimizer):
 
 def test_lora_adapter_state_bitwise_equal_to_the_eager_creation():
     from jaxmem.peft.lora import LoraSpec
-    cfg = StepConfig(TINY, get_precision("amp-bf16"), peft=LoraSpec(rank=4))
+    cfg = StepConfig(TINY, get_precision("amp-bf16"), trainable=LoraSpec(rank=4))
     _assert_bitwise(create_train_state(cfg, NoOpLossScale(), seed=1),
                     _eager_state(cfg, NoOpLossScale(), 1))
 

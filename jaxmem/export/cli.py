@@ -15,6 +15,7 @@ runs the "adapters" exporter, which jaxmem.peft registers there (LoRA adapters i
 from __future__ import annotations
 
 import argparse
+import functools
 from pathlib import Path
 from typing import Callable
 
@@ -25,25 +26,31 @@ from jaxmem.io.checkpoint import CheckpointError
 from jaxmem.io.hf_export import DEFAULT_MAX_SHARD_BYTES, DTYPES
 from jaxmem.train.rundir import RunError, exit_after_failed_restore, load_run
 from jaxmem.export.merged import export_merged, write_hf
-from jaxmem.peft.export import export_adapters, merged_params
+from jaxmem.peft.lora import LoraSpec
 
 
 def full_params(run):
     """The run's full weights as plain arrays; a LoRA run's adapters merged into its original
     base weights (jaxmem.peft.export)."""
-    if run.step_config.peft is not None:
-        return merged_params(run)
-    return run.state.params
+    return run.step_config.trainable.merged_params(run)
 
 
 def export_full(run, out: Path, args) -> list[Path]:
     """Full weights + config.json + tokenizer files; a LoRA run's merge is streamed tensor by
     tensor (jaxmem.export.merged)."""
-    if run.step_config.peft is not None:
-        return export_merged(run, out, args)
+    return _export_full(run.step_config.trainable, run, out, args)
+
+
+@functools.singledispatch
+def _export_full(trainable, run, out: Path, args) -> list[Path]:
     params = full_params(run)
     dtype = args.dtype or np.dtype(next(iter(_leaves(params))).dtype).name
     return write_hf(run, out, args, params, dtype)
+
+
+@_export_full.register
+def _(trainable: LoraSpec, run, out: Path, args) -> list[Path]:
+    return export_merged(run, out, args)
 
 
 def _leaves(tree):
@@ -53,7 +60,9 @@ def _leaves(tree):
 
 
 # kind -> exporter(run, out, args) -> files written.
-EXPORTERS: dict[str, Callable] = {"full": export_full, "adapters": export_adapters}
+EXPORTERS: dict[str, Callable] = {
+    "full": export_full,
+    "adapters": lambda run, out, args: run.step_config.trainable.export_adapters(run, out, args)}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,7 +12,7 @@ The base is the run's original one (jaxmem.peft.export explains why never the NF
 --init-from checkpoint read in place, one tensor at a time (jaxmem.peft.slices.HFSlices), or a
 seed's random init (computed whole on the host: it has no file to stream from). Its sha256 is
 streamed too and checked against the run's record before anything is written. Each merged tensor
-is W + alpha/r A B computed by jaxmem.peft.lora.merge for that layer alone (the same einsum as
+is W + alpha/r A B computed by jaxmem.peft.export.merge for that layer alone (the same einsum as
 the whole-model merge). Adapters sharded over several processes are all-gathered first (they are
 small: `gathered_adapters`), and process 0 writes.
 """
@@ -29,7 +29,8 @@ from jaxmem.io.hf_names import hf_names, tensor_specs
 from jaxmem.peft.slices import HFSlices, HostSlices, streamed_sha256
 from jaxmem.peft.base import base_on_host, check_base
 from jaxmem.peft.export import gathered_adapters
-from jaxmem.peft.lora import TARGETS, merge
+from jaxmem.config.lora import TARGETS
+from jaxmem.peft.export import merge
 
 
 def base_source(run):
@@ -48,10 +49,10 @@ def base_source(run):
 def merged_items(run, source, adapters=None):
     """(HF name, HF-layout fp32 array) of the merged model, one tensor at a time, hf_names order.
 
-    Targets are W + alpha/r A B (jaxmem.peft.lora.merge on that layer); the other tensors are the
+    Targets are W + alpha/r A B (jaxmem.peft.export.merge on that layer); the other tensors are the
     base's, as stored. adapters: gathered_adapters(run.state.params), made here when None.
     """
-    spec, cfg = run.step_config.peft, run.model_config
+    spec, cfg = run.step_config.trainable, run.model_config
     adapters = gathered_adapters(run.state.params) if adapters is None else adapters
     short = {TARGETS[t]: t for t in spec.targets}  # (group, pname) -> --lora-targets name
     by_name = {}
@@ -78,7 +79,7 @@ def export_merged(run, out: Path, args) -> list[Path]:
     """Write a LoRA run's merged weights (+ config.json, tokenizer files) into `out`, streamed."""
     import jax  # noqa: PLC0415
 
-    spec = run.step_config.peft
+    spec = run.step_config.trainable
     adapters = gathered_adapters(run.state.params)  # a collective when they span processes
     if jax.process_index() != 0:  # process 0 writes
         return []

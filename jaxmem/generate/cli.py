@@ -87,10 +87,8 @@ def main(argv=None) -> int:
     else:
         try:
             run = load_run(Path(args.run), step=args.step)
-            params = run.state.params
-            if run.step_config.peft is not None:  # LoRA: the adapters on the run's own base,
-                from jaxmem.peft.export import lora_params  # built (quantized) once per call
-                params = lora_params(run)
+            # LoRA: the adapters on the run's own base, built (quantized) once per call
+            params = run.step_config.trainable.run_params(run)
             eos = eos_ids(run.tokenizer, run.config.init.init_from)
         except CheckpointError as e:
             exit_after_failed_restore(p, str(e).splitlines()[0])

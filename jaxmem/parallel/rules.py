@@ -254,22 +254,20 @@ def packed_layer_shardings(abstract_base, mesh) -> dict:
     return {aux: layer for aux, layer in table.items() if layer is not None}
 
 
-def _abstract_lora_base(step_cfg):
-    from jaxmem.peft.base import abstract_base  # the frozen base's shapes, allocating nothing
-    return abstract_base(step_cfg.model, step_cfg.peft, step_cfg.precision.compute_dtype)
+def _abstract_frozen(step_cfg):
+    """The frozen base's shapes (allocating nothing); None when nothing is frozen."""
+    return step_cfg.trainable.abstract_frozen(step_cfg.model, step_cfg.precision.compute_dtype)
 
 
 def lora_base_shardings(step_cfg, mesh):
     """The frozen base's NamedShardings on `mesh` for a StepConfig with LoRA (None without)."""
-    return None if step_cfg.peft is None else base_shardings(_abstract_lora_base(step_cfg), mesh)
+    return base_shardings(_abstract_frozen(step_cfg), mesh)
 
 
 def lora_packed_gather(step_cfg, mesh):
     """`packed_layer_shardings` of a quantized LoRA base (for jaxmem.quant.gather_packed);
     None for a full fine-tune or an unquantized base."""
-    if step_cfg.peft is None or step_cfg.peft.quantize == "none":
-        return None
-    return packed_layer_shardings(_abstract_lora_base(step_cfg), mesh)
+    return packed_layer_shardings(_abstract_frozen(step_cfg), mesh)
 
 
 def state_specs(abstract_state, mesh):

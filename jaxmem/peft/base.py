@@ -38,12 +38,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmem.config.model import ModelConfig
 from jaxmem.model.roles import param_role, path_text
-from jaxmem.peft.lora import LoraSpec
 from jaxmem.peft.offload import offload_shardings, one_device_shardings
 from jaxmem.quant import QuantizedWeight, quantize_layers, quantize_weight
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def weight_axes(c: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """name -> (einsum subscripts, per-layer weight shape, number of input axes)."""
+    D, N, K, H, F = (c.hidden_size, c.num_heads, c.num_kv_heads, c.resolved_head_dim,
+                     c.intermediate_size)
+    return {"q": ("BTD,DNH->BTNH", (D, N, H), 1), "k": ("BTD,DKH->BTKH", (D, K, H), 1),
+            "v": ("BTD,DKH->BTKH", (D, K, H), 1), "o": ("BTNH,NHD->BTD", (N, H, D), 2),
+            "gate": ("BTD,DF->BTF", (D, F), 1), "up": ("BTD,DF->BTF", (D, F), 1),
+            "down": ("BTF,FD->BTD", (F, D), 1)}
 
 
 def init_source(seed: int) -> str:
@@ -81,7 +91,7 @@ def base_sha256(host_params) -> str:
     return h.hexdigest()
 
 
-def base_on_device(host_params, spec: LoraSpec, dtype, shardings=None):
+def base_on_device(host_params, spec: "LoraSpec", dtype, shardings=None):
     """The frozen base for the train step: block projections int8 / NF4 (or `dtype` when
     spec.quantize is "none"), embedding and LM head in `dtype`, norms as stored.
 
@@ -149,7 +159,7 @@ def quantize_on_device(w, kind: str, n_in: int, block: int, double_quant: bool):
     return QuantizedWeight.tree_unflatten(aux, list(stacked))
 
 
-def import_programs(model_cfg, spec: LoraSpec, host_dtype=np.float32) -> list[dict]:
+def import_programs(model_cfg, spec: "LoraSpec", host_dtype=np.float32) -> list[dict]:
     """The programs a one-device import of a QLoRA base runs, one per projection role:
     {"role", "fn" (layer_quantizer), "args" (ShapeDtypeStructs: the stacked leaves, one layer
     of `host_dtype`, the layer index), "stacked_bytes"}; [] when the base is not quantized.
@@ -194,7 +204,7 @@ def prepare_base(cfg, model_cfg, step_cfg, record: dict | None, init_from: str |
     source, host = base_on_host(model_cfg, cfg.data.seed, init_from)
     digest = base_sha256(host)
     check_base(record, source, digest)
-    spec = step_cfg.peft
+    spec = step_cfg.trainable
     if cfg.peft.offload_base == "host":
         shardings = offload_shardings(shardings or one_device_shardings(
             abstract_base(model_cfg, spec, step_cfg.precision.compute_dtype)))
@@ -204,7 +214,7 @@ def prepare_base(cfg, model_cfg, step_cfg, record: dict | None, init_from: str |
                     "block": spec.block, "double_quant": spec.double_quant}
 
 
-def abstract_base(model_cfg, spec: LoraSpec, dtype):
+def abstract_base(model_cfg, spec: "LoraSpec", dtype):
     """The frozen base's device shapes and dtypes (packed NF4 / int8 codes, scales), allocating
     nothing: what the memory planner compiles the step with."""
     from jaxmem.model.llama import abstract_params

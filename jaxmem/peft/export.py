@@ -22,16 +22,15 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmem.peft.base import base_on_host, base_sha256, check_base
-from jaxmem.peft.lora import TARGETS, merge
+from jaxmem.config.lora import TARGETS
+from jaxmem.config.model import ModelConfig
+from jaxmem.lora import adapter_subscripts
+from jaxmem.peft.base import base_on_host, base_sha256, check_base, weight_axes
 
 
 def _spec(run):
-    spec = run.step_config.peft
-    if spec is None:
-        raise ValueError(f"run {run.config.run.out}: not a LoRA run (no --lora-rank); export the "
-                         f"full weights instead")
-    return spec
+    """The run's LoraSpec (its Trainable; only a LoRA run reaches these functions)."""
+    return run.step_config.trainable
 
 
 def run_base(run) -> tuple[str, dict]:
@@ -129,3 +128,27 @@ def lora_params(run):
     _, host = run_base(run)
     frozen = base_on_device(host, spec, run.step_config.precision.compute_dtype)
     return spec.full_params(frozen, run.state.params)
+
+
+def merge(base, adapters, spec, c: ModelConfig):
+    """W + alpha/r * A B for each target, computed and returned in fp32 (the exporter's --dtype
+    rounds it once, instead of a bf16 W rounding it here and again there).
+
+    `base` must be the original (16- or 32-bit) weights, not the dequantized ones: merging into
+    the dequantized weights would bake the 4-bit rounding error into every merged weight.
+    Works on numpy or jax arrays; returns numpy arrays for the merged projections.
+    """
+    axes = weight_axes(c)
+    layers = {g: dict(v) for g, v in base["layers"].items()}
+    for name in spec.targets:
+        group, pname = TARGETS[name]
+        w = layers[group][pname]
+        if not hasattr(w, "dtype") or not hasattr(w, "shape"):
+            raise TypeError(f"merge needs the original dense weights; {group}/{pname} is a "
+                            f"{type(w).__name__}")
+        ad = adapters["layers"][group][pname]
+        _, _, product = adapter_subscripts(axes[name][0])
+        delta = np.einsum("L" + product.replace(",", ",L").replace("->", "->L"),
+                          np.asarray(ad["lora_a"], np.float32), np.asarray(ad["lora_b"], np.float32))
+        layers[group][pname] = np.asarray(w, np.float32) + spec.scale * delta
+    return {**base, "layers": layers}

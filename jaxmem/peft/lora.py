@@ -4,7 +4,10 @@
     adapters = spec.init_adapters(model_cfg, key)   # the trainable params: adapters only
     full = spec.full_params(base, adapters, dtype)  # base tree with LoraWeight objects in it
     logits = Llama(model_cfg).apply({"params": full}, tokens)
-    merged = merge(base_16bit, adapters, spec, model_cfg)  # W + alpha/r * A B, fp32 numpy
+
+`LoraSpec` is the `Trainable` (jaxmem.peft.trainable) of a LoRA / QLoRA run: `trainable_of`
+turns a RunConfig's peft section into it (or `FullFineTune()`); the merged export is
+jaxmem.peft.export.merge.
 
 A target projection's stored weight becomes a `jaxmem.lora.LoraWeight(base=W, a=A, b=B)` (the
 public class, used as any user would): its `project` returns einsum(x, W) + alpha/r *
@@ -27,24 +30,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem.config.lora import ALL_TARGETS, TARGETS, parse_targets  # noqa: F401 (re-exported)
-from jaxmem.config.model import ModelConfig
-from jaxmem.lora import LoraWeight, adapter_subscripts
-
-
-def weight_axes(c: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], int]]:
-    """name -> (einsum subscripts, per-layer weight shape, number of input axes)."""
-    D, N, K, H, F = (c.hidden_size, c.num_heads, c.num_kv_heads, c.resolved_head_dim,
-                     c.intermediate_size)
-    return {"q": ("BTD,DNH->BTNH", (D, N, H), 1), "k": ("BTD,DKH->BTKH", (D, K, H), 1),
-            "v": ("BTD,DKH->BTKH", (D, K, H), 1), "o": ("BTNH,NHD->BTD", (N, H, D), 2),
-            "gate": ("BTD,DF->BTF", (D, F), 1), "up": ("BTD,DF->BTF", (D, F), 1),
-            "down": ("BTF,FD->BTD", (F, D), 1)}
+from jaxmem.config.lora import TARGETS, parse_targets
+from jaxmem.config.model import ConfigError, ModelConfig
+from jaxmem.lora import LoraWeight
+from jaxmem.peft import export as _export
+from jaxmem.peft.base import abstract_base, weight_axes
+from jaxmem.peft.trainable import FullFineTune, Trainable
 
 
 @dataclass(frozen=True)
-class LoraSpec:
-    """What a LoRA / QLoRA run trains and how its frozen base is stored (static, hashable).
+class LoraSpec(Trainable):
+    """What a LoRA / QLoRA run trains and how its frozen base is stored (static, hashable): the
+    `Trainable` (jaxmem.peft.trainable) of a run with adapters; QLoRA is `quantize` int8 / nf4.
 
     rank, alpha: the update is alpha/rank * A B. targets: short names (TARGETS).
     dropout: dropout on the adapters' input. quantize: "none", "int8", "nf4" (all seven block
@@ -60,9 +57,45 @@ class LoraSpec:
     block: int = 64
     double_quant: bool = False
 
+    trains_base = False
+
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+    # the Trainable interface (jaxmem.peft.trainable): adapters train, the base is frozen
+    def init_params(self, model_cfg, key, dtype, given=None):
+        return self.init_adapters(model_cfg, jax.random.fold_in(key, 1))  # fp32 adapters
+
+    def model_params(self, params, frozen, dtype, key=None):
+        return self.full_params(frozen, params, dtype, key), None  # cast: adapters only
+
+    def abstract_frozen(self, model_cfg, dtype):
+        return abstract_base(model_cfg, self, dtype)
+
+    def prepare_frozen(self, cfg, model_cfg, step_cfg, record, init_from, shardings):
+        # split over the mesh (if any), read shard by shard from an HF checkpoint
+        from jaxmem.peft.slices import prepare_base_from_slices
+        return prepare_base_from_slices(cfg, model_cfg, step_cfg, record, init_from, shardings)
+
+    def check_in_backward(self, flag: str) -> None:
+        raise ConfigError(f"{flag} is for full fine-tunes; drop --lora-rank (LoRA's adapter "
+                          f"gradients are small already)")
+
+    def run_params(self, run):
+        return _export.lora_params(run)
+
+    def merged_params(self, run):
+        return _export.merged_params(run)
+
+    def export_adapters(self, run, out, args=None):
+        return _export.export_adapters(run, out, args)
+
+    def flags(self) -> dict:
+        return {"peft.lora_rank": self.rank, "peft.lora_alpha": self.alpha,
+                "peft.lora_targets": ",".join(self.targets), "peft.lora_dropout": self.dropout,
+                "peft.quantize_base": self.quantize, "peft.quant_block": self.block,
+                "peft.double_quant": self.double_quant}
 
     def describe(self, adapters) -> str:
         """One line for the run's start: what trains, on what base."""
@@ -109,6 +142,12 @@ class LoraSpec:
         return {**base, "layers": layers}
 
 
+def trainable_of(section) -> Trainable:
+    """What a RunConfig's peft section (jaxmem.config.run.PeftSection) trains: its LoraSpec, or
+    FullFineTune() for lora_rank 0."""
+    return spec_of(section) or FullFineTune()
+
+
 def spec_of(section) -> LoraSpec | None:
     """The LoraSpec of a RunConfig's peft section (jaxmem.config.run.PeftSection), or None for a
     full fine-tune (lora_rank 0)."""
@@ -117,27 +156,3 @@ def spec_of(section) -> LoraSpec | None:
     return LoraSpec(section.lora_rank, section.lora_alpha, parse_targets(section.lora_targets),
                     section.lora_dropout, section.quantize_base, section.quant_block,
                     section.double_quant)
-
-
-def merge(base, adapters, spec: LoraSpec, c: ModelConfig):
-    """W + alpha/r * A B for each target, computed and returned in fp32 (the exporter's --dtype
-    rounds it once, instead of a bf16 W rounding it here and again there).
-
-    `base` must be the original (16- or 32-bit) weights, not the dequantized ones: merging into
-    the dequantized weights would bake the 4-bit rounding error into every merged weight.
-    Works on numpy or jax arrays; returns numpy arrays for the merged projections.
-    """
-    axes = weight_axes(c)
-    layers = {g: dict(v) for g, v in base["layers"].items()}
-    for name in spec.targets:
-        group, pname = TARGETS[name]
-        w = layers[group][pname]
-        if not hasattr(w, "dtype") or not hasattr(w, "shape"):
-            raise TypeError(f"merge needs the original dense weights; {group}/{pname} is a "
-                            f"{type(w).__name__}")
-        ad = adapters["layers"][group][pname]
-        _, _, product = adapter_subscripts(axes[name][0])
-        delta = np.einsum("L" + product.replace(",", ",L").replace("->", "->L"),
-                          np.asarray(ad["lora_a"], np.float32), np.asarray(ad["lora_b"], np.float32))
-        layers[group][pname] = np.asarray(w, np.float32) + spec.scale * delta
-    return {**base, "layers": layers}

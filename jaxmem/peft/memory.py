@@ -28,7 +28,9 @@ import math
 import jax.numpy as jnp
 
 from jaxmem.config.model import ModelConfig
-from jaxmem.peft.lora import TARGETS, LoraSpec, weight_axes
+from jaxmem.config.lora import TARGETS
+from jaxmem.peft.base import weight_axes
+from jaxmem.peft.lora import LoraSpec
 from jaxmem.quant import DQ_BLOCK
 
 

@@ -373,7 +373,7 @@ def prepare_base_from_slices(cfg, model_cfg, step_cfg, record, init_from=None, s
     """
     from jaxmem.peft.base import check_base, prepare_base  # noqa: PLC0415
 
-    spec = step_cfg.peft
+    spec = step_cfg.trainable
     if shardings is None or not init_from:  # one device, or a seed's init (whole on the host)
         frozen, rec = prepare_base(cfg, model_cfg, step_cfg, record, init_from, shardings)
     else:

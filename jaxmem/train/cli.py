@@ -181,12 +181,10 @@ def setup(args, parser) -> Setup:
                            f"({dict(mesh.shape)}): pass --mesh with one device, or drop the flag")
         s.placement = (Placement.single() if mesh is None
                        else Placement.on(mesh, cfg.peft.offload_base))
-        if step_cfg.peft is not None:  # LoRA / QLoRA: the frozen base, checked against the run's
-            # split over the mesh (if any), read shard by shard from an HF checkpoint
-            from jaxmem.peft.slices import prepare_base_from_slices
-            s.frozen, s.base_record = prepare_base_from_slices(
-                cfg, model_cfg, step_cfg, record if continuing else None, cfg.init.init_from,
-                s.placement.base_shardings(step_cfg))
+        # LoRA / QLoRA: the frozen base, checked against the run's record (None: full)
+        s.frozen, s.base_record = step_cfg.trainable.prepare_frozen(
+            cfg, model_cfg, step_cfg, record if continuing else None, cfg.init.init_from,
+            s.placement.base_shardings(step_cfg))
         if continuing:
             if record.get("data_sha256") not in (None, stats["tokens_sha256"]):
                 raise RunError(f"--out {out}: --data differs from the run's data (token hash changed)")
@@ -206,7 +204,7 @@ def setup(args, parser) -> Setup:
                     s.ckpt.delete(later)
         elif args.resume_step is not None:
             raise RunError("--resume-step needs --resume (or --out of an existing run)")
-        if s.state is None and cfg.init.init_from is not None and step_cfg.peft is None:
+        if s.state is None and cfg.init.init_from is not None and step_cfg.trainable.trains_base:
             s.init_params = init_params_from(cfg.init.init_from, model_cfg,
                                              step_cfg.precision.param_dtype)
     except CheckpointError as e:

@@ -69,9 +69,7 @@ def check(cfg, loss_scale=None) -> None:
         raise ConfigError(f"{flag} cannot scale the loss (--precision {cfg.precision.name} / "
                           f"--loss-scale): skipping an overflowing step needs every gradient "
                           f"before any update; use --loss-scale none or bf16 / bf16-sr")
-    if cfg.peft is not None:
-        raise ConfigError(f"{flag} is for full fine-tunes; drop --lora-rank (LoRA's adapter "
-                          f"gradients are small already)")
+    cfg.trainable.check_in_backward(flag)
     if cfg.remat.kind != "full":
         raise ConfigError(f"{flag} recomputes each layer in the backward pass (what --remat full "
                           f"does); pass --remat full, not --remat {cfg.remat}")

@@ -196,7 +196,7 @@ def train(s) -> int:
     say(f"jaxmem: {cfg.init.init_from or cfg.model.preset} ({s.model_cfg.num_params():,} params), {cfg.precision.mode}, "
           f"remat {step_cfg.remat}, {device.platform}: {device.device_kind}; "
           f"{describe(s.stats, d.seq_len)}; run dir {out}"
-          + (f"; {s.step_cfg.peft.describe(state.params)}" if s.frozen is not None else "")
+          + "".join(f"; {d}" for d in [s.step_cfg.trainable.describe(state.params)] if d)
           + (f"; resuming at step {start}" if resumed else "")
           + ("; no committed checkpoint, starting at step 0" if s.continuing and not resumed else ""),
           flush=True)
@@ -300,8 +300,7 @@ def train(s) -> int:
           f"wall {time.perf_counter() - t_start:.0f} s")
     sm = cfg.sample
     if sm.max_new_tokens and jax.process_count() == 1:  # sharded params: one process only
-        params = state.params if s.frozen is None else step_cfg.peft.full_params(s.frozen,
-                                                                                  state.params)
+        params, _ = step_cfg.trainable.model_params(state.params, s.frozen, None)
         ev_tokens = (s.eval_tokens.examples.tokens if isinstance(s.eval_tokens, PackedData)
                      else s.eval_tokens)
         prompt = sm.prompt if sm.prompt is not None else eval_prompt(ev_tokens, s.tokenizer)

@@ -14,8 +14,7 @@ from jaxmem.train.inbackward import check as check_in_backward
 from jaxmem.train.loss import abstract_batch, token_loss
 from jaxmem.train.loss_scale import LossScale, parse_loss_scale
 from jaxmem.model.precision import get_precision
-from jaxmem.peft.base import abstract_base
-from jaxmem.peft.lora import spec_of
+from jaxmem.peft.lora import trainable_of
 from jaxmem.train.step import StepConfig, jit_train_step, state_creation_fn
 
 
@@ -36,7 +35,7 @@ def build_step_config(cfg: RunConfig) -> tuple[ModelConfig, StepConfig, LossScal
     loss_scale = parse_loss_scale(p.loss_scale or precision.loss_scale, init_scale=p.loss_scale_init,
                                   growth_interval=p.loss_scale_growth_interval)
     step_cfg = StepConfig(model_cfg, precision, remat, cfg.optim, grad_accum=cfg.data.grad_accum,
-                          peft=spec_of(cfg.peft), loss_chunk=cfg.remat.loss_chunk)
+                          trainable=trainable_of(cfg.peft), loss_chunk=cfg.remat.loss_chunk)
     if cfg.optim.in_backward:
         check_in_backward(step_cfg, loss_scale)
     return model_cfg, step_cfg, loss_scale
@@ -54,8 +53,7 @@ def abstract_step_args(step_cfg: StepConfig, loss_scale, batch_size: int, seq_le
     arguments, nothing allocated (packed: the batch has segment_ids and positions)."""
     batch = {k: jax.ShapeDtypeStruct((grad_accum,) + v.shape, v.dtype)
              for k, v in abstract_batch(batch_size, seq_len, packed).items()}
-    frozen = None if step_cfg.peft is None else abstract_base(
-        step_cfg.model, step_cfg.peft, step_cfg.precision.compute_dtype)
+    frozen = step_cfg.trainable.abstract_frozen(step_cfg.model, step_cfg.precision.compute_dtype)
     return abstract_train_state(step_cfg, loss_scale, seed), batch, frozen
 
 
@@ -84,9 +82,7 @@ def make_eval_fn(cfg: StepConfig):
 
     @jax.jit
     def eval_fn(params, batch, frozen=None):
-        dtype = compute_dtype
-        if cfg.peft is not None:  # LoRA: params are the adapters, `frozen` the base; no dropout
-            params, dtype = cfg.peft.full_params(frozen, params, compute_dtype), None
+        params, dtype = cfg.trainable.model_params(params, frozen, compute_dtype)  # no dropout
         return token_loss(model, params, batch, cfg.attention_padding, dtype, cfg.loss_chunk)
 
     return eval_fn

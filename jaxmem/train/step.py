@@ -36,7 +36,7 @@ from flax import struct
 
 from jaxmem.config.model import ModelConfig
 from jaxmem.bits import key_data, tree_norm, wrap_key_data
-from jaxmem.model.llama import Llama, init_params
+from jaxmem.model.llama import Llama
 from jaxmem.model.fp8_compile import compiler_options as fp8_compiler_options
 from jaxmem.model.projection import default_einsum
 from jaxmem.model.sharding import constrain_grads
@@ -48,6 +48,7 @@ from jaxmem.train.loss import token_loss
 from jaxmem.train.optim import OptimConfig, make_optimizer, schedule
 from jaxmem.model.precision import Precision, cast_floating
 from jaxmem.model.remat import RematPolicy
+from jaxmem.peft.trainable import FullFineTune, Trainable
 
 
 @struct.dataclass
@@ -84,9 +85,9 @@ class StepConfig:
     # from every real query, so attention runs causal-only (cuDNN flash attention on GPU) and
     # padding is removed by the loss mask alone. Set True for left-padded batches.
     attention_padding: bool = False
-    # LoRA / QLoRA (jaxmem.peft.lora.LoraSpec): the state's params are the adapters only and
-    # the step takes the frozen base as its third argument. None: full fine-tune.
-    peft: Any = None
+    # What trains (jaxmem.peft.trainable): every weight, or LoRA / QLoRA adapters (a
+    # LoraSpec: the state's params are the adapters and the step takes the frozen base third).
+    trainable: Trainable = FullFineTune()
     # The LM head fused into the loss in sequence chunks (jaxmem.loss.chunked): None picks
     # (resolve_loss_chunk), 0 keeps the [B, T, V] logits, N > 0 uses chunks of N positions.
     loss_chunk: int | None = None
@@ -120,10 +121,7 @@ def state_creation_fn(cfg: StepConfig, loss_scale: LossScale | None = None, seed
     def create(params=None) -> TrainState:
         key = jax.random.PRNGKey(seed)
         init_key, state_key = jax.random.split(key)
-        if cfg.peft is not None:  # adapters only; the base is not part of the state (jaxmem.peft)
-            params = cfg.peft.init_adapters(cfg.model, jax.random.fold_in(init_key, 1))
-        elif params is None:
-            params = init_params(cfg.model, init_key, dtype=precision.param_dtype)
+        params = cfg.trainable.init_params(cfg.model, init_key, precision.param_dtype, params)
         params = cast_floating(params, precision.param_dtype)
         # The optimizer's init reads shapes and dtypes only: give it zeros of those (dead code
         # to XLA), fp32 for bf16-sr, whose moments are fp32 (no master copy of the params).
@@ -195,10 +193,8 @@ def make_train_step(cfg: StepConfig, optimizer: Optimizer | None = None):
         total_tokens = jnp.maximum(jnp.sum(batch["mask"]).astype(jnp.float32), 1.0)
 
         def micro_loss(params, mb):
-            dtype = compute_dtype
-            if cfg.peft is not None:  # LoRA: params are the adapters, `frozen` the base
-                key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-                params, dtype = cfg.peft.full_params(frozen, params, compute_dtype, key), None
+            key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)  # dropout
+            params, dtype = cfg.trainable.model_params(params, frozen, compute_dtype, key)
             # the cast happens inside grad: fp32 grads for fp32 masters
             total, _ = token_loss(model, params, mb, cfg.attention_padding, dtype,
                                   cfg.loss_chunk)
