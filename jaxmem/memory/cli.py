@@ -58,10 +58,10 @@ from jaxmem.config.run import RunConfig
 from jaxmem.memory.measure import measure_in_subprocess, run_worker
 from jaxmem.memory.phases import SampleShape, format_phases, run_phases
 from jaxmem.memory.planner import plan
-from jaxmem.memory.report import format_plan, format_report, step_report
+from jaxmem.memory.report import (format_plan, format_report, header_line, step_report,
+                                  train_command)
 from jaxmem.memory.spec import GiB, StepSpec
-from jaxmem.memory.verdict import (COMMON_GIB, header_line, train_command, usable_bytes,
-                                    verdict_lines)
+from jaxmem.memory.verdict import COMMON_GIB, usable_bytes, verdict_lines
 from jaxmem.model.remat import RematPolicy
 from jaxmem.train.run import build_step_config
 
