@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 
-if TYPE_CHECKING:  # annotations only: `jaxmem.memory.analyze` imports this module, not the config
-    from jaxmem.config.model import ModelConfig
 
-
-def flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x non-embedding params + attention (PaLM appendix B).
+def flops_per_token(config, seq_len: int) -> float:
+    """Training FLOPs per token of `config` (a jaxmem.config.ModelConfig): 6 x non-embedding
+    params + attention (PaLM appendix B).
 
     The attention term is 12 L N H T (N query heads of width H), PaLM's 12 L H Q T, rather than
     the common shorthand 12 L D T: the two agree only where N H = D, and head_dim may be set

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxmem.dtypes import table as dtypes
+from jaxmem.dtypes.cli import main as dtypes_main
 from testenv import subprocess_env
 
 
@@ -27,7 +28,7 @@ def _all_values(dt):
 
 
 def test_json_matches_finfo(capsys):
-    assert dtypes.main(["--format", "json"]) == 0
+    assert dtypes_main(["--format", "json"]) == 0
     rows = {row["dtype"]: row for row in json.loads(capsys.readouterr().out)}
     assert set(rows) == {dt.name for _, dt in dtypes.available_dtypes()}
     for name, row in rows.items():
@@ -100,7 +101,7 @@ def test_inf_nan_flags_agree_with_bit_patterns():
 
 @pytest.mark.parametrize("fmt", dtypes.FORMATS)
 def test_every_format(fmt, capsys):
-    assert dtypes.main(["--format", fmt]) == 0
+    assert dtypes_main(["--format", fmt]) == 0
     out = capsys.readouterr().out
     n = len(dtypes.available_dtypes())
     if fmt == "json":
@@ -122,14 +123,14 @@ def test_every_format(fmt, capsys):
 
 
 def test_wide_text_has_every_column_exact(capsys):
-    assert dtypes.main(["--wide"]) == 0
+    assert dtypes_main(["--wide"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == len(dtypes.available_dtypes()) + 1 and "PyTorch dtype" in lines[0]
     assert "1.7976931348623157e+308" in lines[1]
 
 
 def test_default_is_text(capsys):
-    dtypes.main([])
+    dtypes_main([])
     assert capsys.readouterr().out.startswith("name ")
 
 

@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxmem.dtypes.table import main as dtypes_main
+from jaxmem.dtypes.cli import main as dtypes_main
 from jaxmem.dtypes.gradients import cast_stats
 from jaxmem.train.cli import main as train_main
 

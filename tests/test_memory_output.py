@@ -9,7 +9,8 @@ import pytest
 
 from jaxmem.config.flags import given_overrides
 from jaxmem.memory.cli import build_parser, main
-from jaxmem.memory.verdict import GiB, train_command, usable_gib, verdict_lines
+from jaxmem.memory.report import train_command
+from jaxmem.memory.verdict import GiB, usable_gib, verdict_lines
 
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--intermediate-size", "128",
          "--seq-len", "32"]

@@ -1,5 +1,5 @@
 import sys
 
-from jaxmem.dtypes.table import main
+from jaxmem.dtypes.cli import main
 
 sys.exit(main())

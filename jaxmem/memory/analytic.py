@@ -22,19 +22,18 @@ The model of the peak (what is live when the backward starts):
            quantized layer's dequantized weights and the adapters' [B, T, Out] gradient buffers,
            jaxmem.peft.memory), whichever is larger
 
-With `--offload-base host` (LoRA) the frozen block layers are in host memory: counted as phase
-"host" (`host_bytes`), in no device phase, and one layer's copy joins the backward phase
-(jaxmem.memory.lora_mesh).
-
 or, if larger, what is live during the optimizer update: state + batch + gradients + one
 params-sized update buffer (activations are freed by then; at full size with remat this phase
 sets the peak: 5 x 4 B/param in fp32); adamw8bit updates in place (jaxmem.train.fused8bit), so
 only its small leaves and one piece of a large one (update_8bit_working_set).
 
-One layer's backward includes, where the policy recomputes the MLP, its backward's working set
-(mlp_backward): the lean SwiGLU keeps fewer residuals than its backward allocates.
+With `--offload-base host` (LoRA) the frozen block layers are in host memory: counted as phase
+"host" (`host_bytes`), in no device phase, and one layer's copy joins the backward phase
+(jaxmem.memory.lora_mesh).
 
-Sizes are in bytes. Axis letters follow docs/architecture.md.
+One layer's backward includes, where the policy recomputes the MLP, its backward's working set
+(mlp_backward): the lean SwiGLU keeps fewer residuals than its backward allocates. Sizes are in
+bytes. Axis letters follow docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -168,10 +167,8 @@ def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematP
 
 def outside_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematPolicy,
                       attention: str = "xla", loss_chunk: int = 0) -> list[tuple[str, int, str]]:
-    """Residuals kept outside the layer stack: RoPE tables, final norm, loss (no padding mask).
-
-    loss_chunk: the fused loss's resolved chunk (jaxmem.loss.chunked; 0: unfused logits).
-    """
+    """Residuals kept outside the layer stack: RoPE tables, final norm, loss (no padding mask);
+    loss_chunk: the fused loss's resolved chunk (jaxmem.loss.chunked; 0: unfused logits)."""
     D, H, V = c.hidden_size, c.resolved_head_dim, c.vocab_size
     cb, cd = _nbytes(compute_dtype), _dname(compute_dtype)
     out = [("RoPE cos/sin [B,T,H/2] x2", 2 * B * T * (H // 2) * FP32, "float32"),
@@ -189,9 +186,8 @@ def outside_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: Rema
 
 
 def mlp_tiled(spec: StepSpec) -> int:
-    """The MLP's sequence tile when the step runs it tiled (jaxmem.model.tiled; the rule of
-    jaxmem.model.llama: `tiles_under` the remat policy, the plain einsum, [B, T, F] fp32 over
-    TILE_BYTES), else 0."""
+    """The MLP's sequence tile when the step runs it tiled (jaxmem.model.tiled, by
+    jaxmem.model.llama's rule: `tiles_under` the policy, the plain einsum), else 0."""
     c = spec.model
     if not tiles_under(spec.remat):
         return 0
@@ -203,10 +199,7 @@ def mlp_tiled(spec: StepSpec) -> int:
 
 # [B, T, F] buffers the MLP's backward holds besides the 3 recomputed activations (gate, up,
 # their product): d(product), d(gate), d(up) and the SwiGLU backward's sigmoid / silu products
-# (jaxmem.model.lean). Read off XLA's buffer assignment on the CPU (docs/memory.md: 8-9 [B, T, F]
-# buffers in all); fitted on fp32 compiles of tiny with F 384 -> 768 -> 1536 (9.1 [B, T, F] per
-# F step). The lean SwiGLU keeps 3 instead of autodiff's 6, so counting only the recomputed
-# residuals (as before) left the analytic peak 16% under the compiled one (tiny, 8 x 256, full).
+# (jaxmem.model.lean), read off XLA's buffer assignment on the CPU (docs/memory.md).
 MLP_BACKWARD_BUFFERS = 6
 
 
@@ -219,8 +212,7 @@ def mlp_backward(spec: StepSpec) -> int:
     r = spec.remat
     recomputed = r.kind == "full" or (r.kind in ("names", "offload")
                                       and not {"mlp_gate", "mlp_up"} <= set(r.names))
-    if not recomputed:  # gate and up saved or offloaded (none, dots*, the default offload):
-        # measured, nothing beyond them
+    if not recomputed:  # gate and up saved or offloaded (none, dots*, the default offload)
         return 0
     tile = mlp_tiled(spec)
     if tile:
@@ -230,10 +222,8 @@ def mlp_backward(spec: StepSpec) -> int:
 
 
 # fp32 bytes per element the 8-bit update holds while it works on a leaf or a piece: the
-# gradient, the dequantized moments, the update and the new weight (jaxmem.train.fused8bit).
-# Fitted on CPU compiles, fp32, full remat, 1 x 16 tokens (docs/memory.md): a model whose leaves
-# are all done whole held 5.03 x its params of fp32 beyond the gradients; with pieces of 2^16
-# elements the same model held no params-sized buffer at all.
+# gradient, the dequantized moments, the update and the new weight (jaxmem.train.fused8bit),
+# fitted on CPU compiles (docs/memory.md).
 UPDATE_8BIT_BYTES = 20
 
 
@@ -243,10 +233,8 @@ def update_8bit_working_set(c: ModelConfig) -> int:
     fused8bit updates a leaf of more than stochastic.CHUNK elements in row pieces, in place on
     the donated state: one piece's working set at a time. A smaller leaf is updated whole and
     written back with a select (a skipped step keeps it), and XLA keeps the working sets of all
-    of them live together (measured on the CPU; unverified on a GPU). So: 20 B x (elements of the
-    leaves updated whole + the largest piece). At llama-3-8b that is 0.31 GiB (every matrix is
-    in pieces), not the params-sized update buffer optax's update needs (14.96 GiB).
-    """
+    of them live together. So: 20 B x (elements of the leaves updated whole + the largest piece),
+    not the params-sized update buffer optax's update needs."""
     from jaxmem.optim._stochastic import CHUNK, row_chunks
     whole, piece = 0, 0
     for leaf in jax.tree_util.tree_leaves(abstract_params(c)):
@@ -268,110 +256,159 @@ def _sum(items) -> int:
     return sum(b for _, b, _ in items)
 
 
+def _rows(items) -> list[dict]:
+    return [{"name": n, "bytes": int(b), "dtype": d} for n, b, d in items]
+
+
 # --- the whole step ---------------------------------------------------------------------------
 
 def analytic_breakdown(spec: StepSpec) -> dict:
     """Bytes per component (with dtype) and the modelled peak; see the module docstring."""
     c, p = spec.model, spec.precision
-    B, T, K = spec.batch_size, spec.seq_len, spec.grad_accum
-    P, Pn = c.num_params(), norm_params(c)
-    pb, cb = _nbytes(p.param_dtype), _nbytes(p.compute_dtype)
-    amp = jnp.dtype(p.param_dtype) != jnp.dtype(p.compute_dtype)
+    B, T = spec.batch_size, spec.seq_len
     attention = spec.attention_path
-    per_layer = layer_residuals(c, B, T, p.compute_dtype, spec.remat, attention)
-    lora = spec.peft  # LoRA / QLoRA (jaxmem.peft.memory): only the adapters train
-    if lora is not None and spec.remat.kind in ("none", "dots", "dots_no_batch"):
-        per_layer = per_layer + peft_memory.lora_saved_per_layer(c, lora, B, T, p.compute_dtype)
-    Pt = P if lora is None else peft_memory.trainable_params(c, lora)  # trained params
+    per_layer = _saved_per_layer(spec, attention)
     loss_chunk = resolve_loss_chunk(spec.loss_chunk, B, T, c)
     outside = outside_residuals(c, B, T, p.compute_dtype, spec.remat, attention, loss_chunk)
     saved = c.num_layers * _sum(per_layer) + _sum(outside)
-    # amp: the loss casts the params to the compute dtype and the backward keeps the copies of
-    # the matrices it multiplies by; an untied embedding is only gathered, so its copy is not kept.
-    untied_embed = 0 if c.tie_embeddings else c.vocab_size * c.hidden_size
-    compute_copy = (P - Pn - untied_embed) * cb if amp else 0
-    if lora is not None:  # the frozen base is stored in the compute dtype: only adapters cast
-        compute_copy = Pt * cb if amp else 0
-    loss_scale = {"none": 0, "static": 4, "dynamic": 12}[p.loss_scale.partition(":")[0]]
-
-    # Transients: the logits group, or one block's backward (the activations it recomputes,
-    # plus on the XLA path the recomputed probabilities, fp32 and compute copy, and the
-    # gradients of the probabilities and logits).
-    V, N = c.vocab_size, c.num_heads
-    logits_group = 2 * B * T * V * FP32  # logits and their gradient (exp(..) is counted as saved)
-    if loss_chunk:  # the fused loss: one chunk's logits, softmax and dlogits
-        vc = vocab_chunk(V, B * T) or V
-        logits_group = 3 * max(B * loss_chunk * V, B * T * vc if vc < V else 0) * FP32
-    full_layer = _sum(layer_residuals(c, B, T, p.compute_dtype, RematPolicy("none"), attention))
-    layer_bwd = full_layer - _sum(per_layer)
-    if attention == "xla":  # the probabilities of one query chunk (jaxmem.model.attention)
-        layer_bwd += B * N * query_chunk((B, T, N), T) * T * (3 * FP32 + cb)
-    layer_bwd += mlp_backward(spec)
-    if lora is not None:  # a quantized layer's weights, dequantized again in its backward, and
-        layer_bwd += peft_memory.dequant_transient(c, lora, p.compute_dtype)  # the adapters'
-        layer_bwd += peft_memory.adapter_backward_transient(c, lora, B, T, p.compute_dtype)
-    transient = max(logits_group, layer_bwd)
-
-    Pg = Pt  # parameters whose gradients (and compute copies) exist at once
-    if spec.in_backward:  # jaxmem.train.inbackward: one part at a time, the largest
-        head_params = c.vocab_size * c.hidden_size
-        stacked = P - head_params * (1 if c.tie_embeddings else 2) - c.hidden_size
-        Pg = max(stacked // c.num_layers, head_params)
-        compute_copy = Pg * cb if amp else 0
-    pd, cdn = _dname(p.param_dtype), _dname(p.compute_dtype)
-    # Two phases; the peak is the larger (XLA reuses buffers, it does not sum them):
-    # backward: grads + compute copy + saved activations + the largest transient;
-    # optimizer: grads + one params-sized update buffer (activations freed by then).
-    head = "fused loss: one chunk's logits group" if loss_chunk else "logits + dlogits [B,T,V]"
-    phase_b = [("params (compute copy)", compute_copy, cdn),
-               ("gradients" if Pg == Pt else "gradients (one part)",
-                Pg * pb, pd),
-               ("grad accumulator", Pt * pb if K > 1 else 0, pd),
-               ("saved activations", saved, _mixed(per_layer + outside)),
-               (head if transient == logits_group else "one layer's backward",
-                transient, "float32" if transient == logits_group else _mixed(per_layer + outside))]
-    # bf16-sr: optax's updates are fp32 (fp32 moments); adamw8bit returns them in the gradients'
-    # dtype (jaxmem.optim.adamw_8bit); either is added to the bf16 weights in fp32, then rounded
-    sr_fp32 = p.stochastic_rounding and spec.optimizer != "adamw8bit"
-    ub, ud = (FP32, "float32") if sr_fp32 else (pb, pd)
-    phase_o = [("gradients", Pg * pb, pd), ("optimizer update buffer", Pg * ub, ud)]
-    if spec.optimizer == "adamw8bit" and lora is None:  # updated in place (.fused8bit)
-        phase_o[1] = ("optimizer update in place: small leaves + one piece",
-                      update_8bit_working_set(c), "float32")
-    persistent = [("params (master)" if lora is None else "LoRA adapters (master)", Pt * pb, pd),
-                  *optimizer_state(spec, Pt),
-                  ("loss scale", loss_scale, "float32"),
-                  ("batch (inputs, targets, mask)", 3 * K * B * T * 4, "int32")]
-    comps = [(n, b, d, "both") for n, b, d in persistent]
-    if lora is not None and spec.offload_base == "host":
-        # the block layers in host memory (phase "host": in no device phase), one copied in
-        comps += offloaded_base(spec, {})
-    elif lora is not None:
-        comps += [(n, b, d, "both") for n, b, d in peft_memory.base_components(c, lora,
-                                                                               p.compute_dtype)]
-    comps += [(n, b, d, "both" if n.startswith("gradients") else "backward")
-              for n, b, d in phase_b]
-    comps += [(n, b, d, "optimizer") for n, b, d in phase_o if n != "gradients"]
+    logits_group = _logits_group(c, B, T, loss_chunk)
+    layer_bwd = _layer_backward(spec, attention, per_layer)
+    trained = _trained_params(spec)
+    if logits_group >= layer_bwd:
+        head = "fused loss: one chunk's logits group" if loss_chunk else "logits + dlogits [B,T,V]"
+        transient = (head, logits_group, "float32")
+    else:
+        transient = ("one layer's backward", layer_bwd, _mixed(per_layer + outside))
+    comps = [(n, b, d, "both") for n, b, d in _persistent(spec, trained)] + _frozen_base(spec)
+    grads = _gradient_parts(spec, trained)
+    comps += _backward_phase(spec, trained, grads, (saved, _mixed(per_layer + outside)), transient)
+    comps += [(*_update_buffer(spec, grads[0]), "optimizer")]
     in_phase = {ph: sum(b for _, b, _, q in comps if q == ph) for ph in ("backward", "optimizer")}
     peak_phase = "backward" if in_phase["backward"] >= in_phase["optimizer"] else "optimizer"
     components = [{"name": n, "bytes": int(b), "dtype": d, "phase": ph,
                    "in_peak": ph in ("both", peak_phase)} for n, b, d, ph in comps]
     return {
-        "params": P,
-        "attention": attention,
-        "components": components,
-        "saved_activations": {
-            "per_layer": [{"name": n, "bytes": int(b), "dtype": d} for n, b, d in per_layer],
-            "per_layer_bytes": _sum(per_layer),
-            "outside_layers": [{"name": n, "bytes": int(b), "dtype": d} for n, b, d in outside],
-            "total_bytes": saved,
-        },
+        "params": c.num_params(), "attention": attention, "components": components,
+        "saved_activations": {"per_layer": _rows(per_layer), "per_layer_bytes": _sum(per_layer),
+                              "outside_layers": _rows(outside), "total_bytes": saved},
         "transients": {"logits_group_bytes": logits_group, "layer_backward_bytes": layer_bwd,
                        "loss_chunk": loss_chunk},
         "peak_phase": peak_phase,
         "total_bytes": int(sum(x["bytes"] for x in components if x["in_peak"])),
         "host_bytes": int(sum(x["bytes"] for x in components if x["phase"] == "host")),
     }
+
+
+def _trained_params(spec: StepSpec) -> int:
+    """Parameters the optimizer updates: all, or a LoRA run's adapters (jaxmem.peft.memory)."""
+    if spec.peft is None:
+        return spec.model.num_params()
+    return peft_memory.trainable_params(spec.model, spec.peft)
+
+
+def _saved_per_layer(spec: StepSpec, attention: str) -> list:
+    """What one block keeps for its backward, with LoRA's inputs where the policy saves them."""
+    c, cd = spec.model, spec.precision.compute_dtype
+    B, T = spec.batch_size, spec.seq_len
+    per_layer = layer_residuals(c, B, T, cd, spec.remat, attention)
+    if spec.peft is not None and spec.remat.kind in ("none", "dots", "dots_no_batch"):
+        per_layer = per_layer + peft_memory.lora_saved_per_layer(c, spec.peft, B, T, cd)
+    return per_layer
+
+
+def _logits_group(c: ModelConfig, B: int, T: int, loss_chunk: int | None) -> int:
+    """Logits and dlogits [B, T, V] fp32 (exp(..) is saved); fused: one chunk's three."""
+    V = c.vocab_size
+    if not loss_chunk:
+        return 2 * B * T * V * FP32
+    vc = vocab_chunk(V, B * T) or V
+    return 3 * max(B * loss_chunk * V, B * T * vc if vc < V else 0) * FP32
+
+
+def _layer_backward(spec: StepSpec, attention: str, per_layer: list) -> int:
+    """One block's backward: what it recomputes, on the XLA path one query chunk's
+    probabilities (fp32, compute copy, gradients), the MLP backward's working set, and with
+    LoRA a quantized layer's dequantized weights and the adapters' gradient buffers."""
+    c, p = spec.model, spec.precision
+    B, T, N = spec.batch_size, spec.seq_len, c.num_heads
+    full_layer = _sum(layer_residuals(c, B, T, p.compute_dtype, RematPolicy("none"), attention))
+    layer_bwd = full_layer - _sum(per_layer)
+    if attention == "xla":  # the probabilities of one query chunk (jaxmem.model.attention)
+        cb = _nbytes(p.compute_dtype)
+        layer_bwd += B * N * query_chunk((B, T, N), T) * T * (3 * FP32 + cb)
+    layer_bwd += mlp_backward(spec)
+    if spec.peft is not None:
+        layer_bwd += peft_memory.dequant_transient(c, spec.peft, p.compute_dtype)
+        layer_bwd += peft_memory.adapter_backward_transient(c, spec.peft, B, T, p.compute_dtype)
+    return layer_bwd
+
+
+def _gradient_parts(spec: StepSpec, trained: int) -> tuple[int, int]:
+    """(params whose gradients exist at once, bytes of their compute copy). amp: the backward
+    keeps the compute copies of the matrices it multiplies by (not of an untied embedding, only
+    gathered; of LoRA's adapters only, the base is stored in the compute dtype).
+    --optimizer-in-backward (jaxmem.train.inbackward) holds one part at a time, the largest."""
+    c, p = spec.model, spec.precision
+    cb = _nbytes(p.compute_dtype)
+    amp = jnp.dtype(p.param_dtype) != jnp.dtype(p.compute_dtype)
+    P = c.num_params()
+    untied_embed = 0 if c.tie_embeddings else c.vocab_size * c.hidden_size
+    compute_copy = (P - norm_params(c) - untied_embed) * cb if amp else 0
+    if spec.peft is not None:
+        compute_copy = trained * cb if amp else 0
+    if not spec.in_backward:
+        return trained, compute_copy
+    head_params = c.vocab_size * c.hidden_size
+    stacked = P - head_params * (1 if c.tie_embeddings else 2) - c.hidden_size
+    part = max(stacked // c.num_layers, head_params)
+    return part, part * cb if amp else 0
+
+
+def _backward_phase(spec: StepSpec, trained: int, grads: tuple[int, int], saved: tuple[int, str],
+                    transient: tuple[str, int, str]) -> list[tuple[str, int, str, str]]:
+    """Live when the backward starts: compute copy, gradients, accumulator, saved, transient."""
+    pb, pd = _nbytes(spec.precision.param_dtype), _dname(spec.precision.param_dtype)
+    part, compute_copy = grads
+    return [("params (compute copy)", compute_copy, _dname(spec.precision.compute_dtype),
+             "backward"),
+            ("gradients" if part == trained else "gradients (one part)", part * pb, pd, "both"),
+            ("grad accumulator", trained * pb if spec.grad_accum > 1 else 0, pd, "backward"),
+            ("saved activations", *saved, "backward"),
+            (*transient, "backward")]
+
+
+def _update_buffer(spec: StepSpec, part: int) -> tuple[str, int, str]:
+    """Beyond state and gradients: one update buffer for `part` params, or adamw8bit's in-place
+    working set. bf16-sr: optax's updates are fp32; adamw8bit's in the gradients' dtype."""
+    p = spec.precision
+    if spec.optimizer == "adamw8bit" and spec.peft is None:  # updated in place
+        return ("optimizer update in place: small leaves + one piece",
+                update_8bit_working_set(spec.model), "float32")
+    if p.stochastic_rounding and spec.optimizer != "adamw8bit":
+        return ("optimizer update buffer", part * FP32, "float32")
+    return ("optimizer update buffer", part * _nbytes(p.param_dtype), _dname(p.param_dtype))
+
+
+def _persistent(spec: StepSpec, trained: int) -> list[tuple[str, int, str]]:
+    """Held in every phase: master params, optimizer state, loss scale, batch."""
+    p = spec.precision
+    B, T, K = spec.batch_size, spec.seq_len, spec.grad_accum
+    loss_scale = {"none": 0, "static": 4, "dynamic": 12}[p.loss_scale.partition(":")[0]]
+    master = "params (master)" if spec.peft is None else "LoRA adapters (master)"
+    return [(master, trained * _nbytes(p.param_dtype), _dname(p.param_dtype)),
+            *optimizer_state(spec, trained),
+            ("loss scale", loss_scale, "float32"),
+            ("batch (inputs, targets, mask)", 3 * K * B * T * 4, "int32")]
+
+
+def _frozen_base(spec: StepSpec) -> list[tuple[str, int, str, str]]:
+    """A LoRA run's frozen base; --offload-base host: its layers on the host, one on device."""
+    if spec.peft is None:
+        return []
+    if spec.offload_base == "host":
+        return offloaded_base(spec, {})
+    return [(n, b, d, "both") for n, b, d in
+            peft_memory.base_components(spec.model, spec.peft, spec.precision.compute_dtype)]
 
 
 def rule_of_thumb(num_params: int) -> dict[str, int]:

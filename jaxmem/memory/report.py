@@ -5,6 +5,8 @@
                            peak
     format_report(r)       a table of a `step_report` or a `grad_step_report` dict
     format_plan(result)    the planner's candidates, tried in order, and why each was rejected
+    header_line(cfg, spec, params)   what was measured: precision, remat, optimizer, batch
+    train_command(cfg)     `python -m jaxmem.train ...` with the flags of cfg
 
 Only formatting and assembly live here; every number comes from jaxmem.memory.analytic,
 .compiled and .measure.
@@ -12,9 +14,12 @@ Only formatting and assembly live here; every number comes from jaxmem.memory.an
 
 from __future__ import annotations
 
+import shlex
+
 import jax
 
 from jaxmem import target
+from jaxmem.config.run import RunConfig, all_paths, field_metadata, flag_names
 from jaxmem.memory.analytic import analytic_breakdown, rule_of_thumb
 from jaxmem.memory.compiled import compile_step
 from jaxmem.memory.spec import StepSpec
@@ -124,3 +129,28 @@ def format_plan(result: dict, budget_gib: float) -> str:
         lines.append(f"  {mark} micro {t['batch_size']:>4} x accum {t['grad_accum']:>3}  "
                      f"remat {t['remat']:<40} mu {str(t['mu_dtype']):<5} {t['reason']}")
     return "\n".join(lines)
+
+
+def header_line(cfg: RunConfig, spec, params: int) -> str:
+    """Two lines: model and params, precision, remat; optimizer and batch."""
+    mu = spec.mu_dtype or "param dtype"
+    opt = getattr(spec, "optimizer", None) or "adamw"
+    return (f"jaxmem.memory: {cfg.model.preset} ({params:,} params), precision "
+            f"{spec.precision.name}, remat {spec.remat}\n  optimizer {opt} (mu {mu}), batch "
+            f"{spec.batch_size} x {spec.seq_len} tokens, grad accum {spec.grad_accum} (global "
+            f"batch {spec.batch_size * spec.grad_accum})")
+
+
+def train_command(cfg: RunConfig) -> str:
+    """`python -m jaxmem.train` with a flag for every field of `cfg` that differs from the
+    default (run-directory fields aside)."""
+    args = ["python", "-m", "jaxmem.train"]
+    base = RunConfig()
+    for path in all_paths():
+        md = field_metadata(path)
+        value = cfg.get(path)
+        if not md["cli"] or path.startswith("run.") or value == base.get(path):
+            continue
+        flag = flag_names(path)[0]
+        args += [flag] if md["store_true"] else [flag, str(value)]
+    return shlex.join(args)

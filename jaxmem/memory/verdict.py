@@ -1,13 +1,12 @@
-"""The planner's answer in words: a header naming the configuration, a verdict on the common
-accelerator sizes with the headroom assumed, and the `jaxmem.train` command for a plan.
+"""The planner's verdict in words: does a peak fit the common accelerator sizes, with the
+headroom assumed (jaxmem.memory.analyze's `.verdict()` and `python -m jaxmem.memory`; the header
+and the `jaxmem.train` command of a plan: jaxmem.memory.report).
 
-    header_line(cfg, spec, params)          what was measured: precision, remat, optimizer, batch
     usable_bytes(device_gib)                what a program may use on a device of that size:
                                             the one budget rule of the verdict, `--fit`, and the
                                             mesh planners (`fits`, `device_gib_for`: its test
                                             and its inverse)
     verdict_lines(peak_bytes, source, ...)  fits / does not fit on 24, 40, 80, 141 GiB
-    train_command(cfg)                      `python -m jaxmem.train ...` with the flags of cfg
 
 Headroom. JAX's XLA client preallocates 75% of a GPU's memory at start-up
 (XLA_PYTHON_CLIENT_MEM_FRACTION, default .75), so a step whose peak fits in the device but not in
@@ -19,15 +18,9 @@ environment, else .75.
 
 from __future__ import annotations
 
-import shlex
-from typing import TYPE_CHECKING
-
 # the budget rule lives beside the device counters, so the trainer applies it too
 from jaxmem.perf import (CUDA_CONTEXT_GIB, DEFAULT_FRACTION, device_gib_for, usable_bytes,  # noqa: F401
                          xla_fraction)
-
-if TYPE_CHECKING:  # the import is deferred: jaxmem.memory.analyze uses verdict_lines alone
-    from jaxmem.config.run import RunConfig
 
 GiB = 2**30
 COMMON_GIB = (24, 40, 80, 141)  # RTX 4090 / L4-class 24, A100 40, A100 / H100 80, H200 141
@@ -39,16 +32,6 @@ def usable_gib(device_gib: float, fraction: float | None = None) -> float:
 def fits(peak_bytes: int, device_gib: float, fraction: float | None = None) -> bool:
     """Whether a peak of `peak_bytes` fits a GPU of `device_gib` GiB (`usable_bytes`' rule)."""
     return peak_bytes <= usable_bytes(device_gib, fraction)
-
-
-def header_line(cfg: RunConfig, spec, params: int) -> str:
-    """Two lines: model and params, precision, remat; optimizer and batch."""
-    mu = spec.mu_dtype or "param dtype"
-    opt = getattr(spec, "optimizer", None) or "adamw"
-    return (f"jaxmem.memory: {cfg.model.preset} ({params:,} params), precision "
-            f"{spec.precision.name}, remat {spec.remat}\n  optimizer {opt} (mu {mu}), batch "
-            f"{spec.batch_size} x {spec.seq_len} tokens, grad accum {spec.grad_accum} (global "
-            f"batch {spec.batch_size * spec.grad_accum})")
 
 
 def verdict_lines(peak_bytes: int, source: str, backend: str, precision: str,
@@ -76,19 +59,3 @@ def verdict_lines(peak_bytes: int, source: str, backend: str, precision: str,
         lines.append("  25.50 GiB on the CPU, 32.23 on the H100's compiler); plan a GPU with "
                      "--target h100 (docs/memory.md)")
     return lines
-
-
-def train_command(cfg: RunConfig) -> str:
-    """`python -m jaxmem.train` with a flag for every field of `cfg` that differs from the
-    default (run-directory fields aside)."""
-    from jaxmem.config.run import RunConfig, all_paths, field_metadata, flag_names  # noqa: PLC0415
-    args = ["python", "-m", "jaxmem.train"]
-    base = RunConfig()
-    for path in all_paths():
-        md = field_metadata(path)
-        value = cfg.get(path)
-        if not md["cli"] or path.startswith("run.") or value == base.get(path):
-            continue
-        flag = flag_names(path)[0]
-        args += [flag] if md["store_true"] else [flag, str(value)]
-    return shlex.join(args)

@@ -46,6 +46,7 @@ from jaxmem.parallel.mesh import run_mesh
 from jaxmem.train.placement import Placement
 from jaxmem.train.init_from import init_from_overrides, init_params_from
 from jaxmem.train.run import abstract_train_state, build_step_config
+from jaxmem.train.setup import Setup
 
 SECTIONS = ("model", "init", "precision", "remat", "optim", "data", "run", "sample", "peft", "parallel")
 
@@ -69,30 +70,6 @@ def build_parser() -> argparse.ArgumentParser:
              "the newest checkpoint is damaged); the later checkpoints are deleted")
     add_process_flags(groups["devices and processes"])
     return p
-
-
-@dataclasses.dataclass
-class Setup:
-    """Everything the loop needs, validated before any training work."""
-
-    cfg: RunConfig
-    model_cfg: object
-    step_cfg: object
-    loss_scale: object
-    out: Path
-    tokenizer: object
-    train_tokens: object
-    eval_tokens: object
-    stats: dict
-    ckpt: Checkpointer | None = None
-    state: object = None
-    continuing: bool = False
-    record: dict = dataclasses.field(default_factory=dict)
-    changes: list = dataclasses.field(default_factory=list)
-    init_params: object = None  # step-0 weights from --init-from (None: random init)
-    frozen: object = None  # LoRA: the frozen base on the device (jaxmem.peft.base)
-    base_record: dict | None = None  # LoRA: its source and sha256, for config.json
-    placement: Placement = Placement.single()
 
 
 def _check_writable(out: Path) -> None:

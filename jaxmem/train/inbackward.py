@@ -84,113 +84,161 @@ def make_train_step_in_backward(cfg, step_key, loss_scale=None):
     step (jaxmem.train.step's). jaxmem.train.step.make_train_step returns it for a StepConfig
     with `optimizer_in_backward`, and `jit_train_step` jits it with the state donated."""
     check(cfg, loss_scale)
-    c = cfg.model
-    model = cfg.build_model()
-    dtype = cfg.precision.compute_dtype
-    lr_at = schedule(cfg.optim)
-    block = DecoderBlock(c, model.einsum, tile_mlp=True)  # as under --remat full
-    norm = RMSNorm(c.rms_norm_eps)
+    return _InBackwardStep(cfg, step_key)
 
-    def train_step(state, batch, frozen=None):
-        del frozen
-        if not isinstance(state.loss_scale, NoOpLossScale):
-            check(cfg, state.loss_scale)
+
+class _Updates:
+    """The step's new leaves and optimizer states, filled part by part as gradients appear, with
+    the running sum of squared gradients and whether every part's gradients were finite."""
+
+    def __init__(self, upd: LayerwiseUpdate, params):
+        self.upd = upd
+        self.leaves = jax.tree_util.tree_leaves(params)
+        self.states = upd.leaf_states()
+        self.index = {tuple(k.key for k in path): i for i, path in enumerate(upd.paths)}
+        self.new_leaves, self.new_states = list(self.leaves), list(self.states)
+        self.sumsq, self.finite = jnp.zeros((), jnp.float32), jnp.asarray(True)
+
+    def leaf(self, name: str, g, stats=None) -> None:
+        """Update the top-level leaf `name` with gradient `g` (or `g(n, j)`, its j-th of n row
+        pieces); `stats` its (sum of squares, finite) where `g` is pieces."""
+        i = self.index[(name,) if (name,) in self.index else (name, "scale")]
+        ss, finite = stats or (jnp.sum(jnp.square(g.astype(jnp.float32))), all_finite(g))
+        self.add(ss, finite)
+        self.new_leaves[i], self.new_states[i] = self.upd.leaf(i, g, self.leaves[i],
+                                                               self.states[i], finite)
+
+    def add(self, sumsq, finite) -> None:
+        self.sumsq, self.finite = self.sumsq + sumsq, self.finite & finite
+
+
+class _InBackwardStep:
+    """train_step(state, batch, frozen=None) -> (state, metrics), the module docstring's
+    algorithm: forward keeping each layer's input, the head's update, the layers' updates in a
+    reverse loop, the embedding's update a row piece at a time."""
+
+    def __init__(self, cfg, step_key):
+        self.cfg, self.step_key, self.c = cfg, step_key, cfg.model
+        model = cfg.build_model()
+        self.dtype = cfg.precision.compute_dtype
+        self.lr_at = schedule(cfg.optim)
+        self.block = DecoderBlock(self.c, model.einsum, tile_mlp=True)  # as under --remat full
+        self.norm = RMSNorm(self.c.rms_norm_eps)
+
+    def cast(self, p):
+        return cast_params(p, self.dtype) if self.dtype is not None else p
+
+    def _inputs(self, batch) -> dict:
+        """One micro-batch's tokens, targets, weights, RoPE tables, mask and loss chunk."""
+        c, cfg = self.c, self.cfg
         mb = jax.tree_util.tree_map(lambda x: x[0], batch)
-        tokens, targets, weights = mb["inputs"], mb["targets"], mb["mask"]
+        tokens, weights = mb["inputs"], mb["mask"]
         B, T = tokens.shape
-        total_tokens = jnp.maximum(jnp.sum(batch["mask"]).astype(jnp.float32), 1.0)
-        segment_ids = mb.get("segment_ids")
-        positions = mb.get("positions")
+        segment_ids, positions = mb.get("segment_ids"), mb.get("positions")
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T), (B, T))
         cos, sin = rope_tables(positions, c.resolved_head_dim, c.rope_theta, c.llama3_rope)
         pad = weights if cfg.attention_padding else None
-        mask = None if segment_ids is not None else attention_mask(pad, T)
-        chunk = resolve_loss_chunk(cfg.loss_chunk, B, T, c)
-        cast = (lambda p: cast_params(p, dtype)) if dtype is not None else (lambda p: p)
+        return {"tokens": tokens, "targets": mb["targets"], "weights": weights,
+                "total": jnp.maximum(jnp.sum(batch["mask"]).astype(jnp.float32), 1.0),
+                "cos": cos, "sin": sin, "segment_ids": segment_ids,
+                "mask": None if segment_ids is not None else attention_mask(pad, T),
+                "chunk": resolve_loss_chunk(cfg.loss_chunk, B, T, c)}
 
-        def layer(lp, x):
-            return block.apply({"params": cast(lp)}, x, cos, sin, mask, segment_ids)[0]
+    def _layer(self, lp, x, a):
+        return self.block.apply({"params": self.cast(lp)}, x, a["cos"], a["sin"], a["mask"],
+                                a["segment_ids"])[0]
 
-        def head_loss(hp, x):  # final norm, LM head and the loss: Llama's return_hidden path
-            hp = cast(hp)
-            h = norm.apply({"params": hp["norm"]}, x)  # [B, T, D]
-            w, layout = ((hp["embed_tokens"], "VD") if c.tie_embeddings
-                         else (hp["lm_head"], "DV"))
-            if chunk:
-                total, _ = chunked_cross_entropy(h, w, targets, weights, chunk, layout=layout)
-            else:
-                logits = project("BTD,DV->BTV", h, w.T if layout == "VD" else w,
-                                 logits_einsum)  # [B, T, V]
-                total, _ = cross_entropy(logits, targets, weights)
-            return total / total_tokens
+    def _head_loss(self, hp, x, a):
+        """Final norm, LM head and the loss: Llama's return_hidden path."""
+        hp = self.cast(hp)
+        h = self.norm.apply({"params": hp["norm"]}, x)  # [B, T, D]
+        w, layout = ((hp["embed_tokens"], "VD") if self.c.tie_embeddings
+                     else (hp["lm_head"], "DV"))
+        if a["chunk"]:
+            total, _ = chunked_cross_entropy(h, w, a["targets"], a["weights"], a["chunk"],
+                                             layout=layout)
+        else:
+            logits = project("BTD,DV->BTV", h, w.T if layout == "VD" else w,
+                             logits_einsum)  # [B, T, V]
+            total, _ = cross_entropy(logits, a["targets"], a["weights"])
+        return total / a["total"]
 
+    def __call__(self, state, batch, frozen=None):
+        del frozen
+        cfg, c = self.cfg, self.c
+        if not isinstance(state.loss_scale, NoOpLossScale):
+            check(cfg, state.loss_scale)
+        a = self._inputs(batch)
         params = state.params
-        upd = LayerwiseUpdate(cfg.optim, cfg.precision.stochastic_rounding, params,
-                              state.opt_state, step_key(state.rng, state.step))
-        leaves = jax.tree_util.tree_leaves(params)
-        states = upd.leaf_states()
-        index = {tuple(k.key for k in path): i for i, path in enumerate(upd.paths)}
-        new_leaves, new_states = list(leaves), list(states)
-        sumsq, finite_all = jnp.zeros((), jnp.float32), jnp.asarray(True)
-
-        def update_leaf(name, g, stats=None):
-            nonlocal sumsq, finite_all
-            i = index[(name,) if (name,) in index else (name, "scale")]
-            ss, finite = stats or (jnp.sum(jnp.square(g.astype(jnp.float32))), all_finite(g))
-            sumsq, finite_all = sumsq + ss, finite_all & finite
-            new_leaves[i], new_states[i] = upd.leaf(i, g, leaves[i], states[i], finite)
-
+        u = _Updates(LayerwiseUpdate(cfg.optim, cfg.precision.stochastic_rounding, params,
+                                     state.opt_state, self.step_key(state.rng, state.step)),
+                     params)
         # forward: the embedding, then the layers keeping each one's input
-        x0 = jnp.take(cast({"embed_tokens": params["embed_tokens"]})["embed_tokens"], tokens,
-                      axis=0)  # [B, T, D]
-        xL, xs = jax.lax.scan(lambda x, lp: (layer(lp, x), x), x0, params["layers"])
+        x0 = jnp.take(self.cast({"embed_tokens": params["embed_tokens"]})["embed_tokens"],
+                      a["tokens"], axis=0)  # [B, T, D]
+        xL, xs = jax.lax.scan(lambda x, lp: (self._layer(lp, x, a), x), x0, params["layers"])
         head = {"norm": params["norm"]}
         head["embed_tokens" if c.tie_embeddings else "lm_head"] = (
             params["embed_tokens"] if c.tie_embeddings else params["lm_head"])
-        loss, head_vjp = jax.vjp(head_loss, head, xL)
+        loss, head_vjp = jax.vjp(lambda hp, x: self._head_loss(hp, x, a), head, xL)
         d_head, dx = head_vjp(jnp.ones_like(loss))
-        update_leaf("norm", d_head["norm"]["scale"])
+        u.leaf("norm", d_head["norm"]["scale"])
         if not c.tie_embeddings:
-            update_leaf("lm_head", d_head["lm_head"])
+            u.leaf("lm_head", d_head["lm_head"])
+        dx = self._layers_backward(u, params, xs, dx, a)
+        self._embedding(u, params["embed_tokens"], a["tokens"], dx, d_head)
+        skips = jnp.where(u.finite, 0, state.skips_in_a_row + 1).astype(jnp.int32)
+        new_state = state.replace(
+            step=state.step + 1, applied=state.applied + 1, skips_in_a_row=skips,
+            data_position=state.data_position + cfg.grad_accum,
+            params=u.upd.treedef.unflatten(u.new_leaves), opt_state=u.upd.finish(u.new_states))
+        metrics = {"loss": loss, "grad_norm": jnp.sqrt(u.sumsq),
+                   "loss_scale": state.loss_scale.loss_scale, "skipped": skips > 0,
+                   "lr": self.lr_at(state.applied), "tokens": a["total"], "skips_in_a_row": skips}
+        return new_state, metrics
 
-        # backward through the layers, each updated as its gradients appear
-        stacked = upd.stacked
+    def _layers_backward(self, u: _Updates, params, xs, dx, a):
+        """Backward through the layers, last first, each updated as its gradients appear (one
+        loop whose carry holds the stacked params and optimizer states); returns d x_0."""
+        stacked, L = u.upd.stacked, self.c.num_layers
         treedef_l = jax.tree_util.tree_structure(params["layers"])
-        carry0 = (dx, {i: leaves[i] for i in stacked}, {i: states[i] for i in stacked},
+        carry0 = (dx, {i: u.leaves[i] for i in stacked}, {i: u.states[i] for i in stacked},
                   jnp.zeros((), jnp.float32), jnp.asarray(True))
 
         def back(k, carry):
             dx, ps, sts, ss, fin = carry
-            l = c.num_layers - 1 - k
+            l = L - 1 - k
             lp = treedef_l.unflatten([jax.lax.dynamic_index_in_dim(ps[i], l, 0, keepdims=False)
                                       for i in stacked])
             x = jax.lax.dynamic_index_in_dim(xs, l, 0, keepdims=False)
-            _, vjp = jax.vjp(layer, lp, x)
+            _, vjp = jax.vjp(lambda lp, x: self._layer(lp, x, a), lp, x)
             d_lp, dx = vjp(dx)
             grads = dict(zip(stacked, jax.tree_util.tree_leaves(d_lp)))
             finite = all_finite(grads)
             ss = ss + sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads.values())
-            ps, sts = upd.layer(l, grads, ps, sts, finite)
+            ps, sts = u.upd.layer(l, grads, ps, sts, finite)
             return dx, ps, sts, ss, fin & finite
 
-        dx, ps, sts, ss, fin = jax.lax.fori_loop(0, c.num_layers, back, carry0)
+        dx, ps, sts, ss, fin = jax.lax.fori_loop(0, L, back, carry0)
         for i in stacked:
-            new_leaves[i], new_states[i] = ps[i], sts[i]
-        sumsq, finite_all = sumsq + ss, finite_all & fin
+            u.new_leaves[i], u.new_states[i] = ps[i], sts[i]
+        u.add(ss, fin)
+        return dx
 
-        # the embedding's gradient, a row piece at a time where the update uses it: the
-        # whole one ([V, D], 1 GiB at 8B in bf16) never exists
-        embed = params["embed_tokens"]
+    def _embedding(self, u: _Updates, embed, tokens, dx, d_head) -> None:
+        """The embedding's update, its gradient made a row piece at a time where the update
+        uses it: the whole one ([V, D], 1 GiB at 8B in bf16) never exists."""
         V, D = embed.shape
         rows, dx_rows = tokens.reshape(-1), dx.reshape(-1, D)
+        tied = self.c.tie_embeddings
 
         def d_embed(n, j):  # rows [j V / n, (j + 1) V / n) of d(embed): take's transpose
             P = V // n
             at = rows - j * P
             at = jnp.where((at >= 0) & (at < P), at, P)  # other pieces' tokens: dropped
             g = jnp.zeros((P, D), dx.dtype).at[at].add(dx_rows, mode="drop").astype(embed.dtype)
-            if c.tie_embeddings:  # the head's share
+            if tied:  # the head's share
                 g = g + jax.lax.dynamic_slice_in_dim(d_head["embed_tokens"], j * P, P, 0)
             return g
 
@@ -200,18 +248,5 @@ def make_train_step_in_backward(cfg, step_key, loss_scale=None):
             g = d_embed(n, j)
             return acc[0] + jnp.sum(jnp.square(g.astype(jnp.float32))), acc[1] & all_finite(g)
 
-        update_leaf("embed_tokens", d_embed, jax.lax.fori_loop(
+        u.leaf("embed_tokens", d_embed, jax.lax.fori_loop(
             0, n, embed_stats, (jnp.zeros((), jnp.float32), jnp.asarray(True))))
-
-        new_params = upd.treedef.unflatten(new_leaves)
-        skips = jnp.where(finite_all, 0, state.skips_in_a_row + 1).astype(jnp.int32)
-        new_state = state.replace(
-            step=state.step + 1, applied=state.applied + 1, skips_in_a_row=skips,
-            data_position=state.data_position + cfg.grad_accum, params=new_params,
-            opt_state=upd.finish(new_states))
-        metrics = {"loss": loss, "grad_norm": jnp.sqrt(sumsq),
-                   "loss_scale": state.loss_scale.loss_scale, "skipped": skips > 0,
-                   "lr": lr_at(state.applied), "tokens": total_tokens, "skips_in_a_row": skips}
-        return new_state, metrics
-
-    return train_step

@@ -37,6 +37,7 @@ from jaxmem.train.placement import Placement
 from jaxmem.train.run import make_eval_fn
 from jaxmem.train.step import create_train_state, jit_train_step
 from jaxmem.train.trackers import Trackers, eval_metrics
+from jaxmem.train.setup import Setup
 
 
 class _Stop:
@@ -98,223 +99,308 @@ def _too_big(cfg, par, train_step, args) -> str | None:
     return failures.too_big_message(cfg, peak, limit, 1 if par.mesh is None else par.mesh.size)
 
 
-def train(s) -> int:
-    """Run the loop for a validated `jaxmem.train.cli.Setup`; returns the exit status."""
-    from tqdm import tqdm
+class _Batches:
+    """The run's training batches (a step's `--grad-accum` micro-batches stacked, placed on the
+    mesh) and its fixed evaluation batches, from plain token streams or packed example rows."""
 
-    cfg, out, step_cfg = s.cfg, s.out, s.step_cfg
-    par = s.placement or Placement.single()  # one device, or a mesh (jaxmem.parallel)
-    main = par.is_main  # only process 0 writes config.json, metrics and the progress bar
-    d, r = cfg.data, cfg.run
-    steps = cfg.optim.total_steps
-    resumed = s.state is not None
-    one = par.mesh is None  # one device: today's functions, called by name here
-    state = s.state if resumed else (
-        create_train_state(step_cfg, s.loss_scale, d.seed, params=s.init_params) if one
-        else par.init_state(step_cfg, s.loss_scale, d.seed, params=s.init_params))
-    s.init_params = None  # --init-from's host copy: the state holds the weights now
-    start = int(par.host(state.step))
-    end = min(steps, r.stop_at or steps)
-    pad = s.tokenizer.pad_id
-    if isinstance(s.train_tokens, PackedData):  # example rows, packed (jaxmem.data.examples)
-        batcher = s.train_tokens.batcher(d.batch_size, d.seq_len, d.seed, pad)
-        evals = s.eval_tokens.eval_batches(d.batch_size, d.seq_len, r.eval_batches, pad)
-    else:
-        batcher = Batcher(s.train_tokens, d.batch_size, d.seq_len, seed=d.seed, pad_id=pad)
-        evals = eval_batches(s.eval_tokens, d.batch_size, d.seq_len, r.eval_batches, pad_id=pad)
-    train_step, eval_fn = ((jit_train_step(step_cfg), make_eval_fn(step_cfg)) if one
-                           else (par.train_step(step_cfg, state), par.eval_fn(step_cfg)))
-    frozen = () if s.frozen is None else (s.frozen,)  # LoRA: the frozen base (jaxmem.peft)
-    position = int(par.host(state.data_position))  # batches consumed so far, as the state recorded them
+    def __init__(self, s, par: Placement):
+        d, pad = s.cfg.data, s.tokenizer.pad_id
+        self.par, self.grad_accum = par, d.grad_accum
+        if isinstance(s.train_tokens, PackedData):  # example rows, packed (jaxmem.data.examples)
+            self.batcher = s.train_tokens.batcher(d.batch_size, d.seq_len, d.seed, pad)
+            self.evals = s.eval_tokens.eval_batches(d.batch_size, d.seq_len,
+                                                    s.cfg.run.eval_batches, pad)
+        else:
+            self.batcher = Batcher(s.train_tokens, d.batch_size, d.seq_len, seed=d.seed,
+                                   pad_id=pad)
+            self.evals = eval_batches(s.eval_tokens, d.batch_size, d.seq_len,
+                                      s.cfg.run.eval_batches, pad_id=pad)
 
-    def next_batch(position):
-        mbs = [batcher.batch_at(position + i) for i in range(d.grad_accum)]
-        return par.batch({k: np.stack([mb[k] for mb in mbs]) for k in mbs[0]})
+    def at(self, position: int) -> dict:
+        """The step that starts at batch `position` (batches consumed so far)."""
+        mbs = [self.batcher.batch_at(position + i) for i in range(self.grad_accum)]
+        return self.par.batch({k: np.stack([mb[k] for mb in mbs]) for k in mbs[0]})
 
-    if start < end and not r.no_memory_check:  # before anything is written: the dir stays as it was
-        refusal = _too_big(cfg, par, train_step, (state, next_batch(position), *frozen))
-        if refusal:
-            if s.ckpt is not None:
-                s.ckpt.close()
-            print(refusal, file=sys.stderr, flush=True)
-            return 2
-    out.mkdir(parents=True, exist_ok=True)
-    if main:
-        _write_config(s, start)
-        copy_tokenizer(out, cfg)  # generate then works from any directory
-        copy_chat_files(out, cfg.data.tokenizer)  # and finds the chat template there
-    ckpt = s.ckpt or Checkpointer(out / CKPT_DIR, keep=r.keep)
-    if start >= end:
-        ckpt.close()
-        print(f"{out}: already at step {start} of {steps}"
-              + (f" (--stop-at {r.stop_at})" if end < steps else "") + "; nothing to do")
-        return 0
 
-    device = jax.devices()[0]
-    peak = peak_flops(device, step_cfg.precision.compute_dtype)
-    fpt = flops_per_token(s.model_cfg, d.seq_len)
+class _Saves:
+    """The run's checkpoint writes: each step saved at most once, asynchronously; the seconds
+    the loop was held by each save and the seconds each background write took."""
 
-    def evaluate(st):
-        if not evals:
+    def __init__(self, ckpt: Checkpointer, cfg, saved_step: int | None):
+        self.ckpt, self.cfg, self.saved_step = ckpt, cfg, saved_step
+        self.pauses, self.writes = [], []
+
+    def save(self, state, step: int) -> float | None:
+        """Start writing `step`; the seconds the loop was held, or None when this step was
+        saved already (a save step that also ends the run is saved once)."""
+        if step == self.saved_step:
             return None
-        totals = par.host([eval_fn(st.params, par.eval_batch(b), *frozen) for b in evals])
-        return float(sum(t for t, _ in totals) / max(sum(c for _, c in totals), 1.0))
+        self.ckpt.save(step, state, {"step": step, "config": self.cfg.to_dict()}, wait=False)
+        self.pauses.append(self.ckpt.last_pause_s)
+        self.saved_step = step
+        return self.pauses[-1]
 
-    saved_step = start if resumed else None
-    saves = {"pause": [], "write": []}  # seconds: the loop held by each save, each write
-
-    def save(st, step):
-        """Start writing `step` (asynchronous); the seconds the loop was held, or None when
-        this step was saved already."""
-        nonlocal saved_step
-        if step == saved_step:  # a step is saved once, even when a save step ends the run
-            return None
-        ckpt.save(step, st, {"step": step, "config": cfg.to_dict()}, wait=False)
-        saves["pause"].append(ckpt.last_pause_s)
-        saved_step = step
-        return saves["pause"][-1]
-
-    def written(seconds):
+    def written(self, seconds: float | None) -> None:
         if seconds is not None:
-            saves["write"].append(seconds)
+            self.writes.append(seconds)
 
-    def save_summary():
-        written(ckpt.wait())  # the last write is committed before the process goes on or exits
-        if saves["pause"]:
-            p, w = saves["pause"], saves["write"]
+    def finish(self, say) -> None:
+        """Wait for the last write to commit, then say what the saves cost."""
+        self.written(self.ckpt.wait())
+        if self.pauses:
+            p, w = self.pauses, self.writes
             say(f"checkpoints: {len(p)} saved; the loop paused {sum(p) / len(p):.2f} s per "
                 f"save (max {max(p):.2f}), writing took {sum(w) / max(len(w), 1):.2f} s "
                 f"(max {max(w, default=0):.2f}) in the background")
 
-    if main:
-        truncate_metrics(out, start)  # records after the checkpoint are about to be redone
-    metrics_file = open(out / METRICS_FILE if main else os.devnull, "a")
-    say = print if main else (lambda *a, **k: None)
-    # other processes of a multi-process run log nothing (no TensorBoard, W&B or console lines)
-    trackers = (Trackers.open(out, cfg, s.tokenizer, steps, start_step=start) if main
-                else Trackers(steps, False, plain=False))
-    say(f"jaxmem: {cfg.init.init_from or cfg.model.preset} ({s.model_cfg.num_params():,} params), {cfg.precision.mode}, "
-          f"remat {step_cfg.remat}, {device.platform}: {device.device_kind}; "
-          f"{describe(s.stats, d.seq_len)}; run dir {out}"
-          + "".join(f"; {d}" for d in [s.step_cfg.trainable.describe(state.params)] if d)
-          + (f"; resuming at step {start}" if resumed else "")
-          + ("; no committed checkpoint, starting at step 0" if s.continuing and not resumed else ""),
-          flush=True)
-    bar = tqdm(total=steps, initial=start, disable=trackers.plain or not main, dynamic_ncols=True,
-               unit="step", file=sys.stdout)
-    tokens_per_step = d.batch_size * d.seq_len * d.grad_accum
-    t_start = t_last = time.perf_counter()
-    timing = {"steps": 0, "seconds": 0.0}
-    last, skips_run, eval_loss = {}, int(state.skips_in_a_row), None
-    max_skips = cfg.precision.max_consecutive_skips
 
-    def tokens_per_sec():
-        return tokens_per_step * timing["steps"] / timing["seconds"] if timing["seconds"] else 0.0
+class _Records:
+    """The host side of finished steps: the progress bar, metrics.jsonl, the trackers
+    (TensorBoard, W&B, console), throughput and MFU, and the count of non-finite steps in a row
+    as the last step's metrics report it. Process 0 writes; the others only count."""
 
-    def record(step, metrics, seconds, evaluated=None, save_pause=None):
-        """Host side of a finished step: progress bar, metrics.jsonl, the skip counter."""
-        nonlocal skips_run
-        m = {k: float(v) for k, v in par.host(metrics).items()}
-        if step > start + 2:  # the first steps of a process include compilation and dispatch lag
-            timing["steps"] += 1
-            timing["seconds"] += seconds
-        skips_run = int(m["skips_in_a_row"])
+    def __init__(self, s, par: Placement, start: int, end: int, skips_in_a_row: int):
+        from tqdm import tqdm
+
+        cfg, d = s.cfg, s.cfg.data
+        self.par, self.start, self.end, self.steps = par, start, end, cfg.optim.total_steps
+        self.log_every = cfg.run.log_every
+        self.main = par.is_main
+        self.say = print if self.main else (lambda *a, **k: None)
+        if self.main:
+            truncate_metrics(s.out, start)  # records after the checkpoint are about to be redone
+        self.file = open(s.out / METRICS_FILE if self.main else os.devnull, "a")
+        # other processes of a multi-process run log nothing (no TensorBoard, W&B or console)
+        self.trackers = (Trackers.open(s.out, cfg, s.tokenizer, self.steps, start_step=start)
+                         if self.main else Trackers(self.steps, False, plain=False))
+        self.bar = tqdm(total=self.steps, initial=start, unit="step", file=sys.stdout,
+                        disable=self.trackers.plain or not self.main, dynamic_ncols=True)
+        self.device = jax.devices()[0]
+        self.peak = peak_flops(self.device, s.step_cfg.precision.compute_dtype)
+        self.flops_per_token = flops_per_token(s.model_cfg, d.seq_len)
+        self.tokens_per_step = d.batch_size * d.seq_len * d.grad_accum
+        self.timed_steps, self.seconds = 0, 0.0
+        self.skips_in_a_row, self.last = skips_in_a_row, {}
+
+    def tokens_per_sec(self) -> float:
+        return self.tokens_per_step * self.timed_steps / self.seconds if self.seconds else 0.0
+
+    def mfu(self, tokens_per_sec: float) -> float | None:
+        return tokens_per_sec * self.flops_per_token / self.peak if self.peak and tokens_per_sec else None
+
+    def record(self, step, metrics, seconds, evaluated=None, save_pause=None) -> dict:
+        """A finished step: its metrics read from the device, the bar, and (every --log-every
+        steps, on evaluation, saves and skipped steps) a metrics.jsonl line and the trackers."""
+        m = {k: float(v) for k, v in self.par.host(metrics).items()}
+        if step > self.start + 2:  # a process's first steps include compilation and dispatch lag
+            self.timed_steps += 1
+            self.seconds += seconds
+        self.skips_in_a_row = int(m["skips_in_a_row"])
         rec = {"step": step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
                "loss_scale": m["loss_scale"], "skipped": bool(m["skipped"]),
-               "tokens_per_sec": tokens_per_sec()}
+               "tokens_per_sec": self.tokens_per_sec()}
         if evaluated is not None:
-            rec = trackers.with_eval_metrics({**rec, "eval_loss": evaluated})
+            rec = self.trackers.with_eval_metrics({**rec, "eval_loss": evaluated})
         if save_pause is not None:
             rec["save_pause_s"] = round(save_pause, 4)
-        mem = device_memory(device)
-        if peak and rec["tokens_per_sec"]:  # GPU: what the end-of-run line prints, per record
-            rec["mfu"] = rec["tokens_per_sec"] * fpt / peak
+        mem = device_memory(self.device)
+        if self.mfu(rec["tokens_per_sec"]) is not None:  # GPU: the end-of-run line's MFU, per record
+            rec["mfu"] = self.mfu(rec["tokens_per_sec"])
         if mem:  # the process's peak so far (experiments.gpu_check reads it from the record)
             rec["peak_bytes_in_use"] = mem["peak_bytes_in_use"]
         # a skipped (non-finite) step is always recorded: plots and audits count them
-        if (step % r.log_every == 0 or step == steps or evaluated is not None or rec["skipped"]
-                or save_pause is not None):
-            metrics_file.write(json.dumps(rec) + "\n")
-            metrics_file.flush()
-            rate = timing["seconds"] / timing["steps"] if timing["steps"] else None
-            trackers.log(rec, eta_s=rate and rate * (end - step),
-                         memory_bytes=mem and mem["bytes_in_use"])
-        bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tokens_per_sec():,.0f}",
-                        scale=f"{m['loss_scale']:g}",
-                        **({"mem": _fmt_bytes(mem["bytes_in_use"])} if mem else {}), refresh=False)
+        if (step % self.log_every == 0 or step == self.steps or evaluated is not None
+                or rec["skipped"] or save_pause is not None):
+            self._log(rec, step, mem)
+        self.bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{self.tokens_per_sec():,.0f}",
+                             scale=f"{m['loss_scale']:g}",
+                             **({"mem": _fmt_bytes(mem["bytes_in_use"])} if mem else {}),
+                             refresh=False)
+        self.last = rec
         return rec
 
-    with _Stop() as stop:
-        step, pending = start, None
-        while step < end and stop.requested is None and skips_run <= max_skips:
-            state, metrics = train_step(state, next_batch(position), *frozen)
-            step, position = step + 1, position + d.grad_accum
+    def _log(self, rec: dict, step: int, mem) -> None:
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        rate = self.seconds / self.timed_steps if self.timed_steps else None
+        self.trackers.log(rec, eta_s=rate and rate * (self.end - step),
+                          memory_bytes=mem and mem["bytes_in_use"])
+
+    def close(self) -> None:
+        self.file.close()
+        self.trackers.close()
+
+
+def _prepare(s, par: Placement, start: int) -> Checkpointer:
+    """The run directory, before the first step: config.json, the tokenizer and chat files
+    (process 0), and the checkpointer."""
+    s.out.mkdir(parents=True, exist_ok=True)
+    if par.is_main:
+        _write_config(s, start)
+        copy_tokenizer(s.out, s.cfg)  # generate then works from any directory
+        copy_chat_files(s.out, s.cfg.data.tokenizer)  # and finds the chat template there
+    return s.ckpt or Checkpointer(s.out / CKPT_DIR, keep=s.cfg.run.keep)
+
+
+def _banner(s, state, start: int, resumed: bool, device) -> str:
+    return (f"jaxmem: {s.cfg.init.init_from or s.cfg.model.preset} "
+            f"({s.model_cfg.num_params():,} params), {s.cfg.precision.mode}, "
+            f"remat {s.step_cfg.remat}, {device.platform}: {device.device_kind}; "
+            f"{describe(s.stats, s.cfg.data.seq_len)}; run dir {s.out}"
+            + "".join(f"; {d}" for d in [s.step_cfg.trainable.describe(state.params)] if d)
+            + (f"; resuming at step {start}" if resumed else "")
+            + ("; no committed checkpoint, starting at step 0" if s.continuing and not resumed
+               else ""))
+
+
+class _Run:
+    """One invocation's training from `start` to `end`: the compiled programs, the batches, the
+    state, the saves and the records."""
+
+    def __init__(self, s, par: Placement):
+        self.s, self.par, self.cfg, self.r = s, par, s.cfg, s.cfg.run
+        self.resumed = s.state is not None
+        self.one = par.mesh is None  # one device: today's functions, called by name here
+        step_cfg, seed = s.step_cfg, s.cfg.data.seed
+        self.state = s.state if self.resumed else (
+            create_train_state(step_cfg, s.loss_scale, seed, params=s.init_params) if self.one
+            else par.init_state(step_cfg, s.loss_scale, seed, params=s.init_params))
+        s.init_params = None  # --init-from's host copy: the state holds the weights now
+        self.steps = self.cfg.optim.total_steps
+        self.start = int(par.host(self.state.step))
+        self.end = min(self.steps, self.r.stop_at or self.steps)
+        self.batches = _Batches(s, par)
+        self.train_step, self.eval_fn = (
+            (jit_train_step(step_cfg), make_eval_fn(step_cfg)) if self.one
+            else (par.train_step(step_cfg, self.state), par.eval_fn(step_cfg)))
+        self.frozen = () if s.frozen is None else (s.frozen,)  # LoRA: the frozen base (jaxmem.peft)
+        # batches consumed so far, as the state recorded them
+        self.position = int(par.host(self.state.data_position))
+
+    def refusal(self) -> str | None:
+        """Where the device reports its size, why the step does not fit (else None)."""
+        if self.start >= self.end or self.r.no_memory_check:
+            return None
+        return _too_big(self.cfg, self.par, self.train_step,
+                        (self.state, self.batches.at(self.position), *self.frozen))
+
+    def evaluate(self) -> float | None:
+        if not self.batches.evals:
+            return None
+        totals = self.par.host([self.eval_fn(self.state.params, self.par.eval_batch(b), *self.frozen)
+                                for b in self.batches.evals])
+        return float(sum(t for t, _ in totals) / max(sum(c for _, c in totals), 1.0))
+
+    def loop(self, rec: _Records, saves: _Saves, stop: _Stop) -> tuple[int, float | None]:
+        """Steps until the end, a signal or too many non-finite steps in a row; each step's
+        metrics are read while the next one runs. Returns the last step and eval loss."""
+        r, steps = self.r, self.steps
+        step, pending, eval_loss, t_last = self.start, None, None, time.perf_counter()
+        max_skips = self.cfg.precision.max_consecutive_skips
+        while step < self.end and stop.requested is None and rec.skips_in_a_row <= max_skips:
+            self.state, metrics = self.train_step(self.state, self.batches.at(self.position),
+                                                  *self.frozen)
+            step, self.position = step + 1, self.position + self.batches.grad_accum
             now = time.perf_counter()
             if pending is not None:  # read the previous step's metrics while this one runs
-                last = record(*pending)
+                rec.record(*pending)
             pending, t_last = (step, metrics, now - t_last), now
-            bar.update(1)
-            written(ckpt.poll())  # a background write committed: its time, no waiting
+            rec.bar.update(1)
+            saves.written(saves.ckpt.poll())  # a background write committed: its time, no waiting
             due_eval = step == steps or (r.eval_every and step % r.eval_every == 0)
             due_save = r.save_every and step % r.save_every == 0 and step < steps
             if due_eval or due_save:
                 if due_eval:
-                    eval_loss = evaluate(state)
-                pause = save(state, step) if due_save else None
-                last, pending = record(*pending, evaluated=eval_loss if due_eval else None,
-                                       save_pause=pause), None
-                t_last = time.perf_counter()  # evaluation and saving are not step time
+                    eval_loss = self.evaluate()
+                pause = saves.save(self.state, step) if due_save else None
+                rec.record(*pending, evaluated=eval_loss if due_eval else None, save_pause=pause)
+                pending, t_last = None, time.perf_counter()  # eval and saving are not step time
         if pending is not None:
-            last = record(*pending)
-        bar.close()
-        if skips_run > max_skips:
-            metrics_file.close()
-            trackers.close()
-            ckpt.close()
-            print(f"error: {skips_run} non-finite steps in a row (more than "
-                  f"--max-consecutive-skips {max_skips}); loss scale now "
-                  f"{float(par.host(state.loss_scale.loss_scale)):g}. Nothing was saved for these steps; "
-                  f"the newest checkpoint in {out / CKPT_DIR} is untouched.", file=sys.stderr)
-            return 1
-        save(state, step)
-        save_summary()
-        ckpt.close()
-    metrics_file.close()
-    trackers.close()
-    if stop.requested or step < steps:
-        why = stop.requested or f"--stop-at {r.stop_at}"
-        say(f"{why}: saved step {step} to {out / CKPT_DIR}; continue with --resume")
-        return 0
+            rec.record(*pending)
+        rec.bar.close()
+        return step, eval_loss
 
+    def too_many_skips(self, rec: _Records, saves: _Saves) -> int:
+        max_skips = self.cfg.precision.max_consecutive_skips
+        rec.close()
+        saves.ckpt.close()
+        print(f"error: {rec.skips_in_a_row} non-finite steps in a row (more than "
+              f"--max-consecutive-skips {max_skips}); loss scale now "
+              f"{float(self.par.host(self.state.loss_scale.loss_scale)):g}. Nothing was saved "
+              f"for these steps; the newest checkpoint in {self.s.out / CKPT_DIR} is untouched.",
+              file=sys.stderr)
+        return 1
+
+
+def train(s: Setup) -> int:
+    """Run the loop for a validated `Setup` (jaxmem.train.cli.setup); returns the exit status."""
+    par = s.placement or Placement.single()  # one device, or a mesh (jaxmem.parallel)
+    run = _Run(s, par)
+    refusal = run.refusal()  # before anything is written: the run directory stays as it was
+    if refusal:
+        if s.ckpt is not None:
+            s.ckpt.close()
+        print(refusal, file=sys.stderr, flush=True)
+        return 2
+    ckpt = _prepare(s, par, run.start)
+    if run.start >= run.end:
+        ckpt.close()
+        print(f"{s.out}: already at step {run.start} of {run.steps}"
+              + (f" (--stop-at {run.r.stop_at})" if run.end < run.steps else "") + "; nothing to do")
+        return 0
+    rec = _Records(s, par, run.start, run.end, int(run.state.skips_in_a_row))
+    saves = _Saves(ckpt, s.cfg, run.start if run.resumed else None)
+    rec.say(_banner(s, run.state, run.start, run.resumed, rec.device), flush=True)
+    t_start = time.perf_counter()
+    with _Stop() as stop:
+        step, eval_loss = run.loop(rec, saves, stop)
+        if rec.skips_in_a_row > s.cfg.precision.max_consecutive_skips:
+            return run.too_many_skips(rec, saves)
+        saves.save(run.state, step)
+        saves.finish(rec.say)
+        ckpt.close()
+    rec.close()
+    if stop.requested or step < run.steps:
+        why = stop.requested or f"--stop-at {run.r.stop_at}"
+        rec.say(f"{why}: saved step {step} to {s.out / CKPT_DIR}; continue with --resume")
+        return 0
     if eval_loss is None:
-        eval_loss = evaluate(state)
-    tps = tokens_per_sec()
-    mem = device_memory(device)
-    mfu = tps * fpt / peak if peak and tps else None
+        eval_loss = run.evaluate()
+    rec.say(_done_line(s, rec, step, eval_loss, time.perf_counter() - t_start))
+    if s.cfg.sample.max_new_tokens and jax.process_count() == 1:  # sharded params: one process
+        _sample(s, run.state)
+    return 0
+
+
+def _done_line(s, rec: _Records, step: int, eval_loss: float | None, wall_s: float) -> str:
+    tps = rec.tokens_per_sec()
+    mem = device_memory(rec.device)
+    mfu = rec.mfu(tps)
     ev = "eval loss n/a" if eval_loss is None else f"eval loss {eval_loss:.4f}" + "".join(
         f", {k[5:].replace('_', ' ')} {v:.4g}"
         for k, v in eval_metrics(eval_loss, s.tokenizer.name == "bytes").items())
-    say(f"done: step {step}, train loss {last.get('loss', float('nan')):.4f}, {ev}, "
-          f"{f'{tps:,.0f}' if tps else 'n/a'} tokens/s, MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, "
-          f"peak memory {_fmt_bytes(mem and mem['peak_bytes_in_use'])}, "
-          f"wall {time.perf_counter() - t_start:.0f} s")
-    sm = cfg.sample
-    if sm.max_new_tokens and jax.process_count() == 1:  # sharded params: one process only
-        params, _ = step_cfg.trainable.model_params(state.params, s.frozen, None)
-        ev_tokens = (s.eval_tokens.examples.tokens if isinstance(s.eval_tokens, PackedData)
-                     else s.eval_tokens)
-        prompt = sm.prompt if sm.prompt is not None else eval_prompt(ev_tokens, s.tokenizer)
-        try:
-            sample = generate_text(s.model_cfg, params, s.tokenizer, prompt=prompt,
-                                   max_new_tokens=sm.max_new_tokens, temperature=sm.temperature,
-                                   top_k=sm.top_k, seed=d.seed, note=print,
-                                   compute_dtype=sample_dtype(sm.dtype,
-                                                              step_cfg.precision.compute_dtype),
-                                   eos_ids=eos_ids(s.tokenizer, cfg.init.init_from),
-                                   stop=(sm.stop,) if sm.stop else ())
-        except ValueError as e:  # a --prompt longer than the model's context: the run is saved
-            print(f"sample skipped: {e}")
-        else:
-            print(f"sample (prompt {prompt!r}"
-                  + (", from the eval data" if sm.prompt is None else "") + "):\n" + sample)
-    return 0
+    return (f"done: step {step}, train loss {rec.last.get('loss', float('nan')):.4f}, {ev}, "
+            f"{f'{tps:,.0f}' if tps else 'n/a'} tokens/s, "
+            f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, "
+            f"peak memory {_fmt_bytes(mem and mem['peak_bytes_in_use'])}, wall {wall_s:.0f} s")
+
+
+def _sample(s, state) -> None:
+    """The end-of-training sample: `--prompt`, else the eval data's first line, continued."""
+    sm, step_cfg = s.cfg.sample, s.step_cfg
+    params, _ = step_cfg.trainable.model_params(state.params, s.frozen, None)
+    ev_tokens = (s.eval_tokens.examples.tokens if isinstance(s.eval_tokens, PackedData)
+                 else s.eval_tokens)
+    prompt = sm.prompt if sm.prompt is not None else eval_prompt(ev_tokens, s.tokenizer)
+    try:
+        sample = generate_text(s.model_cfg, params, s.tokenizer, prompt=prompt,
+                               max_new_tokens=sm.max_new_tokens, temperature=sm.temperature,
+                               top_k=sm.top_k, seed=s.cfg.data.seed, note=print,
+                               compute_dtype=sample_dtype(sm.dtype, step_cfg.precision.compute_dtype),
+                               eos_ids=eos_ids(s.tokenizer, s.cfg.init.init_from),
+                               stop=(sm.stop,) if sm.stop else ())
+    except ValueError as e:  # a --prompt longer than the model's context: the run is saved
+        print(f"sample skipped: {e}")
+    else:
+        print(f"sample (prompt {prompt!r}"
+              + (", from the eval data" if sm.prompt is None else "") + "):\n" + sample)
