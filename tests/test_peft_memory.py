@@ -32,7 +32,7 @@ def reports():
 
 def test_spec_round_trips_through_json(reports):
     spec = reports["nf4"][0]
-    assert StepSpec.from_json(spec.to_json()) == spec and spec.peft.quantize == "nf4"
+    assert StepSpec.from_json(spec.to_json()) == spec and spec.trainable.quantize == "nf4"
 
 
 @pytest.mark.parametrize("name", list(MODES))

@@ -145,7 +145,7 @@ def test_lora_sample_phase_compiles_what_the_run_samples_with(quantize):
     from jaxmem.peft.lora import LoraSpec
     c = get_preset("tiny")
     lora = LoraSpec(8, quantize=quantize, double_quant=quantize == "nf4")
-    spec = StepSpec(c, get_precision("amp-bf16"), RematPolicy.parse("full"), 1, 64, peft=lora)
+    spec = StepSpec(c, get_precision("amp-bf16"), RematPolicy.parse("full"), 1, 64, trainable=lora)
     host = jax.tree_util.tree_map(np.asarray, init_params(c, jax.random.PRNGKey(0)))
     frozen = base_on_device(host, lora, spec.precision.compute_dtype)  # the run's import
     adapters = state_program(*spec.step_config())().params  # the run's state's params

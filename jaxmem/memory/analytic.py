@@ -52,7 +52,6 @@ from jaxmem.model.tiled import mlp_tile, tiles_under
 from jaxmem.model.remat import RematError, RematPolicy
 from jaxmem.loss.chunked import resolve_loss_chunk, vocab_chunk
 from jaxmem.model.roles import count_by_role
-from jaxmem.peft import memory as peft_memory
 
 FP32 = 4
 
@@ -77,7 +76,7 @@ def _mu_dtype(spec: StepSpec):
 def optimizer_state(spec: StepSpec, P: int) -> list[tuple[str, int, str]]:
     """(name, bytes, dtype) of the optimizer state: AdamW's mu and nu by formula; any other
     optimizer's leaves counted on its abstract state (jaxmem.memory.optimizer_bytes)."""
-    if spec.optimizer == "adamw" or spec.peft is not None:
+    if spec.optimizer == "adamw" or not spec.trainable.trains_base:
         # LoRA with another optimizer: AdamW-sized, an upper bound (the abstract count below
         # would be over the whole model, not the adapters)
         sd = _state_dtype(spec)
@@ -191,7 +190,7 @@ def mlp_tiled(spec: StepSpec) -> int:
     c = spec.model
     if not tiles_under(spec.remat):
         return 0
-    if spec.precision.fp8 or spec.peft is not None:  # another einsum: never tiled
+    if spec.precision.fp8 or not spec.trainable.plain_einsum:  # another einsum: never tiled
         return 0
     tile = mlp_tile(spec.batch_size, spec.seq_len, c.intermediate_size)
     return tile if tile < spec.seq_len else 0
@@ -301,19 +300,15 @@ def analytic_breakdown(spec: StepSpec) -> dict:
 
 def _trained_params(spec: StepSpec) -> int:
     """Parameters the optimizer updates: all, or a LoRA run's adapters (jaxmem.peft.memory)."""
-    if spec.peft is None:
-        return spec.model.num_params()
-    return peft_memory.trainable_params(spec.model, spec.peft)
+    return spec.trainable.trained_params(spec.model)
 
 
 def _saved_per_layer(spec: StepSpec, attention: str) -> list:
     """What one block keeps for its backward, with LoRA's inputs where the policy saves them."""
     c, cd = spec.model, spec.precision.compute_dtype
     B, T = spec.batch_size, spec.seq_len
-    per_layer = layer_residuals(c, B, T, cd, spec.remat, attention)
-    if spec.peft is not None and spec.remat.kind in ("none", "dots", "dots_no_batch"):
-        per_layer = per_layer + peft_memory.lora_saved_per_layer(c, spec.peft, B, T, cd)
-    return per_layer
+    return (layer_residuals(c, B, T, cd, spec.remat, attention)
+            + spec.trainable.saved_per_layer(c, B, T, cd, spec.remat))
 
 
 def _logits_group(c: ModelConfig, B: int, T: int, loss_chunk: int | None) -> int:
@@ -337,10 +332,7 @@ def _layer_backward(spec: StepSpec, attention: str, per_layer: list) -> int:
         cb = _nbytes(p.compute_dtype)
         layer_bwd += B * N * query_chunk((B, T, N), T) * T * (3 * FP32 + cb)
     layer_bwd += mlp_backward(spec)
-    if spec.peft is not None:
-        layer_bwd += peft_memory.dequant_transient(c, spec.peft, p.compute_dtype)
-        layer_bwd += peft_memory.adapter_backward_transient(c, spec.peft, B, T, p.compute_dtype)
-    return layer_bwd
+    return layer_bwd + spec.trainable.backward_transient(c, B, T, p.compute_dtype)
 
 
 def _gradient_parts(spec: StepSpec, trained: int) -> tuple[int, int]:
@@ -354,7 +346,7 @@ def _gradient_parts(spec: StepSpec, trained: int) -> tuple[int, int]:
     P = c.num_params()
     untied_embed = 0 if c.tie_embeddings else c.vocab_size * c.hidden_size
     compute_copy = (P - norm_params(c) - untied_embed) * cb if amp else 0
-    if spec.peft is not None:
+    if not spec.trainable.trains_base:  # the adapters' copy; the base is stored cast
         compute_copy = trained * cb if amp else 0
     if not spec.in_backward:
         return trained, compute_copy
@@ -381,7 +373,7 @@ def _update_buffer(spec: StepSpec, part: int) -> tuple[str, int, str]:
     """Beyond state and gradients: one update buffer for `part` params, or adamw8bit's in-place
     working set. bf16-sr: optax's updates are fp32; adamw8bit's in the gradients' dtype."""
     p = spec.precision
-    if spec.optimizer == "adamw8bit" and spec.peft is None:  # updated in place
+    if spec.optimizer == "adamw8bit" and spec.trainable.trains_base:  # updated in place
         return ("optimizer update in place: small leaves + one piece",
                 update_8bit_working_set(spec.model), "float32")
     if p.stochastic_rounding and spec.optimizer != "adamw8bit":
@@ -394,7 +386,7 @@ def _persistent(spec: StepSpec, trained: int) -> list[tuple[str, int, str]]:
     p = spec.precision
     B, T, K = spec.batch_size, spec.seq_len, spec.grad_accum
     loss_scale = {"none": 0, "static": 4, "dynamic": 12}[p.loss_scale.partition(":")[0]]
-    master = "params (master)" if spec.peft is None else "LoRA adapters (master)"
+    master = f"{spec.trainable.params_name} (master)"
     return [(master, trained * _nbytes(p.param_dtype), _dname(p.param_dtype)),
             *optimizer_state(spec, trained),
             ("loss scale", loss_scale, "float32"),
@@ -403,12 +395,10 @@ def _persistent(spec: StepSpec, trained: int) -> list[tuple[str, int, str]]:
 
 def _frozen_base(spec: StepSpec) -> list[tuple[str, int, str, str]]:
     """A LoRA run's frozen base; --offload-base host: its layers on the host, one on device."""
-    if spec.peft is None:
-        return []
-    if spec.offload_base == "host":
+    if spec.offload_base == "host":  # (LoRA only: the config refuses it for a full run)
         return offloaded_base(spec, {})
     return [(n, b, d, "both") for n, b, d in
-            peft_memory.base_components(spec.model, spec.peft, spec.precision.compute_dtype)]
+            spec.trainable.frozen_components(spec.model, spec.precision.compute_dtype)]
 
 
 def rule_of_thumb(num_params: int) -> dict[str, int]:

@@ -59,10 +59,7 @@ def abstract_step_batch(spec: StepSpec):
 
 def abstract_frozen(spec: StepSpec):
     """A LoRA step's frozen base (int8 / NF4 codes and scales) as ShapeDtypeStructs, else None."""
-    if spec.peft is None:
-        return None
-    from jaxmem.peft.base import abstract_base
-    return abstract_base(spec.model, spec.peft, spec.precision.compute_dtype)
+    return spec.trainable.abstract_frozen(spec.model, spec.precision.compute_dtype)
 
 
 def argument_bytes(spec: StepSpec) -> int:
@@ -144,9 +141,8 @@ def sample_params(spec: StepSpec):
     adapters)`, the quantized base (as the step holds it) with each target wrapped with its
     adapters as stored."""
     params = abstract_state(spec).params
-    if spec.peft is None:
-        return params
-    return jax.eval_shape(lambda f, a: spec.peft.full_params(f, a), abstract_frozen(spec), params)
+    return jax.eval_shape(lambda f, a: spec.trainable.model_params(a, f, None)[0],
+                          abstract_frozen(spec), params)
 
 
 def compile_sample(spec: StepSpec, n_prompt: int, total: int, temperature: float = 0.0,
@@ -176,7 +172,7 @@ def compile_import(spec: StepSpec) -> dict:
     """
     from jaxmem.peft.base import import_programs
     roles, extra = {}, 0
-    for prog in import_programs(spec.model, spec.peft):
+    for prog in import_programs(spec.model, spec.trainable):
         stats = compiled_stats(prog["fn"].lower(*prog["args"]).compile())[0]
         roles[prog["role"]] = {**stats, "stacked_bytes": prog["stacked_bytes"]}
         extra = max(extra, stats["peak_bytes"] - prog["stacked_bytes"])

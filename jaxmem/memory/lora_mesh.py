@@ -118,7 +118,7 @@ def _base_leaves(base, sizes: dict[str, int]):
 def base_split(spec: StepSpec, sizes: dict[str, int]) -> BaseSplit:
     """The frozen base of a LoRA step on one device of a mesh of axis `sizes` ({} : one device)."""
     model = spec.model
-    base = _abstract_base(model, spec.peft, jnp.dtype(spec.precision.compute_dtype).name)
+    base = _abstract_base(model, spec.trainable, jnp.dtype(spec.precision.compute_dtype).name)
     L = model.num_layers
     layers = other = gathered = replicated = head = 0
     dtypes = set()
@@ -154,7 +154,7 @@ def base_components(spec: StepSpec, sizes: dict[str, int],
     """
     s = base_split(spec, sizes)
     cd = jnp.dtype(spec.precision.compute_dtype).name
-    kind = spec.peft.quantize + ("+dq" if spec.peft.double_quant else "")
+    kind = spec.trainable.quantize + ("+dq" if spec.trainable.double_quant else "")
     host = spec.offload_base == "host"
     # names fit the breakdown table's column (34 characters)
     out = [(f"frozen layers {kind}" + (" (host)" if host else ""), s.layers, s.dtypes,
@@ -174,7 +174,7 @@ def base_components(spec: StepSpec, sizes: dict[str, int],
 
 def _abstract_adapters(spec: StepSpec):
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))  # abstract: no op on a --target device
-    return jax.eval_shape(lambda k: spec.peft.init_adapters(spec.model, k), key)
+    return jax.eval_shape(lambda k: spec.trainable.init_adapters(spec.model, k), key)
 
 
 def adapter_fraction(spec: StepSpec, sizes: dict[str, int]) -> float:

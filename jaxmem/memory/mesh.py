@@ -84,10 +84,11 @@ def analytic_per_device(spec: StepSpec, mesh_text: str | None, devices: int | No
     acts = narrow_b["components"]
     sizes = dict(zip(AXES, mesh.sizes))
     # LoRA: the state is the adapters'; the frozen base is split leaf by leaf (memory.lora_mesh)
-    frac = param_fraction(spec, mesh) if spec.peft is None else adapter_fraction(spec, sizes)
+    frac = (param_fraction(spec, mesh) if spec.trainable.trains_base
+            else adapter_fraction(spec, sizes))
     comps = []
     for c, a in zip(base["components"], acts):
-        if spec.peft is not None and c["name"].startswith("frozen "):
+        if c["name"].startswith("frozen "):  # LoRA's base: counted leaf by leaf below
             continue
         # another optimizer's state (adamw8bit codes and scales, adafactor, lion; named
         # "<optimizer> ..." by jaxmem.memory.optimizer_bytes) is split like the params it
@@ -97,7 +98,7 @@ def analytic_per_device(spec: StepSpec, mesh_text: str | None, devices: int | No
         if shaped:
             c["bytes"] = int(round(c["bytes"] * frac))
         comps.append(c)
-    if spec.peft is not None:
+    if not spec.trainable.trains_base:
         comps += [{"name": n, "bytes": b, "dtype": d, "phase": ph, "in_peak": False}
                   for n, b, d, ph in lora_base_components(spec, sizes, narrow_b["transients"])]
     elif mesh.fsdp > 1:

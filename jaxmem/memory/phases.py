@@ -138,13 +138,13 @@ def analytic_phases(spec: StepSpec, sample: SampleShape | None = None) -> dict:
                  + _forward_working_set(spec, B, T, "fused"),
                  "what": f"evaluation, batch {B} x {T}, fused loss (with the whole state)"},
     }
-    if spec.peft is not None:
+    if not spec.trainable.trains_base:  # a frozen base is imported first
         out = {"import": _analytic_import(spec), **out}
     if sample is not None and sample.max_new_tokens > 0:
         limit = c.max_position_embeddings
         total = sample.total(limit)
         sd = sample.compute_dtype(p.compute_dtype)
-        if spec.peft is None:
+        if spec.trainable.trains_base:
             P, Pn = c.num_params(), norm_params(c)
             changed = jnp.dtype(p.param_dtype) != jnp.dtype(sd)
             cast = (P - Pn) * _b(sd) + Pn * FP32 if changed else 0
@@ -160,7 +160,7 @@ def _analytic_import(spec: StepSpec) -> dict:
     """The frozen base (as the step holds it) and, while a projection is quantized, its largest
     layer three times in fp32: the weight read, its fp32 blocks and their normalized values."""
     from jaxmem.peft import memory as peft_memory
-    c, lora = spec.model, spec.peft
+    c, lora = spec.model, spec.trainable
     base = sum(b for _, b, _ in peft_memory.base_components(c, lora, spec.precision.compute_dtype))
     layer = max(i * o for i, o in peft_memory._in_out(c).values())
     work = 3 * layer * FP32 if lora.quantize != "none" else 0
@@ -174,7 +174,7 @@ def _lora_sample_cast(spec: StepSpec, dtype) -> int:
     leaves (embedding, head, an unquantized base's projections) cast where `dtype` is not the
     compute dtype they are stored in, and one quantized layer's projections dequantized."""
     from jaxmem.peft import memory as peft_memory
-    c, lora, p = spec.model, spec.peft, spec.precision
+    c, lora, p = spec.model, spec.trainable, spec.precision
     out = peft_memory.trainable_params(c, lora) * _b(dtype)
     if jnp.dtype(dtype) != jnp.dtype(p.compute_dtype):
         out += sum(b // _b(p.compute_dtype) * _b(dtype)
@@ -188,8 +188,8 @@ def _held_outside(spec: StepSpec) -> dict:
     the program's arguments; LoRA's frozen base where it is not one)."""
     state = abstract_state(spec)
     state_bytes, param_bytes = tree_bytes(state), tree_bytes(state.params)
-    frozen = tree_bytes(abstract_frozen(spec)) if spec.peft is not None else 0
-    if spec.peft is not None and spec.offload_base == "host":  # block layers in host memory
+    frozen = tree_bytes(abstract_frozen(spec))  # 0 when nothing is frozen
+    if spec.offload_base == "host":  # LoRA's block layers in host memory
         from jaxmem.memory.lora_mesh import base_split
         frozen -= base_split(spec, {}).layers
     # the sampler takes the params as stored and casts them inside its program (a temporary):

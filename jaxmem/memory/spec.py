@@ -16,7 +16,8 @@ from jaxmem.config.run import ModelSection, RunConfig
 from jaxmem.model.remat import RematPolicy
 from jaxmem.train.loss_scale import LossScale
 from jaxmem.model.precision import Precision, get_precision
-from jaxmem.peft.lora import spec_of
+from jaxmem.peft.lora import trainable_of
+from jaxmem.peft.trainable import FullFineTune, Trainable
 from jaxmem.train.run import build_step_config
 from jaxmem.train.step import StepConfig
 
@@ -48,7 +49,7 @@ class StepSpec:
     grad_accum: int = 1
     mu_dtype: str | None = None
     attention: str | None = None
-    peft: object = None  # jaxmem.peft.lora.LoraSpec: LoRA / QLoRA (None: full fine-tune)
+    trainable: Trainable = FullFineTune()  # what trains (jaxmem.peft.trainable): all, LoRA, QLoRA
     loss_chunk: int | None = None  # the fused loss's chunk (None: auto; jaxmem.loss.chunked)
     optimizer: str = "adamw"
     offload_base: str = "none"  # LoRA: where the frozen base lives, "none" or "host" (pinned)
@@ -62,7 +63,7 @@ class StepSpec:
         d = cfg.data
         return cls(cfg.model_config(), get_precision(cfg.precision.mode),
                    RematPolicy.parse(cfg.remat.policy), d.batch_size, d.seq_len, d.grad_accum,
-                   cfg.optim.mu_dtype, attention, spec_of(cfg.peft), cfg.remat.loss_chunk,
+                   cfg.optim.mu_dtype, attention, trainable_of(cfg.peft), cfg.remat.loss_chunk,
                    cfg.optim.optimizer, cfg.peft.offload_base, cfg.optim.in_backward)
 
     def run_config(self) -> RunConfig:
@@ -73,12 +74,7 @@ class StepSpec:
             "data.grad_accum": self.grad_accum, "optim.mu_dtype": self.mu_dtype,
             "remat.loss_chunk": self.loss_chunk, "optim.optimizer": self.optimizer,
             **({"optim.in_backward": True, "optim.clip": 0.0} if self.in_backward else {}),
-            **({} if self.peft is None else {  # LoRA / QLoRA: the peft section (jaxmem.peft)
-                "peft.lora_rank": self.peft.rank, "peft.lora_alpha": self.peft.alpha,
-                "peft.lora_targets": ",".join(self.peft.targets),
-                "peft.lora_dropout": self.peft.dropout, "peft.quantize_base": self.peft.quantize,
-                "peft.quant_block": self.peft.block, "peft.double_quant": self.peft.double_quant,
-                "peft.offload_base": self.offload_base})})
+            **self.trainable.flags(), "peft.offload_base": self.offload_base})
 
     def step_config(self) -> tuple[StepConfig, LossScale]:
         """(StepConfig, initial loss scale), built as a training run builds them."""

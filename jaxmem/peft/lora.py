@@ -34,6 +34,7 @@ from jaxmem.config.lora import TARGETS, parse_targets
 from jaxmem.config.model import ConfigError, ModelConfig
 from jaxmem.lora import LoraWeight
 from jaxmem.peft import export as _export
+from jaxmem.peft import memory as _memory
 from jaxmem.peft.base import abstract_base, weight_axes
 from jaxmem.peft.trainable import FullFineTune, Trainable
 
@@ -91,6 +92,25 @@ class LoraSpec(Trainable):
     def export_adapters(self, run, out, args=None):
         return _export.export_adapters(run, out, args)
 
+    params_name = "LoRA adapters"
+    plain_einsum = False  # a target multiplies through LoraWeight.project: never tiled
+
+    def trained_params(self, c) -> int:
+        return _memory.trainable_params(c, self)
+
+    def saved_per_layer(self, c, B, T, dtype, remat):
+        # what the policy saves of the adapters' inputs (none under full remat)
+        if remat.kind not in ("none", "dots", "dots_no_batch"):
+            return []
+        return _memory.lora_saved_per_layer(c, self, B, T, dtype)
+
+    def backward_transient(self, c, B, T, dtype):
+        return (_memory.dequant_transient(c, self, dtype)
+                + _memory.adapter_backward_transient(c, self, B, T, dtype))
+
+    def frozen_components(self, c, dtype):
+        return _memory.base_components(c, self, dtype)
+
     def flags(self) -> dict:
         return {"peft.lora_rank": self.rank, "peft.lora_alpha": self.alpha,
                 "peft.lora_targets": ",".join(self.targets), "peft.lora_dropout": self.dropout,
@@ -145,14 +165,8 @@ class LoraSpec(Trainable):
 def trainable_of(section) -> Trainable:
     """What a RunConfig's peft section (jaxmem.config.run.PeftSection) trains: its LoraSpec, or
     FullFineTune() for lora_rank 0."""
-    return spec_of(section) or FullFineTune()
-
-
-def spec_of(section) -> LoraSpec | None:
-    """The LoraSpec of a RunConfig's peft section (jaxmem.config.run.PeftSection), or None for a
-    full fine-tune (lora_rank 0)."""
     if not section.lora_rank:
-        return None
+        return FullFineTune()
     return LoraSpec(section.lora_rank, section.lora_alpha, parse_targets(section.lora_targets),
                     section.lora_dropout, section.quantize_base, section.quant_block,
                     section.double_quant)

@@ -30,7 +30,6 @@ import jax.numpy as jnp
 from jaxmem.config.model import ModelConfig
 from jaxmem.config.lora import TARGETS
 from jaxmem.peft.base import weight_axes
-from jaxmem.peft.lora import LoraSpec
 from jaxmem.quant import DQ_BLOCK
 
 
@@ -39,7 +38,7 @@ def _in_out(c: ModelConfig) -> dict[str, tuple[int, int]]:
             for name, (_, shape, n_in) in weight_axes(c).items()}
 
 
-def trainable_params(c: ModelConfig, spec: LoraSpec) -> int:
+def trainable_params(c: ModelConfig, spec: "LoraSpec") -> int:
     io = _in_out(c)
     return sum(c.num_layers * spec.rank * (io[t][0] + io[t][1]) for t in spec.targets)
 
@@ -56,7 +55,7 @@ def quantized_bytes(In: int, Out: int, kind: str, block: int, double_quant: bool
     return codes + scales
 
 
-def base_components(c: ModelConfig, spec: LoraSpec, dtype) -> list[tuple[str, int, str]]:
+def base_components(c: ModelConfig, spec: "LoraSpec", dtype) -> list[tuple[str, int, str]]:
     """(what, bytes, dtype) of the frozen base as the train step holds it."""
     cb, cd = jnp.dtype(dtype).itemsize, jnp.dtype(dtype).name
     io = _in_out(c)
@@ -74,7 +73,7 @@ def base_components(c: ModelConfig, spec: LoraSpec, dtype) -> list[tuple[str, in
                   ("frozen base: norms", norms * 4, "float32")]
 
 
-def lora_saved_per_layer(c: ModelConfig, spec: LoraSpec, B: int, T: int,
+def lora_saved_per_layer(c: ModelConfig, spec: "LoraSpec", B: int, T: int,
                          dtype) -> list[tuple[str, int, str]]:
     cb, cd = jnp.dtype(dtype).itemsize, jnp.dtype(dtype).name
     out = [(f"LoRA x A [B,T,R] x{len(spec.targets)}", len(spec.targets) * B * T * spec.rank * cb,
@@ -86,13 +85,13 @@ def lora_saved_per_layer(c: ModelConfig, spec: LoraSpec, B: int, T: int,
     return out
 
 
-def dequant_transient(c: ModelConfig, spec: LoraSpec, dtype) -> int:
+def dequant_transient(c: ModelConfig, spec: "LoraSpec", dtype) -> int:
     if spec.quantize == "none":
         return 0
     return sum(i * o for i, o in _in_out(c).values()) * jnp.dtype(dtype).itemsize
 
 
-def adapter_backward_transient(c: ModelConfig, spec: LoraSpec, B: int, T: int, dtype) -> int:
+def adapter_backward_transient(c: ModelConfig, spec: "LoraSpec", B: int, T: int, dtype) -> int:
     """Bytes the adapters' backward adds to one layer's backward: per target, [B, T, Out] twice.
 
     A LoRA step keeps exactly full fine-tuning's residuals plus x A (jax's saved_residuals agrees
@@ -115,5 +114,5 @@ def adapter_backward_transient(c: ModelConfig, spec: LoraSpec, B: int, T: int, d
     return per_target * sum(B * T * io[t][1] for t in spec.targets) * jnp.dtype(dtype).itemsize
 
 
-def targets_text(spec: LoraSpec) -> str:
+def targets_text(spec: "LoraSpec") -> str:
     return ",".join(TARGETS[t][1] for t in spec.targets)

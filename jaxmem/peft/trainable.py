@@ -69,6 +69,26 @@ class Trainable:
         """This choice as RunConfig fields ({"peft.lora_rank": ..., ...}; {} for the default)."""
         raise NotImplementedError
 
+    # What the trainable params take in memory (the planner, jaxmem.memory.analytic)
+    params_name: str = "params"  # what the state's params are called in a breakdown
+    plain_einsum: bool = True  # every projection is a plain einsum (its MLP may be tiled)
+
+    def trained_params(self, c) -> int:
+        """How many values the optimizer updates."""
+        raise NotImplementedError
+
+    def saved_per_layer(self, c, B: int, T: int, dtype, remat) -> list:
+        """Residuals per block beyond the model's own (jaxmem.memory.residuals' form)."""
+        return []
+
+    def backward_transient(self, c, B: int, T: int, dtype) -> int:
+        """Bytes one block's backward needs beyond the model's own."""
+        return 0
+
+    def frozen_components(self, c, dtype) -> list:
+        """(name, bytes, dtype) of the frozen base as the step holds it ([]: nothing frozen)."""
+        return []
+
 
 @dataclass(frozen=True)
 class FullFineTune(Trainable):
@@ -100,3 +120,6 @@ class FullFineTune(Trainable):
 
     def flags(self) -> dict:
         return {}
+
+    def trained_params(self, c) -> int:
+        return c.num_params()
