@@ -13,8 +13,9 @@ so the names, shapes and init values are those of the model before this layer ex
 tests/test_projection.py). A child module with its own scope would have moved every weight to
 ['q_proj']['kernel'] and changed its init values.
 
-Weight objects. The stored weight is either a plain array of the declared shape, or any object
-with a method
+Weight objects (the protocol is jaxmem.lora's `ProjectedWeight` / `project`, which the public
+`LoraWeight` and `QuantizedWeight` implement). The stored weight is either a plain array of the
+declared shape, or any object with a method
 
     project(subscripts: str, x: jax.Array, einsum: Einsum) -> jax.Array
 
@@ -29,22 +30,14 @@ gets an error naming the parameter and both shapes.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, runtime_checkable
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmem.lora import Einsum, ProjectedWeight, default_einsum, project  # the weight protocol
 from jaxmem.model.layers import cpu_lacks, scaled_normal
 from jaxmem.model.sharding import constrain_weight
-
-Einsum = Callable[[str, jax.Array, jax.Array], jax.Array]
-
-
-def default_einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """Plain einsum in the activation dtype; jaxmem.model.fp8 supplies a drop-in fp8 version."""
-    return jnp.einsum(subscripts, x, w.astype(x.dtype))
 
 
 def logits_einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -52,25 +45,6 @@ def logits_einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
     if cpu_lacks(x.dtype):
         x = x.astype(jnp.float32)
     return jnp.einsum(subscripts, x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-
-
-@runtime_checkable
-class ProjectedWeight(Protocol):
-    """A stored weight that is not a plain array (a LoRA-wrapped or quantized weight).
-
-    `project` returns what `einsum(subscripts, x, W)` would for the dense W it represents; it
-    receives the model's einsum (plain or fp8) to use for its own matmuls. It must be a
-    registered pytree whose leaves carry the layer axis first, as every stacked param does.
-    """
-
-    def project(self, subscripts: str, x: jax.Array, einsum: Einsum) -> jax.Array: ...
-
-
-def project(subscripts: str, x: jax.Array, w, einsum: Einsum = default_einsum) -> jax.Array:
-    """`einsum(subscripts, x, w)`, or `w.project(...)` for a weight object."""
-    if isinstance(w, ProjectedWeight):
-        return w.project(subscripts, x, einsum)
-    return einsum(subscripts, x, w)
 
 
 class Projection(nn.Module):
