@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem.model.projection import project
+from jaxmem.einsum import project
 from jaxmem.peft import lora as _lora
 from jaxmem.quant import QuantizedWeight, is_kernel, path_text
 

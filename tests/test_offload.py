@@ -153,7 +153,7 @@ MESH_CHECK = r'''
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from jaxmem.config.run import RunConfig
-from jaxmem.model.sharding import activation_sharding
+from jaxmem.sharding import activation_sharding
 from jaxmem.parallel import run_mesh
 from jaxmem.train.placement import Placement
 from jaxmem.peft.base import abstract_base, base_on_device, base_on_host

@@ -34,8 +34,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxmem.model.projection import logits_einsum, project
-from jaxmem.model.sharding import constrain
+from jaxmem.einsum import logits_einsum, project
+from jaxmem.sharding import constrain
 
 # `--loss-chunk` unset (auto): the fused loss is used when the head is wider than its input
 # (V > D: keeping x [B, T, D] instead of logits [B, T, V] is then smaller), with chunks of the

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem.loss.chunked import AUTO_CHUNK_BYTES, chunked_cross_entropy
-from jaxmem.model.projection import logits_einsum
+from jaxmem.einsum import logits_einsum
 
 
 class HeadLayout(str, enum.Enum):

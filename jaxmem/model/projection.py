@@ -13,7 +13,8 @@ so the names, shapes and init values are those of the model before this layer ex
 tests/test_projection.py). A child module with its own scope would have moved every weight to
 ['q_proj']['kernel'] and changed its init values.
 
-Weight objects. The stored weight is either a plain array of the declared shape, or any object
+Weight objects (the seam itself, `project` and the `ProjectedWeight` protocol, lives in
+jaxmem.einsum, below the model: jaxmem.loss and jaxmem.lora call it too). The stored weight is either a plain array of the declared shape, or any object
 with a method
 
     project(subscripts: str, x: jax.Array, einsum: Einsum) -> jax.Array
@@ -29,49 +30,14 @@ gets an error naming the parameter and both shapes.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, runtime_checkable
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem.model.layers import cpu_lacks, scaled_normal
-from jaxmem.model.sharding import constrain_weight
-
-Einsum = Callable[[str, jax.Array, jax.Array], jax.Array]
-
-
-def default_einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """Plain einsum in the activation dtype; jaxmem.model.fp8 supplies a drop-in fp8 version."""
-    return jnp.einsum(subscripts, x, w.astype(x.dtype))
-
-
-def logits_einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """The LM head's einsum: fp32 accumulation and fp32 logits whatever the compute dtype."""
-    if cpu_lacks(x.dtype):
-        x = x.astype(jnp.float32)
-    return jnp.einsum(subscripts, x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-
-
-@runtime_checkable
-class ProjectedWeight(Protocol):
-    """A stored weight that is not a plain array (a LoRA-wrapped or quantized weight).
-
-    `project` returns what `einsum(subscripts, x, W)` would for the dense W it represents; it
-    receives the model's einsum (plain or fp8) to use for its own matmuls. It must be a
-    registered pytree whose leaves carry the layer axis first, as every stacked param does.
-    """
-
-    def project(self, subscripts: str, x: jax.Array, einsum: Einsum) -> jax.Array: ...
-
-
-def project(subscripts: str, x: jax.Array, w, einsum: Einsum = default_einsum) -> jax.Array:
-    """`einsum(subscripts, x, w)`, or `w.project(...)` for a weight object."""
-    if isinstance(w, ProjectedWeight):
-        return w.project(subscripts, x, einsum)
-    return einsum(subscripts, x, w)
-
+from jaxmem.einsum import Einsum, ProjectedWeight, default_einsum, project
+from jaxmem.sharding import constrain_weight
+from jaxmem.model.layers import scaled_normal
 
 class Projection(nn.Module):
     """y = einsum(subscripts, x, W) for the parent's parameter W named `weight_name`.

@@ -38,7 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem.model.roles import param_role, path_text
+from jaxmem.paths import path_text
+from jaxmem.model.roles import param_role
 from jaxmem.peft.lora import LoraSpec
 from jaxmem.peft.offload import offload_shardings, one_device_shardings
 from jaxmem.peft.quant import QuantizedWeight, quantize, quantize_layers

@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxmem.config.lora import ALL_TARGETS, TARGETS, parse_targets  # noqa: F401 (re-exported)
 from jaxmem.config.model import ModelConfig
-from jaxmem.model.projection import project
+from jaxmem.einsum import project
 
 RANK = "R"  # the adapter rank's axis letter in einsum strings
 

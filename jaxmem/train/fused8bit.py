@@ -40,8 +40,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxmem.optim._stochastic as sr
 from jaxmem.bits import from_bits, to_bits, tree_norm
-from jaxmem.model.roles import path_text
-from jaxmem.model.sharding import weight_placement
+from jaxmem.paths import path_text
+from jaxmem.sharding import weight_placement
 from jaxmem.optim import Optimizer, Quantized, ScaleByAdam8bitState, as_optimizer
 from jaxmem.optim._adamw8bit import adam_piece, bias_corrections
 from jaxmem.train.optim import OptimConfig, OptimizerName, decay_mask, make_optimizer, schedule
@@ -140,7 +140,7 @@ def adamw8bit_piece(cfg: OptimConfig, opt_state, g_norm: jax.Array | None, round
 
 def apply_placed(path: str, piece, g, m, v, p, decays, leaf_key, finite):
     """`apply_leaf` where the leaf lives: on a mesh (a weight rule installed,
-    jaxmem.model.sharding.weight_placement) each device updates its own shard inside a
+    jaxmem.sharding.weight_placement) each device updates its own shard inside a
     `shard_map`, in row pieces of its shard, so the update never gathers a leaf whole, whatever
     axis the mesh splits (a row piece of the whole leaf would cross the shards of an inner axis,
     and XLA all-gathers the leaf for the loop over pieces). Blocks run along the last axis:

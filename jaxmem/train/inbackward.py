@@ -47,7 +47,7 @@ from jaxmem.loss.chunked import chunked_cross_entropy, resolve_loss_chunk
 from jaxmem.model.layers import RMSNorm, attention_mask, rope_tables
 from jaxmem.model.llama import DecoderBlock
 from jaxmem.model.precision import cast_params
-from jaxmem.model.projection import logits_einsum, project
+from jaxmem.einsum import logits_einsum, project
 from jaxmem.optim import NoOpLossScale, all_finite
 from jaxmem.train.layerwise import LayerwiseUpdate
 from jaxmem.train.loss import cross_entropy

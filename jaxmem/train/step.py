@@ -38,8 +38,8 @@ from jaxmem.config.model import ModelConfig
 from jaxmem.bits import key_data, tree_norm, wrap_key_data
 from jaxmem.model.llama import Llama, init_params
 from jaxmem.model.fp8_compile import compiler_options as fp8_compiler_options
-from jaxmem.model.projection import default_einsum
-from jaxmem.model.sharding import constrain_grads
+from jaxmem.einsum import default_einsum
+from jaxmem.sharding import constrain_grads
 from jaxmem.optim import (LossScale, LossScaledState, NoOpLossScale, Optimizer,
                           SkipNonFiniteState, loss_scaled, skip_nonfinite)
 from jaxmem.train.fused8bit import train_optimizer

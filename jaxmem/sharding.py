@@ -41,6 +41,8 @@ from typing import Callable, Mapping, Union
 
 import jax
 
+from jaxmem.paths import path_text
+
 KINDS = ("embed", "block", "logits")
 
 Rules = Union[Callable[[jax.Array, str], jax.Array], Mapping[str, object]]
@@ -147,7 +149,6 @@ def constrain_grads(tree):
     rule = _WEIGHTS.get()
     if rule is None:
         return tree
-    from jaxmem.model.roles import path_text
 
     def one(path, g):
         sharding = rule(path_text(path), tuple(g.shape), True)
