@@ -58,11 +58,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from experiments import cpu_isa
+from experiments.common import cpu_isa
 from experiments.compare_report import (add_mfu, add_ratios, format_table, mib, remat_label,
                                         versions, write_chart)
 from experiments.compare_workers import FRAMEWORKS, MODES, SELECTIVE, worker
-from experiments.resultfiles import new_result_file
+from experiments.common.resultfiles import new_result_file
 from jaxmem.config.flags import add_run_flags, given_overrides
 from jaxmem.plot.figure import PlotError
 from jaxmem.config.run import RunConfig

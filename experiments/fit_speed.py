@@ -17,7 +17,7 @@ import sys
 import time
 import jax
 
-from experiments.resultfiles import new_result_file
+from experiments.common.resultfiles import new_result_file
 
 
 def main(argv=None) -> int:

@@ -26,7 +26,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from experiments.resultfiles import new_result_file
+from experiments.common.resultfiles import new_result_file
 from jaxmem.model.fp8 import fp8_einsum
 
 

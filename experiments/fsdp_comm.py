@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         print(f"{source}\n\n{format_comm_table(report, pbytes, n)}\n\n{ops_table(report)}")
     path = args.out
     if path is None:
-        from experiments.resultfiles import new_result_file
+        from experiments.common.resultfiles import new_result_file
         path = new_result_file("fsdp_comm")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)

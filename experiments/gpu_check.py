@@ -60,7 +60,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments import cpu_isa
+from experiments.common import cpu_isa
 from experiments.gpu_check_rows import (ROOT, Row, compare_numbers, diag_note, last_record,
                                         plan_numbers, pytest_counts, rows, target_card,
                                         target_installed, train_metrics)
@@ -136,7 +136,7 @@ def child_env(cpu_only: bool = False, **extra) -> dict:
     preallocation (the peak is what the process used, and the planner's background compile
     never takes 75% of the GPU); `cpu_only` (--smoke, the background plans): no GPU at all, so
     --smoke checks the same thing on a GPU machine as on a CPU one; torch's oneDNN kept off AMX
-    where the CPU advertises it but dies using it (experiments/cpu_isa.py)."""
+    where the CPU advertises it but dies using it (experiments/common/cpu_isa.py)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
         XLA_PYTHON_CLIENT_PREALLOCATE="false")

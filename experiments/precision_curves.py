@@ -28,7 +28,7 @@ from pathlib import Path
 
 import jax
 
-from experiments.resultfiles import new_result_file
+from experiments.common.resultfiles import new_result_file
 
 MODES = ("fp32", "bf16", "amp-bf16", "amp-fp16", "fp8")
 

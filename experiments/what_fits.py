@@ -37,7 +37,7 @@ import subprocess
 import sys
 import time
 
-from experiments.resultfiles import new_result_file
+from experiments.common.resultfiles import new_result_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB = 2**30

@@ -1,4 +1,4 @@
-"""What the suite's environment does by machine (tests/testenv.py, experiments/cpu_isa.py).
+"""What the suite's environment does by machine (tests/testenv.py, experiments/common/cpu_isa.py).
 
 - torch's oneDNN ISA cap on a CPU that advertises AMX but dies using it: the probe's child is
   replaced by one that kills itself with SIGILL unless capped (no torch needed, ~0.1 s a child);
@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from experiments import cpu_isa
+from experiments.common import cpu_isa
 from experiments.gpu_check_table import isa_lines
 
 # What the Xeon VM did: SIGILL in oneDNN's AMX bf16 kernel unless ONEDNN_MAX_CPU_ISA caps it.
