@@ -13,10 +13,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 
-from experiments import compare  # noqa: E402
-from experiments import compare_report as report  # noqa: E402
-from experiments import compare_workers as workers  # noqa: E402
-from experiments import torch_train as tt  # noqa: E402
+from experiments.compare import driver as compare  # noqa: E402
+from experiments.compare import report  # noqa: E402
+from experiments.compare import workers  # noqa: E402
+from experiments.compare import torch_train as tt  # noqa: E402
 from jaxmem.config.model import ModelConfig, get_preset  # noqa: E402
 from jaxmem.memory.residuals import saved_residual_bytes  # noqa: E402
 from jaxmem.model import Llama, RematPolicy, abstract_params  # noqa: E402
