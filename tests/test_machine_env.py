@@ -12,7 +12,7 @@ import signal
 import pytest
 
 from experiments.common import cpu_isa
-from experiments.gpu_check_table import isa_lines
+from experiments.gpu_check.table import isa_lines
 
 # What the Xeon VM did: SIGILL in oneDNN's AMX bf16 kernel unless ONEDNN_MAX_CPU_ISA caps it.
 DIES_ON_AMX = ("import os, signal\n"
@@ -58,7 +58,7 @@ def test_no_cap_without_cause(amx, tmp_path):
 def test_the_cap_reaches_the_suite_and_the_torch_workers(monkeypatch):
     """testenv, gpu_check's rows and compare's torch workers take cap_env; a user's value wins."""
     import testenv
-    from experiments import gpu_check
+    from experiments.gpu_check import driver as gpu_check
 
     capped = cpu_isa.IsaCap({cpu_isa.VAR: cpu_isa.CAP}, "test")
     monkeypatch.setattr(cpu_isa, "_CACHED", capped)
