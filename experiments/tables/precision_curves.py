@@ -1,8 +1,8 @@
 """Loss after the same steps in every precision mode, on the same data, init and batches.
 
-    python -m experiments.precision_curves                      # tiny preset, 300 steps, CPU ~10 min
-    python -m experiments.precision_curves --steps 100 --modes fp32,amp-bf16
-    python -m experiments.precision_curves --name optimizers \
+    python -m experiments.tables.precision_curves                      # tiny preset, 300 steps, CPU ~10 min
+    python -m experiments.tables.precision_curves --steps 100 --modes fp32,amp-bf16
+    python -m experiments.tables.precision_curves --name optimizers \
         --modes fp32,amp-bf16,fp32/adamw8bit,amp-bf16/adamw8bit,bf16,bf16-sr,bf16-sr/adamw8bit
 
 A mode is a `--precision` value, optionally with `/OPTIMIZER` (`--optimizer`, default adamw).
