@@ -38,12 +38,14 @@ def own_flags(rest: str) -> list[str]:
 
 
 def snippets(text: str) -> list[str]:
-    """The fenced code blocks (one command per line, backslash continuations joined) and the
-    inline code spans of the rest (a span may break across lines)."""
+    """The fenced code blocks and the lines indented as code (one command per line, backslash
+    continuations joined), and the inline code spans of the rest (a span may break across
+    lines)."""
     out = []
     for block in FENCE.findall(text):
         out += block.replace("\\\n", " ").splitlines()
     prose = FENCE.sub("", text)
+    out += [line for line in prose.replace("\\\n", " ").splitlines() if line.startswith("    ")]
     out += [s.replace("\n", " ") for s in INLINE.findall(prose)]
     return out
 
@@ -83,12 +85,14 @@ def test_the_documents_name_programs():
 
 def test_snippets_read_fenced_and_inline_commands():
     text = ("Run `python -m a.b --x 1\n--y` or\n\n```bash\nPYTHONPATH=. python -m c --z \\\n"
-            "  --w 2   # --not-a-flag\npython examples/e.py --v -- --train-flag | tail\n```\n")
+            "  --w 2   # --not-a-flag\npython examples/e.py --v -- --train-flag | tail\n```\n"
+            "or\n\n    python -m f --u \\\n        --t   # indented\n")
     got = {}
     for s in snippets(text):
         for m in COMMAND.finditer(s):
             got[m["module"] or m["script"]] = own_flags(m["rest"])
-    assert got == {"a.b": ["--x", "--y"], "c": ["--z", "--w"], "examples/e.py": ["--v"]}
+    assert got == {"a.b": ["--x", "--y"], "c": ["--z", "--w"], "examples/e.py": ["--v"],
+                   "f": ["--u", "--t"]}
 
 
 @pytest.mark.parametrize("prog", sorted(PROGRAMS))
