@@ -1,8 +1,8 @@
 """Every command README.md and docs/*.md write runs as written: each program a document starts
 (`python -m MODULE ...`, `python examples/NAME.py ...`, `python experiments/...py ...`, in fenced
 code blocks and in inline code) answers `--help` with exit 0 and a usage line, and every
-`--flag` the documents give it is one its help lists. Each program's `--help` runs once, two at
-a time."""
+`--flag` the documents give it is one its help lists, with a value among its choices where the
+help lists choices. Each program's `--help` runs once, two at a time."""
 
 from __future__ import annotations
 
@@ -31,10 +31,19 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*")
 HIDDEN = {("-m jaxmem.memory", "--worker")}
 
 
-def own_flags(rest: str) -> list[str]:
-    """The flags of a command's own program: those before a lone `--` (which passes the rest on,
-    as `python -m jaxmem.launch ... -- --steps 50` does)."""
-    return FLAG.findall(re.split(r"\s--(?:\s|$)", rest)[0])
+def own_flags(rest: str) -> list[tuple[str, str]]:
+    """(flag, the word after it) of a command's own program: those before a lone `--` (which
+    passes the rest on, as `python -m jaxmem.launch ... -- --steps 50` does)."""
+    words = re.split(r"\s--(?:\s|$)", rest)[0].split()
+    return [(w.split("=")[0], w.split("=", 1)[1] if "=" in w else
+             (words[i + 1] if i + 1 < len(words) else "")) for i, w in enumerate(words)
+            if FLAG.fullmatch(w.split("=")[0])]
+
+
+def choices(help_text: str) -> dict[str, set[str]]:
+    """{flag: its choices} where argparse's help shows them (`--flag {a,b,c}`)."""
+    return {flag: set(c.split(",")) for flag, c in
+            re.findall(r"(?<![\w-])(--[a-z][\w-]*)[ =]\{([^}\s]+)\}", help_text)}
 
 
 def snippets(text: str) -> list[str]:
@@ -59,8 +68,10 @@ def documented() -> dict[str, dict[str, set[str]]]:
                 prog = f"-m {m['module']}" if m["module"] else m["script"]
                 flags = found.setdefault(prog, {})
                 flags.setdefault("", set()).add(doc.name)
-                for flag in own_flags(m["rest"]):
+                for flag, value in own_flags(m["rest"]):
                     flags.setdefault(flag, set()).add(doc.name)
+                    if value and not value.startswith("-"):
+                        flags.setdefault(f"{flag} {value}", set()).add(doc.name)
     return found
 
 
@@ -90,9 +101,11 @@ def test_snippets_read_fenced_and_inline_commands():
     got = {}
     for s in snippets(text):
         for m in COMMAND.finditer(s):
-            got[m["module"] or m["script"]] = own_flags(m["rest"])
+            got[m["module"] or m["script"]] = [f for f, _ in own_flags(m["rest"])]
     assert got == {"a.b": ["--x", "--y"], "c": ["--z", "--w"], "examples/e.py": ["--v"],
                    "f": ["--u", "--t"]}
+    assert own_flags(" --r 16 --s=a --q -- --steps 5") == [("--r", "16"), ("--s", "a"), ("--q", "")]
+    assert choices("  --dtype {float32,bfloat16}  help\n  --n N") == {"--dtype": {"float32", "bfloat16"}}
 
 
 @pytest.mark.parametrize("prog", sorted(PROGRAMS))
@@ -102,7 +115,12 @@ def test_documented_command_answers_help_with_its_flags(prog):
     assert p.returncode == 0, f"`python {prog} --help` (written in {docs}) exited " \
                               f"{p.returncode}: {p.stderr[-1500:]}"
     assert re.search(r"^usage:", p.stdout, re.M | re.I), (prog, p.stdout[:500])
-    unknown = {flag: sorted(where) for flag, where in PROGRAMS[prog].items()
-               if flag and (prog, flag) not in HIDDEN
+    given = [f for f in PROGRAMS[prog] if f and " " not in f]
+    unknown = {flag: sorted(PROGRAMS[prog][flag]) for flag in given if (prog, flag) not in HIDDEN
                and not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", p.stdout)}
     assert not unknown, f"`python {prog}`: flags the documents give that --help lacks: {unknown}"
+    allowed = choices(p.stdout)
+    bad = {fv: sorted(where) for fv, where in PROGRAMS[prog].items() if " " in fv
+           and fv.split()[0] in allowed and fv.split()[1].strip("'\"`,") not in allowed[fv.split()[0]]}
+    assert not bad, f"`python {prog}`: values the documents give that are not among the " \
+                    f"choices --help lists: {bad}"
