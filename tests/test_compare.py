@@ -62,7 +62,7 @@ def test_same_weights_same_batches_same_losses(pair):
         assert r["saved_bytes"] > 0 and r["step_ms"] > 0
         assert r["tokens_per_s"] == pytest.approx(2 * 16 / (r["step_ms"] / 1e3))
     # the peak allocator stat: none on a CPU; on a GPU jax's peak_bytes_in_use, and torch's
-    # max_memory_allocated when torch runs on cuda there (compare_workers picks cuda if it can)
+    # max_memory_allocated when torch runs on cuda there (experiments.compare.workers picks cuda if it can)
     if jax.default_backend() == "cpu":
         assert j["peak_bytes"] is None
     else:

@@ -366,7 +366,8 @@ def random_batches(config: ModelConfig, n: int, batch_size: int, seq_len: int, s
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.compare.torch_train",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--mode", default="fp32", choices=MODES)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=4)

@@ -70,7 +70,8 @@ def gib(n) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.tables.finetune_memory",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--compile", nargs="*", default=[], metavar="MODEL",
                    help="also compile these models' steps ahead of time (CPU: a minute or more each)")
     p.add_argument("--models", nargs="*", default=list(MODELS))

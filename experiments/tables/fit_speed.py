@@ -21,7 +21,8 @@ from experiments.common.resultfiles import new_result_file
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.tables.fit_speed",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="tiny")
     p.add_argument("--precision", default="fp32")
     p.add_argument("--optimizer", default="adamw")

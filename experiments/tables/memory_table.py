@@ -74,7 +74,7 @@ def gib(n):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m experiments.tables.memory_table")
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--timeout", type=int, default=180, help="seconds per compile")

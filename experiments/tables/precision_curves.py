@@ -49,7 +49,8 @@ def run_mode(mode: str, steps: int, out: Path, extra: list[str]) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.tables.precision_curves",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
