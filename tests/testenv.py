@@ -88,7 +88,8 @@ def _cuda_plugin_without_gpu() -> bool:
 
 
 def _onednn_cap(env: dict) -> dict:
-    """ONEDNN_MAX_CPU_ISA for torch where this CPU needs it (experiments/common/cpu_isa.py), else {}."""
+    """ONEDNN_MAX_CPU_ISA for torch where this CPU needs it (experiments/common/cpu_isa.py),
+    else {}."""
     import sys
     if str(ROOT) not in sys.path:  # a worker script started as tests/<name>.py
         sys.path.append(str(ROOT))
