@@ -34,7 +34,7 @@ PLANNER_NAMES = "names:query,key,value,mlp_gate,mlp_up"
 
 # compiled peak / analytic peak, measured on the CPU backend: fp32 0.95-1.04 on every preset,
 # 16-bit 1.0-1.55 (CPU bf16 keeps fp32 temporaries; docs/memory.md's tables), tiny at 8 x 512
-# 0.890-1.021 over the 15 candidates of experiments/fit_speed.py (the lowest: full remat);
+# 0.890-1.021 over the 15 candidates of experiments/tables/fit_speed.py (the lowest: full remat);
 # 8-bit optimizers only add temporaries the formula leaves out (ratio up, never down). Only the
 # lower end rules candidates out, so it is the lowest ratio measured, rounded down; a wrong
 # rule-out could only cost speed (a slower candidate chosen), never the budget: the chosen

@@ -1,8 +1,8 @@
 """What an FSDP train step sends between devices, per device per step, against FSDP's theory.
 
-    python -m experiments.fsdp_comm --preset llama-3-8b --precision bf16-sr --optimizer adamw8bit \
+    python -m experiments.tables.fsdp_comm --preset llama-3-8b --precision bf16-sr --optimizer adamw8bit \
         --remat full --batch-size 8 --seq-len 2048 --mesh fsdp=8 [--target h100] [--devices 8]
-    python -m experiments.fsdp_comm --hlo DUMP_after_optimizations.txt --preset llama-3-8b \
+    python -m experiments.tables.fsdp_comm --hlo DUMP_after_optimizations.txt --preset llama-3-8b \
         --num-layers 8 --precision bf16-sr --mesh fsdp=8        (a saved module; no compile)
 
 The step is compiled as `python -m jaxmem.memory ... --mesh M --target CARD --devices N` compiles
@@ -37,7 +37,7 @@ FLAGS = {"precision": ("mode",), "data": ("batch_size", "seq_len", "grad_accum")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.fsdp_comm",
+    p = argparse.ArgumentParser(prog="python -m experiments.tables.fsdp_comm",
                                 description=__doc__.split("\n\n")[0])
     add_run_flags(p, ["model", "precision", "remat", "optim", "data", "parallel"], only=FLAGS)
     p.add_argument("--target", default="h100", choices=sorted(target.CARDS), metavar="GPU")
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         print(f"{source}\n\n{format_comm_table(report, pbytes, n)}\n\n{ops_table(report)}")
     path = args.out
     if path is None:
-        from experiments.resultfiles import new_result_file
+        from experiments.common.resultfiles import new_result_file
         path = new_result_file("fsdp_comm")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)

@@ -1,7 +1,7 @@
 """Memory of fine-tuning: full vs LoRA vs QLoRA int8 vs QLoRA NF4, analytic and compiled.
 
-    python -m experiments.finetune_memory                      # analytic, all models
-    python -m experiments.finetune_memory --compile llama-3.2-1b llama-3-8b   # + XLA's numbers
+    python -m experiments.tables.finetune_memory                      # analytic, all models
+    python -m experiments.tables.finetune_memory --compile llama-3.2-1b llama-3-8b   # + XLA's numbers
 
 Prints a markdown table (docs/finetune.md) for llama-3.2-1b, llama-3-8b and a Llama-3-70B shape
 at batch 1 x seq 2048, amp-bf16 (fp32 master weights / adapters, bf16 compute), remat full,
@@ -70,7 +70,8 @@ def gib(n) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.tables.finetune_memory",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--compile", nargs="*", default=[], metavar="MODEL",
                    help="also compile these models' steps ahead of time (CPU: a minute or more each)")
     p.add_argument("--models", nargs="*", default=list(MODELS))

@@ -6,7 +6,7 @@ Same architecture and numerics as `jaxmem.model.llama` (checked by `tests/test_t
 
 * RoPE uses Hugging Face's rotate_half layout (halves, not interleaved pairs), computed in fp32
   and cast back, exactly like `jaxmem.model.apply_rope`; no q/k permutation is needed when
-  converting weights (`experiments/convert.py`).
+  converting weights (`experiments/compare/convert.py`).
 * RMSNorm normalizes in fp32, multiplies by the weight in fp32, then casts back to the input
   dtype -- jaxmem's order. Hugging Face casts back *before* multiplying by the weight; the two
   agree in fp32 and differ by one bf16 rounding in bf16.
@@ -21,7 +21,7 @@ self_attn.q_proj.weight`, ...), so its `state_dict` loads HF checkpoints directl
 
 Set `model.gradient_checkpointing = True` to wrap every decoder layer in
 `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`; also set
-`model.checkpoint_context_fn` (e.g. via `experiments.torch_train.set_remat(model, "selective")`)
+`model.checkpoint_context_fn` (e.g. via `experiments.compare.torch_train.set_remat(model, "selective")`)
 for selective activation checkpointing inside each layer.
 """
 

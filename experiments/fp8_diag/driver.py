@@ -26,7 +26,7 @@ It builds jaxmem's train step with `--precision fp8` (remat `full` by default) a
 
 With `--target h100` nothing runs: the steps are compiled by XLA's GPU compiler for that card
 (jaxmem.target, no GPU needed) and the report is a table read from their optimized HLO
-(experiments.fp8_table.step_table): for amp-bf16 and fp8, each in the forms that matter (XLA's
+(experiments.fp8_diag.table.step_table): for amp-bf16 and fp8, each in the forms that matter (XLA's
 default, Triton GEMMs, and `--xla_gpu_enable_triton_gemm=false`; fp8 also with jaxmem's flags,
 jaxmem.model.fp8_compile.COMPILER_OPTIONS_FP8), GEMMs per step by backend and dtype (cublasLt f8,
 cublasLt bf16, Triton), non-GEMM fusions and the bytes they move (operands read plus results
@@ -55,8 +55,8 @@ import time
 
 import jax
 
-from experiments.fp8_hlo import F8_TARGET, fp8_dots, gemms, parse_hlo, top_kernels
-from experiments.fp8_table import roofline_ms, step_table
+from experiments.fp8_diag.hlo import F8_TARGET, fp8_dots, gemms, parse_hlo, top_kernels
+from experiments.fp8_diag.table import roofline_ms, step_table
 from jaxmem import target
 from jaxmem.model.fp8_compile import COMPILER_OPTIONS_FP8
 from jaxmem.config.model import PRESETS, get_preset
@@ -356,7 +356,3 @@ def _print(r: dict) -> None:
                 print(f"    {ms:9.3f}  {name[:100]}")
         elif row:
             print(f"  top kernels, {label}: none ({row['top_kernels_source']})")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

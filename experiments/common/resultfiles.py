@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def new_result_file(stem: str, suffix: str = ".json", companions: tuple[str, ...] = ()) -> Path:

@@ -79,7 +79,7 @@ def markdown(doc: dict) -> str:
 
 
 def isa_lines(doc: dict) -> list[str]:
-    """A line when torch ran under a oneDNN ISA cap (experiments/cpu_isa.py), else none."""
+    """A line when torch ran under a oneDNN ISA cap (experiments/common/cpu_isa.py), else none."""
     isa = doc.get("cpu_isa") or {}
     if not isa.get("set"):
         return []

@@ -1,8 +1,8 @@
 """Loss after the same steps in every precision mode, on the same data, init and batches.
 
-    python -m experiments.precision_curves                      # tiny preset, 300 steps, CPU ~10 min
-    python -m experiments.precision_curves --steps 100 --modes fp32,amp-bf16
-    python -m experiments.precision_curves --name optimizers \
+    python -m experiments.tables.precision_curves                      # tiny preset, 300 steps, CPU ~10 min
+    python -m experiments.tables.precision_curves --steps 100 --modes fp32,amp-bf16
+    python -m experiments.tables.precision_curves --name optimizers \
         --modes fp32,amp-bf16,fp32/adamw8bit,amp-bf16/adamw8bit,bf16,bf16-sr,bf16-sr/adamw8bit
 
 A mode is a `--precision` value, optionally with `/OPTIMIZER` (`--optimizer`, default adamw).
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import jax
 
-from experiments.resultfiles import new_result_file
+from experiments.common.resultfiles import new_result_file
 
 MODES = ("fp32", "bf16", "amp-bf16", "amp-fp16", "fp8")
 
@@ -49,7 +49,8 @@ def run_mode(mode: str, steps: int, out: Path, extra: list[str]) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.tables.precision_curves",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-from experiments.compare_workers import FRAMEWORKS, MODES, SELECTIVE, model_config
+from experiments.compare.workers import FRAMEWORKS, MODES, SELECTIVE, model_config
 
 # jax blue, torch (eager) red, torch.compile orange
 CHART_SERIES = (("jax", "jax", "C0"), ("torch", "torch (eager)", "C3"),

@@ -1,6 +1,6 @@
 """What fits on an 80 GB H100 and on a 24 GB card: the tables of docs/memory.md "What fits".
 
-    python -m experiments.what_fits [--presets llama-3.2-1b,llama-3.1-8b] [--seqs 2048,8192,32768]
+    python -m experiments.tables.what_fits [--presets llama-3.2-1b,llama-3.1-8b] [--seqs 2048,8192,32768]
                                     [--cards h100] [--judge rtx4090] [--big] [--timeout 900]
 
 Each row is `python -m jaxmem.memory ... --target CARD --compile --json` in a process of its own:
@@ -37,9 +37,9 @@ import subprocess
 import sys
 import time
 
-from experiments.resultfiles import new_result_file
+from experiments.common.resultfiles import new_result_file
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GiB = 2**30
 
 METHODS = {
@@ -178,7 +178,7 @@ def format_big(rows) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.what_fits", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m experiments.tables.what_fits", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", default="llama-3.2-1b,llama-3.2-3b,llama-3.1-8b")
     p.add_argument("--seqs", default="2048,8192,32768")

@@ -1,7 +1,7 @@
 """How many compiles and how long `--fit` takes: compile every candidate in order (the planner
 before analytic-first) against analytic-first, on the same machine in one sitting.
 
-    python -m experiments.fit_speed --preset tiny --seq-len 512 --global-batch 8 --fit 0.1
+    python -m experiments.tables.fit_speed --preset tiny --seq-len 512 --global-batch 8 --fit 0.1
 
 Prints one line per mode (compiles, candidates tried, seconds, the choice and its compiled peak)
 and writes experiments/results/fit_speed_<date>.json. The compile cache is switched off (each
@@ -17,11 +17,12 @@ import sys
 import time
 import jax
 
-from experiments.resultfiles import new_result_file
+from experiments.common.resultfiles import new_result_file
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.tables.fit_speed",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="tiny")
     p.add_argument("--precision", default="fp32")
     p.add_argument("--optimizer", default="adamw")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from experiments.fp8_hlo import (F8_TARGET, GEMM_TARGETS, _attr, _is_f8, _operand_type,
+from experiments.fp8_diag.hlo import (F8_TARGET, GEMM_TARGETS, _attr, _is_f8, _operand_type,
                                  entry_name, parse_hlo)
 
 # What an optimized GPU module runs per step, read from its text (a deviceless compile has no

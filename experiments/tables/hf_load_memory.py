@@ -1,6 +1,6 @@
 """Host memory of reading a Hugging Face checkpoint: jaxmem.io.hf.load_hf vs load_file + convert.
 
-    python -m experiments.hf_load_memory [--hidden 1024 --layers 8 --dir /tmp/hf_mem]
+    python -m experiments.tables.hf_load_memory [--hidden 1024 --layers 8 --dir /tmp/hf_mem]
 
 Writes a random bf16 Llama checkpoint (sharded, jaxmem.io.hf_export.save_hf), then in a fresh
 process per reader measures the peak resident set (ru_maxrss) added by reading it as fp32 params.
@@ -46,7 +46,7 @@ print(json.dumps({"how": how, "peak_added_mib": (after - before) / 1024, "params
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.hf_load_memory")
+    p = argparse.ArgumentParser(prog="python -m experiments.tables.hf_load_memory")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--dir", default="/tmp/jaxmem_hf_mem")

@@ -9,7 +9,7 @@ finishes, so nothing measured is lost when a later row dies; each row's output g
 DIR/logs/ROW.log and its run directory to DIR/runs/ROW (checkpoints deleted after the row unless
 --keep-runs: an 8B state is 33 GiB). A row is `ok`, `FAILED` (with the last line of its error) or
 `skipped` (with the reason). The exit status is 1 when any row FAILED, naming them; 2 for bad
-flags. Rows (`--rows` picks some; experiments.gpu_check_rows has the exact flags):
+flags. Rows (`--rows` picks some; experiments.gpu_check.rows has the exact flags):
 
     gpu-tests     pytest -m gpu
     1b-adamw      llama-3.2-1b amp-bf16 remat full 8x2048, AdamW: tok/s, MFU, measured peak
@@ -60,11 +60,11 @@ import sys
 import time
 from pathlib import Path
 
-from experiments import cpu_isa
-from experiments.gpu_check_rows import (ROOT, Row, compare_numbers, diag_note, last_record,
+from experiments.common import cpu_isa
+from experiments.gpu_check.rows import (ROOT, Row, compare_numbers, diag_note, last_record,
                                         plan_numbers, pytest_counts, rows, target_card,
                                         target_installed, train_metrics)
-from experiments.gpu_check_table import commit, gpu_name, markdown, versions, write_report
+from experiments.gpu_check.table import commit, gpu_name, markdown, versions, write_report
 
 PROG = "python -m experiments.gpu_check"
 _clock = time.perf_counter  # the budget's clock (a test replaces it)
@@ -136,7 +136,7 @@ def child_env(cpu_only: bool = False, **extra) -> dict:
     preallocation (the peak is what the process used, and the planner's background compile
     never takes 75% of the GPU); `cpu_only` (--smoke, the background plans): no GPU at all, so
     --smoke checks the same thing on a GPU machine as on a CPU one; torch's oneDNN kept off AMX
-    where the CPU advertises it but dies using it (experiments/cpu_isa.py)."""
+    where the CPU advertises it but dies using it (experiments/common/cpu_isa.py)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
         XLA_PYTHON_CLIENT_PREALLOCATE="false")
@@ -244,8 +244,8 @@ def run_row(row: Row, args, hf: dict) -> dict:
                     f"{len(got['failed'])} failed, {len(got['errors'])} errors"
                     + (f"; {error_line(res, row.timeout)}" if res["timed_out"] or not bad else ""))}
     if row.kind == "diag":
-        if not (ROOT / "experiments" / "fp8_diag.py").is_file():
-            return {"status": "skipped", "why": "experiments/fp8_diag.py is not in this checkout"}
+        if not (ROOT / "experiments" / "fp8_diag" / "__main__.py").is_file():
+            return {"status": "skipped", "why": "experiments/fp8_diag/ is not in this checkout"}
         if args.smoke:
             return {"status": "skipped", "why": "--smoke: the diagnosis needs a GPU (cuBLAS fp8 "
                                                 "GEMMs, a GPU profile)"}
@@ -306,7 +306,7 @@ def make_hf_checkpoint(args, smoke: bool) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.make_hf is not None:
-        from experiments.gpu_check_rows import make_hf
+        from experiments.gpu_check.rows import make_hf
         make_hf(args.out / "hf-random", args.make_hf)
         return 0
     t0 = _clock()
@@ -385,7 +385,3 @@ def _say(rec: dict) -> None:
             f", peak {rec['peak_bytes'] / 2**30:.2f} GiB" if rec.get("peak_bytes") else "")
     secs = f" {rec['seconds']:.0f} s" if rec.get("seconds") else ""
     print(f"  {rec['name']}: {s}{secs} {detail}", file=sys.stderr, flush=True)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

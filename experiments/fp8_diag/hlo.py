@@ -28,7 +28,7 @@ _PASS_THROUGH = {"convert", "multiply", "broadcast", "transpose", "reshape", "bi
 
 # ------------------------------------------------------------------------------ HLO text
 # The reader is jaxmem.memory.hlo's (one implementation); `_attr` is its `attr`, kept under the
-# name experiments.fp8_table imports.
+# name experiments.fp8_diag.table imports.
 _attr = attr
 
 

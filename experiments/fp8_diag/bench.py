@@ -1,7 +1,7 @@
 """fp8 vs bf16 projection matmuls: does XLA lower them to fp8 cuBLASLt GEMMs, and how fast?
 
-    python -m experiments.fp8_bench                    # GPU: hidden 2048, 4096, 8192
-    python -m experiments.fp8_bench --quick            # CPU smoke run: small sizes, few reps
+    python -m experiments.fp8_diag.bench                    # GPU: hidden 2048, 4096, 8192
+    python -m experiments.fp8_diag.bench --quick            # CPU smoke run: small sizes, few reps
 
 For each hidden size D it times forward + backward of an MLP-shaped projection
 x[B*T, D] @ w[D, 4D] through `jaxmem.model.fp8.fp8_einsum` and through a plain bf16 einsum (median of
@@ -26,7 +26,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from experiments.resultfiles import new_result_file
+from experiments.common.resultfiles import new_result_file
 from jaxmem.model.fp8 import fp8_einsum
 
 
@@ -65,7 +65,8 @@ def bench(d: int, tokens: int, reps: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.fp8_diag.bench",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", default="2048,4096,8192", help="comma-separated hidden sizes")
     p.add_argument("--tokens", type=int, default=8192, help="B*T rows of x")
     p.add_argument("--reps", type=int, default=20)

@@ -21,7 +21,7 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30
 
 # Shapes of the random HF checkpoint: the 1B preset's (full) or a tiny one (smoke); both have more

@@ -1,6 +1,6 @@
 """The memory table of docs/memory.md: analytic, compiled, measured and rule-of-thumb peaks.
 
-    python -m experiments.memory_table [--presets tiny,small,...] [--timeout 180]
+    python -m experiments.tables.memory_table [--presets tiny,small,...] [--timeout 180]
 
 For presets tiny, small, llama-3.2-1b, llama-3.2-3b, llama-3-8b in precision fp32, amp-bf16 and
 bf16, remat none and full, batch 1 x 2048 tokens, Adam mu in the params' dtype: the analytic
@@ -23,9 +23,9 @@ import subprocess
 import sys
 import time
 
-from experiments.resultfiles import new_result_file
+from experiments.common.resultfiles import new_result_file
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PRESETS = ["tiny", "small", "llama-3.2-1b", "llama-3.2-3b", "llama-3-8b"]
 MODES = ["fp32", "amp-bf16", "bf16"]
@@ -58,7 +58,7 @@ def one(preset: str, precision: str, remat: str, what: str) -> dict:
 
 def run_child(preset, precision, remat, what, timeout):
     # From the repository root, as a module: the child imports this checkout's jaxmem.
-    cmd = [sys.executable, "-m", "experiments.memory_table", "--one", preset, precision, remat,
+    cmd = [sys.executable, "-m", "experiments.tables.memory_table", "--one", preset, precision, remat,
            what]
     try:
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
@@ -74,7 +74,7 @@ def gib(n):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m experiments.tables.memory_table")
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--timeout", type=int, default=180, help="seconds per compile")

@@ -6,14 +6,14 @@
 
 For every precision mode x remat policy, each framework runs in its OWN subprocess (a process's
 peak-memory counters never go down), starting from the same weights (jaxmem's init, converted to
-a torch state_dict with experiments/convert.py) and the same batches (numpy, fixed seed; no
+a torch state_dict with experiments/compare/convert.py) and the same batches (numpy, fixed seed; no
 padding, so both sides run causal-only attention). Per run it reports:
 
     saved_bytes   bytes kept for the backward pass by one forward + loss, parameters and their
                   compute-dtype copies EXCLUDED on both sides (the same count):
                     jax:   jax's saved_residuals of the loss as a function of the params already
                            cast to the compute dtype, minus the residuals that are those params
-                    torch: saved_tensors_hooks over the forward (experiments.torch_train.
+                    torch: saved_tensors_hooks over the forward (experiments.compare.torch_train.
                            saved_bytes_for_backward, exclude_param_copies=True, which drops the
                            parameters and autocast's cached weight copies), plus what a selective
                            checkpoint policy keeps in its own cache
@@ -28,7 +28,7 @@ padding, so both sides run causal-only attention). Per run it reports:
 
 Remat policies, by name: `none`, `full` (keep only each block's input), and `selective`:
 jaxmem `names:query,key,value,attn_context,mlp_gate,mlp_up` / torch per-layer checkpoint whose
-policy keeps the matmul and attention outputs (experiments.torch_train.SelectiveCheckpoint).
+policy keeps the matmul and attention outputs (experiments.compare.torch_train.SelectiveCheckpoint).
 Why that jaxmem policy: on the tiny preset at B=4, T=256 (fp32, CPU) it keeps 22.9 MiB for
 backward at 1.965 GFLOP per step, vs 57.1 MiB / 1.926 (none), 4.9 MiB / 2.300 (full, +19%),
 24.9 / 1.932 (dots), 22.9 / 2.000 (dots_no_batch): the bytes of dots_no_batch for half of its
@@ -43,7 +43,7 @@ the last run and the ratios are in, so a crash loses no finished run), and a cha
 activations and tokens/s per mode and remat, a bar per framework) next to it as .png.
 
 Layout: this module is the driver (flags, one subprocess per run, the JSON document);
-experiments.compare_workers is what each subprocess runs; experiments.compare_report the ratios,
+experiments.compare.workers is what each subprocess runs; experiments.compare.report the ratios,
 MFU, tables and chart.
 """
 
@@ -58,16 +58,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from experiments import cpu_isa
-from experiments.compare_report import (add_mfu, add_ratios, format_table, mib, remat_label,
+from experiments.common import cpu_isa
+from experiments.compare.report import (add_mfu, add_ratios, format_table, mib, remat_label,
                                         versions, write_chart)
-from experiments.compare_workers import FRAMEWORKS, MODES, SELECTIVE, worker
-from experiments.resultfiles import new_result_file
+from experiments.compare.workers import FRAMEWORKS, MODES, SELECTIVE, worker
+from experiments.common.resultfiles import new_result_file
 from jaxmem.config.flags import add_run_flags, given_overrides
 from jaxmem.plot.figure import PlotError
 from jaxmem.config.run import RunConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "experiments" / "results"
 
 
@@ -82,7 +82,7 @@ QUICK = {"model.preset": "tiny", "model.num_layers": 2, "data.batch_size": 2, "d
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="python -m experiments.compare", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 2)[1])
     add_run_flags(p, ["model", "optim", "data"], defaults=DEFAULTS,
@@ -245,7 +245,3 @@ def main(argv=None) -> int:
         for w in doc.get("written", []):
             print("wrote", w)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -35,7 +35,7 @@ if any of them overflowed). GradScaler.step itself skips iff
 
 A quick CPU run (the model is `tiny`; bf16/fp16 memory and speed claims need a GPU):
 
-    python -m experiments.torch_train --mode amp-bf16 --steps 20
+    python -m experiments.compare.torch_train --mode amp-bf16 --steps 20
 
 prints one line per step (loss, grad norm, lr, scale, skipped) and the bytes saved for backward
 with and without per-layer checkpointing.
@@ -54,7 +54,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from experiments.torch_llama import LlamaForCausalLM, loss as lm_loss
+from experiments.compare.torch_llama import LlamaForCausalLM, loss as lm_loss
 from jaxmem.config.model import ModelConfig
 
 MODES = ("fp32", "bf16", "amp-bf16", "amp-fp16")
@@ -197,7 +197,7 @@ def make_recipe(model: LlamaForCausalLM, mode: str, steps: int, lr: float, warmu
     dtypes = {p.dtype for p in model.parameters()}
     if dtypes != {want}:
         raise ValueError(f"mode {mode!r} needs {want} params, the model has {sorted(map(str, dtypes))}"
-                         f" (build it with experiments.torch_train.build_model(config, {mode!r}))")
+                         f" (build it with experiments.compare.torch_train.build_model(config, {mode!r}))")
     opt = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=(0.9, 0.95), eps=1e-8)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_at(s, lr, warmup, steps, min_lr) / lr if lr else 0.0)
@@ -366,7 +366,8 @@ def random_batches(config: ModelConfig, n: int, batch_size: int, seq_len: int, s
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.compare.torch_train",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--mode", default="fp32", choices=MODES)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=4)

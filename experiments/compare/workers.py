@@ -156,8 +156,8 @@ def run_torch(spec: dict, compiled: bool) -> dict:
     import jax
     import numpy as np
     import torch
-    from experiments import torch_train as tt
-    from experiments.convert import jax_to_torch_state_dict
+    from experiments.compare import torch_train as tt
+    from experiments.compare.convert import jax_to_torch_state_dict
 
     c, B, T = model_config(spec), spec["batch_size"], spec["seq_len"]
     params = initial_params(spec)  # on the CPU (JAX_PLATFORMS=cpu in this process)

@@ -1,6 +1,6 @@
 """The per-device memory table and collective counts of docs/distributed.md.
 
-    python -m experiments.mesh_memory [--preset tiny] [--batch-size 16] [--seq-len 128]
+    python -m experiments.tables.mesh_memory [--preset tiny] [--batch-size 16] [--seq-len 128]
 
 For 1, 2, 4 and 8 simulated CPU devices (one subprocess per device count: the count must be set
 before JAX starts) and the meshes fsdp=N, data=N, tensor=2 x fsdp=N/2 and data=2 x fsdp=N/2, the
@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MIB = 2**20
 
 
@@ -56,7 +56,7 @@ def worker(n: int, preset: str, batch: int, seq: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.mesh_memory")
+    p = argparse.ArgumentParser(prog="python -m experiments.tables.mesh_memory")
     p.add_argument("--preset", default="tiny")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     rows = []
     for n in (1, 2, 4, 8):
         env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(n))
-        proc = subprocess.run([sys.executable, "-m", "experiments.mesh_memory", "--worker", str(n),
+        proc = subprocess.run([sys.executable, "-m", "experiments.tables.mesh_memory", "--worker", str(n),
                                "--preset", args.preset, "--batch-size", str(args.batch_size),
                                "--seq-len", str(args.seq_len)], cwd=ROOT, env=env,
                               capture_output=True, text=True)
