@@ -28,8 +28,9 @@ With `--offload-base host` (LoRA) the frozen block layers are in host memory: co
 
 or, if larger, what is live during the optimizer update: state + batch + gradients + one
 params-sized update buffer (activations are freed by then; at full size with remat this phase
-sets the peak: 5 x 4 B/param in fp32); adamw8bit updates in place (jaxmem.train.fused8bit), so
-only its small leaves and one piece of a large one (update_8bit_working_set).
+sets the peak: 5 x 4 B/param in fp32); adamw8bit updates in place (jaxmem.optim's
+AdamW8bitInPlace), so only its small leaves and one piece of a large one
+(update_8bit_working_set).
 
 One layer's backward includes, where the policy recomputes the MLP, its backward's working set
 (mlp_backward): the lean SwiGLU keeps fewer residuals than its backward allocates.
@@ -230,7 +231,7 @@ def mlp_backward(spec: StepSpec) -> int:
 
 
 # fp32 bytes per element the 8-bit update holds while it works on a leaf or a piece: the
-# gradient, the dequantized moments, the update and the new weight (jaxmem.train.fused8bit).
+# gradient, the dequantized moments, the update and the new weight (jaxmem.optim.AdamW8bitInPlace).
 # Fitted on CPU compiles, fp32, full remat, 1 x 16 tokens (docs/memory.md): a model whose leaves
 # are all done whole held 5.03 x its params of fp32 beyond the gradients; with pieces of 2^16
 # elements the same model held no params-sized buffer at all.
@@ -240,17 +241,17 @@ UPDATE_8BIT_BYTES = 20
 def update_8bit_working_set(c: ModelConfig) -> int:
     """What adamw8bit's in-place update holds beyond the state and the gradients.
 
-    fused8bit updates a leaf of more than stochastic.CHUNK elements in row pieces, in place on
+    AdamW8bitInPlace updates a leaf of more than optim.CHUNK elements in row pieces, in place on
     the donated state: one piece's working set at a time. A smaller leaf is updated whole and
     written back with a select (a skipped step keeps it), and XLA keeps the working sets of all
     of them live together (measured on the CPU; unverified on a GPU). So: 20 B x (elements of the
     leaves updated whole + the largest piece). At llama-3-8b that is 0.31 GiB (every matrix is
     in pieces), not the params-sized update buffer optax's update needs (14.96 GiB).
     """
-    from jaxmem.optim._stochastic import CHUNK, row_chunks
+    from jaxmem.optim import row_chunks
     whole, piece = 0, 0
     for leaf in jax.tree_util.tree_leaves(abstract_params(c)):
-        n = row_chunks(leaf.shape, CHUNK)
+        n = row_chunks(leaf.shape)
         if n == 1:
             whole += leaf.size
         else:
@@ -335,7 +336,7 @@ def analytic_breakdown(spec: StepSpec) -> dict:
     sr_fp32 = p.stochastic_rounding and spec.optimizer != "adamw8bit"
     ub, ud = (FP32, "float32") if sr_fp32 else (pb, pd)
     phase_o = [("gradients", Pg * pb, pd), ("optimizer update buffer", Pg * ub, ud)]
-    if spec.optimizer == "adamw8bit" and lora is None:  # updated in place (.fused8bit)
+    if spec.optimizer == "adamw8bit" and lora is None:  # updated in place (AdamW8bitInPlace)
         phase_o[1] = ("optimizer update in place: small leaves + one piece",
                       update_8bit_working_set(c), "float32")
     persistent = [("params (master)" if lora is None else "LoRA adapters (master)", Pt * pb, pd),
