@@ -19,7 +19,7 @@ from jaxmem.peft.offload import (abstract_in_host_memory, device_fetches, host_a
                                  offload_shardings, one_device_shardings)
 from jaxmem.train.cli import main
 from jaxmem.train.loss import synthetic_batch
-from jaxmem.train.precision import get_precision
+from jaxmem.model.precision import get_precision
 from jaxmem.train.step import StepConfig, create_train_state, jit_train_step
 from runs import SMALL, losses, params_of
 

@@ -144,7 +144,7 @@ def _fsdp_axis(shape, first, spec, fsdp, block_scale, leading=False):
     embedding: the last axis when each shard of it holds whole 8-bit moment blocks
     (jaxmem.optim.BLOCK): 8-bit blocks run along it and never straddle a shard. Otherwise the
     largest divisible axis. The optimizer updates each shard where it lives whatever the axis
-    (jaxmem.train.fused8bit.apply_placed). `block_scale`: an 8-bit moment's block scales
+    (jaxmem.optim.AdamW8bitInPlace.apply_placed). `block_scale`: an 8-bit moment's block scales
     [..., nblocks], whose last axis is the codes' divided by BLOCK: split as the codes are, so
     each block's scale lives with its codes."""
     last = len(shape) - 1
