@@ -25,7 +25,8 @@ import dataclasses
 
 from jaxmem.memory.compiled import argument_bytes, compile_step
 from jaxmem.memory.spec import GiB, StepSpec
-from jaxmem.model.remat import RematError, RematPolicy, check_offload_supported
+from jaxmem.model.remat import RematPolicy, check_offload_supported
+from jaxmem.remat import RematError
 
 # The selective policy the planner tries between dots_no_batch and full: keep the projections
 # that feed attention and the MLP's two wide inputs (docs/remat.md measures it).
