@@ -95,7 +95,7 @@ class RematPolicy:
             return spec
         text = spec.value if isinstance(spec, Remat) else str(spec).strip()
         head, sep, tail = text.partition(":")
-        if not sep and head in Remat._value2member_map_:
+        if not sep and head in {m.value for m in Remat}:
             return cls(head, DEFAULT_OFFLOAD_TAGS if head == "offload" else ())
         if sep and head in ("names", "offload"):
             names = tuple(n.strip() for n in tail.split(",") if n.strip())
