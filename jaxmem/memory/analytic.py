@@ -50,7 +50,8 @@ from jaxmem.memory.spec import StepSpec
 from jaxmem.model.llama import abstract_params
 from jaxmem.model.attention import query_chunk
 from jaxmem.model.tiled import mlp_tile, tiles_under
-from jaxmem.model.remat import RematError, RematPolicy
+from jaxmem.model.remat import RematPolicy
+from jaxmem.remat import RematError
 from jaxmem.loss.chunked import resolve_loss_chunk, vocab_chunk
 from jaxmem.model.roles import count_by_role
 from jaxmem.peft import memory as peft_memory
@@ -327,9 +328,8 @@ def _logits_group(c: ModelConfig, B: int, T: int, loss_chunk: int | None) -> int
 
 
 def _layer_backward(spec: StepSpec, attention: str, per_layer: list) -> int:
-    """One block's backward: what it recomputes, on the XLA path one query chunk's
-    probabilities (fp32, compute copy, gradients), the MLP backward's working set, and with
-    LoRA a quantized layer's dequantized weights and the adapters' gradient buffers."""
+    """One block's backward: what it recomputes, XLA attention's probabilities of a query chunk,
+    the MLP backward's working set; LoRA: dequantized weights, the adapters' gradients."""
     c, p = spec.model, spec.precision
     B, T, N = spec.batch_size, spec.seq_len, c.num_heads
     full_layer = _sum(layer_residuals(c, B, T, p.compute_dtype, RematPolicy("none"), attention))
