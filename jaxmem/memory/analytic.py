@@ -24,9 +24,8 @@ The model of the peak (what is live when the backward starts):
 
 or, if larger, what is live during the optimizer update: state + batch + gradients + one
 params-sized update buffer (activations are freed by then; at full size with remat this phase
-sets the peak: 5 x 4 B/param in fp32); adamw8bit updates in place (jaxmem.optim's
-AdamW8bitInPlace), so only its small leaves and one piece of a large one
-(update_8bit_working_set).
+sets the peak: 5 x 4 B/param in fp32); adamw8bit updates in place (AdamW8bitInPlace): only
+its small leaves and one piece of a large one (update_8bit_working_set).
 
 With `--offload-base host` (LoRA) the frozen block layers are in host memory: counted as phase
 "host" (`host_bytes`), in no device phase, and one layer's copy joins the backward phase
