@@ -61,7 +61,8 @@ from jaxmem import target
 from jaxmem.model.fp8_compile import COMPILER_OPTIONS_FP8
 from jaxmem.config.model import PRESETS, get_preset
 from jaxmem.model.fp8 import count_traced
-from jaxmem.model.remat import RematError, RematPolicy
+from jaxmem.model.remat import RematPolicy
+from jaxmem.remat import RematError
 from jaxmem.train.loss import abstract_batch, synthetic_batch
 from jaxmem.model.precision import PRECISIONS, get_precision
 from jaxmem.train.step import StepConfig, create_train_state, jit_train_step

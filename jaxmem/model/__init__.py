@@ -18,7 +18,8 @@ from jaxmem.model.llama import (MLP, Attention, DecoderBlock, Llama, abstract_pa
                                 init_params)
 from jaxmem.einsum import Einsum, ProjectedWeight, default_einsum, logits_einsum, project
 from jaxmem.model.projection import Projection
-from jaxmem.model.remat import TAGS, RematError, RematPolicy
+from jaxmem.model.remat import TAGS, RematPolicy
+from jaxmem.remat import RematError
 from jaxmem.model.roles import ROLES, count_by_role, param_role, param_roles
 from jaxmem.sharding import KINDS, activation_sharding, constrain
 
