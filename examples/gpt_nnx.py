@@ -1,6 +1,6 @@
 """A GPT-2-style Flax NNX model (not jaxmem's Llama) trained in fp16 with jaxmem's parts.
 
-    python examples/gpt_nnx.py --tiny --steps 30
+    python examples/gpt_nnx.py [--steps 30]
 
 Learned positions, LayerNorm, GELU MLP, its own parameter names. Each saving is added in turn
 and the train step analyzed with `jaxmem.memory.analyze` (compile only, nothing allocated):
@@ -9,8 +9,12 @@ and the train step analyzed with `jaxmem.memory.analyze` (compile only, nothing 
   3. + jaxmem.loss.fused_cross_entropy: no [B, T, V] logits, the compiled temp shrinks;
   4. + fp16 compute, jaxmem.optim.DynamicLossScale (GradScaler's): the backward keeps less
      (softmax and LayerNorm statistics stay fp32; XLA:CPU emulates fp16: no GPU figure).
-The analysis batch (tiny: 256 x 128) is larger than the training one: the fused loss's backward
-takes vocabulary slices of up to 256 MiB of fp32 logits, so below that size it saves nothing.
+The model is small (V=8192, D=64, T=128, one layer: a CPU runs it in seconds) and shaped so that,
+as in an LLM with a large vocabulary, the [B, T, V] logits are the step's largest temporary; where
+attention scores [B, N, T, T] over many layers dominate instead, the fused loss removes a smaller
+share of temp. The analysis batch (256 x 128) is larger than the training one (4 x 128): the
+fused loss's backward takes vocabulary slices of up to 256 MiB of fp32 logits, so below that size
+it saves nothing.
 Step 4 then trains --steps steps with adamw_8bit and with optax.adamw (same init, data, scale).
 Exit 1 if a check fails: each saving shrinks its figure (the fused loss's temp by the printed
 factor) and the two final losses agree within 1%.
@@ -106,14 +110,13 @@ def batches(B: int, T: int, steps: int, used: int = 256, seed: int = 0):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="gpt_nnx", description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help="CI size: V=8192, D=64, T=128, 1 layer")
     ap.add_argument("--steps", type=int, default=30, help="train steps per optimizer (30)")
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps {args.steps}: must be at least 1")
-    V, T, D, N, L, B = (8192, 128, 64, 4, 1, 4) if args.tiny else (32768, 1024, 768, 12, 12, 8)
+    V, T, D, N, L, B = 8192, 128, 64, 4, 1, 4
     # analysis batch: fp32 logits 4 x B_a x T x V bytes over the fused backward's 256 MiB slice
-    B_a, chunk, lr = (256 if args.tiny else 64), T // 8, 3e-3
+    B_a, chunk, lr = 256, T // 8, 3e-3
 
     def create(dtype):
         return nnx.split(GPT(V, T, D, N, L, dtype, nnx.Rngs(0)), nnx.Param)

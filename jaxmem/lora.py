@@ -26,43 +26,17 @@ References: Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmem.einsum import project
 from jaxmem.quant import QuantizedWeight, is_kernel, path_text
 
-__all__ = ["Einsum", "LoraWeight", "ProjectedWeight", "adapter_subscripts", "combine", "dense",
-           "default_einsum", "dot_general", "linen", "project", "promote_dtype", "split", "wrap"]
-
-Einsum = Callable[[str, jax.Array, jax.Array], jax.Array]  # einsum(subscripts, x, w) -> y
-
-
-def default_einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """Plain einsum in the activation dtype (w cast to x's dtype)."""
-    return jnp.einsum(subscripts, x, w.astype(x.dtype))
-
-
-@runtime_checkable
-class ProjectedWeight(Protocol):
-    """A stored weight that is not a plain array (`LoraWeight`, `QuantizedWeight`, your own).
-
-    `project` returns what `einsum(subscripts, x, W)` would for the dense W it represents; it
-    receives the caller's einsum (plain, fp8, ...) to use for its own matmuls. It is a
-    registered pytree (a stacked one carries the layer axis first on every leaf).
-    """
-
-    def project(self, subscripts: str, x: jax.Array, einsum: Einsum) -> jax.Array: ...
-
-
-def project(subscripts: str, x: jax.Array, w, einsum: Einsum = default_einsum) -> jax.Array:
-    """`einsum(subscripts, x, w)` for an array `w`, `w.project(subscripts, x, einsum)` for a
-    weight object: the one multiply every jaxmem matmul by a parameter goes through."""
-    if isinstance(w, ProjectedWeight):
-        return w.project(subscripts, x, einsum)
-    return einsum(subscripts, x, w)
+__all__ = ["LoraWeight", "adapter_subscripts", "combine", "dense", "dot_general", "linen",
+           "promote_dtype", "split", "wrap"]
 
 Initializer = Callable[[jax.Array, tuple, Any], jax.Array]  # init(key, shape, dtype) -> array
 # peft's default for A (kaiming uniform, a = sqrt(5)): U(-1/sqrt(In), 1/sqrt(In)) on A [In, R]

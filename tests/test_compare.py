@@ -13,10 +13,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 
-from experiments import compare  # noqa: E402
-from experiments import compare_report as report  # noqa: E402
-from experiments import compare_workers as workers  # noqa: E402
-from experiments import torch_train as tt  # noqa: E402
+from experiments.compare import driver as compare  # noqa: E402
+from experiments.compare import report  # noqa: E402
+from experiments.compare import workers  # noqa: E402
+from experiments.compare import torch_train as tt  # noqa: E402
 from jaxmem.config.model import ModelConfig, get_preset  # noqa: E402
 from jaxmem.memory.residuals import saved_residual_bytes  # noqa: E402
 from jaxmem.model import Llama, RematPolicy, abstract_params  # noqa: E402
@@ -62,7 +62,7 @@ def test_same_weights_same_batches_same_losses(pair):
         assert r["saved_bytes"] > 0 and r["step_ms"] > 0
         assert r["tokens_per_s"] == pytest.approx(2 * 16 / (r["step_ms"] / 1e3))
     # the peak allocator stat: none on a CPU; on a GPU jax's peak_bytes_in_use, and torch's
-    # max_memory_allocated when torch runs on cuda there (compare_workers picks cuda if it can)
+    # max_memory_allocated when torch runs on cuda there (experiments.compare.workers picks cuda if it can)
     if jax.default_backend() == "cpu":
         assert j["peak_bytes"] is None
     else:

@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from experiments import fp8_diag
-from experiments.fp8_diag import lower_step
-from experiments.fp8_hlo import fp8_dots, gemms, parse_hlo, top_kernels
+from experiments.fp8_diag import driver as fp8_diag
+from experiments.fp8_diag.driver import lower_step
+from experiments.fp8_diag.hlo import fp8_dots, gemms, parse_hlo, top_kernels
 
 MODEL_SUBSCRIPTS = {"BTD,DNH->BTNH", "BTD,DKH->BTKH", "BTNH,NHD->BTD", "BTD,DF->BTF",
                     "BTF,FD->BTD"}
@@ -257,7 +257,7 @@ def test_step_table_sums_bytes_and_weights_loops():
     """The table of a hand-written module: a loop of 3 trips with an amax, a quantize, an fp8
     cuBLASLt GEMM, an in-place dynamic-update-slice and a dynamic-slice of a stacked buffer,
     then a bf16 Triton GEMM fusion outside the loop."""
-    from experiments.fp8_table import fusion_bytes, roofline_ms, step_table, type_bytes
+    from experiments.fp8_diag.table import fusion_bytes, roofline_ms, step_table, type_bytes
     assert type_bytes("(bf16[64,32]{1,0}, f32[])") == 64 * 32 * 2 + 4
     assert type_bytes("f8e4m3fn[32,128]{1,0}") == 32 * 128
     t = step_table(STEP_HLO)
@@ -275,7 +275,7 @@ def test_step_table_sums_bytes_and_weights_loops():
                             "quantize": {"count": 3, "bytes": 3 * quantize}}
     # the body's add (3 trips) and the condition's compare (4 evaluations): 4 B ints, 1 B pred
     assert t["other_ops"] == {"count": 7, "bytes": 3 * 12 + 4 * 9}
-    from experiments.fp8_hlo import parse_hlo
+    from experiments.fp8_diag.hlo import parse_hlo
     comps = parse_hlo(STEP_HLO)
     assert fusion_bytes(comps, "body", comps["body"]["instrs"]["new"]) == dus
     assert stack > dus  # the whole stack would have been counted without the in-place rule

@@ -16,7 +16,7 @@ import pytest
 
 from jaxmem.config.model import get_preset
 from jaxmem.model.llama import Llama, init_params
-from jaxmem.model.projection import logits_einsum
+from jaxmem.einsum import logits_einsum
 from jaxmem.loss.chunked import chunked_cross_entropy as fused_cross_entropy, resolve_loss_chunk
 from jaxmem.train.loss import cross_entropy, synthetic_batch, token_loss
 

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from experiments import gpu_check
-from experiments import gpu_check_rows as gr
-from experiments.gpu_check_table import markdown
+from experiments.gpu_check import driver as gpu_check
+from experiments.gpu_check import rows as gr
+from experiments.gpu_check.table import markdown
 
 
 @pytest.fixture(autouse=True)

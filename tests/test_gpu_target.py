@@ -231,9 +231,9 @@ def test_fsdp8_step_temp_shrinks_with_the_devices():
     1.01x before issue 28 (whole gradients, and the optimizer's row pieces all-gathered whole
     leaves: params, 8-bit codes, random bits); 0.52x with the gradients placed like the weights
     and the optimizer's pieces inside last-axis shards; 0.29x with each shard updated where it
-    lives (jaxmem.train.fused8bit.apply_placed) and the projections split on their leading axis
-    (jaxmem.parallel.rules._fsdp_axis), which took the transposed whole-stack weight copies out;
-    0.34x with the LM head gathered once for the loss's chunks (jaxmem.model.sharding.
+    lives (jaxmem.optim.AdamW8bitInPlace.apply_placed) and the projections split on their
+    leading axis (jaxmem.parallel.rules._fsdp_axis), which took the transposed whole-stack weight copies out;
+    0.34x with the LM head gathered once for the loss's chunks (jaxmem.sharding.
     gather_weight: 1 GiB live through the loss, 27 GiB less sent per step on 32 layers). The
     issue's target: 0.4x."""
     from jaxmem.memory.compiled import compiled_stats

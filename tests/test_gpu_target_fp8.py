@@ -17,8 +17,8 @@ import re
 
 import pytest
 
-from experiments.fp8_hlo import F8_TARGET, GEMM_TARGETS, parse_hlo
-from experiments.fp8_table import step_table
+from experiments.fp8_diag.hlo import F8_TARGET, GEMM_TARGETS, parse_hlo
+from experiments.fp8_diag.table import step_table
 from jaxmem import target
 from jaxmem.config.run import RunConfig
 from jaxmem.memory.spec import StepSpec

@@ -14,10 +14,9 @@ from jaxmem.model.llama import init_params
 from jaxmem.model.precision import get_precision
 from jaxmem.model.remat import RematPolicy
 from jaxmem.train.cli import main
-from jaxmem.train.fused8bit import train_optimizer
 from jaxmem.train.layerwise import LayerwiseUpdate
 from jaxmem.train.loss import synthetic_batch
-from jaxmem.train.optim import OptimConfig, make_optimizer
+from jaxmem.train.optim import OptimConfig, make_optimizer, train_optimizer
 from jaxmem.train.run import compile_run_step
 from jaxmem.train.step import StepConfig, create_train_state, make_train_step
 

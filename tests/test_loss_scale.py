@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.train.loss_scale import (DynamicLossScale, NoOpLossScale, StaticLossScale, all_finite,
-                               parse_loss_scale, select_tree)
+from jaxmem.optim import DynamicLossScale, NoOpLossScale, StaticLossScale, all_finite, select_tree
+from jaxmem.train.optim import parse_loss_scale
 
 
 def run(ls, pattern):

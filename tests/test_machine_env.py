@@ -1,4 +1,4 @@
-"""What the suite's environment does by machine (tests/testenv.py, experiments/cpu_isa.py).
+"""What the suite's environment does by machine (tests/testenv.py, experiments/common/cpu_isa.py).
 
 - torch's oneDNN ISA cap on a CPU that advertises AMX but dies using it: the probe's child is
   replaced by one that kills itself with SIGILL unless capped (no torch needed, ~0.1 s a child);
@@ -11,8 +11,8 @@ import signal
 
 import pytest
 
-from experiments import cpu_isa
-from experiments.gpu_check_table import isa_lines
+from experiments.common import cpu_isa
+from experiments.gpu_check.table import isa_lines
 
 # What the Xeon VM did: SIGILL in oneDNN's AMX bf16 kernel unless ONEDNN_MAX_CPU_ISA caps it.
 DIES_ON_AMX = ("import os, signal\n"
@@ -58,7 +58,7 @@ def test_no_cap_without_cause(amx, tmp_path):
 def test_the_cap_reaches_the_suite_and_the_torch_workers(monkeypatch):
     """testenv, gpu_check's rows and compare's torch workers take cap_env; a user's value wins."""
     import testenv
-    from experiments import gpu_check
+    from experiments.gpu_check import driver as gpu_check
 
     capped = cpu_isa.IsaCap({cpu_isa.VAR: cpu_isa.CAP}, "test")
     monkeypatch.setattr(cpu_isa, "_CACHED", capped)
@@ -71,7 +71,7 @@ def test_the_cap_reaches_the_suite_and_the_torch_workers(monkeypatch):
 
 
 def test_compare_torch_worker_gets_the_cap(monkeypatch):
-    from experiments import compare
+    from experiments.compare import driver as compare
 
     seen = {}
 

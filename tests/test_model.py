@@ -8,7 +8,7 @@ import pytest
 from jaxmem.config.model import PRESETS, ConfigError, ModelConfig, get_preset
 from jaxmem.model.layers import apply_rope, rope_tables
 from jaxmem.model.llama import Llama, abstract_params, count_params, init_params
-from jaxmem.model.sharding import activation_sharding, constrain
+from jaxmem.sharding import activation_sharding, constrain
 from numerics import assert_reordered_fp32
 
 PUBLISHED = {

@@ -19,7 +19,7 @@ from jaxmem.peft.offload import (abstract_in_host_memory, device_fetches, host_a
                                  offload_shardings, one_device_shardings)
 from jaxmem.train.cli import main
 from jaxmem.train.loss import synthetic_batch
-from jaxmem.train.precision import get_precision
+from jaxmem.model.precision import get_precision
 from jaxmem.train.step import StepConfig, create_train_state, jit_train_step
 from runs import SMALL, losses, params_of
 
@@ -153,7 +153,7 @@ MESH_CHECK = r'''
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from jaxmem.config.run import RunConfig
-from jaxmem.model.sharding import activation_sharding
+from jaxmem.sharding import activation_sharding
 from jaxmem.parallel import run_mesh
 from jaxmem.train.placement import Placement
 from jaxmem.peft.base import abstract_base, base_on_device, base_on_host

@@ -299,15 +299,14 @@ def test_update_in_pieces_equals_whole_leaf(monkeypatch):
                                             pytest.param("amp-bf16", 1e3, marks=SLOW)])
 @pytest.mark.slow  # 4.2 s cold on 2 cores (default run kept under 5 min)
 def test_fused_in_place_update_is_bitwise_the_optax_chain(precision, clip, monkeypatch):
-    """The train step's fused adamw8bit pass (jaxmem.train.fused8bit: one in-place loop per leaf)
-    against optimizer.update + apply_updates[_sr], 3 steps: codes, scales and counts bitwise;
-    params of 8-bit leaves bitwise in fp32 / amp-bf16; fp32-moment leaves and bf16-sr weights
-    ulps apart (`_assert_same_update` says why). Clipping active at 0.05, off at 0, idle at 1e3;
-    decayed and undecayed leaves; leaves in row pieces (CHUNK 2^10 here). A non-finite step
+    """The train step's fused adamw8bit pass (jaxmem.optim.AdamW8bitInPlace: one in-place loop
+    per leaf) against optimizer.update + apply_updates[_sr], 3 steps: codes, scales and counts
+    bitwise; params of 8-bit leaves bitwise in fp32 / amp-bf16; fp32-moment leaves and bf16-sr
+    weights ulps apart (`_assert_same_update` says why). Clipping active at 0.05, off at 0, idle
+    at 1e3; decayed and undecayed leaves; leaves in row pieces (CHUNK 2^10 here). A non-finite step
     leaves everything bitwise as it was."""
     import jaxmem.optim._stochastic as sr
-    from jaxmem.train.fused8bit import fused_adamw8bit_apply
-    from jaxmem.train.optim import make_optimizer
+    from jaxmem.train.optim import adamw8bit_in_place, make_optimizer
     monkeypatch.setattr(sr, "CHUNK", 2**10)
     prec = get_precision(precision)
     ocfg = OptimConfig(lr=1e-2, warmup_steps=1, total_steps=10, clip=clip,
@@ -322,9 +321,10 @@ def test_fused_in_place_update_is_bitwise_the_optax_chain(precision, clip, monke
         u, s = opt.update(grads, opt_state, params)
         return (apply_updates_sr(params, u, key) if use_sr else optax.apply_updates(params, u)), s
 
+    in_place = adamw8bit_in_place(ocfg, use_sr)
+
     def fused(params, opt_state, grads, key, finite=True):
-        return fused_adamw8bit_apply(ocfg, grads, opt_state, params, jnp.asarray(finite),
-                                     key if use_sr else None)
+        return in_place.update_and_apply(grads, opt_state, params, key=key, where=finite)
 
     rng = np.random.default_rng(3)
     ref = (params, opt_state)
@@ -397,7 +397,7 @@ def test_fused_skip_is_bitwise_and_branch_free(precision, monkeypatch):
     `where`; leaves in row pieces (CHUNK 2^10) run their loop, and the program has a while loop
     per large leaf and no conditional."""
     import jaxmem.optim._stochastic as sr
-    from jaxmem.train.fused8bit import train_optimizer
+    from jaxmem.train.optim import train_optimizer
     monkeypatch.setattr(sr, "CHUNK", 2**10)
     prec = get_precision(precision)
     ocfg = OptimConfig(lr=1e-2, warmup_steps=1, total_steps=10, clip=1.0, optimizer="adamw8bit")

@@ -50,7 +50,7 @@ def test_sharding_rules_by_role_and_shape():
         P(None, "tensor", None, "fsdp")
     assert leaf_spec(("layers", "mlp", "down_proj"), (4, 384, 128), sizes) == P(None, "tensor", "fsdp")
     # issue 28: a projection's first axis after L (gathered per layer along its major axis, and
-    # updated on its shard: jaxmem.train.fused8bit.apply_placed); llama-3-8b on fsdp=8
+    # updated on its shard: jaxmem.optim.AdamW8bitInPlace.apply_placed); llama-3-8b on fsdp=8
     f8 = {"data": 1, "fsdp": 8, "tensor": 1}
     assert leaf_spec(("layers", "mlp", "down_proj"), (32, 14336, 4096), f8) == P(None, "fsdp", None)
     assert leaf_spec(("layers", "mlp", "up_proj"), (32, 4096, 14336), f8) == P(None, "fsdp", None)
@@ -113,7 +113,7 @@ def test_bf16_sr_adamw8bit_on_shards_matches_one_device(worker):
     one, sharded = _load(worker, "sr8_single"), _load(worker, "sr8_data4_fsdp2")
     assert int(one["applied"]) == int(sharded["applied"]) == 5
     # fsdp splits the rows of the projections: each device updates its shard in its own row
-    # pieces (jaxmem.train.fused8bit.apply_placed)
+    # pieces (jaxmem.optim.AdamW8bitInPlace.apply_placed)
     assert leaf_spec(("layers", "mlp", "down_proj"), (2, 1024, 512), {"fsdp": 2}) == \
         P(None, "fsdp", None)
     np.testing.assert_allclose(sharded["losses"], one["losses"], rtol=1e-3)

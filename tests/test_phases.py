@@ -175,9 +175,9 @@ def test_lora_sample_phase_compiles_what_the_run_samples_with(quantize):
 
 @pytest.mark.slow  # 4.9 s cold on 2 cores (default run kept under 5 min)
 def test_adamw8bit_update_has_no_params_sized_buffer(monkeypatch):
-    """The in-place 8-bit update (jaxmem.train.fused8bit) in row pieces: the compiled step holds
-    no params-sized update buffer. Pieces of 2^12 elements stand in for the 2^24 of full-size
-    leaves. fp32, 1 x 16 tokens, so the optimizer phase sets the peak."""
+    """The in-place 8-bit update (jaxmem.optim.AdamW8bitInPlace) in row pieces: the compiled
+    step holds no params-sized update buffer. Pieces of 2^12 elements stand in for the 2^24 of
+    full-size leaves. fp32, 1 x 16 tokens, so the optimizer phase sets the peak."""
     import jaxmem.optim._stochastic as sr
     monkeypatch.setattr(sr, "CHUNK", 2**12)
     c = ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=1024, num_layers=2,

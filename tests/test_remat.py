@@ -7,7 +7,9 @@ from jaxmem.config.model import ModelConfig
 from jaxmem.train.loss import synthetic_batch, token_loss
 from jaxmem.memory.compiled import grad_step_report
 from jaxmem.model.llama import Llama, init_params
-from jaxmem.model.remat import TAGS, RematError, RematPolicy
+import jaxmem.remat
+from jaxmem.model.remat import TAGS, RematPolicy
+from jaxmem.remat import RematError
 from numerics import assert_reordered_fp32
 
 CFG = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
@@ -68,8 +70,14 @@ def test_parse_round_trip_and_errors():
         RematPolicy.parse("everything")
     with pytest.raises(RematError, match="unknown tag.*'qery'"):
         RematPolicy.parse("names:qery")
-    with pytest.raises(RematError, match="none given"):
+    with pytest.raises(RematError, match="gives no tags after 'names:'"):
         RematPolicy.parse("names:")
+    # one grammar: the model's policy is jaxmem.remat's, with only the model's tags
+    assert isinstance(RematPolicy.parse("dots"), jaxmem.remat.RematPolicy)
+    assert jaxmem.remat.RematPolicy.parse("names:qery").names == ("qery",)
+    assert RematPolicy.parse(jaxmem.remat.RematPolicy.parse("offload")) == RematPolicy.parse("offload")
+    with pytest.raises(RematError, match="unknown tag.*'qery'"):
+        RematPolicy.parse(jaxmem.remat.RematPolicy("names", ("qery",)))
 
 
 def test_offload_is_refused_on_cpu():

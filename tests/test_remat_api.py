@@ -78,8 +78,8 @@ def test_names_match_the_trainers_parser():
 
 
 @pytest.mark.parametrize("name, message", [
-    ("dot", "unknown name 'dot'"), ("names:", "gives no tags after 'names:'"),
-    ("everything", "unknown name 'everything'")])
+    ("dot", "unknown remat policy 'dot'"), ("names:", "gives no tags after 'names:'"),
+    ("everything", "unknown remat policy 'everything'")])
 def test_unknown_names_are_refused(name, message):
     with pytest.raises(ValueError, match=message):
         jr.policy(name)

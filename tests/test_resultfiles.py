@@ -2,7 +2,7 @@
 
 import datetime
 
-from experiments import resultfiles
+from experiments.common import resultfiles
 
 
 def test_new_result_file_never_returns_an_existing_path(tmp_path, monkeypatch):

@@ -8,8 +8,8 @@ import pytest
 import jaxmem.train.step as step_mod
 from jaxmem.config.model import ModelConfig
 from jaxmem.train.loss import synthetic_batch
-from jaxmem.train.loss_scale import DynamicLossScale, StaticLossScale, parse_loss_scale
-from jaxmem.train.optim import OptimConfig, decay_mask
+from jaxmem.optim import DynamicLossScale, StaticLossScale
+from jaxmem.train.optim import OptimConfig, decay_mask, parse_loss_scale
 from jaxmem.model.precision import get_precision
 from jaxmem.train.step import StepConfig, create_train_state, jit_train_step
 

@@ -17,10 +17,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 
-from experiments.convert import (expected_keys, grads_to_jax, jax_to_torch_state_dict,  # noqa: E402
+from experiments.compare.convert import (expected_keys, grads_to_jax, jax_to_torch_state_dict,  # noqa: E402
                                  torch_state_dict_to_jax)
-from experiments.torch_llama import LlamaForCausalLM, loss as torch_loss  # noqa: E402
-from experiments import torch_train as tt  # noqa: E402
+from experiments.compare.torch_llama import LlamaForCausalLM, loss as torch_loss  # noqa: E402
+from experiments.compare import torch_train as tt  # noqa: E402
 from jaxmem.config.model import ModelConfig  # noqa: E402
 from jaxmem.train.loss import cross_entropy, synthetic_batch  # noqa: E402
 from jaxmem.model import Llama, abstract_params  # noqa: E402
@@ -303,7 +303,7 @@ def test_saved_bytes_smaller_with_checkpointing():
 
 # ---------------------------------------------------------------- jaxmem's train step vs the recipe
 #
-# jaxmem.train.step (fp32, no remat, causal-only attention) against experiments.torch_train's recipe on
+# jaxmem.train.step (fp32, no remat, causal-only attention) against experiments.compare.torch_train's recipe on
 # the converted weights and the same batches (no mask: torch runs is_causal too). Both apply
 # AdamW(0.9, 0.95, eps 1e-8) with decoupled decay lr * wd * w on matrices except the embedding and
 # the norms, global-norm clipping at 1.0, and optax's warmup-cosine schedule. warmup_steps=0, so

@@ -24,7 +24,7 @@ The suite runs on a CPU (development, CI) and on a GPU machine (`experiments.gpu
   GPU from a CPU-only JAX. A machine with an NVIDIA GPU, or a ROCm/TPU plugin, is left as it is.
 - torch on a CPU that advertises AMX but may not use it (a Xeon VM: torch's oneDNN bf16 matmul
   died with SIGILL): `ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`, decided once by a probe
-  (experiments/cpu_isa.py; only where torch is installed and the CPU advertises AMX).
+  (experiments/common/cpu_isa.py; only where torch is installed and the CPU advertises AMX).
 
 `conftest.py` applies `TEST_ENV` to os.environ before JAX starts, so the pytest process (and
 every worker of pytest-xdist) and anything it starts inherit it; `subprocess_env` builds the
@@ -88,11 +88,12 @@ def _cuda_plugin_without_gpu() -> bool:
 
 
 def _onednn_cap(env: dict) -> dict:
-    """ONEDNN_MAX_CPU_ISA for torch where this CPU needs it (experiments/cpu_isa.py), else {}."""
+    """ONEDNN_MAX_CPU_ISA for torch where this CPU needs it (experiments/common/cpu_isa.py),
+    else {}."""
     import sys
     if str(ROOT) not in sys.path:  # a worker script started as tests/<name>.py
         sys.path.append(str(ROOT))
-    from experiments import cpu_isa
+    from experiments.common import cpu_isa
     return cpu_isa.cap_env(env)
 
 

@@ -48,6 +48,26 @@ def _compile(text: str):
     except ImportError:
         raise DataError("chat templates need jinja2 (pip install 'jaxmem[chat]')") from None
 
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True,
+        extensions=[_generation_tracker(jinja2), jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _namespace(jinja2)
+    try:
+        return env.from_string(text)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise DataError(f"chat template: syntax error line {e.lineno}: {e.message}") from None
+
+
+def _generation_tracker(jinja2):
+    """The `{% generation %}` extension class (jinja2 is imported only when a template is)."""
+
     class GenerationTracker(jinja2.ext.Extension):
         """`{% generation %}...{% endgeneration %}`: records the character span of the block's
         output while a render is tracked (transformers' AssistantTracker)."""
@@ -75,24 +95,14 @@ def _compile(text: str):
         def track(self, blocks, spans):
             self._blocks, self._spans = blocks, spans
 
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
+    return GenerationTracker
 
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # jinja's own tojson escapes HTML characters; transformers overrides it with json.dumps
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
 
-    class TemplateDict:
-        # as transformers: `dict(...)` and `dict.fromkeys(...)`, not the type itself
-        def __call__(self, *args, **kwargs):
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args, **kwargs):
-            return dict.fromkeys(*args, **kwargs)
+def _namespace(jinja2):
+    """The template's `namespace`: as transformers', no underscore attributes (a way out of the
+    sandbox)."""
 
     class Namespace(jinja2.utils.Namespace):
-        # as transformers: no underscore attributes (a way out of the sandbox)
         def __init__(*args, **kwargs):
             self, args = args[0], args[1:]
             attrs = dict(*args, **kwargs)
@@ -109,17 +119,22 @@ def _compile(text: str):
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationTracker, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.globals["dict"] = TemplateDict()
-    env.globals["namespace"] = Namespace
-    try:
-        return env.from_string(text)
-    except jinja2.exceptions.TemplateSyntaxError as e:
-        raise DataError(f"chat template: syntax error line {e.lineno}: {e.message}") from None
+    return Namespace
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # jinja's own tojson escapes HTML characters; transformers overrides it with json.dumps
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+class _TemplateDict:
+    # as transformers: `dict(...)` and `dict.fromkeys(...)`, not the type itself
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
 
 
 @dataclass(frozen=True)

@@ -71,35 +71,9 @@ def load_examples(files, tokenizer, vocab_size: int, *, seq_len: int, eval_fract
     """(train PackedData, eval PackedData, stats) of example files (see the module docstring)."""
     rows = [row for f in files for row in read_rows(f, data_field)]
     kinds = {k: sum(r.kind == k for r in rows) for k in ("text", "messages", "pair")}
-    needs_template = any(r.kind == "messages" or (r.kind == "pair" and not all(
-        isinstance(v, str) for v in r.value)) for r in rows)
-    template = with_tokenizer_specials(
-        find_chat_template(getattr(tokenizer, "path", None), chat_template), tokenizer) \
-        if needs_template or chat_template is not None else None
-    kept, left_out = [], {"no_trained_tokens": 0, "dropped_too_long": 0, "too_short": 0}
-    first_left_out = None
-    for row in rows:
-        ids, trained = encode_row(row, tokenizer, template, train_on)
-        if ids.size and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
-            raise DataError(f"{row.where}: token id {int(ids.max())} is outside the model's "
-                            f"vocabulary of {vocab_size}")
-        why = ("too_short" if ids.size < 2 else
-               "no_trained_tokens" if not trained[1:].any() else
-               "dropped_too_long" if truncate == "drop" and ids.size > seq_len + 1 else None)
-        if why is not None:
-            left_out[why] += 1
-            first_left_out = first_left_out or (row.where, why, ids.size)
-            continue
-        kept.append((ids, trained))
-    if not kept:
-        where, why, n = first_left_out or (", ".join(map(str, files)), "no rows", 0)
-        reason = {"too_short": "fewer than 2 tokens",
-                  "no_trained_tokens": f"no trained token (--train-on {train_on}: no assistant "
-                                       f"turn or completion)",
-                  "dropped_too_long": f"{n} tokens > --seq-len {seq_len} + 1 (--truncate drop)",
-                  }.get(why, why)
-        raise DataError(f"{where}: no training examples left after filtering {len(rows)} row(s) "
-                        f"({reason}; {', '.join(f'{v} {k}' for k, v in left_out.items() if v)})")
+    template = _template_for(rows, tokenizer, chat_template)
+    kept, left_out = _encode_rows(rows, tokenizer, template, vocab_size, files=files,
+                                  seq_len=seq_len, train_on=train_on, truncate=truncate)
     ex = Examples.of(kept)
     n_eval = _eval_count(len(ex), eval_fraction)
     train, tcounts = PackedData.build(ex.subset(0, len(ex) - n_eval), seq_len, truncate, pack)
@@ -144,6 +118,49 @@ def load_examples(files, tokenizer, vocab_size: int, *, seq_len: int, eval_fract
     if template is not None:
         stats["chat_template"] = {"source": template.source, "sha256": template.sha256}
     return train, evals, stats
+
+
+def _template_for(rows, tokenizer, chat_template: str | None):
+    """The chat template the rows need (messages, or a pair that is not two strings) or that
+    --chat-template gives, with the tokenizer's special tokens; else None."""
+    needs_template = any(r.kind == "messages" or (r.kind == "pair" and not all(
+        isinstance(v, str) for v in r.value)) for r in rows)
+    if not (needs_template or chat_template is not None):
+        return None
+    return with_tokenizer_specials(
+        find_chat_template(getattr(tokenizer, "path", None), chat_template), tokenizer)
+
+
+def _encode_rows(rows, tokenizer, template, vocab_size: int, *, files, seq_len: int,
+                 train_on: str, truncate: str) -> tuple[list, dict[str, int]]:
+    """(kept, left_out): each kept row's (ids, trained mask), and the rows left out counted by
+    why. Raises DataError on a token id outside the vocabulary, or when no row is kept (naming
+    the first row left out and why)."""
+    kept, left_out = [], {"no_trained_tokens": 0, "dropped_too_long": 0, "too_short": 0}
+    first_left_out = None
+    for row in rows:
+        ids, trained = encode_row(row, tokenizer, template, train_on)
+        if ids.size and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
+            raise DataError(f"{row.where}: token id {int(ids.max())} is outside the model's "
+                            f"vocabulary of {vocab_size}")
+        why = ("too_short" if ids.size < 2 else
+               "no_trained_tokens" if not trained[1:].any() else
+               "dropped_too_long" if truncate == "drop" and ids.size > seq_len + 1 else None)
+        if why is not None:
+            left_out[why] += 1
+            first_left_out = first_left_out or (row.where, why, ids.size)
+            continue
+        kept.append((ids, trained))
+    if kept:
+        return kept, left_out
+    where, why, n = first_left_out or (", ".join(map(str, files)), "no rows", 0)
+    reason = {"too_short": "fewer than 2 tokens",
+              "no_trained_tokens": f"no trained token (--train-on {train_on}: no assistant "
+                                   f"turn or completion)",
+              "dropped_too_long": f"{n} tokens > --seq-len {seq_len} + 1 (--truncate drop)",
+              }.get(why, why)
+    raise DataError(f"{where}: no training examples left after filtering {len(rows)} row(s) "
+                    f"({reason}; {', '.join(f'{v} {k}' for k, v in left_out.items() if v)})")
 
 
 def example_options(section) -> dict:

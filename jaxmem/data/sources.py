@@ -45,6 +45,7 @@ import os
 import sys
 import sysconfig
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -190,18 +191,8 @@ def load_corpus(data: str | None, tokenizer, vocab_size: int, *,
         raise DataError(f"eval_fraction must be in [0, 1), got {eval_fraction!r}")
     eval_data = example_options.pop("eval_data", None)
     if eval_data is not None:  # --eval-data: all of --data trains, all of eval_data evaluates
-        kw = dict(eval_fraction=0.0, seq_len=seq_len, default_corpus_bytes=default_corpus_bytes,
-                  **example_options)
-        train, _, stats = load_corpus(data, tokenizer, vocab_size, **kw)
-        evals, _, ev = load_corpus(eval_data, tokenizer, vocab_size, **kw)
-        digest = hashlib.sha256((stats["tokens_sha256"] + ev["tokens_sha256"]).encode())
-        held_out = {"eval_source": str(eval_data), "eval_tokens": ev["train_tokens"],
-                    "tokens_sha256": digest.hexdigest()}
-        if ev.get("format") == "examples":
-            held_out.update(eval_examples=ev["train_examples"], eval_rows=ev["train_rows"],
-                            eval_trained_tokens=ev["trained_tokens"],
-                            eval_masked_tokens=ev["masked_tokens"])
-        return train, evals, {**stats, **held_out}
+        return _load_with_eval_data(data, eval_data, tokenizer, vocab_size, seq_len=seq_len,
+                                    default_corpus_bytes=default_corpus_bytes, **example_options)
     if seq_len < 1:
         raise DataError(f"seq_len must be >= 1, got {seq_len!r}")
     if tokenizer.vocab_size > vocab_size:
@@ -209,22 +200,85 @@ def load_corpus(data: str | None, tokenizer, vocab_size: int, *,
                         f"{tokenizer.vocab_size} ids but the model vocab size is {vocab_size}")
     files = default_corpus_files(default_corpus_bytes) if data is None else resolve_sources(data)
     files, duplicates = dedupe_files(files)  # a file reached through a symlink is read once
-    examples = [f for f in files if is_example_file(f)]
-    if examples:
-        others = [f for f in files if not is_example_file(f)]
-        if others:
-            raise DataError(f"--data mixes example rows ({examples[0]}) with text or token files "
-                            f"({others[0]}); give one kind")
-        train, evals, stats = load_examples(files, tokenizer, vocab_size, seq_len=seq_len,
-                                            eval_fraction=eval_fraction, **example_options)
-        return train, evals, {"source": str(data), "files": len(files), **stats,
-                              "duplicate_files_skipped": duplicates[:20],
-                              "tokenizer": getattr(tokenizer, "path", tokenizer.name),
-                              "vocab_size": int(vocab_size)}
+    if any(is_example_file(f) for f in files):
+        return _load_example_files(data, files, duplicates, tokenizer, vocab_size, seq_len=seq_len,
+                                   eval_fraction=eval_fraction, **example_options)
     if example_options.get("data_field") is not None:
         raise DataError(f"--data-field {example_options['data_field']} needs example rows "
                         f"(.jsonl, .json, .parquet); {files[0]} is not one")
+    stream, read = _token_stream(files, tokenizer, vocab_size)
+    n = stream.size
+    if n < 2:
+        raise DataError(f"corpus {data!r} has {n} token(s); at least 2 are needed")
+    n_eval = 0
+    if eval_fraction > 0:
+        n_eval = min(max(math.ceil(eval_fraction * n), seq_len + 1), n // 2)
+    train, evals = stream[:n - n_eval], stream[n - n_eval:]
+    stats = {"source": "default:stdlib" if data is None else str(data), "files": len(files),
+             **read.counts(n, evals.size), "duplicate_files_skipped": duplicates[:20],
+             "tokens_sha256": hashlib.sha256(stream.tobytes()).hexdigest(),
+             "tokenizer": getattr(tokenizer, "path", tokenizer.name),
+             "vocab_size": int(vocab_size)}
+    if data is None:
+        stats["python_version"] = ".".join(map(str, sys.version_info[:3]))
+        stats["stdlib_dir"] = str(files[0].parent)
+        stats["default_corpus_bytes"] = int(default_corpus_bytes)
+    return train, evals, stats
 
+
+def _load_with_eval_data(data, eval_data, tokenizer, vocab_size: int, **options):
+    """`--eval-data`: all of `data` trains, all of `eval_data` evaluates; the stats are the train
+    data's, with the held-out data's counts and one sha256 over both."""
+    kw = dict(eval_fraction=0.0, **options)
+    train, _, stats = load_corpus(data, tokenizer, vocab_size, **kw)
+    evals, _, ev = load_corpus(eval_data, tokenizer, vocab_size, **kw)
+    digest = hashlib.sha256((stats["tokens_sha256"] + ev["tokens_sha256"]).encode())
+    held_out = {"eval_source": str(eval_data), "eval_tokens": ev["train_tokens"],
+                "tokens_sha256": digest.hexdigest()}
+    if ev.get("format") == "examples":
+        held_out.update(eval_examples=ev["train_examples"], eval_rows=ev["train_rows"],
+                        eval_trained_tokens=ev["trained_tokens"],
+                        eval_masked_tokens=ev["masked_tokens"])
+    return train, evals, {**stats, **held_out}
+
+
+def _load_example_files(data, files: list[Path], duplicates, tokenizer, vocab_size: int,
+                        **options):
+    """Example rows (jaxmem.data.examples.load_examples): `PackedData` splits and their stats;
+    refused when `files` mixes them with text or token files."""
+    examples = [f for f in files if is_example_file(f)]
+    others = [f for f in files if not is_example_file(f)]
+    if others:
+        raise DataError(f"--data mixes example rows ({examples[0]}) with text or token files "
+                        f"({others[0]}); give one kind")
+    train, evals, stats = load_examples(files, tokenizer, vocab_size, **options)
+    return train, evals, {"source": str(data), "files": len(files), **stats,
+                          "duplicate_files_skipped": duplicates[:20],
+                          "tokenizer": getattr(tokenizer, "path", tokenizer.name),
+                          "vocab_size": int(vocab_size)}
+
+
+class _Read(NamedTuple):
+    """What reading the text and token files found, for the stats."""
+
+    documents: int
+    bytes: int
+    bad: int  # invalid UTF-8 sequences replaced
+    bad_files: list[str]
+    binary_looking: dict[str, float]
+
+    def counts(self, n_tokens: int, n_eval: int) -> dict:
+        """The stats' counts, in their order, for a stream of `n_tokens` with `n_eval` held out."""
+        return {"documents": self.documents, "bytes": self.bytes, "tokens": int(n_tokens),
+                "train_tokens": int(n_tokens - n_eval), "eval_tokens": int(n_eval),
+                "invalid_utf8_replacements": self.bad,
+                "files_with_invalid_utf8": self.bad_files[:20],
+                "binary_looking_files": dict(list(self.binary_looking.items())[:20])}
+
+
+def _token_stream(files: list[Path], tokenizer, vocab_size: int) -> tuple[np.ndarray, _Read]:
+    """One int32 stream of every file in order: a text file as BOS, its tokens, EOS; a token
+    file as it is."""
     pieces: list[np.ndarray] = []
     bos = np.asarray([tokenizer.bos_id], np.int32)
     eos = np.asarray([tokenizer.eos_id], np.int32)
@@ -252,36 +306,7 @@ def load_corpus(data: str | None, tokenizer, vocab_size: int, *,
         n_docs += 1
         pieces.extend([bos, ids, eos])
     stream = np.concatenate(pieces).astype(np.int32, copy=False)
-    n = stream.size
-    if n < 2:
-        raise DataError(f"corpus {data!r} has {n} token(s); at least 2 are needed")
-
-    n_eval = 0
-    if eval_fraction > 0:
-        n_eval = min(max(math.ceil(eval_fraction * n), seq_len + 1), n // 2)
-    train, evals = stream[:n - n_eval], stream[n - n_eval:]
-
-    stats = {
-        "source": "default:stdlib" if data is None else str(data),
-        "files": len(files),
-        "documents": n_docs,
-        "bytes": n_bytes,
-        "tokens": int(n),
-        "train_tokens": int(train.size),
-        "eval_tokens": int(evals.size),
-        "invalid_utf8_replacements": n_bad,
-        "files_with_invalid_utf8": bad_files[:20],
-        "binary_looking_files": dict(list(binary_looking.items())[:20]),
-        "duplicate_files_skipped": duplicates[:20],
-        "tokens_sha256": hashlib.sha256(stream.tobytes()).hexdigest(),
-        "tokenizer": getattr(tokenizer, "path", tokenizer.name),
-        "vocab_size": int(vocab_size),
-    }
-    if data is None:
-        stats["python_version"] = ".".join(map(str, sys.version_info[:3]))
-        stats["stdlib_dir"] = str(files[0].parent)
-        stats["default_corpus_bytes"] = int(default_corpus_bytes)
-    return train, evals, stats
+    return stream, _Read(n_docs, n_bytes, n_bad, bad_files, binary_looking)
 
 
 def train_batcher(train, batch_size: int, seq_len: int, seed: int, *, pad_id: int):

@@ -73,53 +73,68 @@ def main(argv=None) -> int:
     if args.prompts_file is not None and "prompt" in overrides:
         fail(p, "give --prompt or --prompts-file, not both")
     prompts = read_prompts(p, args.prompts_file) if args.prompts_file else None
-    if args.hf is not None:
-        from jaxmem.config.run import SampleSection  # noqa: PLC0415
-        from jaxmem.io.hf import hf_tokenizer, load_hf  # noqa: PLC0415
-
-        try:
-            model_config, params = load_hf(args.hf)
-            tokenizer = _chat(p, args, hf_tokenizer(args.hf), None)
-            eos = eos_ids(tokenizer, args.hf)
-        except (DataError, ValueError) as e:  # HFError is a ValueError
-            fail(p, str(e).splitlines()[0])
-        sm, run_dtype = dataclasses.replace(SampleSection(), **overrides), "float32"
-    else:
-        try:
-            run = load_run(Path(args.run), step=args.step)
-            # LoRA: the adapters on the run's own base, built (quantized) once per call
-            params = run.step_config.trainable.run_params(run)
-            eos = eos_ids(run.tokenizer, run.config.init.init_from)
-        except CheckpointError as e:
-            exit_after_failed_restore(p, str(e).splitlines()[0])
-        except (RunError, DataError, ValueError) as e:
-            fail(p, str(e).splitlines()[0])
-        model_config = run.model_config
-        tokenizer = _chat(p, args, run.tokenizer, run.config.data.chat_template)
-        sm, run_dtype = (dataclasses.replace(run.config.sample, **overrides),
-                         run.step_config.precision.compute_dtype)
+    load = _from_hf if args.hf is not None else _from_run
+    model_config, params, tokenizer, eos, sm, run_dtype = load(p, args, overrides)
     dtype = sample_dtype(sm.dtype, run_dtype)
     if prompts is None:
         prompts = [(None, sm.prompt or "")]
     rows, stats = _generate(p, model_config, params, tokenizer, prompts, sm, args, eos, dtype)
-    if args.prompts_file is None:
-        print(rows[0]["completion" if args.chat else "text"])
-    else:
-        lines = "".join(json.dumps({k: r[k] for k in ("prompt", "completion", "new_tokens",
-                                                       "stop")}, ensure_ascii=False) + "\n"
-                        for r in rows)
-        if args.output is None:
-            sys.stdout.write(lines)
-        else:
-            try:
-                Path(args.output).write_text(lines)
-            except OSError as e:
-                fail(p, f"--output {args.output}: {e.strerror or e}")
+    _write(p, args, rows)
     n = sum(r["new_tokens"] for r in rows)
     print(f"generated {n} tokens for {len(rows)} prompt(s) in {stats['run_s']:.2f} s: "
           f"{n / max(stats['run_s'], 1e-9):,.1f} tokens/s ({dtype.name}, KV cache; compile "
           f"{stats['compile_s']:.1f} s)", file=sys.stderr)
     return 0
+
+
+def _from_hf(p, args, overrides):
+    """(model config, params, tokenizer, EOS ids, sample settings, run dtype) of `--hf DIR`."""
+    from jaxmem.config.run import SampleSection  # noqa: PLC0415
+    from jaxmem.io.hf import hf_tokenizer, load_hf  # noqa: PLC0415
+
+    try:
+        model_config, params = load_hf(args.hf)
+        tokenizer = _chat(p, args, hf_tokenizer(args.hf), None)
+        eos = eos_ids(tokenizer, args.hf)
+    except (DataError, ValueError) as e:  # HFError is a ValueError
+        fail(p, str(e).splitlines()[0])
+    return (model_config, params, tokenizer, eos,
+            dataclasses.replace(SampleSection(), **overrides), "float32")
+
+
+def _from_run(p, args, overrides):
+    """The same of a run directory's checkpoint (`--run DIR [--step N]`)."""
+    try:
+        run = load_run(Path(args.run), step=args.step)
+        # LoRA: the adapters on the run's own base, built (quantized) once per call
+        params = run.step_config.trainable.run_params(run)
+        eos = eos_ids(run.tokenizer, run.config.init.init_from)
+    except CheckpointError as e:
+        exit_after_failed_restore(p, str(e).splitlines()[0])
+    except (RunError, DataError, ValueError) as e:
+        fail(p, str(e).splitlines()[0])
+    tokenizer = _chat(p, args, run.tokenizer, run.config.data.chat_template)
+    return (run.model_config, params, tokenizer, eos,
+            dataclasses.replace(run.config.sample, **overrides),
+            run.step_config.precision.compute_dtype)
+
+
+def _write(p, args, rows) -> None:
+    """One --prompt's text (its completion with --chat) on stdout, or with --prompts-file a
+    JSON line per prompt, on stdout or into --output."""
+    if args.prompts_file is None:
+        print(rows[0]["completion" if args.chat else "text"])
+        return
+    lines = "".join(json.dumps({k: r[k] for k in ("prompt", "completion", "new_tokens",
+                                                   "stop")}, ensure_ascii=False) + "\n"
+                    for r in rows)
+    if args.output is None:
+        sys.stdout.write(lines)
+        return
+    try:
+        Path(args.output).write_text(lines)
+    except OSError as e:
+        fail(p, f"--output {args.output}: {e.strerror or e}")
 
 
 def read_prompts(p, path) -> list[tuple[int, str]]:

@@ -179,7 +179,7 @@ class _TensorReader:
 
     Each read opens the file, copies the one tensor out and closes it: safetensors reads through
     a memory map, and a file kept open keeps every page read so far resident, which added the
-    file's size to the peak (measured: experiments/hf_load_memory.py).
+    file's size to the peak (measured: experiments/tables/hf_load_memory.py).
     """
 
     def __init__(self, files: dict[str, Path], hf_dir):

@@ -21,7 +21,7 @@ d(head) in fp32. The largest logits-shaped buffer is one chunk; the price is the
 once more in the backward (the approach of Liger's
 fused linear cross-entropy, Apple's Cut Cross-Entropy and Levanter's blockwise loss).
 
-The head is multiplied with `jaxmem.lora.project`, so a weight object (a quantized
+The head is multiplied with `jaxmem.model.projection.project`, so a weight object (a quantized
 head; LoRA never targets the head) works as in the model; its floating leaves get gradients.
 Padding: `weights` is the loss mask; a sequence not divisible by the chunk is padded with
 zero-weight positions, which contribute nothing to the value or the gradients.
@@ -34,9 +34,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxmem.lora import project
-from jaxmem.model.projection import logits_einsum
-from jaxmem.model.sharding import constrain
+from jaxmem.einsum import logits_einsum, project
+from jaxmem.sharding import constrain
 
 # `--loss-chunk` unset (auto): the fused loss is used when the head is wider than its input
 # (V > D: keeping x [B, T, D] instead of logits [B, T, V] is then smaller), with chunks of the

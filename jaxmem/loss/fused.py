@@ -3,6 +3,13 @@
 The kernel is jaxmem.loss.chunked (a custom VJP over sequence chunks, no [B, T, V] array in the
 forward or the backward); this module is its public face: it checks the arguments, says which
 axis of the head is the vocabulary (never guessed from the shape), picks the chunk and reduces.
+
+The forward scans sequence chunks keeping only the logsumexp [B, T]; the backward (a custom VJP)
+recomputes the logits a slice at a time, at the price of the head matmul once more.
+
+References: Liger Kernel, `LigerFusedLinearCrossEntropyLoss` (Hsu et al. 2024,
+arXiv:2410.10989); Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models"
+(arXiv:2411.09009).
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem.loss.chunked import AUTO_CHUNK_BYTES, chunked_cross_entropy
-from jaxmem.model.projection import logits_einsum
+from jaxmem.einsum import logits_einsum
 
 
 class HeadLayout(str, enum.Enum):
@@ -49,6 +56,47 @@ def _choice(enum_cls, value, arg: str):
             from None
 
 
+def _batch_shape(hidden, targets, weights) -> tuple[int, int, int]:
+    """(B, T, D) of `hidden` [B, T, D], checked against targets and weights [B, T]."""
+    if hidden.ndim != 3:
+        raise ValueError(f"fused_cross_entropy: hidden must be [B, T, D], got shape "
+                         f"{tuple(hidden.shape)}")
+    B, T, D = hidden.shape
+    if tuple(targets.shape) != (B, T):
+        raise ValueError(f"fused_cross_entropy: targets must be [B, T] = {(B, T)}, got shape "
+                         f"{tuple(targets.shape)}")
+    if weights is not None and tuple(weights.shape) != (B, T):
+        raise ValueError(f"fused_cross_entropy: weights must be [B, T] = {(B, T)}, got shape "
+                         f"{tuple(weights.shape)}")
+    return B, T, D
+
+
+def _vocab_size(head, layout: HeadLayout, D: int) -> int:
+    """V of the head: an array [D, V] / [V, D] by `layout`, or (DV) a weight object with
+    `project` and a `shape` standing for a [D, V] array."""
+    if isinstance(head, jax.Array) or hasattr(head, "ndim"):
+        d_axis = 0 if layout is HeadLayout.DV else 1
+        if head.ndim != 2 or head.shape[d_axis] != D:
+            want = "[D, V]" if layout is HeadLayout.DV else "[V, D]"
+            raise ValueError(f"fused_cross_entropy: head must be {want} with D = {D} "
+                             f"(head_layout={layout.value!r}), got shape {tuple(head.shape)}")
+        return head.shape[1 - d_axis]
+    if layout is HeadLayout.DV and hasattr(head, "project") and hasattr(head, "shape"):
+        return int(head.shape[-1])
+    raise ValueError(f"fused_cross_entropy: head must be an array (or, with head_layout="
+                     f"'dv', a weight object with project()), got {type(head).__name__}")
+
+
+def _chunk_size(chunk: int | None, B: int, T: int, V: int) -> int:
+    """The sequence chunk: as given (at most T), or the most positions whose fp32 logits
+    [B, chunk, V] fit in AUTO_CHUNK_BYTES."""
+    if chunk is None:
+        chunk = max(1, min(T, AUTO_CHUNK_BYTES // (B * V * 4)))
+    elif int(chunk) <= 0:
+        raise ValueError(f"fused_cross_entropy: chunk must be positive, got {chunk}")
+    return min(int(chunk), T)
+
+
 def fused_cross_entropy(hidden: jax.Array, head, targets: jax.Array,
                         weights: jax.Array | None = None, chunk: int | None = None, *,
                         head_layout: HeadLayout | str = HeadLayout.DV,
@@ -61,11 +109,8 @@ def fused_cross_entropy(hidden: jax.Array, head, targets: jax.Array,
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)  # [B, T]
         mean = jnp.sum(loss * weights) / jnp.sum(weights)
 
-    (tests/test_loss_api.py: fp32, highest matmul precision, within 1e-5, with weights, padding
-    and both head layouts), but the largest logits-shaped buffer is one chunk [B, chunk, V] in
-    the forward and one [B, T, Vc] vocabulary slice (or [B, chunk, V]) in the backward: the
-    forward scans sequence chunks keeping only the logsumexp [B, T]; the backward (a custom VJP)
-    recomputes the logits a slice at a time, at the price of the head matmul once more.
+    (fp32, highest matmul precision: within 1e-5), while the largest logits-shaped buffer is one
+    chunk [B, chunk, V] forward and one [B, T, Vc] vocabulary slice (or [B, chunk, V]) backward.
 
     Args:
       hidden: [B, T, D] float (fp32, bf16 or fp16): the final hidden states (after the final
@@ -88,8 +133,8 @@ def fused_cross_entropy(hidden: jax.Array, head, targets: jax.Array,
       losses, fp32 [] the sum of the weights).
 
     Raises:
-      ValueError naming the argument: a shape that does not match, chunk <= 0, an unknown
-      head_layout or reduction.
+      ValueError naming the argument: a mismatched shape, chunk <= 0, an unknown head_layout or
+      reduction.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxmem
@@ -99,41 +144,11 @@ def fused_cross_entropy(hidden: jax.Array, head, targets: jax.Array,
       >>> loss = jaxmem.loss.fused_cross_entropy(h, emb, t, chunk=4, head_layout="vd")
       >>> loss.shape, loss.dtype
       ((), dtype('float32'))
-
-    References:
-      Liger Kernel, `LigerFusedLinearCrossEntropyLoss` (Hsu et al. 2024, arXiv:2410.10989);
-      Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models"
-      (arXiv:2411.09009).
     """
     layout = _choice(HeadLayout, head_layout, "head_layout")
     how = _choice(Reduction, reduction, "reduction")
-    if hidden.ndim != 3:
-        raise ValueError(f"fused_cross_entropy: hidden must be [B, T, D], got shape "
-                         f"{tuple(hidden.shape)}")
-    B, T, D = hidden.shape
-    if tuple(targets.shape) != (B, T):
-        raise ValueError(f"fused_cross_entropy: targets must be [B, T] = {(B, T)}, got shape "
-                         f"{tuple(targets.shape)}")
-    if weights is not None and tuple(weights.shape) != (B, T):
-        raise ValueError(f"fused_cross_entropy: weights must be [B, T] = {(B, T)}, got shape "
-                         f"{tuple(weights.shape)}")
-    if isinstance(head, jax.Array) or hasattr(head, "ndim"):
-        d_axis = 0 if layout is HeadLayout.DV else 1
-        if head.ndim != 2 or head.shape[d_axis] != D:
-            want = "[D, V]" if layout is HeadLayout.DV else "[V, D]"
-            raise ValueError(f"fused_cross_entropy: head must be {want} with D = {D} "
-                             f"(head_layout={layout.value!r}), got shape {tuple(head.shape)}")
-        V = head.shape[1 - d_axis]
-    elif layout is HeadLayout.DV and hasattr(head, "project") and hasattr(head, "shape"):
-        V = int(head.shape[-1])  # a weight object standing for a [D, V] array
-    else:
-        raise ValueError(f"fused_cross_entropy: head must be an array (or, with head_layout="
-                         f"'dv', a weight object with project()), got {type(head).__name__}")
-    if chunk is None:
-        chunk = max(1, min(T, AUTO_CHUNK_BYTES // (B * V * 4)))
-    elif int(chunk) <= 0:
-        raise ValueError(f"fused_cross_entropy: chunk must be positive, got {chunk}")
-    chunk = min(int(chunk), T)
+    B, T, D = _batch_shape(hidden, targets, weights)
+    chunk = _chunk_size(chunk, B, T, _vocab_size(head, layout, D))
     if weights is None:
         weights = jnp.ones((B, T), jnp.float32)
     total, count = chunked_cross_entropy(hidden, head, targets, weights, chunk, einsum,

@@ -254,18 +254,28 @@ def analyze(fn: Callable, /, *args, jit_options: Mapping[str, Any] | None = None
     >>> print(a.verdict("80GiB").splitlines()[0])
     verdict: compiled peak 0.00 GiB fits on every common GPU size (80 GiB)
     """
+    label = name or getattr(fn, "__name__", None) or type(fn).__name__
+    compiled = _jitted(fn, jit_options).lower(*args, **kwargs).compile()
+    result = MemoryAnalysis.of_compiled(compiled, label, _narrowest_float((args, kwargs)))
+    if residuals_of is None:
+        return result
+    return _with_residuals(result, residuals_of, residual_args, args, kwargs)
+
+
+def _jitted(fn: Callable, jit_options: Mapping[str, Any] | None):
+    """`fn` if it is already jitted (then jit_options must be None), else jax.jit(fn, ...)."""
     if hasattr(fn, "lower"):
         if jit_options:
             raise TypeError("analyze: jit_options is for a plain function; fn is already "
                             "jitted, so its own jit options apply")
-        jitted = fn
-    else:
-        jitted = jax.jit(fn, **dict(jit_options or {}))
-    label = name or getattr(fn, "__name__", None) or type(fn).__name__
-    compiled = jitted.lower(*args, **kwargs).compile()
-    result = MemoryAnalysis.of_compiled(compiled, label, _narrowest_float((args, kwargs)))
-    if residuals_of is None:
-        return result
+        return fn
+    return jax.jit(fn, **dict(jit_options or {}))
+
+
+def _with_residuals(result: MemoryAnalysis, residuals_of: Callable, residual_args, args,
+                    kwargs) -> MemoryAnalysis:
+    """`result` with what the VJP of `residuals_of` keeps (on residual_args, default fn's own
+    arguments), grouped by name, shape and dtype."""
     if residual_args is None:
         of, residual_args = functools.partial(residuals_of, **kwargs), args
     else:

@@ -24,8 +24,8 @@ The model of the peak (what is live when the backward starts):
 
 or, if larger, what is live during the optimizer update: state + batch + gradients + one
 params-sized update buffer (activations are freed by then; at full size with remat this phase
-sets the peak: 5 x 4 B/param in fp32); adamw8bit updates in place (jaxmem.train.fused8bit), so
-only its small leaves and one piece of a large one (update_8bit_working_set).
+sets the peak: 5 x 4 B/param in fp32); adamw8bit updates in place (AdamW8bitInPlace): only
+its small leaves and one piece of a large one (update_8bit_working_set).
 
 With `--offload-base host` (LoRA) the frozen block layers are in host memory: counted as phase
 "host" (`host_bytes`), in no device phase, and one layer's copy joins the backward phase
@@ -49,7 +49,8 @@ from jaxmem.memory.spec import StepSpec
 from jaxmem.model.llama import abstract_params
 from jaxmem.model.attention import query_chunk
 from jaxmem.model.tiled import mlp_tile, tiles_under
-from jaxmem.model.remat import RematError, RematPolicy
+from jaxmem.model.remat import RematPolicy
+from jaxmem.remat import RematError
 from jaxmem.loss.chunked import resolve_loss_chunk, vocab_chunk
 from jaxmem.model.roles import count_by_role
 
@@ -221,7 +222,7 @@ def mlp_backward(spec: StepSpec) -> int:
 
 
 # fp32 bytes per element the 8-bit update holds while it works on a leaf or a piece: the
-# gradient, the dequantized moments, the update and the new weight (jaxmem.train.fused8bit),
+# gradient, the dequantized moments, the update and the new weight (jaxmem.optim.AdamW8bitInPlace),
 # fitted on CPU compiles (docs/memory.md).
 UPDATE_8BIT_BYTES = 20
 
@@ -229,15 +230,15 @@ UPDATE_8BIT_BYTES = 20
 def update_8bit_working_set(c: ModelConfig) -> int:
     """What adamw8bit's in-place update holds beyond the state and the gradients.
 
-    fused8bit updates a leaf of more than stochastic.CHUNK elements in row pieces, in place on
+    AdamW8bitInPlace updates a leaf of more than optim.CHUNK elements in row pieces, in place on
     the donated state: one piece's working set at a time. A smaller leaf is updated whole and
     written back with a select (a skipped step keeps it), and XLA keeps the working sets of all
     of them live together. So: 20 B x (elements of the leaves updated whole + the largest piece),
     not the params-sized update buffer optax's update needs."""
-    from jaxmem.optim._stochastic import CHUNK, row_chunks
+    from jaxmem.optim import row_chunks
     whole, piece = 0, 0
     for leaf in jax.tree_util.tree_leaves(abstract_params(c)):
-        n = row_chunks(leaf.shape, CHUNK)
+        n = row_chunks(leaf.shape)
         if n == 1:
             whole += leaf.size
         else:
@@ -321,9 +322,8 @@ def _logits_group(c: ModelConfig, B: int, T: int, loss_chunk: int | None) -> int
 
 
 def _layer_backward(spec: StepSpec, attention: str, per_layer: list) -> int:
-    """One block's backward: what it recomputes, on the XLA path one query chunk's
-    probabilities (fp32, compute copy, gradients), the MLP backward's working set, and with
-    LoRA a quantized layer's dequantized weights and the adapters' gradient buffers."""
+    """One block's backward: what it recomputes, XLA attention's probabilities of a query chunk,
+    the MLP backward's working set; LoRA: dequantized weights, the adapters' gradients."""
     c, p = spec.model, spec.precision
     B, T, N = spec.batch_size, spec.seq_len, c.num_heads
     full_layer = _sum(layer_residuals(c, B, T, p.compute_dtype, RematPolicy("none"), attention))

@@ -43,37 +43,51 @@ def fit_seq(spec: StepSpec, budget_bytes: int, phases_fn, granule: int = GRANULE
     granule = min(granule, cap)
     tried: dict[int, dict] = {}
 
-    def probe(t: int) -> dict:
-        if t in tried:
-            return tried[t]
-        s = dataclasses.replace(spec, seq_len=t)
-        entry = {"seq_len": t}
-        try:
-            step = compile_fn(s)
-        except Exception as e:  # noqa: BLE001  (a compile error: this length does not fit)
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            entry.update(fits=False, peak_bytes=None, reason=f"compile error: {msg[:200]}")
-        else:
-            phases = phases_fn(s, step)
-            peak = int(phases["peak_bytes"])
-            fits = peak <= budget_bytes
-            entry.update(fits=fits, peak_bytes=peak, peak_phase=phases["peak_phase"],
-                         step_peak_bytes=int(step["peak_bytes"]),
-                         host_bytes=int(step.get("host_bytes", 0)), reason=(
-                             f"{phases['peak_phase']} {peak / GiB:.3f} GiB "
-                             f"{'<=' if fits else '>'} budget {budget_bytes / GiB:.3f} GiB"))
-        tried[t] = entry
-        if log:
-            log(entry)
-        return entry
+    def fits(t: int) -> bool:
+        if t not in tried:
+            tried[t] = _measure(dataclasses.replace(spec, seq_len=t), budget_bytes, phases_fn,
+                                compile_fn)
+            if log:
+                log(tried[t])
+        return tried[t]["fits"]
 
     top = _round(cap, granule)
-    t = min(_round(spec.seq_len, granule), top)
-    if probe(t)["fits"]:  # double while it fits
+    good, bad = _search(fits, min(_round(spec.seq_len, granule), top), top, granule)
+    return {"chosen": tried[good] if good is not None else None,
+            "limit": "max_position_embeddings" if good == top and bad is None else "memory",
+            "max_position_embeddings": cap, "granule": granule,
+            "tried": [tried[k] for k in tried]}
+
+
+def _measure(s: StepSpec, budget_bytes: int, phases_fn, compile_fn) -> dict:
+    """One length's entry: its step compiled, the run's largest phase against the budget (a
+    compile error: it does not fit)."""
+    entry = {"seq_len": s.seq_len}
+    try:
+        step = compile_fn(s)
+    except Exception as e:  # noqa: BLE001  (a compile error: this length does not fit)
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        entry.update(fits=False, peak_bytes=None, reason=f"compile error: {msg[:200]}")
+        return entry
+    phases = phases_fn(s, step)
+    peak = int(phases["peak_bytes"])
+    fits = peak <= budget_bytes
+    entry.update(fits=fits, peak_bytes=peak, peak_phase=phases["peak_phase"],
+                 step_peak_bytes=int(step["peak_bytes"]),
+                 host_bytes=int(step.get("host_bytes", 0)), reason=(
+                     f"{phases['peak_phase']} {peak / GiB:.3f} GiB "
+                     f"{'<=' if fits else '>'} budget {budget_bytes / GiB:.3f} GiB"))
+    return entry
+
+
+def _search(fits, t: int, top: int, granule: int) -> tuple[int | None, int | None]:
+    """(longest length found to fit, shortest found not to), multiples of `granule` up to `top`:
+    from `t`, double while it fits (or halve until it does), then bisect to the granule."""
+    if fits(t):  # double while it fits
         good, bad = t, None
         while bad is None and good < top:
             t = min(good * 2, top)
-            if probe(t)["fits"]:
+            if fits(t):
                 good = t
             else:
                 bad = t
@@ -81,20 +95,17 @@ def fit_seq(spec: StepSpec, budget_bytes: int, phases_fn, granule: int = GRANULE
         good, bad = None, t
         while good is None and bad > granule:
             t = _round(bad // 2, granule)
-            if probe(t)["fits"]:
+            if fits(t):
                 good = t
             else:
                 bad = t
     while good is not None and bad is not None and bad - good > granule:  # bisect
         t = _round((good + bad) // 2, granule)
-        if probe(t)["fits"]:
+        if fits(t):
             good = t
         else:
             bad = t
-    return {"chosen": tried[good] if good is not None else None,
-            "limit": "max_position_embeddings" if good == top and bad is None else "memory",
-            "max_position_embeddings": cap, "granule": granule,
-            "tried": [tried[k] for k in tried]}
+    return good, bad
 
 
 def format_fit_seq(result: dict, budget_gib: float) -> list[str]:

@@ -11,7 +11,7 @@
 Text parsing, so a module compiled for a GPU can be saved (`XLA_FLAGS=--xla_dump_to=DIR`,
 `*after_optimizations.txt`, or `compiled.as_text()`) and read on any machine. Instructions keep
 the text's order: in a scheduled module (`is_scheduled=true`) that is the execution order.
-experiments.fp8_hlo and jaxmem.memory.collectives read HLO through this module.
+experiments.fp8_diag.hlo and jaxmem.memory.collectives read HLO through this module.
 """
 
 from __future__ import annotations

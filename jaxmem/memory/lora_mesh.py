@@ -59,7 +59,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxmem.memory.spec import StepSpec
-from jaxmem.model.roles import path_text
+from jaxmem.paths import path_text
 import jaxmem.parallel.rules as rules
 
 OFFLOAD_KINDS = ("none", "host")

@@ -25,7 +25,8 @@ import dataclasses
 
 from jaxmem.memory.compiled import argument_bytes, compile_step
 from jaxmem.memory.spec import GiB, StepSpec
-from jaxmem.model.remat import RematError, RematPolicy, check_offload_supported
+from jaxmem.model.remat import RematPolicy, check_offload_supported
+from jaxmem.remat import RematError
 
 # The selective policy the planner tries between dots_no_batch and full: keep the projections
 # that feed attention and the MLP's two wide inputs (docs/remat.md measures it).
@@ -34,7 +35,7 @@ PLANNER_NAMES = "names:query,key,value,mlp_gate,mlp_up"
 
 # compiled peak / analytic peak, measured on the CPU backend: fp32 0.95-1.04 on every preset,
 # 16-bit 1.0-1.55 (CPU bf16 keeps fp32 temporaries; docs/memory.md's tables), tiny at 8 x 512
-# 0.890-1.021 over the 15 candidates of experiments/fit_speed.py (the lowest: full remat);
+# 0.890-1.021 over the 15 candidates of experiments/tables/fit_speed.py (the lowest: full remat);
 # 8-bit optimizers only add temporaries the formula leaves out (ratio up, never down). Only the
 # lower end rules candidates out, so it is the lowest ratio measured, rounded down; a wrong
 # rule-out could only cost speed (a slower candidate chosen), never the budget: the chosen
@@ -108,31 +109,37 @@ def plan(base: StepSpec, global_batch: int, budget_bytes: int, mu_dtypes=("fp32"
         else:
             compiles += 1
             entry["decided_by"] = "compiled"
-            try:
-                compiled = compile_fn(spec)
-            except Exception as e:  # a compile error rejects the candidate, with its message
-                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                entry.update(fits=False, peak_bytes=None, reason=f"compile error: {msg[:200]}")
-            else:
-                peak = int(compiled["peak_bytes"])
-                run_peak, what = peak, "compiled peak"
-                if phases_fn is not None:  # the largest phase of the run decides
-                    phases = phases_fn(spec, compiled)
-                    run_peak = phases["peak_bytes"]
-                    entry.update(run_peak_bytes=run_peak, peak_phase=phases["peak_phase"],
-                                 phases=phases)
-                    if phases["peak_phase"] != "step":
-                        what = f"{phases['peak_phase']} phase ({phases['peak_source']}) peak"
-                fits = run_peak <= budget_bytes
-                entry.update(fits=fits, peak_bytes=peak, compiled=compiled, reason=(
-                    f"{what} {run_peak / GiB:.3f} GiB {'<=' if fits else '>'} budget "
-                    f"{budget_bytes / GiB:.3f} GiB"))
+            entry.update(_compiled_entry(spec, budget_bytes, compile_fn, phases_fn))
         tried.append(entry)
         if log:
             log(entry)
         if entry["fits"]:
             return {"chosen": entry, "spec": spec, "tried": tried, "compiles": compiles}
     return {"chosen": None, "spec": None, "tried": tried, "compiles": compiles}
+
+
+def _compiled_entry(spec: StepSpec, budget_bytes: int, compile_fn, phases_fn) -> dict:
+    """A candidate decided by its compile: the step's compiled peak, or with `phases_fn` the
+    run's largest phase, against the budget (a compile error rejects it, with its message)."""
+    try:
+        compiled = compile_fn(spec)
+    except Exception as e:  # a compile error rejects the candidate, with its message
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return dict(fits=False, peak_bytes=None, reason=f"compile error: {msg[:200]}")
+    entry = {}
+    peak = int(compiled["peak_bytes"])
+    run_peak, what = peak, "compiled peak"
+    if phases_fn is not None:  # the largest phase of the run decides
+        phases = phases_fn(spec, compiled)
+        run_peak = phases["peak_bytes"]
+        entry.update(run_peak_bytes=run_peak, peak_phase=phases["peak_phase"], phases=phases)
+        if phases["peak_phase"] != "step":
+            what = f"{phases['peak_phase']} phase ({phases['peak_source']}) peak"
+    fits = run_peak <= budget_bytes
+    entry.update(fits=fits, peak_bytes=peak, compiled=compiled, reason=(
+        f"{what} {run_peak / GiB:.3f} GiB {'<=' if fits else '>'} budget "
+        f"{budget_bytes / GiB:.3f} GiB"))
+    return entry
 
 
 def mesh_candidates_for(base: StepSpec, meshes, global_batch: int,

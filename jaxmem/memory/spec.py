@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from jaxmem.config.model import ModelConfig
 from jaxmem.config.run import ModelSection, RunConfig
 from jaxmem.model.remat import RematPolicy
-from jaxmem.train.loss_scale import LossScale
+from jaxmem.optim import LossScale
 from jaxmem.model.precision import Precision, get_precision
 from jaxmem.peft.lora import trainable_of
 from jaxmem.peft.trainable import FullFineTune, Trainable

@@ -41,7 +41,8 @@ import jax.numpy as jnp
 from jaxmem import target
 from jaxmem.model.context import context_attention, context_mesh
 from jaxmem.model.flash import packed_flash_attention, pallas_unsupported
-from jaxmem.model.layers import cpu_lacks, segment_mask
+from jaxmem.einsum import cpu_lacks
+from jaxmem.model.layers import segment_mask
 
 
 def _xla_attention(q, k, v, mask, segment_ids=None):

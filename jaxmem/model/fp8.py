@@ -289,7 +289,7 @@ _fp8_einsum_quantized.defvjp(_quantized_fwd, _quantized_bwd)
 @dataclasses.dataclass(frozen=True)
 class Fp8Weight:
     """A weight with its e4m3 copy and power-of-two scale, made once by `prepare_weight` and
-    multiplied by many `fp8_einsum`s (a weight object, jaxmem.lora.project).
+    multiplied by many `fp8_einsum`s (a weight object, jaxmem.model.projection.project).
 
     w: the weight; its gradient is computed as `fp8_einsum` would and flows to it.
     q, scale: `quantize(stop_gradient(w), E4M3, power_of_two=True)`: not differentiated.

@@ -12,22 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem import target
 from jaxmem.model.lean import rms_norm, rope
 
 
 def scaled_normal(fan_in: int):
     """N(0, fan_in^-1/2) init: unit-variance outputs for unit-variance inputs."""
     return nn.initializers.normal(stddev=fan_in ** -0.5)
-
-
-def cpu_lacks(dtype) -> bool:
-    """XLA:CPU has no fp16 x fp16 -> fp32 dot (attention, LM head); there we upcast operands.
-
-    Only programs for the CPU take this path (`jaxmem.target.platform()`: a compile for a GPU
-    target does not), where fp16 is emulated anyway and makes no memory claim.
-    """
-    return jnp.dtype(dtype) == jnp.float16 and target.platform() == "cpu"
 
 
 class RMSNorm(nn.Module):

@@ -29,12 +29,11 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxmem.config.model import ModelConfig
 from jaxmem.model.attention import causal_attention, masked_attention
 from jaxmem.model.lean import swiglu
-from jaxmem.model.layers import (RMSNorm, apply_rope, attention_mask, cache_mask, rope_tables,
-                                 scaled_normal)
-from jaxmem.lora import Einsum, default_einsum, project
-from jaxmem.model.projection import Projection, logits_einsum
+from jaxmem.model.layers import RMSNorm, apply_rope, attention_mask, cache_mask, rope_tables, scaled_normal
+from jaxmem.einsum import Einsum, default_einsum, logits_einsum, project
+from jaxmem.model.projection import Projection
 from jaxmem.model.remat import TAGS, RematPolicy
-from jaxmem.model.sharding import constrain, constrain_weight, gather_weight, local_rows
+from jaxmem.sharding import constrain, constrain_weight, gather_weight, local_rows
 from jaxmem.model.tiled import mlp_tile, tiled_mlp, tiles_under
 
 

@@ -13,9 +13,9 @@ so the names, shapes and init values are those of the model before this layer ex
 tests/test_projection.py). A child module with its own scope would have moved every weight to
 ['q_proj']['kernel'] and changed its init values.
 
-Weight objects (the protocol is jaxmem.lora's `ProjectedWeight` / `project`, which the public
-`LoraWeight` and `QuantizedWeight` implement). The stored weight is either a plain array of the
-declared shape, or any object with a method
+Weight objects (the seam itself, `project` and the `ProjectedWeight` protocol, lives in
+jaxmem.einsum, below the model: jaxmem.loss and jaxmem.lora call it too). The stored weight is either a plain array of the declared shape, or any object
+with a method
 
     project(subscripts: str, x: jax.Array, einsum: Einsum) -> jax.Array
 
@@ -35,17 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem.lora import Einsum, ProjectedWeight, default_einsum, project  # the weight protocol
-from jaxmem.model.layers import cpu_lacks, scaled_normal
-from jaxmem.model.sharding import constrain_weight
-
-
-def logits_einsum(subscripts: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """The LM head's einsum: fp32 accumulation and fp32 logits whatever the compute dtype."""
-    if cpu_lacks(x.dtype):
-        x = x.astype(jnp.float32)
-    return jnp.einsum(subscripts, x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-
+from jaxmem.einsum import Einsum, ProjectedWeight, default_einsum, project
+from jaxmem.sharding import constrain_weight
+from jaxmem.model.layers import scaled_normal
 
 class Projection(nn.Module):
     """y = einsum(subscripts, x, W) for the parent's parameter W named `weight_name`.

@@ -16,17 +16,18 @@ to layer, so `full` means "keep only the block inputs".
 Whether a policy saves memory is a measurement, not a belief: `python -m jaxmem.memory` compiles
 the gradient step and reports XLA's temp bytes per policy (docs/remat.md).
 
-This parser knows jaxmem's Llama (its tags, the offload check); the same names for any other
-function, with its own tags, are the public `jaxmem.remat.policy(name)`.
+The grammar is the public jaxmem.remat's (`RematPolicy.parse`, `DEFAULT_OFFLOAD_TAGS`, the same
+names for any function with its own tags); this module adds jaxmem's Llama: its tags and the check
+that the device can offload.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import jax
 
+import jaxmem.remat
 from jaxmem import target
+from jaxmem.remat import RematError
 
 # Activation tags placed in jaxmem.model.llama with `checkpoint_name`, in the order they occur.
 TAGS = (
@@ -44,70 +45,21 @@ TAGS = (
     "mlp_out",      # down projection                       [B, T, D]
 )
 
-# What `offload` moves to host when no tags are given: the big per-token matmul outputs.
-DEFAULT_OFFLOAD_TAGS = ("block_input", "query", "key", "value", "attn_context", "mlp_gate",
-                        "mlp_up")
 
-_SIMPLE = ("none", "full", "dots", "dots_no_batch", "offload")
-VALID_POLICIES = _SIMPLE + ("names:<tag>[,<tag>...]", "offload:<tag>[,<tag>...]")
+class RematPolicy(jaxmem.remat.RematPolicy):
+    """jaxmem.remat's policy (one grammar, `parse`) on jaxmem's Llama: `names:` / `offload:`
+    accept only its TAGS, and `jax_policy` is what `nn.remat` takes for a decoder block."""
 
-
-class RematError(ValueError):
-    """An unknown or unsupported remat policy."""
-
-
-@dataclass(frozen=True)
-class RematPolicy:
-    """A parsed remat policy.
-
-    kind: one of none, full, dots, dots_no_batch, names, offload.
-    names: the tags saved on device (kind `names`) or offloaded to host (kind `offload`).
-    """
-
-    kind: str = "none"
-    names: tuple[str, ...] = ()
-
-    @classmethod
-    def parse(cls, spec: "str | RematPolicy") -> "RematPolicy":
-        if isinstance(spec, RematPolicy):
-            return spec
-        spec = spec.strip()
-        head, sep, tail = spec.partition(":")
-        if not sep and head in _SIMPLE:
-            return cls(head, DEFAULT_OFFLOAD_TAGS if head == "offload" else ())
-        if sep and head in ("names", "offload"):
-            names = tuple(n.strip() for n in tail.split(",") if n.strip())
-            unknown = [n for n in names if n not in TAGS]
-            if not names or unknown:
-                raise RematError(f"remat policy {spec!r}: unknown tag(s) {unknown or '(none given)'}; "
-                                 f"valid tags: {', '.join(TAGS)}")
-            return cls(head, names)
-        raise RematError(f"unknown remat policy {spec!r}; valid: {', '.join(VALID_POLICIES)}")
-
-    def __str__(self) -> str:
-        if self.kind == "names" or (self.kind == "offload" and self.names != DEFAULT_OFFLOAD_TAGS):
-            return f"{self.kind}:{','.join(self.names)}"
-        return self.kind
-
-    @property
-    def enabled(self) -> bool:
-        return self.kind != "none"
+    known_tags = TAGS
 
     def jax_policy(self):
-        """The `jax.checkpoint` policy, or None for `full` (save nothing) and `none` (no remat)."""
-        cp = jax.checkpoint_policies
+        """The `jax.checkpoint` policy, or None for `full` (nn.remat's default saves nothing)
+        and `none` (no remat); `offload` raises RematError where the device cannot offload."""
         if self.kind in ("none", "full"):
             return None
-        if self.kind == "dots":
-            return cp.checkpoint_dots
-        if self.kind == "dots_no_batch":
-            return cp.dots_with_no_batch_dims_saveable
-        if self.kind == "names":
-            return cp.save_only_these_names(*self.names)
-        check_offload_supported()
-        return cp.save_and_offload_only_these_names(
-            names_which_can_be_saved=[], names_which_can_be_offloaded=list(self.names),
-            offload_src="device", offload_dst="pinned_host")
+        if self.kind == "offload":
+            check_offload_supported()
+        return self.checkpoint_policy()
 
 
 def check_offload_supported(device=None) -> None:

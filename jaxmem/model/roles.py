@@ -21,6 +21,8 @@ from collections import Counter
 
 import jax
 
+from jaxmem.paths import key_name as _key_name, path_text
+
 ROLES = ("embedding", "norm", "q_proj", "k_proj", "v_proj", "o_proj",
          "gate_proj", "up_proj", "down_proj", "lm_head")
 
@@ -32,25 +34,6 @@ PARAM_NAMES = {
     "gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj",
     "lm_head": "lm_head",
 }
-
-
-def _key_name(key) -> str | None:
-    """The string a path entry names (a dict key or an attribute), None for an index."""
-    if isinstance(key, str):
-        return key
-    for attr in ("key", "name"):  # DictKey / FlattenedIndexKey .key, GetAttrKey .name
-        value = getattr(key, attr, None)
-        if isinstance(value, str):
-            return value
-    return None
-
-
-def path_text(path) -> str:
-    """'layers/self_attn/q_proj' for a tuple of keys or a KeyPath."""
-    def text(key):
-        name = _key_name(key)
-        return name if name is not None else str(getattr(key, "idx", getattr(key, "key", key)))
-    return "/".join(text(k) for k in path)
 
 
 def param_role(path) -> str:

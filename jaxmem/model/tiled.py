@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem.model.lean import swiglu
-from jaxmem.lora import project
+from jaxmem.einsum import project
 
 TILE_BYTES = 64 * 2**20  # fp32 [B, Tc, F] per tile
 

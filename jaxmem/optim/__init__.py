@@ -1,6 +1,8 @@
 """Optimizers and loss scaling for any JAX model: plain pytrees in, optax-compatible out.
 
     adamw_8bit(lr, ...)                       AdamW with 8-bit moments (optax transformation)
+    AdamW8bitInPlace(lr, ...)                 the same AdamW as an Optimizer that updates and
+                                              applies in place (its state is adamw_8bit's)
     apply_updates_sr(params, updates, key)    bf16 params without an fp32 master copy
     DynamicLossScale.create()                 torch.amp.GradScaler's dynamic loss scale
     loss_scaled(skip_nonfinite(as_optimizer(tx)), scale)
@@ -27,7 +29,8 @@ from jaxmem.optim._adamw8bit import (
 )
 
 # bf16 stochastic rounding
-from jaxmem.optim._stochastic import apply_updates_sr, round_bf16
+from jaxmem.optim._stochastic import (apply_leaf_sr, apply_updates_sr, round_bf16,
+                                      round_bf16_bits, row_chunks)
 
 # Loss scaling (torch.amp.GradScaler semantics)
 from jaxmem.optim._loss_scale import (
@@ -49,13 +52,16 @@ from jaxmem.optim._apply import (
     skip_nonfinite,
 )
 
+# 8-bit AdamW updated and applied in place (the same kernel and state as adamw_8bit)
+from jaxmem.optim._fused import AdamW8bitInPlace, apply_leaf_in_place
+
 __all__ = [
     # 8-bit AdamW
     "BLOCK", "MIN_8BIT_SIZE", "SIGNED_MAP", "UNSIGNED_MAP", "Quantized", "ScaleByAdam8bitState",
     "adamw_8bit", "create_dynamic_map", "dequantize", "keep_small_fp32", "quantize",
-    "scale_by_adam_8bit",
+    "scale_by_adam_8bit", "AdamW8bitInPlace", "apply_leaf_in_place",
     # stochastic rounding
-    "apply_updates_sr", "round_bf16",
+    "apply_leaf_sr", "apply_updates_sr", "round_bf16", "round_bf16_bits", "row_chunks",
     # loss scaling
     "DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale", "all_finite",
     "select_tree",

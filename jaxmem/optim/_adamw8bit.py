@@ -311,15 +311,13 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
 
 def adamw_8bit(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float = 0.999,
                eps: float = 1e-8, weight_decay: float = 1e-4,
-               mask: Any | Callable[[Any], Any] | None = None, *,
-               keep_fp32: KeepFp32 | None = None,
+               mask: Any | Callable[[Any], Any] | None = None, *, keep_fp32: KeepFp32 | None = None,
                block_size: int = BLOCK) -> optax.GradientTransformation:
     r"""AdamW with both moments stored in 8 bits (block-wise dynamic quantization).
 
-    `optax.adamw`'s algorithm and chain, with each moment dequantized to fp32 for the update and
-    quantized again after it. With :math:`Q` the block-wise quantization (absmax per block of
-    `block_size` elements, nearest of 256 map values, a positive :math:`v` never 0) and
-    :math:`\eta_t` the learning rate:
+    `optax.adamw` with each moment dequantized to fp32 for the update and quantized again after it.
+    With :math:`Q` the block-wise quantization (absmax per `block_size` elements, nearest of 256
+    map values, a positive :math:`v` never 0) and :math:`\eta_t` the learning rate:
 
     .. math::
       m_t = \beta_1 Q^{-1}(\hat m_{t-1}) + (1 - \beta_1) g_t,\quad
@@ -329,26 +327,23 @@ def adamw_8bit(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
             + \lambda \theta_{t-1} \right)
 
     (:math:`\lambda` only where `mask` is True). State per quantized leaf: 1 B/element per
-    moment plus 4 B per block, ~2.03 B/param for both at block 256, against optax.adamw's 8.
+    moment + 4 B per block, ~2.03 B/param for both at block 256 (optax.adamw: 8).
 
     Args:
       learning_rate: a float or an optax schedule (step -> learning rate).
-      b1: exponential decay rate of the first moment.
-      b2: exponential decay rate of the second moment.
+      b1, b2: exponential decay rates of the first and the second moment.
       eps: added to the denominator's square root.
       weight_decay: decoupled weight decay rate (:math:`\lambda`).
       mask: as optax.adamw's: a pytree of bools of params' structure, or a callable
         params -> such a pytree; True where weight decay applies. None: everywhere.
-      keep_fp32: `(path, leaf) -> bool`; True keeps that leaf's moments in fp32 (path as
-        `jax.tree_util.tree_map_with_path` gives it). None: `keep_small_fp32` (non-float and
-        < 4096-element leaves). Dettmers et al. also keep embeddings in fp32.
+      keep_fp32: `(path, leaf) -> bool` (path as `jax.tree_util.tree_map_with_path` gives it);
+        True keeps that leaf's moments in fp32. None: `keep_small_fp32`.
       block_size: elements per absmax block along a leaf's last axis (bitsandbytes: 256).
 
     Returns:
-      An `optax.GradientTransformation`: `optax.chain(scale_by_adam_8bit(...),
-      optax.add_decayed_weights(weight_decay, mask), optax.scale_by_learning_rate(lr))`; its
-      state is that chain's tuple, first `ScaleByAdam8bitState`. It composes like any optax
-      transformation (optax.chain, schedules, optax.masked, optax.MultiSteps).
+      `optax.chain(scale_by_adam_8bit(...), add_decayed_weights(weight_decay, mask),
+      scale_by_learning_rate(lr))`, state that chain's tuple (first `ScaleByAdam8bitState`);
+      it composes like any optax transformation (chain, schedules, masked, MultiSteps).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax

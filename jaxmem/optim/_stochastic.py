@@ -59,10 +59,16 @@ def round_bf16_bits(x: jax.Array, random_bits: jax.Array) -> jax.Array:
     return jnp.where(ok, out, x).astype(jnp.bfloat16)
 
 
-def row_chunks(shape, chunk: int = CHUNK) -> int:
+def row_chunks(shape, chunk: int | None = None) -> int:
     """Into how many pieces to cut the rows (every axis but the last, flattened) of an array of
-    `shape` so that each piece has <= `chunk` elements (a divisor of the row count; 1 for 0-D
-    and 1-D shapes)."""
+    `shape` so that each piece has <= `chunk` elements (None: CHUNK, read at the call; a divisor
+    of the row count; 1 for 0-D and 1-D shapes).
+
+    Example:
+      >>> row_chunks((2, 4096, 14336)), row_chunks((4, 8), chunk=16), row_chunks((4096,))
+      (8, 2, 1)
+    """
+    chunk = CHUNK if chunk is None else chunk
     if len(shape) < 2:
         return 1
     rows = 1

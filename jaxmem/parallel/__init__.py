@@ -5,7 +5,8 @@ the batch, multi-process start-up (docs/distributed.md). The state placed on a m
     mesh.py         --mesh data=D,fsdp=F,tensor=T parsed, checked, built (AxisType.Auto)
     rules.py        PartitionSpecs of the state, the batch and the activations
     distributed.py  jax.distributed start-up flags (--coordinator ...), heartbeat, errors
-    launch.py       `python -m jaxmem.launch`: N local processes for trying multi-host on CPU
+
+`python -m jaxmem.launch` (jaxmem/launch.py) starts N local processes for trying multi-host on CPU.
 """
 
 from jaxmem.parallel.mesh import AXES, MeshError, MeshSpec, build_mesh, run_mesh

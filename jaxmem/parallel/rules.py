@@ -27,7 +27,7 @@ each block needs one reduction of its output per pair. `data` never splits a par
 
 The batch [K, B, T] is split over (data, fsdp) on B and over `context` on T (context
 parallelism, jaxmem.model.context: the step permutes T into the load-balanced layout first). The activations are constrained the same
-way at the model's hook (jaxmem.model.sharding): without it XLA all-gathers the global batch on
+way at the model's hook (jaxmem.sharding): without it XLA all-gathers the global batch on
 every device (docs/architecture.md). Logits are also split over `tensor` on V.
 
 Leaves whose path names no parameter (optimizer counts, the loss scale) fall back to rule 1 and
@@ -71,7 +71,8 @@ import sys
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxmem.model.roles import param_role, path_text
+from jaxmem.paths import path_text
+from jaxmem.model.roles import param_role
 from jaxmem.optim import BLOCK
 from jaxmem.parallel.mesh import BATCH_AXES
 from jaxmem.quant import QuantizedWeight
@@ -143,7 +144,7 @@ def _fsdp_axis(shape, first, spec, fsdp, block_scale, leading=False):
     embedding: the last axis when each shard of it holds whole 8-bit moment blocks
     (jaxmem.optim.BLOCK): 8-bit blocks run along it and never straddle a shard. Otherwise the
     largest divisible axis. The optimizer updates each shard where it lives whatever the axis
-    (jaxmem.train.fused8bit.apply_placed). `block_scale`: an 8-bit moment's block scales
+    (jaxmem.optim.AdamW8bitInPlace.apply_placed). `block_scale`: an 8-bit moment's block scales
     [..., nblocks], whose last axis is the codes' divided by BLOCK: split as the codes are, so
     each block's scale lives with its codes."""
     last = len(shape) - 1
@@ -307,7 +308,7 @@ def eval_batch_sharding(mesh) -> NamedSharding:
 
 
 def activation_rules(mesh, vocab_size: int | None = None) -> dict:
-    """Rules for jaxmem.model.sharding.activation_sharding: [B, T, D] split on B (and on T over
+    """Rules for jaxmem.sharding.activation_sharding: [B, T, D] split on B (and on T over
     `context`, context parallelism); logits [B, T, V] likewise and also on V over `tensor` when
     the LM head is split there (V divisible)."""
     t = mesh.shape["tensor"]
@@ -323,7 +324,7 @@ def replicated(mesh) -> NamedSharding:
 
 
 def weight_rule(mesh, num_layers: int):
-    """The rule for jaxmem.model.sharding.weight_sharding: a weight's gradient gets the weight's
+    """The rule for jaxmem.sharding.weight_sharding: a weight's gradient gets the weight's
     own sharding (`leaf_spec`), one layer's slice inside the scan that of its stacked leaf
     without the layer axis; None (left alone) where nothing is split."""
     sizes = dict(mesh.shape)

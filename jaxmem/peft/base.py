@@ -39,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem.config.model import ModelConfig
-from jaxmem.model.roles import param_role, path_text
+from jaxmem.model.roles import param_role
+from jaxmem.paths import path_text
 from jaxmem.peft.offload import offload_shardings, one_device_shardings
 from jaxmem.quant import QuantizedWeight, quantize_layers, quantize_weight
 

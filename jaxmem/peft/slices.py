@@ -43,7 +43,7 @@ import numpy as np
 
 from jaxmem.io.hf import HFError, hf_dtype_name, read_hf_config, weight_files
 from jaxmem.io.hf_names import TensorSpec, tensor_specs
-from jaxmem.model.roles import path_text
+from jaxmem.paths import path_text
 from jaxmem.peft.base import base_on_device
 from jaxmem.quant import QuantizedWeight, double_quantize, quantize_weight
 

@@ -3,10 +3,9 @@
     step         TrainState, StepConfig, create_train_state (under jit; state_creation_fn is the
                  function it compiles, for planners), make_train_step, jit_train_step
     loss         cross_entropy, token_loss (the step's loss), synthetic / abstract batches
-    loss_scale   the --loss-scale spec (the scales: jaxmem.optim, torch GradScaler semantics)
-    precision    a re-export of jaxmem.model.precision (precision modes, cast_params)
-    optim        --optimizer: AdamW / 8-bit AdamW / ..., warmup + cosine schedule, decay mask
-    fused8bit    the trainer's jaxmem.optim.Optimizer (8-bit AdamW updated in place)
+    optim        --optimizer: AdamW / 8-bit AdamW (updated in place: jaxmem.optim) / ...,
+                 warmup + cosine schedule, decay mask, the trainer's jaxmem.optim.Optimizer;
+                 the --loss-scale spec (the scales: jaxmem.optim, torch GradScaler semantics)
     run          RunConfig -> StepConfig (build_step_config), abstract state, eval function,
                  compile_run_step (the run's step compiled on abstract shapes)
     placement    Placement: the state and the step on a mesh (in/out shardings), batches
@@ -17,7 +16,7 @@
 from jaxmem.train.loss import cross_entropy, token_loss
 from jaxmem.model.precision import PRECISIONS, Precision, cast_params, get_precision
 from jaxmem.optim import DynamicLossScale, NoOpLossScale, StaticLossScale
-from jaxmem.train.loss_scale import parse_loss_scale
+from jaxmem.train.optim import parse_loss_scale
 from jaxmem.train.run import abstract_train_state, build_step_config, make_eval_fn
 from jaxmem.train.step import (StepConfig, TrainState, create_train_state, jit_train_step,
                                make_train_step, state_creation_fn)

@@ -41,15 +41,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-import jaxmem.optim._stochastic as sr
 from jaxmem.config.model import ConfigError
 from jaxmem.loss.chunked import chunked_cross_entropy, resolve_loss_chunk
 from jaxmem.model.layers import RMSNorm, attention_mask, rope_tables
 from jaxmem.model.llama import DecoderBlock
 from jaxmem.model.precision import cast_params
-from jaxmem.lora import project
-from jaxmem.model.projection import logits_einsum
-from jaxmem.optim import NoOpLossScale, all_finite
+from jaxmem.einsum import logits_einsum, project
+from jaxmem.optim import NoOpLossScale, all_finite, row_chunks
 from jaxmem.train.layerwise import LayerwiseUpdate
 from jaxmem.train.loss import cross_entropy
 from jaxmem.train.optim import OptimizerName, schedule
@@ -243,7 +241,7 @@ class _InBackwardStep:
                 g = g + jax.lax.dynamic_slice_in_dim(d_head["embed_tokens"], j * P, P, 0)
             return g
 
-        n = sr.row_chunks(embed.shape, sr.CHUNK)
+        n = row_chunks(embed.shape)
 
         def embed_stats(j, acc):
             g = d_embed(n, j)

@@ -7,10 +7,10 @@ or one of the leaves outside the stack (embedding, final norm, LM head). What
     new_stack_state = updater.layer(l, grads_l, stack_state)    layer l of every stacked leaf
     new_opt_state = updater.finish(leaf and stack states)        counts advanced once
 
-Every number is the one the whole-tree step computes (jaxmem.train.fused8bit and
+Every number is the one the whole-tree step computes (jaxmem.optim.AdamW8bitInPlace and
 jaxmem.optim.as_optimizer), because each piece goes through the same code with the same inputs:
 
-- 8-bit AdamW: `fused8bit.adamw8bit_piece`, the whole-tree update's own piece function. Its
+- 8-bit AdamW: `AdamW8bitInPlace.pieces`, the whole-tree update's own piece function. Its
   moments are block-wise along the last axis, so a layer's rows hold whole blocks; a stacked
   leaf's codes [L, ..., last] and scales [L, ..., nb] are sliced by layer like the weights.
 - any other optimizer (adamw, lion): the optax transformation's `update` on the part's subtree
@@ -35,9 +35,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import jaxmem.optim._stochastic as sr
-from jaxmem.train.fused8bit import _split_state, adamw8bit_piece, apply_leaf
-from jaxmem.train.optim import OptimConfig, OptimizerName, decay_mask, make_optimizer
+from jaxmem.optim import (apply_leaf_in_place, apply_leaf_sr, round_bf16, round_bf16_bits,
+                          row_chunks)
+from jaxmem.train.optim import (OptimConfig, OptimizerName, adamw8bit_in_place, decay_mask,
+                                make_optimizer)
 
 
 def _is_stacked(path) -> bool:
@@ -67,7 +68,8 @@ class LayerwiseUpdate:
         self.eight_bit = OptimizerName(cfg.optimizer) == OptimizerName.ADAMW8BIT
         self.state = opt_state
         if self.eight_bit:
-            self.piece, self._finish8 = adamw8bit_piece(cfg, opt_state, None, stochastic_rounding)
+            self.opt8 = adamw8bit_in_place(cfg, stochastic_rounding)
+            self.piece, self._finish8 = self.opt8.pieces(opt_state)
         else:
             self.tx = make_optimizer(cfg)
             self._keys = set(params)
@@ -77,7 +79,7 @@ class LayerwiseUpdate:
     def leaf_states(self) -> list:
         """Per leaf, its optimizer state (see the class docstring)."""
         if self.eight_bit:
-            _, adam, _, _ = _split_state(self.cfg, self.state)
+            adam = self.opt8.moments(self.state)
             return list(zip(self.treedef.flatten_up_to(adam.mu),
                             self.treedef.flatten_up_to(adam.nu)))
         subtrees = []
@@ -150,19 +152,19 @@ class LayerwiseUpdate:
 
     def leaf(self, i: int, g, p, state, finite):
         """(new p, new state) of leaf `i` (outside the stack), as the whole-tree update. `g`
-        may be a function (n, j) -> piece j of n of the gradient's rows (fused8bit.apply_leaf):
-        8-bit AdamW then makes each piece where it uses it."""
+        may be a function (n, j) -> piece j of n of the gradient's rows
+        (jaxmem.optim.apply_leaf_in_place): 8-bit AdamW then makes each piece where it uses it."""
         if callable(g) and not self.eight_bit:
             g = g(1, 0).reshape(p.shape)
         if self.eight_bit:
             m, v = state
-            new_p, m, v = apply_leaf(self.piece, g, m, v, p, self.decays[i],
+            new_p, m, v = apply_leaf_in_place(self.piece, g, m, v, p, self.decays[i],
                                      self._leaf_key(i), finite)
             return new_p, (m, v)
         updates, new_states = self._optax_part({i: g}, {i: state}, {i: p})
         u, new_state = updates[i], new_states[i]
         leaf_key = self._leaf_key(i)
-        new_p = (sr.apply_leaf_sr(p, u, leaf_key) if leaf_key is not None else
+        new_p = (apply_leaf_sr(p, u, leaf_key) if leaf_key is not None else
                  self._add(p, u))
         pick = lambda a, b: jnp.where(finite, a, b)  # noqa: E731
         return pick(new_p, p), jax.tree_util.tree_map(pick, new_state, state)
@@ -202,8 +204,8 @@ class LayerwiseUpdate:
                 if pkey is None and bits is None:
                     return (self._add(p, u),)
                 total = p.astype(jnp.float32) + u.astype(jnp.float32)
-                return ((sr.round_bf16_bits(total, bits) if bits is not None
-                         else sr.round_bf16(total, pkey)),)
+                return ((round_bf16_bits(total, bits) if bits is not None
+                         else round_bf16(total, pkey)),)
             (out_p[i],) = _layer_rows(fn, (updates[i],), (params[i],), l, self.shapes[i],
                                       self._leaf_key(i), finite)
             new = jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new_states[i],
@@ -247,7 +249,7 @@ def _layer_rows(fn, ins, stacked, l, shape, leaf_key, finite):
     and the sub-piece's rows cut out of them (a piece's bits drawn P / g times)."""
     L = shape[0]
     a = math.prod(shape[1:-1])  # rows per layer
-    n = sr.row_chunks(shape, sr.CHUNK)
+    n = row_chunks(shape)
     P = L * a // n  # rows per piece of the whole-tree update
     g = math.gcd(a, P)
     rows = lambda x: x.reshape((-1, x.shape[-1]))  # noqa: E731

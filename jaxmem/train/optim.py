@@ -1,5 +1,12 @@
-"""The trainer's optimizer (`--optimizer`): linear warmup + cosine decay, clipping by global
-norm, and which of jaxmem's Llama params decay and keep fp32 8-bit-AdamW moments.
+"""The trainer's optimizer (`--optimizer`) and loss scale (`--loss-scale`), built from the run's
+config: linear warmup + cosine decay, clipping by global norm, and which of jaxmem's Llama params
+decay and keep fp32 8-bit-AdamW moments.
+
+    make_optimizer(cfg) -> optax.GradientTransformation   its state is the TrainState's
+    train_optimizer(cfg, stochastic_rounding) -> jaxmem.optim.Optimizer
+        adamw8bit: adamw8bit_in_place(cfg, ...), updated and applied in place; any other:
+        make_optimizer(cfg)'s update + apply_updates[_sr] (jaxmem.optim.as_optimizer)
+    parse_loss_scale("dynamic" | "static:VALUE" | "none") -> a jaxmem.optim LossScale
 
 Clipping is the first link of the chain, so it sees the *unscaled* gradients: the train step's
 loss-scale wrapper unscales before calling the optimizer (as `scaler.unscale_(opt)` before
@@ -11,17 +18,21 @@ so the schedule position, bitwise as it was.
 from __future__ import annotations
 
 import enum
+import math
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from jaxmem.config.run import OptimConfig
+from jaxmem.paths import path_text
 from jaxmem.model.roles import param_role
-from jaxmem.optim import adamw_8bit, keep_small_fp32
+from jaxmem.sharding import weight_placement
+from jaxmem.optim import (AdamW8bitInPlace, DynamicLossScale, LossScale, NoOpLossScale,
+                          Optimizer, StaticLossScale, as_optimizer, keep_small_fp32)
 
-__all__ = ["OptimConfig", "OptimizerName", "decay_mask", "keeps_fp32", "make_optimizer",
-           "schedule"]
+__all__ = ["LossScaleKind", "OptimConfig", "OptimizerName", "adamw8bit_in_place", "decay_mask",
+           "keeps_fp32", "make_optimizer", "parse_loss_scale", "schedule", "train_optimizer"]
 
 
 class OptimizerName(str, enum.Enum):
@@ -59,17 +70,31 @@ def keeps_fp32(path, leaf) -> bool:
     return keep_small_fp32(path, leaf) or param_role(path) == "embedding"
 
 
+def _placement(path, shape):
+    """Where a param leaf lives on the mesh (jaxmem.sharding's installed weight rule)."""
+    return weight_placement(path_text(path), shape)
+
+
+def adamw8bit_in_place(cfg: OptimConfig, stochastic_rounding: bool = False) -> AdamW8bitInPlace:
+    """`--optimizer adamw8bit` with the run's schedule, clipping, decay mask and fp32 rule, updated
+    in place shard by shard on a mesh; its `tx` is what make_optimizer(cfg) returns for it."""
+    return AdamW8bitInPlace(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                            weight_decay=cfg.weight_decay,
+                            mask=lambda p: decay_mask(p, cfg.decay_embeddings),
+                            clip_norm=cfg.clip, keep_fp32=keeps_fp32,
+                            stochastic_rounding=stochastic_rounding, placement=_placement)
+
+
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     """`cfg.optimizer` (adamw, adamw8bit, adafactor, lion) with the schedule, decoupled weight
     decay on `decay_mask`, and clipping first."""
     mu_dtype = {None: None, "fp32": jnp.float32, "float32": jnp.float32,
                 "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16}[cfg.mu_dtype]
-    mask = lambda p: decay_mask(p, cfg.decay_embeddings)  # noqa: E731
     name = OptimizerName(cfg.optimizer)
     if name == OptimizerName.ADAMW8BIT:
-        adamw = adamw_8bit(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                           weight_decay=cfg.weight_decay, mask=mask, keep_fp32=keeps_fp32)
-    elif name == OptimizerName.LION:  # one moment; b2 here is Lion's (0.99 in the paper)
+        return adamw8bit_in_place(cfg).tx
+    mask = lambda p: decay_mask(p, cfg.decay_embeddings)  # noqa: E731
+    if name == OptimizerName.LION:  # one moment; b2 here is Lion's (0.99 in the paper)
         adamw = optax.lion(schedule(cfg), b1=cfg.b1, b2=0.99, mu_dtype=mu_dtype,
                            weight_decay=cfg.weight_decay, mask=mask)
     elif name == OptimizerName.ADAFACTOR:  # factored second moment, no first moment
@@ -82,3 +107,40 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     if cfg.clip > 0:
         return optax.chain(optax.clip_by_global_norm(cfg.clip), adamw)
     return adamw
+
+
+def train_optimizer(cfg: OptimConfig, stochastic_rounding: bool = False) -> Optimizer:
+    """The trainer's optimizer for `cfg`; its init is make_optimizer(cfg).init. adamw8bit:
+    `adamw8bit_in_place` (one in-place pass per leaf); any other: update + apply, stochastically
+    rounded to bf16 with `stochastic_rounding` (from the `key` passed on every step)."""
+    if OptimizerName(cfg.optimizer) == OptimizerName.ADAMW8BIT:
+        opt = adamw8bit_in_place(cfg, stochastic_rounding)
+        return Optimizer(opt.init, opt.update_and_apply)
+    return as_optimizer(make_optimizer(cfg), stochastic_rounding=stochastic_rounding)
+
+
+class LossScaleKind(str, enum.Enum):
+    """The kinds of loss scale a `--loss-scale` spec names (`static` takes `:VALUE`)."""
+
+    DYNAMIC = "dynamic"
+    STATIC = "static"
+    NONE = "none"
+
+
+def parse_loss_scale(spec: str, init_scale: float = 2.0**16, growth_interval: int = 2000,
+                     **kwargs) -> LossScale:
+    """`dynamic`, `static:VALUE` or `none` -> a loss-scale state (ValueError naming the flag)."""
+    if spec == LossScaleKind.NONE:
+        return NoOpLossScale()
+    if spec == LossScaleKind.DYNAMIC:
+        return DynamicLossScale.create(init_scale, growth_interval=growth_interval, **kwargs)
+    head, _, value = spec.partition(":")
+    if head == LossScaleKind.STATIC:
+        try:
+            v = float(value)
+        except ValueError:
+            v = float("nan")
+        if not (v > 0 and math.isfinite(v)):
+            raise ValueError(f"--loss-scale static:VALUE needs a positive finite VALUE, got {value!r}")
+        return StaticLossScale(jnp.asarray(v, jnp.float32))
+    raise ValueError(f"unknown --loss-scale {spec!r}; valid: dynamic, static:VALUE, none")

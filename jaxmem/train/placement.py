@@ -35,7 +35,7 @@ import numpy as np
 
 from jaxmem.config.model import ConfigError
 from jaxmem.model.context import balance, context_parallel
-from jaxmem.model.sharding import activation_sharding, weight_sharding
+from jaxmem.sharding import activation_sharding, weight_sharding
 from jaxmem.model.fp8_compile import compiler_options as fp8_compiler_options
 import jaxmem.parallel.rules as R
 from jaxmem.peft.offload import offload_shardings

@@ -10,9 +10,10 @@ import jax
 from jaxmem.config.model import ConfigError, ModelConfig
 from jaxmem.config.run import RunConfig
 from jaxmem.model.remat import RematPolicy
+from jaxmem.optim import LossScale
 from jaxmem.train.inbackward import check as check_in_backward
 from jaxmem.train.loss import abstract_batch, token_loss
-from jaxmem.train.loss_scale import LossScale, parse_loss_scale
+from jaxmem.train.optim import parse_loss_scale
 from jaxmem.model.precision import get_precision
 from jaxmem.peft.lora import trainable_of
 from jaxmem.train.step import StepConfig, jit_train_step, state_creation_fn

@@ -12,7 +12,7 @@ batch: dict of int32 arrays [K, B, T] (K = grad-accumulation micro-batches). Per
     params, (opt_state, applied, skips_in_a_row, loss_scale) =
         loss_scaled(skip_nonfinite(optimizer)).update_and_apply(g, ...)   (jaxmem.optim)
             g = unscale(g); finite = all_finite(g)
-            if finite: clip, optimizer update and apply   (jaxmem.train.fused8bit.train_optimizer:
+            if finite: clip, optimizer update and apply   (jaxmem.train.optim.train_optimizer:
                                                            in place for adamw8bit; bf16-sr:
                                                            stochastic rounding with step_key)
             else:      params and every optimizer leaf stay bitwise as they were
@@ -38,14 +38,13 @@ from jaxmem.config.model import ModelConfig
 from jaxmem.bits import key_data, tree_norm, wrap_key_data
 from jaxmem.model.llama import Llama
 from jaxmem.model.fp8_compile import compiler_options as fp8_compiler_options
-from jaxmem.lora import default_einsum
-from jaxmem.model.sharding import constrain_grads
+from jaxmem.einsum import default_einsum
+from jaxmem.sharding import constrain_grads
 from jaxmem.optim import (LossScale, LossScaledState, NoOpLossScale, Optimizer,
                           SkipNonFiniteState, loss_scaled, skip_nonfinite)
-from jaxmem.train.fused8bit import train_optimizer
 from jaxmem.train.inbackward import make_train_step_in_backward
 from jaxmem.train.loss import token_loss
-from jaxmem.train.optim import OptimConfig, make_optimizer, schedule
+from jaxmem.train.optim import OptimConfig, make_optimizer, schedule, train_optimizer
 from jaxmem.model.precision import Precision, cast_floating
 from jaxmem.model.remat import RematPolicy
 from jaxmem.peft.trainable import FullFineTune, Trainable
