@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from jaxmem.config.model import PRESETS, ModelConfig
-from jaxmem.model import Llama, ProjectedWeight, init_params
+from jaxmem.einsum import ProjectedWeight
+from jaxmem.model import Llama, init_params
 from jaxmem.model.precision import cast_params
 
 TIED = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -1,8 +1,4 @@
-"""Text generation with a KV cache: `generate_ids` / `sample_tokens` / `generate_text`,
-`lower_sample` for the planner (library), and `python -m jaxmem.generate`."""
-
-from jaxmem.decode.sampling import (generate_ids, generate_text, lower_sample, sample_tokens,
-                                      sample_tokens_uncached)
-
-__all__ = ["generate_ids", "generate_text", "lower_sample", "sample_tokens",
-           "sample_tokens_uncached"]
+"""`python -m jaxmem.generate`: text from a run directory or a Hugging Face checkpoint (cli.py),
+and `bench.py` (cached vs uncached tokens/s). The sampler itself is the library jaxmem.decode
+(`generate_ids`, `sample_tokens`, `generate_text`, `lower_sample` for the planner), which the
+trainer samples with too."""

@@ -9,24 +9,22 @@
     remat        RematPolicy (by name), TAGS
     fp8          fp8_einsum, quantize, scaled_matmul
 
-Also re-exported: the activation-sharding hook (constrain, activation_sharding: jaxmem.sharding).
+Below the model and not re-exported here: jaxmem.einsum (the einsums, `project`,
+`ProjectedWeight`), jaxmem.sharding (`constrain`, `activation_sharding`), jaxmem.remat
+(`RematError`, the policy grammar).
 """
 
 from jaxmem.model.attention import AttentionPath, attention_path, causal_attention
 from jaxmem.model.layers import RMSNorm, apply_rope, attention_mask, rope_tables
 from jaxmem.model.llama import (MLP, Attention, DecoderBlock, Llama, abstract_params, count_params,
                                 init_params)
-from jaxmem.einsum import Einsum, ProjectedWeight, default_einsum, logits_einsum, project
 from jaxmem.model.projection import Projection
 from jaxmem.model.remat import TAGS, RematPolicy
-from jaxmem.remat import RematError
 from jaxmem.model.roles import ROLES, count_by_role, param_role, param_roles
-from jaxmem.sharding import KINDS, activation_sharding, constrain
 
 __all__ = [
-    "Attention", "AttentionPath", "DecoderBlock", "Einsum", "KINDS", "Llama", "MLP",
-    "ProjectedWeight", "Projection", "RMSNorm", "ROLES", "RematError", "RematPolicy", "TAGS",
-    "abstract_params", "activation_sharding", "apply_rope", "attention_mask", "attention_path",
-    "causal_attention", "constrain", "count_by_role", "count_params", "default_einsum",
-    "init_params", "logits_einsum", "param_role", "param_roles", "project", "rope_tables",
+    "Attention", "AttentionPath", "DecoderBlock", "Llama", "MLP", "Projection", "RMSNorm", "ROLES",
+    "RematPolicy", "TAGS", "abstract_params", "apply_rope", "attention_mask", "attention_path",
+    "causal_attention", "count_by_role", "count_params", "init_params", "param_role",
+    "param_roles", "rope_tables",
 ]

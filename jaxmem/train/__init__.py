@@ -1,4 +1,5 @@
-"""Training: the state, the one jitted step, its loss, loss scale, precision and optimizer.
+"""Training: the state, the one jitted step, its loss, loss scale and optimizer (precision modes:
+jaxmem.model.precision; the loss scales themselves: jaxmem.optim).
 
     step         TrainState, StepConfig, create_train_state (under jit; state_creation_fn is the
                  function it compiles, for planners), make_train_step, jit_train_step
@@ -14,14 +15,11 @@
 """
 
 from jaxmem.train.loss import cross_entropy, token_loss
-from jaxmem.model.precision import PRECISIONS, Precision, cast_params, get_precision
-from jaxmem.optim import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jaxmem.train.optim import parse_loss_scale
 from jaxmem.train.run import abstract_train_state, build_step_config, make_eval_fn
 from jaxmem.train.step import (StepConfig, TrainState, create_train_state, jit_train_step,
                                make_train_step, state_creation_fn)
 
-__all__ = ["DynamicLossScale", "NoOpLossScale", "PRECISIONS", "Precision", "StaticLossScale",
-           "StepConfig", "TrainState", "abstract_train_state", "build_step_config", "cast_params",
-           "create_train_state", "cross_entropy", "get_precision", "jit_train_step", "make_eval_fn",
+__all__ = ["StepConfig", "TrainState", "abstract_train_state", "build_step_config",
+           "create_train_state", "cross_entropy", "jit_train_step", "make_eval_fn",
            "make_train_step", "parse_loss_scale", "state_creation_fn", "token_loss"]
