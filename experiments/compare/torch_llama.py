@@ -186,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 def loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over tokens with mask == 1, fp32 (jaxmem.loss.lm_loss)."""
+    """Mean next-token cross-entropy over tokens with mask == 1, fp32 (what jaxmem.train.loss.token_loss computes)."""
     token_loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten().long(),
                                  reduction="none")  # [B*T]
     w = mask.flatten().float()

@@ -321,7 +321,7 @@ def causal_attention(q, k, v, mask, segment_ids=None):
     return xla_attention_recomputed(q, k, v, mask, segment_ids)
 
 
-# ---- attention over a sequence split on the `context` mesh axis (jaxmem.parallel.context) ----
+# ---- attention over a sequence split on the `context` mesh axis (jaxmem.model.context) ----
 
 def _index_chunk_mask(q_idx, k_idx, q_seg, k_seg):
     """[B|1, 1, Tq, S] mask from the rows' true sequence indices (not their slots: under context

@@ -9,7 +9,7 @@ Axes (docs/distributed.md):
     fsdp    ZeRO-3: params, gradients and optimizer state split, batch split too
     tensor  Megatron-style: heads / kv heads / MLP width split, the batch is not
     context context parallel: the sequence split (load-balanced causal chunks, attention
-            all-gathers K/V over this axis: jaxmem.parallel.context), params not split
+            all-gathers K/V over this axis: jaxmem.model.context), params not split
 
 The default with more than one device is all of them on `fsdp`; with one device there is no
 mesh at all and the train step is exactly the single-device one (`run_mesh` returns None).
