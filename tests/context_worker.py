@@ -22,6 +22,7 @@ import jaxmem.parallel.rules as R  # noqa: E402
 from jaxmem.config.run import RunConfig  # noqa: E402
 from jaxmem.parallel import run_mesh  # noqa: E402
 from jaxmem.peft.base import base_on_device, base_on_host  # noqa: E402
+from jaxmem.peft.lora import LoraSpec  # noqa: E402
 from jaxmem.train.loss import token_loss  # noqa: E402
 from jaxmem.train.placement import Placement, _balanced, _WithRules  # noqa: E402
 from jaxmem.train.run import build_step_config  # noqa: E402
@@ -73,7 +74,7 @@ def run(cfg, mesh_text, batches, accum):
         seq_len=cfg.data.seq_len)
     par = Placement.single() if mesh is None else Placement.on(mesh)
     frozen = ()
-    if not step_cfg.trainable.trains_base:
+    if isinstance(step_cfg.trainable, LoraSpec):
         _, host = base_on_host(model_cfg, cfg.data.seed)
         frozen = (base_on_device(host, step_cfg.trainable, step_cfg.precision.compute_dtype,
                                  par.base_shardings(step_cfg)),)

@@ -21,6 +21,7 @@ from jaxmem.model.llama import init_params
 from jaxmem.optim import DynamicLossScale, NoOpLossScale
 from jaxmem.train.optim import make_optimizer
 from jaxmem.model.precision import cast_floating, get_precision
+from jaxmem.peft.trainable import FullFineTune
 from jaxmem.train.step import (StepConfig, TrainState, create_train_state, jit_train_step,
                                state_creation_fn)
 
@@ -30,7 +31,7 @@ TINY = get_preset("tiny")
 def _eager_state(cfg: StepConfig, loss_scale, seed: int) -> TrainState:
     """The state creation before it ran under jit (jaxmem at 55a743b), op by op."""
     init_key, state_key = jax.random.split(jax.random.PRNGKey(seed))
-    if cfg.trainable.trains_base:
+    if isinstance(cfg.trainable, FullFineTune):
         params = init_params(cfg.model, init_key)
     else:
         params = cfg.trainable.init_adapters(cfg.model, jax.random.fold_in(init_key, 1))

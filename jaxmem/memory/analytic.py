@@ -77,16 +77,16 @@ def _mu_dtype(spec: StepSpec):
 def optimizer_state(spec: StepSpec, P: int) -> list[tuple[str, int, str]]:
     """(name, bytes, dtype) of the optimizer state: AdamW's mu and nu by formula; any other
     optimizer's leaves counted on its abstract state (jaxmem.memory.optimizer_bytes)."""
-    if spec.optimizer == "adamw" or not spec.trainable.trains_base:
-        # LoRA with another optimizer: AdamW-sized, an upper bound (the abstract count below
-        # would be over the whole model, not the adapters)
-        sd = _state_dtype(spec)
-        return [("adam mu", P * _nbytes(_mu_dtype(spec)), _dname(_mu_dtype(spec))),
-                ("adam nu", P * _nbytes(sd), _dname(sd))]
+    sd = _state_dtype(spec)
+    adam = [("adam mu", P * _nbytes(_mu_dtype(spec)), _dname(_mu_dtype(spec))),
+            ("adam nu", P * _nbytes(sd), _dname(sd))]
+    if spec.optimizer == "adamw":
+        return adam
     from jaxmem.config.run import OptimConfig
     from jaxmem.memory.optimizer_bytes import optimizer_components
     optim = OptimConfig(optimizer=spec.optimizer, mu_dtype=spec.mu_dtype)
-    return list(optimizer_components(spec.model, optim, spec.precision))
+    return spec.trainable.optimizer_state(adam, lambda: list(
+        optimizer_components(spec.model, optim, spec.precision)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -191,9 +191,9 @@ def mlp_tiled(spec: StepSpec) -> int:
     c = spec.model
     if not tiles_under(spec.remat):
         return 0
-    if spec.precision.fp8 or not spec.trainable.plain_einsum:  # another einsum: never tiled
+    if spec.precision.fp8:  # another einsum: never tiled (LoRA's: trainable.mlp_tile)
         return 0
-    tile = mlp_tile(spec.batch_size, spec.seq_len, c.intermediate_size)
+    tile = spec.trainable.mlp_tile(mlp_tile(spec.batch_size, spec.seq_len, c.intermediate_size))
     return tile if tile < spec.seq_len else 0
 
 
@@ -345,9 +345,9 @@ def _gradient_parts(spec: StepSpec, trained: int) -> tuple[int, int]:
     amp = jnp.dtype(p.param_dtype) != jnp.dtype(p.compute_dtype)
     P = c.num_params()
     untied_embed = 0 if c.tie_embeddings else c.vocab_size * c.hidden_size
-    compute_copy = (P - norm_params(c) - untied_embed) * cb if amp else 0
-    if not spec.trainable.trains_base:  # the adapters' copy; the base is stored cast
-        compute_copy = trained * cb if amp else 0
+    # LoRA: the adapters' copy; the base is stored cast
+    castable = spec.trainable.compute_copy(P - norm_params(c) - untied_embed, trained)
+    compute_copy = castable * cb if amp else 0
     if not spec.in_backward:
         return trained, compute_copy
     head_params = c.vocab_size * c.hidden_size
@@ -373,12 +373,12 @@ def _update_buffer(spec: StepSpec, part: int) -> tuple[str, int, str]:
     """Beyond state and gradients: one update buffer for `part` params, or adamw8bit's in-place
     working set. bf16-sr: optax's updates are fp32; adamw8bit's in the gradients' dtype."""
     p = spec.precision
-    if spec.optimizer == "adamw8bit" and spec.trainable.trains_base:  # updated in place
-        return ("optimizer update in place: small leaves + one piece",
-                update_8bit_working_set(spec.model), "float32")
-    if p.stochastic_rounding and spec.optimizer != "adamw8bit":
-        return ("optimizer update buffer", part * FP32, "float32")
-    return ("optimizer update buffer", part * _nbytes(p.param_dtype), _dname(p.param_dtype))
+    buffer = ("optimizer update buffer", part * _nbytes(p.param_dtype), _dname(p.param_dtype))
+    if spec.optimizer == "adamw8bit":  # the model's weights: updated in place
+        return spec.trainable.adamw8bit_update(lambda: (
+            "optimizer update in place: small leaves + one piece",
+            update_8bit_working_set(spec.model), "float32"), buffer)
+    return ("optimizer update buffer", part * FP32, "float32") if p.stochastic_rounding else buffer
 
 
 def _persistent(spec: StepSpec, trained: int) -> list[tuple[str, int, str]]:

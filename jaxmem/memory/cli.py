@@ -269,9 +269,9 @@ def _main(parser, args) -> int:
     if args.fit is not None and mesh is not None:
         parser.error("--fit with --devices searches the meshes itself; drop --mesh")
     if args.fit is not None and args.devices is not None:
-        if not spec.trainable.trains_base or args.global_batch is not None:
-            return _fit_mesh_and_step(args, spec, global_batch, max_micro)
-        return _fit_mesh(args, spec)
+        both = lambda: _fit_mesh_and_step(args, spec, global_batch, max_micro)  # noqa: E731
+        return both() if args.global_batch is not None else \
+            spec.trainable.fit_devices(lambda: _fit_mesh(args, spec), both)
     if mesh is not None or args.devices is not None:
         return _mesh_breakdown(parser, args, spec, mesh)
     cfg = RunConfig().replace(given_overrides(args))

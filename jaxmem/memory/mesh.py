@@ -84,8 +84,8 @@ def analytic_per_device(spec: StepSpec, mesh_text: str | None, devices: int | No
     acts = narrow_b["components"]
     sizes = dict(zip(AXES, mesh.sizes))
     # LoRA: the state is the adapters'; the frozen base is split leaf by leaf (memory.lora_mesh)
-    frac = (param_fraction(spec, mesh) if spec.trainable.trains_base
-            else adapter_fraction(spec, sizes))
+    frac = spec.trainable.state_fraction(lambda: param_fraction(spec, mesh),
+                                         lambda: adapter_fraction(spec, sizes))
     comps = []
     for c, a in zip(base["components"], acts):
         if c["name"].startswith("frozen "):  # LoRA's base: counted leaf by leaf below
@@ -98,17 +98,10 @@ def analytic_per_device(spec: StepSpec, mesh_text: str | None, devices: int | No
         if shaped:
             c["bytes"] = int(round(c["bytes"] * frac))
         comps.append(c)
-    if not spec.trainable.trains_base:
-        comps += [{"name": n, "bytes": b, "dtype": d, "phase": ph, "in_peak": False}
-                  for n, b, d, ph in lora_base_components(spec, sizes, narrow_b["transients"])]
-    elif mesh.fsdp > 1:
-        m = spec.model
-        layer = (m.num_params() - m.vocab_size * m.hidden_size * (1 if m.tie_embeddings else 2)
-                 ) // m.num_layers
-        cb = jax.numpy.dtype(spec.precision.compute_dtype).itemsize
-        comps.append({"name": "one layer's gathered weights (fsdp)", "bytes": layer * cb,
-                      "dtype": jax.numpy.dtype(spec.precision.compute_dtype).name,
-                      "phase": "backward", "in_peak": False})
+    comps += spec.trainable.per_device_weights(
+        lambda: [{"name": n, "bytes": b, "dtype": d, "phase": ph, "in_peak": False}
+                 for n, b, d, ph in lora_base_components(spec, sizes, narrow_b["transients"])],
+        lambda: _gathered_layer(spec) if mesh.fsdp > 1 else [])
     phases = {ph: sum(c["bytes"] for c in comps if c["phase"] in ("both", ph))
               for ph in ("backward", "optimizer")}
     peak_phase = max(phases, key=phases.get)
@@ -120,6 +113,15 @@ def analytic_per_device(spec: StepSpec, mesh_text: str | None, devices: int | No
             "host": sum(c["bytes"] for c in comps if c["phase"] == "host")}
 
 
+def _gathered_layer(spec: StepSpec) -> list[dict]:
+    """A full fine-tune under fsdp: one layer's weights gathered in the compute dtype."""
+    m, cd = spec.model, jax.numpy.dtype(spec.precision.compute_dtype)
+    layer = (m.num_params() - m.vocab_size * m.hidden_size * (1 if m.tie_embeddings else 2)
+             ) // m.num_layers
+    return [{"name": "one layer's gathered weights (fsdp)", "bytes": layer * cd.itemsize,
+             "dtype": cd.name, "phase": "backward", "in_peak": False}]
+
+
 def compile_per_device(spec: StepSpec, mesh_text: str | None, keep_hlo: bool = False) -> dict:
     """The train step compiled for the mesh over this host's devices (None, or one device:
     the single-device step); XLA's per-device memory numbers, the HLO's collectives (static
@@ -129,16 +131,16 @@ def compile_per_device(spec: StepSpec, mesh_text: str | None, keep_hlo: bool = F
     state = abstract_state(spec)
     batch = abstract_step_batch(spec)
     frozen = abstract_frozen(spec)  # LoRA: the frozen base, the step's third argument
-    base = () if frozen is None else (frozen,)
+    base = spec.trainable.step_args(frozen)
     mesh = run_mesh(mesh_text, spec.model, spec.batch_size, seq_len=spec.seq_len) if mesh_text else None
-    offload = frozen is not None and spec.offload_base == "host"
+    offload = spec.offload_base == "host"  # LoRA only: step_config() refuses it otherwise
     if mesh is None:
         par = Placement.single()
         if offload:  # the block layers in pinned host memory, as the run places them
             base = (abstract_in_host_memory(frozen),)
         lowered = par.train_step(step_cfg, state).lower(state, batch, *base)
     else:
-        par = Placement.on(mesh, spec.offload_base if frozen is not None else "none")
+        par = Placement.on(mesh, spec.offload_base)
         if offload:
             base = (jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                  frozen, par.base_shardings(step_cfg)),)

@@ -138,22 +138,26 @@ def analytic_phases(spec: StepSpec, sample: SampleShape | None = None) -> dict:
                  + _forward_working_set(spec, B, T, "fused"),
                  "what": f"evaluation, batch {B} x {T}, fused loss (with the whole state)"},
     }
-    if not spec.trainable.trains_base:  # a frozen base is imported first
-        out = {"import": _analytic_import(spec), **out}
+    out = {**spec.trainable.import_phase(lambda: _analytic_import(spec)), **out}  # LoRA's base
     if sample is not None and sample.max_new_tokens > 0:
         limit = c.max_position_embeddings
         total = sample.total(limit)
         sd = sample.compute_dtype(p.compute_dtype)
-        if spec.trainable.trains_base:
-            P, Pn = c.num_params(), norm_params(c)
-            changed = jnp.dtype(p.param_dtype) != jnp.dtype(sd)
-            cast = (P - Pn) * _b(sd) + Pn * FP32 if changed else 0
-        else:  # the adapters cast; the base as stored, a quantized layer dequantized at a time
-            cast = _lora_sample_cast(spec, sd)
+        # LoRA: the adapters cast; the base as stored, a quantized layer dequantized at a time
+        cast = spec.trainable.sample_cast(lambda: _model_sample_cast(spec, sd),
+                                          lambda: _lora_sample_cast(spec, sd))
         out["sample"] = {"total": state + cast + _forward_working_set(spec, 1, total, "full"),
                          "what": f"end-of-run sample, 1 x {total} tokens "
                                                f"(with the whole state)"}
     return out
+
+
+def _model_sample_cast(spec: StepSpec, sd) -> int:
+    """The model's params cast to the sampler's dtype `sd` (norms in fp32), 0 if stored in it."""
+    c, p = spec.model, spec.precision
+    P, Pn = c.num_params(), norm_params(c)
+    changed = jnp.dtype(p.param_dtype) != jnp.dtype(sd)
+    return (P - Pn) * _b(sd) + Pn * FP32 if changed else 0
 
 
 def _analytic_import(spec: StepSpec) -> dict:

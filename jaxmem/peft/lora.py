@@ -58,8 +58,6 @@ class LoraSpec(Trainable):
     block: int = 64
     double_quant: bool = False
 
-    trains_base = False
-
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
@@ -79,6 +77,12 @@ class LoraSpec(Trainable):
         from jaxmem.peft.slices import prepare_base_from_slices
         return prepare_base_from_slices(cfg, model_cfg, step_cfg, record, init_from, shardings)
 
+    def step_args(self, frozen):
+        return (frozen,)  # the step's third argument, never donated
+
+    def params_from_checkpoint(self, read):
+        return None  # the checkpoint is the frozen base (prepare_frozen reads it)
+
     def check_in_backward(self, flag: str) -> None:
         raise ConfigError(f"{flag} is for full fine-tunes; drop --lora-rank (LoRA's adapter "
                           f"gradients are small already)")
@@ -93,7 +97,33 @@ class LoraSpec(Trainable):
         return _export.export_adapters(run, out, args)
 
     params_name = "LoRA adapters"
-    plain_einsum = False  # a target multiplies through LoraWeight.project: never tiled
+
+    def mlp_tile(self, tile):
+        return 0  # a target multiplies through LoraWeight.project: never tiled
+
+    def compute_copy(self, castable, trained):
+        return trained
+
+    def optimizer_state(self, adam, counted):
+        return adam  # counted() would be over the whole model, not the adapters
+
+    def adamw8bit_update(self, in_place, buffer):
+        return buffer
+
+    def state_fraction(self, params, adapters):
+        return adapters()
+
+    def per_device_weights(self, base, gathered):
+        return base()
+
+    def fit_devices(self, mesh_only, mesh_and_step):
+        return mesh_and_step()  # the state is small: the micro-batch decides what fits
+
+    def import_phase(self, analytic_import):
+        return {"import": analytic_import()}
+
+    def sample_cast(self, params, adapters):
+        return adapters()
 
     def trained_params(self, c) -> int:
         return _memory.trainable_params(c, self)

@@ -22,12 +22,8 @@ from typing import Any
 
 class Trainable:
     """The interface (see the module docstring); every method is answered by each subclass.
-
-    trains_base: the state's params are the model's own weights (so `--init-from` loads them
-        into the state, and per-layer in-backward updates apply); False: adapters over a base.
-    """
-
-    trains_base: bool = True
+    Callers never ask which subclass they hold: where jaxmem.train or jaxmem.memory would
+    branch on it, a method here takes both outcomes (values or callables) and picks one."""
 
     def init_params(self, model_cfg, key, dtype, given=None) -> Any:
         """The train state's initial params (traceable): `given` (step-0 weights) or the init."""
@@ -44,6 +40,16 @@ class Trainable:
 
     def prepare_frozen(self, cfg, model_cfg, step_cfg, record, init_from, shardings):
         """(the frozen base on the device or None, its config.json record or None)."""
+        raise NotImplementedError
+
+    def step_args(self, frozen) -> tuple:
+        """The step's and evaluation's arguments after (state, batch): `(frozen,)` where a base
+        is frozen, () for a full fine-tune. `frozen`: the base, its abstract form, its shardings."""
+        raise NotImplementedError
+
+    def params_from_checkpoint(self, read) -> Any:
+        """The state's step-0 params for `--init-from`: `read()` (the checkpoint's weights) for a
+        full fine-tune; None for adapters (they start at init; the checkpoint is their base)."""
         raise NotImplementedError
 
     def check_in_backward(self, flag: str) -> None:
@@ -69,9 +75,52 @@ class Trainable:
         """This choice as RunConfig fields ({"peft.lora_rank": ..., ...}; {} for the default)."""
         raise NotImplementedError
 
-    # What the trainable params take in memory (the planner, jaxmem.memory.analytic)
+    # What the trainable params take in memory (the planner, jaxmem.memory): jaxmem.peft does not
+    # import jaxmem.memory, so the methods below take what memory computes and pick from it.
     params_name: str = "params"  # what the state's params are called in a breakdown
-    plain_einsum: bool = True  # every projection is a plain einsum (its MLP may be tiled)
+
+    def mlp_tile(self, tile: int) -> int:
+        """The MLP's sequence tile: `tile` where every projection is a plain einsum, else 0."""
+        raise NotImplementedError
+
+    def compute_copy(self, castable: int, trained: int) -> int:
+        """Params the backward holds cast to the compute dtype: the model's `castable` ones, or
+        the adapters (`trained`: a frozen base is stored in the compute dtype already)."""
+        raise NotImplementedError
+
+    def optimizer_state(self, adam: list, counted) -> list:
+        """(name, bytes, dtype) of a non-AdamW optimizer's state: `counted()` on the model's
+        abstract state, or for adapters `adam` (AdamW-sized: an upper bound)."""
+        raise NotImplementedError
+
+    def adamw8bit_update(self, in_place, buffer):
+        """adamw8bit's update working set: `in_place()` (the model's weights, updated piece by
+        piece in place), or `buffer` (the adapters go through the optax update)."""
+        raise NotImplementedError
+
+    def state_fraction(self, params, adapters) -> float:
+        """The fraction of the trainable params one device holds: `params()` or `adapters()`."""
+        raise NotImplementedError
+
+    def per_device_weights(self, base, gathered) -> list:
+        """Weights per device beyond the state: `base()` (the frozen base split leaf by leaf),
+        or `gathered()` (what a full fine-tune gathers of one layer under fsdp)."""
+        raise NotImplementedError
+
+    def fit_devices(self, mesh_only, mesh_and_step):
+        """`--fit --devices` without --global-batch: `mesh_only()` (a full fine-tune searches
+        meshes at its micro-batch) or `mesh_and_step()` (LoRA: meshes and micro-batches)."""
+        raise NotImplementedError
+
+    def import_phase(self, analytic_import) -> dict:
+        """{} for a full fine-tune; {"import": analytic_import()}: a frozen base is imported
+        before the state is made (jaxmem.memory.phases)."""
+        raise NotImplementedError
+
+    def sample_cast(self, params, adapters) -> int:
+        """Bytes of the sampler's cast weights: `params()` (the model's) or `adapters()` (the
+        adapters cast, the base as stored)."""
+        raise NotImplementedError
 
     def trained_params(self, c) -> int:
         """How many values the optimizer updates."""
@@ -94,8 +143,6 @@ class Trainable:
 class FullFineTune(Trainable):
     """Every weight trains; nothing is frozen."""
 
-    trains_base = True
-
     def init_params(self, model_cfg, key, dtype, given=None):
         from jaxmem.model.llama import init_params
         return init_params(model_cfg, key, dtype=dtype) if given is None else given
@@ -108,6 +155,12 @@ class FullFineTune(Trainable):
 
     def prepare_frozen(self, cfg, model_cfg, step_cfg, record, init_from, shardings):
         return None, None
+
+    def step_args(self, frozen):
+        return ()
+
+    def params_from_checkpoint(self, read):
+        return read()
 
     def run_params(self, run):
         return run.state.params
@@ -123,3 +176,30 @@ class FullFineTune(Trainable):
 
     def trained_params(self, c) -> int:
         return c.num_params()
+
+    def mlp_tile(self, tile):
+        return tile
+
+    def compute_copy(self, castable, trained):
+        return castable
+
+    def optimizer_state(self, adam, counted):
+        return counted()
+
+    def adamw8bit_update(self, in_place, buffer):
+        return in_place()
+
+    def state_fraction(self, params, adapters):
+        return params()
+
+    def per_device_weights(self, base, gathered):
+        return gathered()
+
+    def fit_devices(self, mesh_only, mesh_and_step):
+        return mesh_only()
+
+    def import_phase(self, analytic_import):
+        return {}
+
+    def sample_cast(self, params, adapters):
+        return params()

@@ -181,9 +181,9 @@ def setup(args, parser) -> Setup:
                     s.ckpt.delete(later)
         elif args.resume_step is not None:
             raise RunError("--resume-step needs --resume (or --out of an existing run)")
-        if s.state is None and cfg.init.init_from is not None and step_cfg.trainable.trains_base:
-            s.init_params = init_params_from(cfg.init.init_from, model_cfg,
-                                             step_cfg.precision.param_dtype)
+        if s.state is None and cfg.init.init_from is not None:  # LoRA: None (it is the base)
+            s.init_params = step_cfg.trainable.params_from_checkpoint(lambda: init_params_from(
+                cfg.init.init_from, model_cfg, step_cfg.precision.param_dtype))
     except CheckpointError as e:
         exit_after_failed_restore(parser, str(e).splitlines()[0])
     except (RunError, DataError, ValueError) as e:  # ConfigError, RematError ... are ValueErrors

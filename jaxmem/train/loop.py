@@ -273,7 +273,7 @@ class _Run:
         self.train_step, self.eval_fn = (
             (jit_train_step(step_cfg), make_eval_fn(step_cfg)) if self.one
             else (par.train_step(step_cfg, self.state), par.eval_fn(step_cfg)))
-        self.frozen = () if s.frozen is None else (s.frozen,)  # LoRA: the frozen base (jaxmem.peft)
+        self.frozen = step_cfg.trainable.step_args(s.frozen)  # LoRA: (the frozen base,)
         # batches consumed so far, as the state recorded them
         self.position = int(par.host(self.state.data_position))
 

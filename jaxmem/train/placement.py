@@ -143,7 +143,7 @@ class Placement:
         if self.mesh is None:
             return None
         shardings = R.lora_base_shardings(step_cfg, self.mesh)
-        if shardings is None or self.offload_base != "host":
+        if self.offload_base != "host":  # "host" is LoRA's only: the config refuses it otherwise
             return shardings
         return offload_shardings(shardings)
 
@@ -159,7 +159,7 @@ class Placement:
                          donate_argnums=0,
                          compiler_options=fp8_compiler_options(step_cfg.precision),
                          in_shardings=(shardings, R.batch_sharding(self.mesh))
-                         + (() if base is None else (base,)),
+                         + step_cfg.trainable.step_args(base),
                          out_shardings=(shardings, R.replicated(self.mesh)))
         return _WithRules(jitted, R.activation_rules(self.mesh, step_cfg.model.vocab_size),
                           R.lora_packed_gather(step_cfg, self.mesh),
