@@ -16,7 +16,7 @@ from jaxmem.model.remat import RematPolicy
 from jaxmem.train.cli import main
 from jaxmem.train.layerwise import LayerwiseUpdate
 from jaxmem.train.loss import synthetic_batch
-from jaxmem.train.optim import OptimConfig, make_optimizer, train_optimizer
+from jaxmem.train.optim import OptimConfig, build_optimizer, make_optimizer
 from jaxmem.train.run import compile_run_step
 from jaxmem.train.step import StepConfig, create_train_state, make_train_step
 
@@ -63,10 +63,10 @@ def _whole_and_layerwise(cfg, model, rounds):
     options = {"xla_allow_excess_precision": False}
 
     def whole(params, st, g, key):
-        return train_optimizer(cfg, rounds).update_and_apply(g, st, params, key=key)
+        return build_optimizer(cfg, rounds).apply.update_and_apply(g, st, params, key=key)
 
     def layerwise(params, st, g, key):
-        upd = LayerwiseUpdate(cfg, rounds, params, st, key)
+        upd = LayerwiseUpdate(cfg, build_optimizer(cfg, rounds), params, st, key)
         leaves, grads, states = jax.tree.leaves(params), jax.tree.leaves(g), upd.leaf_states()
         new_l, new_s = list(leaves), list(states)
         yes = jnp.asarray(True)

@@ -391,19 +391,19 @@ def _assert_same_update(prev, ref, got, exact_8bit):
 @pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16-sr", marks=SLOW)])
 @pytest.mark.slow  # 5 s of CPU cold per case
 def test_fused_skip_is_bitwise_and_branch_free(precision, monkeypatch):
-    """The trainer's in-place adamw8bit (train_optimizer) under jit with donation, from a state
+    """The trainer's in-place adamw8bit (build_optimizer(...).apply) under jit with donation, from a state
     one step in: where=False with inf / nan gradients (in every element, or in one) leaves params,
     codes, scales, fp32 moments and counts bitwise; where=True gives bitwise the call without
     `where`; leaves in row pieces (CHUNK 2^10) run their loop, and the program has a while loop
     per large leaf and no conditional."""
     import jaxmem.optim._stochastic as sr
-    from jaxmem.train.optim import train_optimizer
+    from jaxmem.train.optim import build_optimizer
     monkeypatch.setattr(sr, "CHUNK", 2**10)
     prec = get_precision(precision)
     ocfg = OptimConfig(lr=1e-2, warmup_steps=1, total_steps=10, clip=1.0, optimizer="adamw8bit")
     state = create_train_state(StepConfig(CFG, prec, optim=ocfg))
     assert sr.row_chunks(state.params["embed_tokens"].shape, sr.CHUNK) > 1
-    opt = train_optimizer(ocfg, prec.stochastic_rounding)
+    opt = build_optimizer(ocfg, prec.stochastic_rounding).apply
     key = jax.random.PRNGKey(5)
     plain = jax.jit(lambda g, s, p: opt.update_and_apply(g, s, p, key=key))
     step = jax.jit(lambda g, s, p, w: opt.update_and_apply(g, s, p, key=key, where=w),

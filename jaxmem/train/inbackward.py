@@ -170,7 +170,7 @@ class _InBackwardStep:
             check(cfg, state.loss_scale)
         a = self._inputs(batch)
         params = state.params
-        u = _Updates(LayerwiseUpdate(cfg.optim, cfg.precision.stochastic_rounding, params,
+        u = _Updates(LayerwiseUpdate(cfg.optim, cfg.optimizer, params,
                                      state.opt_state, self.step_key(state.rng, state.step)),
                      params)
         # forward: the embedding, then the layers keeping each one's input

@@ -2,7 +2,7 @@
 or one of the leaves outside the stack (embedding, final norm, LM head). What
 `--optimizer-in-backward` (jaxmem.train.inbackward) calls as each part's gradient appears.
 
-    updater = LayerwiseUpdate(cfg, stochastic_rounding, params, opt_state, key)
+    updater = LayerwiseUpdate(cfg, optimizer, params, opt_state, key)
     new_leaf_state = updater.leaf(i, g, leaf_state)             a leaf outside the stack
     new_stack_state = updater.layer(l, grads_l, stack_state)    layer l of every stacked leaf
     new_opt_state = updater.finish(leaf and stack states)        counts advanced once
@@ -37,8 +37,7 @@ import optax
 
 from jaxmem.optim import (apply_leaf_in_place, apply_leaf_sr, round_bf16, round_bf16_bits,
                           row_chunks)
-from jaxmem.train.optim import (OptimConfig, OptimizerName, adamw8bit_in_place, decay_mask,
-                                make_optimizer)
+from jaxmem.train.optim import OptimConfig, RunOptimizer, decay_mask
 
 
 def _is_stacked(path) -> bool:
@@ -54,24 +53,24 @@ class LayerwiseUpdate:
     optax state for the others (a tuple of arrays, one per subtree).
     """
 
-    def __init__(self, cfg: OptimConfig, stochastic_rounding: bool, params, opt_state,
+    def __init__(self, cfg: OptimConfig, optimizer: RunOptimizer, params, opt_state,
                  key: jax.Array | None):
         self.cfg = cfg
-        self.key = key if stochastic_rounding else None
-        self.rounds = stochastic_rounding
+        self.key = key if optimizer.stochastic_rounding else None
+        self.rounds = optimizer.stochastic_rounding
         paths_leaves, self.treedef = jax.tree_util.tree_flatten_with_path(params)
         self.paths = [p for p, _ in paths_leaves]
         self.shapes = [x.shape for _, x in paths_leaves]
         self.dtypes = [x.dtype for _, x in paths_leaves]
         self.decays = self.treedef.flatten_up_to(decay_mask(params, cfg.decay_embeddings))
         self.stacked = [i for i, p in enumerate(self.paths) if _is_stacked(p)]
-        self.eight_bit = OptimizerName(cfg.optimizer) == OptimizerName.ADAMW8BIT
+        self.eight_bit = optimizer.in_place is not None
         self.state = opt_state
         if self.eight_bit:
-            self.opt8 = adamw8bit_in_place(cfg, stochastic_rounding)
+            self.opt8 = optimizer.in_place
             self.piece, self._finish8 = self.opt8.pieces(opt_state)
         else:
-            self.tx = make_optimizer(cfg)
+            self.tx = optimizer.tx
             self._keys = set(params)
 
     # ------------------------------------------------------------------ the state, per leaf

@@ -3,9 +3,9 @@ config: linear warmup + cosine decay, clipping by global norm, and which of jaxm
 decay and keep fp32 8-bit-AdamW moments.
 
     make_optimizer(cfg) -> optax.GradientTransformation   its state is the TrainState's
-    train_optimizer(cfg, stochastic_rounding) -> jaxmem.optim.Optimizer
-        adamw8bit: adamw8bit_in_place(cfg, ...), updated and applied in place; any other:
-        make_optimizer(cfg)'s update + apply_updates[_sr] (jaxmem.optim.as_optimizer)
+    build_optimizer(cfg, stochastic_rounding) -> RunOptimizer   the run's one optimizer: `tx`,
+        and `apply` (a jaxmem.optim.Optimizer): adamw8bit's AdamW8bitInPlace, updated and
+        applied in place; any other: tx's update + apply_updates[_sr] (as_optimizer)
     parse_loss_scale("dynamic" | "static:VALUE" | "none") -> a jaxmem.optim LossScale
 
 Clipping is the first link of the chain, so it sees the *unscaled* gradients: the train step's
@@ -17,6 +17,7 @@ so the schedule position, bitwise as it was.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 
@@ -32,7 +33,8 @@ from jaxmem.optim import (AdamW8bitInPlace, DynamicLossScale, LossScale, NoOpLos
                           Optimizer, StaticLossScale, as_optimizer, keep_small_fp32)
 
 __all__ = ["LossScaleKind", "OptimConfig", "OptimizerName", "adamw8bit_in_place", "decay_mask",
-           "keeps_fp32", "make_optimizer", "parse_loss_scale", "schedule", "train_optimizer"]
+           "keeps_fp32", "make_optimizer", "parse_loss_scale", "schedule", "RunOptimizer",
+           "build_optimizer"]
 
 
 class OptimizerName(str, enum.Enum):
@@ -109,14 +111,36 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     return adamw
 
 
-def train_optimizer(cfg: OptimConfig, stochastic_rounding: bool = False) -> Optimizer:
-    """The trainer's optimizer for `cfg`; its init is make_optimizer(cfg).init. adamw8bit:
-    `adamw8bit_in_place` (one in-place pass per leaf); any other: update + apply, stochastically
-    rounded to bf16 with `stochastic_rounding` (from the `key` passed on every step)."""
+@dataclasses.dataclass(frozen=True)
+class RunOptimizer:
+    """A run's optimizer, built once from its config (`StepConfig.optimizer`); every part of the
+    run uses this one object.
+
+    tx: the optax transformation; its state is the TrainState's `opt_state` (`tx.init`).
+    apply: the jaxmem.optim.Optimizer the step updates and applies with (in place for adamw8bit;
+        else tx's update + apply_updates[_sr]).
+    in_place: the AdamW8bitInPlace behind `apply` for adamw8bit (the layer-by-layer update uses
+        its pieces), else None.
+    stochastic_rounding: bf16 params rounded stochastically after the update (bf16-sr).
+    """
+
+    tx: optax.GradientTransformation
+    apply: Optimizer
+    in_place: AdamW8bitInPlace | None = None
+    stochastic_rounding: bool = False
+
+
+def build_optimizer(cfg: OptimConfig, stochastic_rounding: bool = False) -> RunOptimizer:
+    """The run's optimizer for `cfg`. adamw8bit: `adamw8bit_in_place` (one in-place pass per
+    leaf); any other: make_optimizer(cfg)'s update + apply, stochastically rounded to bf16 with
+    `stochastic_rounding` (from the `key` passed on every step)."""
     if OptimizerName(cfg.optimizer) == OptimizerName.ADAMW8BIT:
         opt = adamw8bit_in_place(cfg, stochastic_rounding)
-        return Optimizer(opt.init, opt.update_and_apply)
-    return as_optimizer(make_optimizer(cfg), stochastic_rounding=stochastic_rounding)
+        return RunOptimizer(opt.tx, Optimizer(opt.init, opt.update_and_apply), opt,
+                            stochastic_rounding)
+    tx = make_optimizer(cfg)
+    return RunOptimizer(tx, as_optimizer(tx, stochastic_rounding=stochastic_rounding), None,
+                        stochastic_rounding)
 
 
 class LossScaleKind(str, enum.Enum):

@@ -12,7 +12,7 @@ batch: dict of int32 arrays [K, B, T] (K = grad-accumulation micro-batches). Per
     params, (opt_state, applied, skips_in_a_row, loss_scale) =
         loss_scaled(skip_nonfinite(optimizer)).update_and_apply(g, ...)   (jaxmem.optim)
             g = unscale(g); finite = all_finite(g)
-            if finite: clip, optimizer update and apply   (jaxmem.train.optim.train_optimizer:
+            if finite: clip, optimizer update and apply   (cfg.optimizer.apply:             
                                                            in place for adamw8bit; bf16-sr:
                                                            stochastic rounding with step_key)
             else:      params and every optimizer leaf stay bitwise as they were
@@ -26,6 +26,8 @@ instead: the same state, batch and metrics, each layer updated inside the backwa
 """
 
 from __future__ import annotations
+
+import functools
 
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +46,7 @@ from jaxmem.optim import (LossScale, LossScaledState, NoOpLossScale, Optimizer,
                           SkipNonFiniteState, loss_scaled, skip_nonfinite)
 from jaxmem.train.inbackward import make_train_step_in_backward
 from jaxmem.train.loss import token_loss
-from jaxmem.train.optim import OptimConfig, make_optimizer, schedule, train_optimizer
+from jaxmem.train.optim import OptimConfig, RunOptimizer, build_optimizer, schedule
 from jaxmem.model.precision import Precision, cast_floating
 from jaxmem.model.remat import RematPolicy
 from jaxmem.peft.trainable import FullFineTune, Trainable
@@ -91,6 +93,12 @@ class StepConfig:
     # (resolve_loss_chunk), 0 keeps the [B, T, V] logits, N > 0 uses chunks of N positions.
     loss_chunk: int | None = None
 
+    @functools.cached_property
+    def optimizer(self) -> RunOptimizer:
+        """The run's optimizer, built once per StepConfig: the state's init, the step and the
+        layer-by-layer update all use this object (jaxmem.train.optim.build_optimizer)."""
+        return build_optimizer(self.optim, self.precision.stochastic_rounding)
+
     def build_model(self) -> Llama:
         einsum = default_einsum
         if self.precision.fp8:
@@ -135,7 +143,7 @@ def state_creation_fn(cfg: StepConfig, loss_scale: LossScale | None = None, seed
         return TrainState(step=zero(), applied=zero(), skips_in_a_row=zero(),
                           data_position=zero(),
                           rng=key_data(state_key),
-                          params=params, opt_state=make_optimizer(cfg.optim).init(opt_like),
+                          params=params, opt_state=cfg.optimizer.tx.init(opt_like),
                           loss_scale=loss_scale if loss_scale is not None else NoOpLossScale())
 
     return create if with_params else (lambda: create())
@@ -173,8 +181,8 @@ def make_train_step(cfg: StepConfig, optimizer: Optimizer | None = None):
     """The pure train step for `cfg` (un-jitted; see `jit_train_step`).
 
     optimizer: what updates and applies (the jaxmem.optim.Optimizer contract), its state the
-    TrainState's `opt_state`; None: `train_optimizer(cfg.optim, bf16-sr?)`, whose init is the
-    one `state_creation_fn` uses. The step wraps it in skip_nonfinite and loss_scaled.
+    TrainState's `opt_state`; None: the run's `cfg.optimizer.apply`, whose state is the one
+    `state_creation_fn` makes. The step wraps it in skip_nonfinite and loss_scaled.
     """
     if cfg.optim.in_backward:  # --optimizer-in-backward: the gradient tree never whole
         if optimizer is not None:
@@ -183,7 +191,7 @@ def make_train_step(cfg: StepConfig, optimizer: Optimizer | None = None):
         return make_train_step_in_backward(cfg, step_key)
     model = cfg.build_model()
     if optimizer is None:
-        optimizer = train_optimizer(cfg.optim, cfg.precision.stochastic_rounding)
+        optimizer = cfg.optimizer.apply
     update = loss_scaled(skip_nonfinite(optimizer)).update_and_apply
     lr_at = schedule(cfg.optim)
     compute_dtype = cfg.precision.compute_dtype
