@@ -8,17 +8,18 @@ process measures exactly the configuration the parent chose, never a re-parsed c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
 from jaxmem.config.model import ModelConfig
-from jaxmem.config.run import ModelSection, RunConfig
+from jaxmem.config.run import ModelSection, OptimConfig, PeftSection, RunConfig
 from jaxmem.model.remat import RematPolicy
 from jaxmem.optim import LossScale
 from jaxmem.model.precision import Precision, get_precision
 from jaxmem.peft.lora import trainable_of
 from jaxmem.peft.trainable import FullFineTune, Trainable
-from jaxmem.train.run import build_step_config
+from jaxmem.train.run import make_step_config
 from jaxmem.train.step import StepConfig
 
 GiB = 2**30
@@ -57,6 +58,11 @@ class StepSpec:
     # backward pass; the step is planned with --clip 0, which it needs
     in_backward: bool = False
 
+    def __post_init__(self):
+        # the peft fields checked as a run's are (--offload-base host needs LoRA / QLoRA)
+        PeftSection(**{k.partition(".")[2]: v for k, v in self.trainable.flags().items()},
+                    offload_base=self.offload_base)
+
     @classmethod
     def from_run_config(cls, cfg: RunConfig, attention: str | None = None) -> "StepSpec":
         """The step of a run (what `jaxmem.train` would run with `cfg`)."""
@@ -67,7 +73,8 @@ class StepSpec:
                    cfg.optim.optimizer, cfg.peft.offload_base, cfg.optim.in_backward)
 
     def run_config(self) -> RunConfig:
-        """A RunConfig with this step: the one input jaxmem.train.run.build_step_config takes."""
+        """A RunConfig with this step (its JSON form for the `--measure` worker, and the
+        `jaxmem.train` command of a plan)."""
         return RunConfig(model=ModelSection.of(self.model)).replace({
             "precision.mode": self.precision.name, "remat.policy": str(self.remat),
             "data.batch_size": self.batch_size, "data.seq_len": self.seq_len,
@@ -77,9 +84,14 @@ class StepSpec:
             **self.trainable.flags(), "peft.offload_base": self.offload_base})
 
     def step_config(self) -> tuple[StepConfig, LossScale]:
-        """(StepConfig, initial loss scale), built as a training run builds them."""
-        _, step_cfg, loss_scale = build_step_config(self.run_config())
-        return step_cfg, loss_scale
+        """(StepConfig, initial loss scale), made by the function a training run's are made by
+        (jaxmem.train.run.make_step_config), from this spec's own fields."""
+        optim = dataclasses.replace(OptimConfig(), optimizer=self.optimizer,
+                                    mu_dtype=self.mu_dtype, in_backward=self.in_backward,
+                                    **({"clip": 0.0} if self.in_backward else {}))
+        return make_step_config(self.model, self.precision, self.remat, optim, self.seq_len,
+                                grad_accum=self.grad_accum, trainable=self.trainable,
+                                loss_chunk=self.loss_chunk)
 
     @property
     def attention_path(self) -> str:

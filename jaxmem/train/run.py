@@ -8,38 +8,53 @@ from __future__ import annotations
 import jax
 
 from jaxmem.config.model import ConfigError, ModelConfig
-from jaxmem.config.run import RunConfig
+from jaxmem.config.run import OptimConfig, PrecisionSection, RunConfig
 from jaxmem.model.remat import RematPolicy
 from jaxmem.optim import LossScale
 from jaxmem.train.inbackward import check as check_in_backward
 from jaxmem.train.loss import abstract_batch, token_loss
 from jaxmem.train.optim import parse_loss_scale
-from jaxmem.model.precision import get_precision
+from jaxmem.model.precision import Precision, get_precision
 from jaxmem.peft.lora import trainable_of
+from jaxmem.peft.trainable import FullFineTune, Trainable
 from jaxmem.train.step import StepConfig, jit_train_step, state_creation_fn
 
 
 def build_step_config(cfg: RunConfig) -> tuple[ModelConfig, StepConfig, LossScale]:
-    """(ModelConfig, StepConfig, initial loss scale) of `cfg`, validated.
+    """(ModelConfig, StepConfig, initial loss scale) of `cfg`, validated (`make_step_config`).
 
     Raises ConfigError (or RematError / PrecisionError, both ValueErrors) naming the flag.
     """
-    model_cfg = cfg.model_config()
-    precision = get_precision(cfg.precision.mode)
-    remat = RematPolicy.parse(cfg.remat.policy)
+    model_cfg, p = cfg.model_config(), cfg.precision
+    step_cfg, loss_scale = make_step_config(
+        model_cfg, get_precision(p.mode), RematPolicy.parse(cfg.remat.policy), cfg.optim,
+        cfg.data.seq_len, grad_accum=cfg.data.grad_accum, trainable=trainable_of(cfg.peft),
+        loss_chunk=cfg.remat.loss_chunk, loss_scale=p)
+    return model_cfg, step_cfg, loss_scale
+
+
+def make_step_config(model_cfg: ModelConfig, precision: Precision, remat: RematPolicy,
+                     optim: OptimConfig, seq_len: int, grad_accum: int = 1,
+                     trainable: Trainable = FullFineTune(), loss_chunk: int | None = None,
+                     loss_scale: PrecisionSection = PrecisionSection()
+                     ) -> tuple[StepConfig, LossScale]:
+    """(StepConfig, initial loss scale) from the parts a step is made of, validated: the one
+    place a StepConfig is made, for a run (`build_step_config`) and for the planner's StepSpec
+    alike. `loss_scale`: the precision section's `--loss-scale` spec, initial scale and growth
+    interval (its defaults: the precision mode's own scale)."""
     if remat.kind == "offload":
         remat.jax_policy()  # a clear error where the backend cannot offload
-    if cfg.data.seq_len > model_cfg.max_position_embeddings:
-        raise ConfigError(f"--seq-len {cfg.data.seq_len} exceeds the model's "
+    if seq_len > model_cfg.max_position_embeddings:
+        raise ConfigError(f"--seq-len {seq_len} exceeds the model's "
                           f"max_position_embeddings {model_cfg.max_position_embeddings}")
-    p = cfg.precision
-    loss_scale = parse_loss_scale(p.loss_scale or precision.loss_scale, init_scale=p.loss_scale_init,
-                                  growth_interval=p.loss_scale_growth_interval)
-    step_cfg = StepConfig(model_cfg, precision, remat, cfg.optim, grad_accum=cfg.data.grad_accum,
-                          trainable=trainable_of(cfg.peft), loss_chunk=cfg.remat.loss_chunk)
-    if cfg.optim.in_backward:
-        check_in_backward(step_cfg, loss_scale)
-    return model_cfg, step_cfg, loss_scale
+    p = loss_scale
+    scale = parse_loss_scale(p.loss_scale or precision.loss_scale, init_scale=p.loss_scale_init,
+                             growth_interval=p.loss_scale_growth_interval)
+    step_cfg = StepConfig(model_cfg, precision, remat, optim, grad_accum=grad_accum,
+                          trainable=trainable, loss_chunk=loss_chunk)
+    if optim.in_backward:
+        check_in_backward(step_cfg, scale)
+    return step_cfg, scale
 
 
 def abstract_train_state(cfg: StepConfig, loss_scale, seed: int = 0):
