@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 
-
 class Trainable:
     """The interface (see the module docstring); every method is answered by each subclass.
     Callers never ask which subclass they hold: where jaxmem.train or jaxmem.memory would
