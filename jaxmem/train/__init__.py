@@ -11,7 +11,8 @@ jaxmem.model.precision; the loss scales themselves: jaxmem.optim).
                  compile_run_step (the run's step compiled on abstract shapes)
     placement    Placement: the state and the step on a mesh (in/out shardings), batches
     rundir       config.json (RunConfig, schema versions), metrics.jsonl, load_run
-    loop, cli    the training loop and `python -m jaxmem.train` (programs, not a library)
+    loop, cli    the training loop and `python -m jaxmem.train` (programs, not a library);
+                 records: each finished step's bar, metrics.jsonl and trackers
 """
 
 from jaxmem.train.loss import cross_entropy, token_loss

@@ -158,7 +158,7 @@ class LayerwiseUpdate:
         if self.eight_bit:
             m, v = state
             new_p, m, v = apply_leaf_in_place(self.piece, g, m, v, p, self.decays[i],
-                                     self._leaf_key(i), finite)
+                                              self._leaf_key(i), finite)
             return new_p, (m, v)
         updates, new_states = self._optax_part({i: g}, {i: state}, {i: p})
         u, new_state = updates[i], new_states[i]

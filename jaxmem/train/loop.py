@@ -14,8 +14,6 @@ to commit before the process exits, and a summary line gives the pauses and writ
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import sys
 import time
@@ -29,14 +27,15 @@ from jaxmem.data.examples import describe
 from jaxmem.decode.sampling import generate_text
 from jaxmem.decode.stopping import eos_ids, sample_dtype
 from jaxmem.io.checkpoint import Checkpointer
-from jaxmem.train.rundir import (CKPT_DIR, METRICS_FILE, copy_tokenizer, truncate_metrics,
+from jaxmem.train.rundir import (CKPT_DIR, copy_tokenizer,
                               write_run_config)
-from jaxmem.perf import device_memory, flops_per_token, peak_flops
+from jaxmem.perf import device_memory
 from jaxmem.train import failures
 from jaxmem.train.placement import Placement
 from jaxmem.train.run import make_eval_fn
 from jaxmem.train.step import create_train_state, jit_train_step
-from jaxmem.train.trackers import Trackers, eval_metrics
+from jaxmem.train.records import Records, fmt_bytes
+from jaxmem.train.trackers import eval_metrics
 from jaxmem.train.setup import Setup
 
 
@@ -60,10 +59,6 @@ class _Stop:
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
-
-
-def _fmt_bytes(n):
-    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
 
 
 def _write_config(s, start: int) -> None:
@@ -154,83 +149,6 @@ class _Saves:
                 f"(max {max(w, default=0):.2f}) in the background")
 
 
-class _Records:
-    """The host side of finished steps: the progress bar, metrics.jsonl, the trackers
-    (TensorBoard, W&B, console), throughput and MFU, and the count of non-finite steps in a row
-    as the last step's metrics report it. Process 0 writes; the others only count."""
-
-    def __init__(self, s, par: Placement, start: int, end: int, skips_in_a_row: int):
-        from tqdm import tqdm
-
-        cfg, d = s.cfg, s.cfg.data
-        self.par, self.start, self.end, self.steps = par, start, end, cfg.optim.total_steps
-        self.log_every = cfg.run.log_every
-        self.main = par.is_main
-        self.say = print if self.main else (lambda *a, **k: None)
-        if self.main:
-            truncate_metrics(s.out, start)  # records after the checkpoint are about to be redone
-        self.file = open(s.out / METRICS_FILE if self.main else os.devnull, "a")
-        # other processes of a multi-process run log nothing (no TensorBoard, W&B or console)
-        self.trackers = (Trackers.open(s.out, cfg, s.tokenizer, self.steps, start_step=start)
-                         if self.main else Trackers(self.steps, False, plain=False))
-        self.bar = tqdm(total=self.steps, initial=start, unit="step", file=sys.stdout,
-                        disable=self.trackers.plain or not self.main, dynamic_ncols=True)
-        self.device = jax.devices()[0]
-        self.peak = peak_flops(self.device, s.step_cfg.precision.compute_dtype)
-        self.flops_per_token = flops_per_token(s.model_cfg, d.seq_len)
-        self.tokens_per_step = d.batch_size * d.seq_len * d.grad_accum
-        self.timed_steps, self.seconds = 0, 0.0
-        self.skips_in_a_row, self.last = skips_in_a_row, {}
-
-    def tokens_per_sec(self) -> float:
-        return self.tokens_per_step * self.timed_steps / self.seconds if self.seconds else 0.0
-
-    def mfu(self, tokens_per_sec: float) -> float | None:
-        return tokens_per_sec * self.flops_per_token / self.peak if self.peak and tokens_per_sec else None
-
-    def record(self, step, metrics, seconds, evaluated=None, save_pause=None) -> dict:
-        """A finished step: its metrics read from the device, the bar, and (every --log-every
-        steps, on evaluation, saves and skipped steps) a metrics.jsonl line and the trackers."""
-        m = {k: float(v) for k, v in self.par.host(metrics).items()}
-        if step > self.start + 2:  # a process's first steps include compilation and dispatch lag
-            self.timed_steps += 1
-            self.seconds += seconds
-        self.skips_in_a_row = int(m["skips_in_a_row"])
-        rec = {"step": step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
-               "loss_scale": m["loss_scale"], "skipped": bool(m["skipped"]),
-               "tokens_per_sec": self.tokens_per_sec()}
-        if evaluated is not None:
-            rec = self.trackers.with_eval_metrics({**rec, "eval_loss": evaluated})
-        if save_pause is not None:
-            rec["save_pause_s"] = round(save_pause, 4)
-        mem = device_memory(self.device)
-        if self.mfu(rec["tokens_per_sec"]) is not None:  # GPU: the end-of-run line's MFU, per record
-            rec["mfu"] = self.mfu(rec["tokens_per_sec"])
-        if mem:  # the process's peak so far (experiments.gpu_check reads it from the record)
-            rec["peak_bytes_in_use"] = mem["peak_bytes_in_use"]
-        # a skipped (non-finite) step is always recorded: plots and audits count them
-        if (step % self.log_every == 0 or step == self.steps or evaluated is not None
-                or rec["skipped"] or save_pause is not None):
-            self._log(rec, step, mem)
-        self.bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{self.tokens_per_sec():,.0f}",
-                             scale=f"{m['loss_scale']:g}",
-                             **({"mem": _fmt_bytes(mem["bytes_in_use"])} if mem else {}),
-                             refresh=False)
-        self.last = rec
-        return rec
-
-    def _log(self, rec: dict, step: int, mem) -> None:
-        self.file.write(json.dumps(rec) + "\n")
-        self.file.flush()
-        rate = self.seconds / self.timed_steps if self.timed_steps else None
-        self.trackers.log(rec, eta_s=rate and rate * (self.end - step),
-                          memory_bytes=mem and mem["bytes_in_use"])
-
-    def close(self) -> None:
-        self.file.close()
-        self.trackers.close()
-
-
 def _prepare(s, par: Placement, start: int) -> Checkpointer:
     """The run directory, before the first step: config.json, the tokenizer and chat files
     (process 0), and the checkpointer."""
@@ -291,7 +209,7 @@ class _Run:
                                 for b in self.batches.evals])
         return float(sum(t for t, _ in totals) / max(sum(c for _, c in totals), 1.0))
 
-    def loop(self, rec: _Records, saves: _Saves, stop: _Stop) -> tuple[int, float | None]:
+    def loop(self, rec: Records, saves: _Saves, stop: _Stop) -> tuple[int, float | None]:
         """Steps until the end, a signal or too many non-finite steps in a row; each step's
         metrics are read while the next one runs. Returns the last step and eval loss."""
         r, steps = self.r, self.steps
@@ -320,7 +238,7 @@ class _Run:
         rec.bar.close()
         return step, eval_loss
 
-    def too_many_skips(self, rec: _Records, saves: _Saves) -> int:
+    def too_many_skips(self, rec: Records, saves: _Saves) -> int:
         max_skips = self.cfg.precision.max_consecutive_skips
         rec.close()
         saves.ckpt.close()
@@ -348,7 +266,7 @@ def train(s: Setup) -> int:
         print(f"{s.out}: already at step {run.start} of {run.steps}"
               + (f" (--stop-at {run.r.stop_at})" if run.end < run.steps else "") + "; nothing to do")
         return 0
-    rec = _Records(s, par, run.start, run.end, int(run.state.skips_in_a_row))
+    rec = Records(s, par, run.start, run.end, int(run.state.skips_in_a_row))
     saves = _Saves(ckpt, s.cfg, run.start if run.resumed else None)
     rec.say(_banner(s, run.state, run.start, run.resumed, rec.device), flush=True)
     t_start = time.perf_counter()
@@ -372,7 +290,7 @@ def train(s: Setup) -> int:
     return 0
 
 
-def _done_line(s, rec: _Records, step: int, eval_loss: float | None, wall_s: float) -> str:
+def _done_line(s, rec: Records, step: int, eval_loss: float | None, wall_s: float) -> str:
     tps = rec.tokens_per_sec()
     mem = device_memory(rec.device)
     mfu = rec.mfu(tps)
@@ -382,7 +300,7 @@ def _done_line(s, rec: _Records, step: int, eval_loss: float | None, wall_s: flo
     return (f"done: step {step}, train loss {rec.last.get('loss', float('nan')):.4f}, {ev}, "
             f"{f'{tps:,.0f}' if tps else 'n/a'} tokens/s, "
             f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, "
-            f"peak memory {_fmt_bytes(mem and mem['peak_bytes_in_use'])}, wall {wall_s:.0f} s")
+            f"peak memory {fmt_bytes(mem and mem['peak_bytes_in_use'])}, wall {wall_s:.0f} s")
 
 
 def _sample(s, state) -> None:
