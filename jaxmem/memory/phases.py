@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxmem.memory.analytic import (FP32, analytic_breakdown, layer_residuals, norm_params,
-                                    outside_residuals)
+from jaxmem.memory.activations import FP32, layer_residuals, outside_residuals
+from jaxmem.memory.analytic import analytic_breakdown, norm_params
 from jaxmem.memory.compiled import (abstract_frozen, abstract_state, compile_eval,
                                     compile_import, compile_sample, compile_state, tree_bytes)
 from jaxmem.memory.spec import StepSpec

@@ -1,0 +1,149 @@
+"""The activations a train step saves for its backward, by formula (jaxmem.memory.analytic's
+model of them): per decoder layer under each remat policy (`layer_residuals`), outside the
+layers (`outside_residuals`: RoPE tables, embedding output, the loss's), the MLP's sequence tile
+(`mlp_tiled`) and the MLP backward's working set (`mlp_backward`). Sizes are in bytes; each
+entry is (name, bytes, dtype)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxmem.config.model import ModelConfig
+from jaxmem.memory.spec import StepSpec
+from jaxmem.model.tiled import mlp_tile, tiles_under
+from jaxmem.model.remat import RematPolicy
+from jaxmem.remat import RematError
+
+FP32 = 4
+
+def _nbytes(dtype) -> int:
+    return jnp.dtype(dtype).itemsize
+
+
+def _dname(dtype) -> str:
+    return jnp.dtype(dtype).name
+
+
+# --- activations saved for the backward, per layer --------------------------------------------
+
+def tag_shapes(c: ModelConfig, B: int, T: int) -> dict[str, int]:
+    """Elements of each tagged activation of one block (jaxmem.model.remat.TAGS)."""
+    D, F, N, K, H = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
+                     c.resolved_head_dim)
+    return {"block_input": B * T * D, "attn_norm": B * T * D, "query": B * T * N * H, "key": B * T * K * H,
+            "value": B * T * K * H, "attn_context": B * T * N * H, "attn_out": B * T * D,
+            "mlp_norm": B * T * D, "mlp_gate": B * T * F, "mlp_up": B * T * F,
+            "mlp_hidden": B * T * F, "mlp_out": B * T * D}
+
+
+def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematPolicy,
+                    attention: str = "xla") -> list[tuple[str, int, str]]:
+    """(what, bytes, dtype) of the residuals one decoder block keeps for its backward.
+
+    Read off jaxmem.model.DecoderBlock (and checked against jax's saved residuals in the tests):
+
+    none: each RMSNorm keeps its input [B, T, D] (its custom VJP recomputes the statistic,
+        jaxmem.model.lean), and its output [B, T, D] in the compute dtype feeds the next matmul;
+        attention keeps q (after RoPE), k, v and the context [B, T, N, H]; on the XLA path
+        nothing else (the probabilities are recomputed in the backward), cuDNN flash attention
+        also two [B, N, T] softmax statistics;
+        the SwiGLU MLP keeps three [B, T, F] tensors (gate and up for its custom VJP, the
+        product for down_proj; autodiff kept six).
+    full: only the block input [B, T, D] (the scan carry).
+    dots_no_batch: the block input, the q/k/v projections, the o_proj output (to rebuild the
+        residual stream) and gate/up [B, T, F].
+    dots: dots_no_batch plus, on the XLA path, attention's PV output (QK^T is recomputed with
+        the probabilities: the custom VJP hides it from the policy).
+    names:a,b / offload:a,b: the block input plus the tagged tensors the backward reads
+        (`mlp_out` is only added to the residual stream, so it is never kept); offloaded
+        tensors live in host memory and count zero here, the block input too when it is
+        offloaded (tag `block_input`, in the default `offload`).
+    """
+    D, F, N = c.hidden_size, c.intermediate_size, c.num_heads
+    cb, cd = _nbytes(compute_dtype), _dname(compute_dtype)
+    tags = tag_shapes(c, B, T)
+    BTD, BNT = B * T * D, B * N * T
+    block_input = ("block input [B,T,D]", BTD * cb, cd)
+    kind = remat.kind
+    if kind == "full":
+        return [block_input]
+    if kind == "none":
+        out = []
+        for norm in ("attn_norm", "mlp_norm"):
+            out += [(f"{norm}: input [B,T,D]", BTD * cb, cd),
+                    (f"{norm}: output [B,T,D]", BTD * cb, cd)]
+        out += [("q, k, v after RoPE", (tags["query"] + tags["key"] + tags["value"]) * cb, cd),
+                ("attention context [B,T,N,H]", tags["attn_context"] * cb, cd)]
+        if attention != "xla":  # XLA: the probabilities are recomputed, nothing [B,N,T] kept
+            out += [("softmax statistics [B,N,T] x2", 2 * BNT * FP32, "float32")]
+        out += [("SwiGLU [B,T,F] x3", 3 * B * T * F * cb, cd)]
+        return out
+    if kind in ("dots", "dots_no_batch"):
+        out = [block_input, ("o_proj output [B,T,D]", BTD * cb, cd),
+               ("q, k, v projections", (tags["query"] + tags["key"] + tags["value"]) * cb, cd),
+               ("gate, up [B,T,F] x2", 2 * B * T * F * cb, cd)]
+        if kind == "dots" and attention == "xla":
+            out += [("PV output [B,T,N,H]", tags["attn_context"] * cb, cd)]
+        return out
+    if kind == "names":
+        return [block_input] + [(f"tag {t}", tags[t] * cb, cd) for t in remat.names
+                                if t not in ("mlp_out", "block_input")]
+    if kind == "offload":  # offloaded to pinned host memory: nothing extra on the device
+        return [] if "block_input" in remat.names else [block_input]
+    raise RematError(f"no activation formula for remat policy {remat}")
+
+
+def outside_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematPolicy,
+                      attention: str = "xla", loss_chunk: int = 0) -> list[tuple[str, int, str]]:
+    """Residuals kept outside the layer stack: RoPE tables, final norm, loss (no padding mask);
+    loss_chunk: the fused loss's resolved chunk (jaxmem.loss.chunked; 0: unfused logits)."""
+    D, H, V = c.hidden_size, c.resolved_head_dim, c.vocab_size
+    cb, cd = _nbytes(compute_dtype), _dname(compute_dtype)
+    out = [("RoPE cos/sin [B,T,H/2] x2", 2 * B * T * (H // 2) * FP32, "float32"),
+           ("final norm: input [B,T,D]", B * T * D * cb, cd),
+           ("final norm: output [B,T,D]", B * T * D * cb, cd)]
+    if loss_chunk:
+        padded = -(-T // loss_chunk) * loss_chunk
+        out += [("fused loss: logsumexp [B,T] fp32", B * padded * FP32, "float32"),
+                ("fused loss: weights [B,T] fp32, embedding gather indices [B,T] int32",
+                 2 * B * T * 4, "mixed")]
+    else:
+        out += [("loss: exp(logits - max) [B,T,V] fp32", B * T * V * FP32, "float32"),
+                ("loss: weights, max, targets [B,T]", 4 * B * T * FP32 + B * T, "mixed")]
+    return out
+
+
+def mlp_tiled(spec: StepSpec) -> int:
+    """The MLP's sequence tile when the step runs it tiled (jaxmem.model.tiled, by
+    jaxmem.model.llama's rule: `tiles_under` the policy, the plain einsum), else 0."""
+    c = spec.model
+    if not tiles_under(spec.remat):
+        return 0
+    if spec.precision.fp8:  # another einsum: never tiled (LoRA's: trainable.mlp_tile)
+        return 0
+    tile = spec.trainable.mlp_tile(mlp_tile(spec.batch_size, spec.seq_len, c.intermediate_size))
+    return tile if tile < spec.seq_len else 0
+
+
+# [B, T, F] buffers the MLP's backward holds besides the 3 recomputed activations (gate, up,
+# their product): d(product), d(gate), d(up) and the SwiGLU backward's sigmoid / silu products
+# (jaxmem.model.lean), read off XLA's buffer assignment on the CPU (docs/memory.md).
+MLP_BACKWARD_BUFFERS = 6
+
+
+def mlp_backward(spec: StepSpec) -> int:
+    """Bytes of the MLP backward's working set beyond the recomputed residuals: 6 [B, T, F]
+    (tiled: 9 [B, Tc, F], the tile's recomputed activations included, and the 3 full-length
+    ones are not materialized, so they are taken back out of the recomputed set)."""
+    c, B, T = spec.model, spec.batch_size, spec.seq_len
+    F, cb = c.intermediate_size, _nbytes(spec.precision.compute_dtype)
+    r = spec.remat
+    recomputed = r.kind == "full" or (r.kind in ("names", "offload")
+                                      and not {"mlp_gate", "mlp_up"} <= set(r.names))
+    if not recomputed:  # gate and up saved or offloaded (none, dots*, the default offload)
+        return 0
+    tile = mlp_tiled(spec)
+    if tile:
+        # tiled only where no policy saves an MLP tag: the 3 are in the recomputed set
+        return (3 + MLP_BACKWARD_BUFFERS) * B * tile * F * cb - 3 * B * T * F * cb
+    return MLP_BACKWARD_BUFFERS * B * T * F * cb
