@@ -2,6 +2,8 @@
 against bitsandbytes' algorithm, quantization error bounds, unbiased rounding, skipped steps and
 exact resume with every optimizer."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,8 @@ from jaxmem.config.model import ModelConfig
 from jaxmem.train.loss import synthetic_batch
 from jaxmem.model.precision import get_precision
 from jaxmem.optim import (SIGNED_MAP, UNSIGNED_MAP, Quantized, adamw_8bit, apply_updates_sr,
-                          create_dynamic_map, dequantize, quantize, round_bf16)
+                          block_axes, block_view, create_dynamic_map, dequantize, quantize,
+                          round_bf16)
 from jaxmem.train.optim import OptimConfig, keeps_fp32
 from jaxmem.train.step import StepConfig, create_train_state, jit_train_step
 from runs import SMALL, losses, params_of
@@ -68,12 +71,17 @@ def test_map_shapes_and_known_values():
     np.testing.assert_allclose(UNSIGNED_MAP[1], 0.325e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("shape", [(4, 512), (3, 300), (2, 3, 256), (1000,)])
+@pytest.mark.parametrize("shape", [(4, 512), (3, 300), (2, 3, 256), (1000,), (8, 64),
+                                   (4, 3, 200)])
 @pytest.mark.parametrize("signed", [True, False])
 def test_round_trip_error_per_block(shape, signed):
     """Each value comes back as absmax x the nearest map value (a positive value under the
     unsigned map's least positive one: that one): error <= half the widest gap of
-    the map x the block's absmax; each block's absmax itself is exact (1.0 is in both maps)."""
+    the map x the block's absmax; each block's absmax itself is exact (1.0 is in both maps).
+    Blocks as `block_axes` lays them out: 256 along a last axis it divides ((4, 512)), rows of
+    a last axis that divides 256 ((8, 64): 64-wide blocks), else bitsandbytes' flat blocks of
+    256 consecutive elements over the fewest trailing axes that hold whole ones ((4, 3, 200):
+    3 x 200 = 600 does not, so all 2400 elements; (3, 300): 900 flat, the last block 132)."""
     qmap = SIGNED_MAP if signed else UNSIGNED_MAP
     rng = np.random.default_rng(0)
     x = rng.standard_normal(shape).astype(np.float32)
@@ -81,12 +89,17 @@ def test_round_trip_error_per_block(shape, signed):
     if not signed:
         x = x * x
     q = quantize(jnp.asarray(x), qmap)
-    nb = -(-shape[-1] // 256)
+    view = block_view(shape, block_axes(shape))
+    assert view == {(3, 300): (900,), (4, 3, 200): (2400,)}.get(shape, shape)
+    b = min(256, view[-1])
+    nb = -(-view[-1] // b)
     assert q.codes.shape == shape and q.codes.dtype == jnp.uint8
-    assert q.scale.shape == shape[:-1] + (nb,) and q.scale.dtype == jnp.float32
+    assert q.scale.shape == view[:-1] + (nb,) and q.scale.dtype == jnp.float32
     back = np.asarray(dequantize(q, qmap))
-    pad = nb * 256 - shape[-1]
-    xb = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(shape[:-1] + (nb, 256))
+    assert back.shape == shape
+    x, back = x.reshape(view), back.reshape(view)
+    pad = nb * b - view[-1]
+    xb = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(view[:-1] + (nb, b))
     eb = np.pad(np.abs(back - x), [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(xb.shape)
     absmax = np.abs(xb).max(-1)
     np.testing.assert_array_equal(np.asarray(q.scale), absmax)
@@ -99,7 +112,7 @@ def test_round_trip_error_per_block(shape, signed):
     if not signed:
         code = np.where((normed > 0) & (code == 0), 1, code)
     nearest = qmap[code] * absmax[..., None]
-    nearest = nearest.reshape(nearest.shape[:-2] + (-1,))[..., : shape[-1]]
+    nearest = nearest.reshape(nearest.shape[:-2] + (-1,))[..., : view[-1]]
     np.testing.assert_allclose(back, nearest, rtol=1e-6, atol=0)
 
 
@@ -264,15 +277,19 @@ def test_bytes_per_param_from_the_abstract_state(preset, opt_max, state_max):
 @pytest.mark.slow  # 8 s of CPU cold
 def test_update_in_pieces_equals_whole_leaf(monkeypatch):
     """Leaves over CHUNK elements go through lax.map over row pieces (2^24 in use; 2^10 here):
-    the 8-bit update is bitwise the whole-leaf one; SR in pieces still lands on a neighbour."""
+    the 8-bit update is bitwise the whole-leaf one; SR in pieces still lands on a neighbour.
+    "w96" is 96 wide (neither a multiple nor a divisor of 256): flat blocks over all 12,288
+    elements, updated in 16 pieces of 768 (three blocks), the elements of row_chunks' pieces."""
     import jaxmem.optim._adamw8bit as o8
     import jaxmem.optim._stochastic as sr
     rng = np.random.default_rng(2)
     p = {"layers": {"mlp": {"up_proj": jnp.asarray(rng.standard_normal((2, 16, 512)),
-                                                    jnp.bfloat16)}}}
+                                                    jnp.bfloat16)}},
+         "w96": jnp.asarray(rng.standard_normal((128, 96)), jnp.bfloat16)}
     g = jax.tree_util.tree_map(lambda x: (x * 0.3 + 0.1).astype(jnp.bfloat16), p)
     opt = adamw_8bit(1e-2)
     state = opt.init(jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), p))
+    assert state[0].mu["w96"].scale.shape == (48,)
 
     def run():
         jax.clear_caches()
@@ -282,15 +299,18 @@ def test_update_in_pieces_equals_whole_leaf(monkeypatch):
     whole = run()
     monkeypatch.setattr(o8, "CHUNK", 2**10)
     monkeypatch.setattr(sr, "CHUNK", 2**10)
-    assert o8._num_chunks((2, 16, 512)) == 16
+    leaf = state[0].mu["layers"]["mlp"]["up_proj"]
+    assert o8.moment_pieces((2, 16, 512), leaf, o8.CHUNK) == ((2, 16, 512), 16, True)
+    assert o8.moment_pieces((128, 96), state[0].mu["w96"], o8.CHUNK) == ((16, 768), 16, True)
     pieces = run()
     for a, b in zip(jax.tree_util.tree_leaves(whole[:2]), jax.tree_util.tree_leaves(pieces[:2])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    exact = (np.asarray(p["layers"]["mlp"]["up_proj"], np.float32)
-             + np.asarray(whole[0]["layers"]["mlp"]["up_proj"], np.float32))
-    got = np.asarray(pieces[2]["layers"]["mlp"]["up_proj"], np.float32)
-    ulp = 2.0 ** (np.floor(np.log2(np.abs(exact) + 1e-30)) - 7)
-    assert np.all(np.abs(got - exact) < ulp)
+    for path in (("layers", "mlp", "up_proj"), ("w96",)):
+        pick = lambda t: functools.reduce(lambda x, k: x[k], path, t)  # noqa: E731
+        exact = np.asarray(pick(p), np.float32) + np.asarray(pick(whole[0]), np.float32)
+        got = np.asarray(pick(pieces[2]), np.float32)
+        ulp = 2.0 ** (np.floor(np.log2(np.abs(exact) + 1e-30)) - 7)
+        assert np.all(np.abs(got - exact) < ulp)
 
 
 @pytest.mark.parametrize("precision,clip", [("fp32", 0.05),

@@ -27,6 +27,7 @@ like any other.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -95,8 +96,9 @@ class Quantized:
     """One moment tensor in 8 bits: `MAP[codes] * scale[block]` (see the module docstring).
 
     codes: uint8, the param's shape; each an index into the moment's 256-value map.
-    scale: fp32, param.shape[:-1] + (ceil(last / block),); each block's absmax.
-    block: elements per block along the last axis (static: part of the treedef, not a leaf).
+    scale: fp32, each block's absmax: with k = `block_axes(param.shape)` trailing axes merged
+      into one of n elements, param.shape[:-k] + (ceil(n / block),) (k = 1: the last axis).
+    block: elements per block (static: part of the treedef, not a leaf).
     """
 
     codes: jax.Array
@@ -116,6 +118,57 @@ def _blocks(x: jax.Array, block: int) -> tuple[jax.Array, int]:
 
 def _block_size(shape, block: int) -> int:
     return min(block, shape[-1]) if shape else 1
+
+
+def block_axes(shape, block: int = BLOCK, lead: int = 0) -> int:
+    """How many trailing axes of a leaf of `shape` its blocks run over (the layout rule):
+
+    * 1 where the last axis is a multiple of `block` or divides it: blocks along the last axis.
+      For a multiple these are bitsandbytes' flat blocks exactly; for a divisor (a 64- or
+      128-wide head) each of bitsandbytes' blocks is cut into whole rows, each with its own
+      absmax, and no block straddles a row (so none straddles a shard of a leading axis);
+    * otherwise bitsandbytes' flat blocks: the fewest trailing axes whose product is a multiple
+      of `block`, else all of them but the first `lead` (e.g. [96, 200]: both, 75 blocks of 256
+      consecutive elements; rows of 200 would not be a refinement of them, and ended training
+      further from fp32 AdamW: experiments/adamw8bit_vs_bnb.py).
+
+    `lead` leading axes index separate tensors (a scanned stack of layers): blocks never span them.
+
+    Example:
+      >>> block_axes((4096, 14336)), block_axes((32, 4096, 8, 128)), block_axes((96, 200))
+      (1, 1, 2)
+      >>> block_axes((16, 96, 200), lead=1), block_axes((16, 3, 100), lead=1)
+      (2, 2)
+    """
+    n = len(shape)
+    if n <= lead + 1 or shape[-1] % block == 0 or block % shape[-1] == 0:
+        return 1 if n else 0
+    size = 1
+    for k in range(1, n - lead + 1):
+        size *= shape[-k]
+        if size % block == 0:
+            return k
+    return n - lead
+
+
+def block_view(shape, axes: int) -> tuple:
+    """`shape` with its last `axes` axes merged into one: the array blocks run along the last
+    axis of."""
+    if axes <= 1:
+        return tuple(shape)
+    return tuple(shape[:-axes]) + (int(np.prod(shape[-axes:])),)
+
+
+def _axes(q: "Quantized") -> int:
+    """`block_axes` of a quantized moment, read from its shapes (scale has one axis for the
+    merged ones)."""
+    return q.codes.ndim - q.scale.ndim + 1
+
+
+def moment_view(shape, m) -> tuple:
+    """The shape a leaf of `shape` is cut into rows by, for moments `m` (its `Quantized` or an
+    fp32 array): `block_view` of the moment's axes, so that a row piece holds whole blocks."""
+    return block_view(shape, _axes(m)) if isinstance(m, Quantized) else tuple(shape)
 
 
 def _boundaries(qmap: np.ndarray) -> np.ndarray:
@@ -146,47 +199,55 @@ def _nearest_code(normed: jax.Array, qmap: np.ndarray) -> jax.Array:
     return idx
 
 
-def quantize(x: jax.Array, qmap: np.ndarray, block: int = BLOCK) -> Quantized:
+def quantize(x: jax.Array, qmap: np.ndarray, block: int = BLOCK,
+             axes: int | None = None) -> Quantized:
     """Block-wise absmax + nearest value of `qmap` (sorted, 256 values; with UNSIGNED_MAP a
     positive value rounds to at least the least positive map value, never to 0: `_boundaries`).
 
     Args:
-      x: any float dtype, ndim >= 1; blocks run along the last axis.
+      x: any float dtype, ndim >= 1.
       qmap: SIGNED_MAP for signed values, UNSIGNED_MAP for values >= 0.
-      block: elements per block (the last may be shorter).
+      block: elements per block (the last of a row may be shorter).
+      axes: how many trailing axes the blocks run over (merged, row-major); None:
+        `block_axes(x.shape, block)`.
 
     Returns:
-      Quantized(codes uint8 x.shape, scale fp32 x.shape[:-1] + (nblocks,), block).
+      Quantized(codes uint8 x.shape, scale fp32 x.shape[:-axes] + (nblocks,), block).
     """
-    b = _block_size(x.shape, block)
-    xb, pad = _blocks(x.astype(jnp.float32), b)                     # [..., nb, b]
+    axes = block_axes(x.shape, block) if axes is None else axes
+    view = block_view(x.shape, axes)
+    b = _block_size(view, block)
+    xb, pad = _blocks(x.astype(jnp.float32).reshape(view), b)       # [..., nb, b]
     scale = jnp.max(jnp.abs(xb), axis=-1)                            # [..., nb]
     normed = xb / jnp.where(scale == 0, 1.0, scale)[..., None]       # in [-1, 1]
     idx = _nearest_code(normed, qmap).astype(jnp.uint8)
     codes = idx.reshape(idx.shape[:-2] + (-1,))
     if pad:
-        codes = codes[..., : x.shape[-1]]
-    return Quantized(codes=codes, scale=scale, block=block)
+        codes = codes[..., : view[-1]]
+    return Quantized(codes=codes.reshape(x.shape), scale=scale, block=block)
 
 
-def quantized_zeros(shape, qmap: np.ndarray, block: int = BLOCK) -> Quantized:
-    """`quantize(zeros(shape), qmap, block)` from the shape alone: every code the one of 0.0,
-    every scale 0. Quantizing real zeros would keep fp32 temporaries of the leaf's size at init
-    (llama-3-8b state creation compiled to 40.5 GiB of temporaries on CPU; with this, 0.58)."""
+def quantized_zeros(shape, qmap: np.ndarray, block: int = BLOCK,
+                    axes: int | None = None) -> Quantized:
+    """`quantize(zeros(shape), qmap, block, axes)` from the shape alone: every code the one of
+    0.0, every scale 0. Quantizing real zeros would keep fp32 temporaries of the leaf's size at
+    init (llama-3-8b state creation compiled to 40.5 GiB of temporaries on CPU; with this, 0.58)."""
     code = int(np.sum(_boundaries(qmap) < np.float32(0.0)))  # what _nearest_code gives for 0.0
-    nb = -(-shape[-1] // _block_size(shape, block))
+    view = block_view(shape, block_axes(shape, block) if axes is None else axes)
+    nb = -(-view[-1] // _block_size(view, block))
     return Quantized(codes=jnp.full(shape, code, jnp.uint8),
-                     scale=jnp.zeros(tuple(shape[:-1]) + (nb,), jnp.float32), block=block)
+                     scale=jnp.zeros(view[:-1] + (nb,), jnp.float32), block=block)
 
 
 def dequantize(q: Quantized, qmap: np.ndarray) -> jax.Array:
     """fp32 values of `q`, shape q.codes.shape (the inverse of `quantize` up to the map's
     resolution: within half a map gap times the block's absmax)."""
-    b = _block_size(q.codes.shape, q.block)
-    values = jnp.asarray(qmap, jnp.float32)[q.codes.astype(jnp.int32)]
+    view = block_view(q.codes.shape, _axes(q))
+    b = _block_size(view, q.block)
+    values = jnp.asarray(qmap, jnp.float32)[q.codes.astype(jnp.int32)].reshape(view)
     vb, pad = _blocks(values, b)                                     # [..., nb, b]
     out = (vb * q.scale[..., None]).reshape(vb.shape[:-2] + (-1,))
-    return out[..., : q.codes.shape[-1]] if pad else out
+    return (out[..., : view[-1]] if pad else out).reshape(q.codes.shape)
 
 
 def keep_small_fp32(path, leaf) -> bool:
@@ -199,14 +260,44 @@ def keep_small_fp32(path, leaf) -> bool:
 CHUNK = 2**24  # elements per piece of a large leaf's update (a few hundred MB of temporaries)
 
 
-def _num_chunks(shape) -> int:
-    """Pieces of a leaf's rows for its update (`row_chunks`).
+def moment_pieces(shape, m, chunk: int | None = None) -> tuple[tuple, int, bool]:
+    """(rows, n, same): a leaf of `shape` with moments `m` is updated as n equal row pieces of
+    the shape `rows` (its `moment_view`, the last axis possibly cut into rows of c elements),
+    each <= `chunk` elements (None: row_chunks' default) and holding whole blocks.
 
-    Dequantize, Adam and quantize again cannot all fuse into one loop (the new absmax is a
-    reduction over what the loop computes), so XLA keeps fp32 temporaries of the size of the
-    leaf: 16 B/element measured on CPU for a [2, 4096, 14336] leaf, 8 when mapped over pieces
-    of <= CHUNK elements (blocks run along the last axis, so a piece holds whole blocks)."""
-    return row_chunks(shape, CHUNK)
+    `same`: the pieces are the elements of `row_chunks(shape)`'s row pieces, so stochastic
+    rounding per piece draws `apply_updates_sr`'s bits (jax.random.bits does not depend on the
+    shape it fills). Always where blocks run along the last axis; for flat blocks where c can be
+    a multiple of the block that divides both a piece and the view's last axis. Else (a tensor
+    whose size is not a multiple of the block) n = row_chunks(view), same False."""
+    view = moment_view(shape, m)
+    n = row_chunks(shape, chunk)
+    if not isinstance(m, Quantized):
+        return tuple(shape), n, True
+    size, last = int(np.prod(shape, dtype=np.int64)), view[-1]
+    piece = size // n
+    if piece % last == 0:
+        return view, n, True
+    c = math.gcd(piece, last)
+    if last % m.block == 0 and c % m.block == 0:
+        return view[:-1] + (last // c, c), n, True
+    return view, row_chunks(view, chunk), n == 1
+
+
+def as_rows(tree, last: int, n: int | None = None):
+    """The arrays of `tree` (a leaf, its gradient, its `Quantized` or fp32 moments) as rows of
+    `last` elements (the last axis of `moment_pieces`' rows): [rows, last], or with `n`
+    [n, rows / n, last]; a `Quantized`'s scale as the rows of their blocks ([rows, nb] or
+    [n, rows / n, nb]), so that row i of the codes and row i of the scale belong together."""
+    lead = (-1,) if n is None else (n, -1)
+
+    def one(x):
+        if isinstance(x, Quantized):
+            nb = -(-last // min(x.block, last))
+            return Quantized(codes=x.codes.reshape(lead + (last,)),
+                             scale=x.scale.reshape(lead + (nb,)), block=x.block)
+        return x.reshape(lead + (last,))
+    return jax.tree_util.tree_map(one, tree, is_leaf=lambda x: isinstance(x, Quantized))
 
 
 class ScaleByAdam8bitState(NamedTuple):
@@ -243,24 +334,29 @@ def adam_piece(g, m, v, c1, c2, b1: float, b2: float, eps: float):
     m32 = b1 * m32 + (1 - b1) * g32
     v32 = b2 * v32 + (1 - b2) * g32 * g32
     u = (m32 / c1) / (jnp.sqrt(v32 / c2) + eps)
-    new_m = quantize(m32, SIGNED_MAP, m.block) if _is_q(m) else m32
-    new_v = quantize(v32, UNSIGNED_MAP, v.block) if _is_q(v) else v32
+    new_m = quantize(m32, SIGNED_MAP, m.block, _axes(m)) if _is_q(m) else m32
+    new_v = quantize(v32, UNSIGNED_MAP, v.block, _axes(v)) if _is_q(v) else v32
     return u.astype(jnp.promote_types(g.dtype, jnp.bfloat16)), new_m, new_v
 
 
 KeepFp32 = Callable[[Any, jax.Array], bool]
 
 
+LayerAxes = Callable[[Any, jax.Array], int]
+
+
 def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
-                       keep_fp32: KeepFp32 | None = None,
-                       block_size: int = BLOCK) -> optax.GradientTransformation:
+                       keep_fp32: KeepFp32 | None = None, block_size: int = BLOCK,
+                       layer_axes: LayerAxes | None = None) -> optax.GradientTransformation:
     """`optax.scale_by_adam` with both moments in 8 bits; bias-corrected, no `eps_root`.
 
     Args:
       b1, b2, eps: Adam's decay rates and denominator epsilon.
       keep_fp32: `(path, leaf) -> bool`, path as `jax.tree_util.tree_map_with_path` gives it:
         True keeps that leaf's moments in fp32. None: `keep_small_fp32`.
-      block_size: elements per absmax block along a leaf's last axis.
+      block_size: elements per absmax block (laid out by `block_axes`).
+      layer_axes: `(path, leaf) -> int`: how many leading axes of that leaf index separate
+        tensors (a scanned stack of layers), which no block spans. None: 0 for every leaf.
 
     Returns:
       A GradientTransformation whose state is `ScaleByAdam8bitState`; updates come out in
@@ -274,7 +370,9 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         def zeros(path, p, qmap):
             if not jnp.issubdtype(p.dtype, jnp.floating) or p.ndim == 0 or keep(path, p):
                 return jnp.zeros(p.shape, jnp.float32)
-            return quantized_zeros(p.shape, qmap, block_size)
+            lead = 0 if layer_axes is None else layer_axes(path, p)
+            return quantized_zeros(p.shape, qmap, block_size,
+                                   block_axes(p.shape, block_size, lead))
         mu = jax.tree_util.tree_map_with_path(lambda k, p: zeros(k, p, SIGNED_MAP), params)
         nu = jax.tree_util.tree_map_with_path(lambda k, p: zeros(k, p, UNSIGNED_MAP), params)
         return ScaleByAdam8bitState(count=jnp.zeros((), jnp.int32), mu=mu, nu=nu)
@@ -288,15 +386,17 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
             return adam_piece(g, m, v, c1, c2, b1, b2, eps)
 
         def one(g, m, v):
-            n = _num_chunks(g.shape) if _is_q(m) else 1
+            # Dequantize, Adam and quantize again cannot all fuse into one loop (the new absmax
+            # is a reduction over what the loop computes), so XLA keeps fp32 temporaries of the
+            # leaf's size: 16 B/element measured on CPU for a [2, 4096, 14336] leaf, 8 when
+            # mapped over pieces of <= CHUNK elements (`moment_pieces`)
+            rows, n, _ = moment_pieces(g.shape, m, CHUNK) if _is_q(m) else (g.shape, 1, True)
             if n == 1:
                 return chunk(g, m, v)
-            lead = g.shape[:-1]  # rows [..] -> [n, rows / n]; codes [.., last], scale [.., nb]
-            split = lambda x: x.reshape((n, -1, x.shape[-1]))  # noqa: E731
             # the gradient enters the loop as raw bits (jaxmem.bits says why)
             out = jax.lax.map(lambda a: chunk(from_bits(a[0], g.dtype), *a[1:]),
-                              jax.tree_util.tree_map(split, (to_bits(g), m, v)))
-            return jax.tree_util.tree_map(lambda x: x.reshape(lead + x.shape[-1:]), out)
+                              as_rows((to_bits(g), m, v), rows[-1], n))
+            return jax.tree_util.tree_map(lambda x, ref: x.reshape(ref.shape), out, (g, m, v))
 
         out = jax.tree_util.tree_map(one, updates, state.mu, state.nu)
         treedef = jax.tree_util.tree_structure(updates)
@@ -312,7 +412,8 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
 def adamw_8bit(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float = 0.999,
                eps: float = 1e-8, weight_decay: float = 1e-4,
                mask: Any | Callable[[Any], Any] | None = None, *, keep_fp32: KeepFp32 | None = None,
-               block_size: int = BLOCK) -> optax.GradientTransformation:
+               block_size: int = BLOCK,
+               layer_axes: LayerAxes | None = None) -> optax.GradientTransformation:
     r"""AdamW with both moments stored in 8 bits (block-wise dynamic quantization).
 
     `optax.adamw` with each moment dequantized to fp32 for the update and quantized again after it.
@@ -338,7 +439,11 @@ def adamw_8bit(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
         params -> such a pytree; True where weight decay applies. None: everywhere.
       keep_fp32: `(path, leaf) -> bool` (path as `jax.tree_util.tree_map_with_path` gives it);
         True keeps that leaf's moments in fp32. None: `keep_small_fp32`.
-      block_size: elements per absmax block along a leaf's last axis (bitsandbytes: 256).
+      block_size: elements per absmax block (bitsandbytes: 256), laid out by `block_axes`:
+        along the last axis where it is a multiple or a divisor of `block_size`, else
+        bitsandbytes' flat blocks of consecutive elements.
+      layer_axes: `(path, leaf) -> int`, leading axes no block spans (a stack of layers:
+        bitsandbytes sees each layer as its own tensor). None: 0.
 
     Returns:
       `optax.chain(scale_by_adam_8bit(...), add_decayed_weights(weight_decay, mask),
@@ -365,6 +470,7 @@ def adamw_8bit(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
       Loshchilov and Hutter, `Decoupled Weight Decay Regularization
       <https://arxiv.org/abs/1711.05101>`_, 2019.
     """
-    return optax.chain(scale_by_adam_8bit(b1, b2, eps, keep_fp32=keep_fp32, block_size=block_size),
+    return optax.chain(scale_by_adam_8bit(b1, b2, eps, keep_fp32=keep_fp32, block_size=block_size,
+                                          layer_axes=layer_axes),
                        optax.add_decayed_weights(weight_decay, mask),
                        optax.scale_by_learning_rate(learning_rate))

@@ -37,8 +37,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmem.bits import from_bits, to_bits, tree_norm
 import jaxmem.optim._stochastic as sr
-from jaxmem.optim._adamw8bit import (BLOCK, KeepFp32, Quantized, ScaleByAdam8bitState,
-                                     adam_piece, adamw_8bit, bias_corrections)
+from jaxmem.optim._adamw8bit import (BLOCK, KeepFp32, LayerAxes, Quantized, ScaleByAdam8bitState,
+                                     adam_piece, adamw_8bit, as_rows, bias_corrections,
+                                     moment_pieces)
 
 # (path, leaf shape) -> the leaf's NamedSharding on a mesh, or None where it is not split
 Placement = Callable[[Any, tuple], Any]
@@ -64,7 +65,8 @@ class AdamW8bitInPlace:
     `stochastic_rounding`; :math:`\lambda` only where `mask` is True).
 
     Fields:
-      learning_rate, b1, b2, eps, weight_decay, mask, keep_fp32, block_size: `adamw_8bit`'s.
+      learning_rate, b1, b2, eps, weight_decay, mask, keep_fp32, block_size, layer_axes:
+        `adamw_8bit`'s.
       clip_norm: > 0: clip the gradients by this global norm first; 0: no clipping.
       stochastic_rounding: bf16 leaves get p + u in fp32 rounded stochastically (the keys of
         `apply_updates_sr`); `update_and_apply` then needs a `key` on every call.
@@ -103,6 +105,7 @@ class AdamW8bitInPlace:
     clip_norm: float = 0.0
     keep_fp32: KeepFp32 | None = None
     block_size: int = BLOCK
+    layer_axes: LayerAxes | None = None
     stochastic_rounding: bool = False
     placement: Placement | None = None
 
@@ -110,7 +113,8 @@ class AdamW8bitInPlace:
     def tx(self) -> optax.GradientTransformation:
         """The optax transformation this equals; its state is this optimizer's."""
         adamw = adamw_8bit(self.learning_rate, self.b1, self.b2, self.eps, self.weight_decay,
-                           self.mask, keep_fp32=self.keep_fp32, block_size=self.block_size)
+                           self.mask, keep_fp32=self.keep_fp32, block_size=self.block_size,
+                           layer_axes=self.layer_axes)
         if self.clip_norm > 0:
             return optax.chain(optax.clip_by_global_norm(self.clip_norm), adamw)
         return adamw
@@ -217,8 +221,9 @@ class AdamW8bitInPlace:
         """`apply_leaf_in_place` where the leaf lives: with `placement` giving it a sharding,
         each device updates its own shard inside a `shard_map`, in row pieces of its shard, so
         the update never gathers the leaf (a row piece of the whole leaf would cross the shards
-        of an inner axis). Blocks run along the last axis: when it is split, each shard must
-        hold whole blocks, else the leaf is updated whole. bf16 rounding on a shard draws from
+        of an inner axis). Blocks run along the last axis of the leaf's `moment_view` (its last
+        k axes merged): a split there must be on the first of the k axes only, with each shard
+        holding whole blocks, else the leaf is updated whole. bf16 rounding on a shard draws from
         fold_in(leaf_key, the shard's index): other bits than one device's, as unbiased."""
         sharding = None if self.placement is None else self.placement(path, p.shape)
         if sharding is None or not isinstance(m, Quantized):
@@ -227,12 +232,15 @@ class AdamW8bitInPlace:
         sizes = dict(mesh.shape)
         axes_of = lambda e: () if e is None else (e if isinstance(e, tuple) else (e,))  # noqa: E731
         split = tuple(a for e in spec for a in axes_of(e))
-        last = int(np.prod([sizes[a] for a in axes_of(spec[-1])]))
-        if last > 1 and (p.shape[-1] // last) % m.block:
+        k = p.ndim - m.scale.ndim + 1  # the axes the blocks run over (`block_axes`)
+        cut = int(np.prod([sizes[a] for a in axes_of(spec[-k])]))
+        merged = int(np.prod(p.shape[-k:]))
+        if any(e is not None for e in spec[p.ndim - k + 1:]) or \
+                (cut > 1 and (merged // cut) % m.block):
             return apply_leaf_in_place(piece, g, m, v, p, decays, leaf_key, finite)
         # each block's scale with its codes (the state may keep small scales whole: then each
         # device takes its slice, and the jit's out_shardings put it back)
-        moment = Quantized(codes=spec, scale=P(*spec[:-1], spec[-1] if last > 1 else None),
+        moment = Quantized(codes=spec, scale=P(*spec[:p.ndim - k], spec[-k] if cut > 1 else None),
                            block=m.block)
 
         def body(g, m, v, p, finite, *key):
@@ -249,17 +257,28 @@ class AdamW8bitInPlace:
 def apply_leaf_in_place(piece, g, m, v, p, decays, leaf_key, finite):
     """One whole leaf through `piece` (from `AdamW8bitInPlace.pieces`) -> (new p, new m, new v).
 
-    A leaf of more than CHUNK elements goes in `row_chunks(p.shape)` row pieces, piece j with
+    A leaf of more than CHUNK elements goes in row pieces (`moment_pieces`: each holds whole
+    blocks, and they are `row_chunks(p.shape)`'s but for a tensor whose size is not a multiple
+    of the block: then other pieces, and bf16 rounding draws other, equally unbiased, bits than
+    `apply_updates_sr`, except when it is updated whole: then it draws that function's), piece
+    j with
     key fold_in(leaf_key, j), inside a fori_loop whose carry (p, m, v) is updated slice by
     slice and that runs no piece where `finite` is False; a smaller one at once (key leaf_key),
     selected with jnp.where. `g` may be a function (n, j) -> piece j of n of the gradient's rows
     (rows [j * rows / n, (j + 1) * rows / n)), so a caller can make each piece where it is used,
     never the whole gradient."""
-    n = sr.row_chunks(p.shape)
+    rows, n, same = moment_pieces(p.shape, m)
     if n == 1:
-        out = piece(g(1, 0).reshape(p.shape) if callable(g) else g, m, v, p, decays, leaf_key)
+        bits = None
+        if not same and leaf_key is not None:  # apply_updates_sr's pieces' bits, all at once
+            k = sr.row_chunks(p.shape)
+            bits = jax.vmap(lambda j: jax.random.bits(jax.random.fold_in(leaf_key, j),
+                                                      (p.size // k,), jnp.uint32))(
+                jnp.arange(k)).reshape(p.shape)
+        out = piece(g(1, 0).reshape(p.shape) if callable(g) else g, m, v, p, decays,
+                    None if bits is not None else leaf_key, bits)
         return jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), out, (p, m, v))
-    split = lambda x: x.reshape((n, -1, x.shape[-1]))  # noqa: E731  rows -> [n, rows / n, last]
+    split = lambda x: as_rows(x, rows[-1], n)  # noqa: E731  rows -> [n, rows / n, last]
     # the gradient enters as raw bits, so XLA cannot hoist a whole-leaf fp32 convert out of the loop
     gs = None if callable(g) else split(to_bits(g))
 
@@ -267,11 +286,11 @@ def apply_leaf_in_place(piece, g, m, v, p, decays, leaf_key, finite):
         take = lambda x: jax.lax.dynamic_index_in_dim(x, j, 0, keepdims=False)  # noqa: E731
         put = lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, j, 0)  # noqa: E731
         pkey = None if leaf_key is None else jax.random.fold_in(leaf_key, j)
-        gj = g(n, j) if gs is None else from_bits(take(gs), g.dtype)
+        gj = g(n, j).reshape((-1, view[-1])) if gs is None else from_bits(take(gs), g.dtype)
         out = piece(gj, *jax.tree_util.tree_map(take, carry[1:]), take(carry[0]), decays, pkey)
         return jax.tree_util.tree_map(put, carry, out)
 
-    carry = jax.tree_util.tree_map(split, (p, m, v))
+    carry = split((p, m, v))
     trips = jnp.where(finite, n, 0)  # a skipped step runs no piece: the carry stays bitwise
     out = jax.lax.fori_loop(0, trips, body, carry)
     return jax.tree_util.tree_map(lambda x, ref: x.reshape(ref.shape), out, (p, m, v))

@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxmem.optim import (apply_leaf_in_place, apply_leaf_sr, round_bf16, round_bf16_bits,
-                          row_chunks)
+from jaxmem.optim import (apply_leaf_in_place, apply_leaf_sr, as_rows, moment_pieces,
+                          round_bf16, round_bf16_bits, row_chunks)
 from jaxmem.train.optim import OptimConfig, RunOptimizer, decay_mask
 
 
@@ -186,8 +186,9 @@ class LayerwiseUpdate:
                     (g,), (p, m, v) = ins, st
                     return self.piece(g, m, v, p, self.decays[i], pkey, bits)
 
-                out_p[i], m, v = _layer_rows(fn, (grads[i],), (params[i], m, v), l,
-                                             self.shapes[i], self._leaf_key(i), finite)
+                rows, n, _ = moment_pieces(self.shapes[i], m)
+                out_p[i], m, v = _layer_rows(fn, (grads[i],), (params[i], m, v), l, rows,
+                                             self._leaf_key(i), finite, n)
                 out_s[i] = (m, v)
             return out_p, out_s
         take = lambda x: jax.lax.dynamic_index_in_dim(x, l, 0, keepdims=False)  # noqa: E731
@@ -237,10 +238,11 @@ def _flatten_sub(paths, idx, tree):
     return out
 
 
-def _layer_rows(fn, ins, stacked, l, shape, leaf_key, finite):
-    """Layer `l` of the stacked arrays `stacked` (each [L, ..., last_k], rows = every axis but
-    the last) through fn(ins rows, stacked rows, piece key, bits) -> new stacked rows, written
-    back in place; `ins` are layer-l arrays ([..., last_k]).
+def _layer_rows(fn, ins, stacked, l, shape, leaf_key, finite, n=None):
+    """Layer `l` of the stacked arrays `stacked` (of `shape` [L, ..., last_k], seen as rows of
+    last_k: an 8-bit leaf's `shape` and `n` are its jaxmem.optim.moment_pieces' rows and count,
+    its moments' codes and scales cut by as_rows; n None: row_chunks(shape)) through fn(ins rows, stacked rows, piece key, bits) -> new stacked
+    rows, written back in place; `ins` are layer-l arrays (size a x last_k).
 
     The whole-tree update cuts a leaf's L * a rows (a per layer) into pieces of P rows, piece j
     rounded with key(j). Here the layer goes through in sub-pieces of g = gcd(a, P) rows, each
@@ -248,13 +250,13 @@ def _layer_rows(fn, ins, stacked, l, shape, leaf_key, finite):
     and the sub-piece's rows cut out of them (a piece's bits drawn P / g times)."""
     L = shape[0]
     a = math.prod(shape[1:-1])  # rows per layer
-    n = row_chunks(shape)
+    n = row_chunks(shape) if n is None else n
     P = L * a // n  # rows per piece of the whole-tree update
     g = math.gcd(a, P)
-    rows = lambda x: x.reshape((-1, x.shape[-1]))  # noqa: E731
+    rows = lambda x: as_rows(x, shape[-1])  # noqa: E731
     take = lambda x, r0, k: jax.lax.dynamic_slice_in_dim(x, r0, k, 0)  # noqa: E731
     put = lambda x, y, r0: jax.lax.dynamic_update_slice_in_dim(x, y, r0, 0)  # noqa: E731
-    i2 = jax.tree_util.tree_map(rows, ins)
+    i2 = rows(ins)
 
     def body(k, carry):
         r0 = l * a + k * g  # first row of the sub-piece in the stacked leaf
@@ -270,5 +272,5 @@ def _layer_rows(fn, ins, stacked, l, shape, leaf_key, finite):
 
     # a part with non-finite gradients runs no sub-piece: its rows stay bitwise
     out = jax.lax.fori_loop(0, jnp.where(finite, a // g, 0), body,
-                            jax.tree_util.tree_map(rows, stacked))
+                            rows(stacked))
     return jax.tree_util.tree_map(lambda x, ref: x.reshape(ref.shape), out, stacked)

@@ -33,7 +33,7 @@ from jaxmem.optim import (AdamW8bitInPlace, DynamicLossScale, LossScale, NoOpLos
                           Optimizer, StaticLossScale, as_optimizer, keep_small_fp32)
 
 __all__ = ["LossScaleKind", "OptimConfig", "OptimizerName", "adamw8bit_in_place", "decay_mask",
-           "keeps_fp32", "make_optimizer", "parse_loss_scale", "schedule", "RunOptimizer",
+           "keeps_fp32", "layer_axes", "make_optimizer", "parse_loss_scale", "schedule", "RunOptimizer",
            "build_optimizer"]
 
 
@@ -72,6 +72,13 @@ def keeps_fp32(path, leaf) -> bool:
     return keep_small_fp32(path, leaf) or param_role(path) == "embedding"
 
 
+def layer_axes(path, leaf) -> int:
+    """The trainer's `layer_axes` rule for adamw_8bit: a scanned block param ([L, ...] under
+    "layers") is L tensors, and no 8-bit block spans two of them (as bitsandbytes sees each
+    layer's tensor on its own)."""
+    return 1 if leaf.ndim > 1 and "layers" in path_text(path).split("/") else 0
+
+
 def _placement(path, shape):
     """Where a param leaf lives on the mesh (jaxmem.sharding's installed weight rule)."""
     return weight_placement(path_text(path), shape)
@@ -83,7 +90,7 @@ def adamw8bit_in_place(cfg: OptimConfig, stochastic_rounding: bool = False) -> A
     return AdamW8bitInPlace(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                             weight_decay=cfg.weight_decay,
                             mask=lambda p: decay_mask(p, cfg.decay_embeddings),
-                            clip_norm=cfg.clip, keep_fp32=keeps_fp32,
+                            clip_norm=cfg.clip, keep_fp32=keeps_fp32, layer_axes=layer_axes,
                             stochastic_rounding=stochastic_rounding, placement=_placement)
 
 
