@@ -127,6 +127,7 @@ class OptimConfig:
     decay_embeddings: also apply weight decay to the embedding (norms never decay).
     mu_dtype: dtype of Adam's first moment (None: the params' dtype).
     clip: max global gradient norm (0 disables clipping).
+    moment_rounding: adamw8bit's rounding of its moments ("stochastic" or "nearest").
     """
 
     lr: float = option(3e-3, "peak learning rate", type="nonneg_float")
@@ -146,6 +147,12 @@ class OptimConfig:
                                   choices=["fp32", "bf16"])
     optimizer: str = option("adamw", "adamw, adamw8bit (8-bit block-wise moments), adafactor, "
                             "lion (docs/optimizers.md)", choices=list(OPTIMIZERS))
+    # Changes no state's layout, only how adamw8bit rounds its moments: a run may resume with
+    # the other one.
+    moment_rounding: str = option(
+        "stochastic", "adamw8bit: how its 8-bit moments are rounded each step: stochastic "
+        "(unbiased, ends closer to fp32 AdamW) or nearest (bitsandbytes' rule; "
+        "docs/optimizers.md)", choices=["stochastic", "nearest"], mutable=True)
     # Changes no state, only where the update happens: a run may resume with it (or without).
     in_backward: bool = option(False, "apply each layer's optimizer update inside the backward "
                                "pass, as soon as its gradients exist, so the gradient tree never "
@@ -164,6 +171,9 @@ class OptimConfig:
                 raise ConfigError(f"optimizer {name}={value!r} is invalid")
         if self.mu_dtype not in (None, "fp32", "bf16", "float32", "bfloat16"):
             raise ConfigError(f"--mu-dtype {self.mu_dtype!r} is invalid; choose fp32 or bf16")
+        if self.moment_rounding not in ("stochastic", "nearest"):
+            raise ConfigError(f"--moment-rounding {self.moment_rounding!r} is invalid; choose "
+                              "stochastic or nearest")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer {self.optimizer!r} is invalid; choose one of: "
                               f"{', '.join(OPTIMIZERS)}")

@@ -31,6 +31,7 @@ from jaxmem.optim._adamw8bit import (
     moment_view,
     quantize,
     scale_by_adam_8bit,
+    step_salt,
 )
 
 # bf16 stochastic rounding
@@ -64,7 +65,8 @@ __all__ = [
     # 8-bit AdamW
     "BLOCK", "MIN_8BIT_SIZE", "SIGNED_MAP", "UNSIGNED_MAP", "Quantized", "ScaleByAdam8bitState",
     "adamw_8bit", "as_rows", "block_axes", "block_view", "create_dynamic_map", "dequantize",
-    "keep_small_fp32", "moment_pieces", "moment_view", "quantize", "scale_by_adam_8bit", "AdamW8bitInPlace", "apply_leaf_in_place",
+    "keep_small_fp32", "moment_pieces", "moment_view", "quantize", "scale_by_adam_8bit",
+    "step_salt", "AdamW8bitInPlace", "apply_leaf_in_place",
     # stochastic rounding
     "apply_leaf_sr", "apply_updates_sr", "round_bf16", "round_bf16_bits", "row_chunks",
     # loss scaling

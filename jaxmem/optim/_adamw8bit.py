@@ -4,7 +4,10 @@ Dettmers et al., "8-bit Optimizers via Block-wise Quantization" (arXiv 2110.0286
 
     state leaf  -> Quantized(codes uint8 [same shape as the param], scale fp32 [..., nblocks])
     value       =  MAP[codes] * scale[block]        block = `block_size` consecutive elements of
-                                                    the param's last axis (the last may be short)
+                                                    the param's last k axes, merged (`block_axes`:
+                                                    k = 1 where the last axis is a multiple or a
+                                                    divisor of the block; else bitsandbytes' flat
+                                                    blocks; the last may be short)
     m (signed)  uses SIGNED_MAP   = create_dynamic_map(signed=True)   (bitsandbytes' "dynamic")
     v (>= 0)    uses UNSIGNED_MAP = create_dynamic_map(signed=False)  (bitsandbytes' "udynamic")
 
@@ -19,8 +22,8 @@ scales, biases and other small vectors, where the block scales would cost more t
 The paper also keeps embeddings in 32 bits; jaxmem's trainer adds that through its own rule.
 
 Layout for sharding: `codes` has exactly the param's shape and `scale` the param's shape with the
-last axis replaced by its number of blocks, so a sharding rule written for a param applies to its
-codes as is, and to its scale on every axis but the last. All leaves are ordinary arrays in a
+k blocked axes replaced by their number of blocks, so a sharding rule written for a param applies
+to its codes as is, and to its scale on every axis before them. All leaves are ordinary arrays in a
 `Quantized` pytree node (a flax struct), so jit, tree maps (`select_tree`) and Orbax treat them
 like any other.
 """
@@ -199,10 +202,51 @@ def _nearest_code(normed: jax.Array, qmap: np.ndarray) -> jax.Array:
     return idx
 
 
+def _fmix32(x: jax.Array) -> jax.Array:
+    """murmur3's 32-bit finalizer: a bijection of uint32 in which every input bit flips every
+    output bit with probability ~1/2."""
+    x = x ^ (x >> 16)
+    x = x * np.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * np.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def step_salt(count: jax.Array) -> jax.Array:
+    """The uint32 salt of step `count` for `quantize(..., salt=)` (a function of the count only,
+    so a resumed run draws the same)."""
+    return _fmix32(jnp.asarray(count).astype(jnp.uint32) * np.uint32(0x9E3779B9)
+                   + np.uint32(0x7F4A7C15))
+
+
+def _stochastic_code(normed: jax.Array, qmap: np.ndarray, salt: jax.Array) -> jax.Array:
+    """Index of one of the two values of the sorted `qmap` around each value, the upper one with
+    probability (value - lower) / (upper - lower), so that E[qmap[code]] = value (clamped to the
+    map's range). The uniform number is a hash of the value's fp32 bits and `salt`: a function
+    of what is rounded, not of where it lies, so an update in row pieces, on shards or layer by
+    layer rounds every element as the whole-leaf update does. The lower value is found by a
+    binary search unrolled into 8 elementwise steps, as in `_nearest_code`."""
+    vals = jnp.asarray(qmap, jnp.float32)
+    lo = jnp.where(vals[128] <= normed, 128, 0)
+    for step in (64, 32, 16, 8, 4, 2, 1):
+        lo = jnp.where(vals[lo + step] <= normed, lo + step, lo)
+    hi = jnp.minimum(lo + 1, 255)
+    gap = vals[hi] - vals[lo]
+    frac = jnp.where(gap > 0, (normed - vals[lo]) / jnp.where(gap > 0, gap, 1.0), 0.0)
+    bits = _fmix32(jax.lax.bitcast_convert_type(normed, jnp.uint32) ^ salt)
+    uniform = (bits >> 8).astype(jnp.float32) * np.float32(2.0**-24)  # [0, 1)
+    idx = jnp.where(uniform < frac, hi, lo)
+    if qmap[0] == 0.0:  # as `_boundaries`: a positive second moment never rounds to 0
+        idx = jnp.where((normed > 0) & (idx == 0), 1, idx)
+    return idx
+
+
 def quantize(x: jax.Array, qmap: np.ndarray, block: int = BLOCK,
-             axes: int | None = None) -> Quantized:
+             axes: int | None = None, salt: jax.Array | None = None) -> Quantized:
     """Block-wise absmax + nearest value of `qmap` (sorted, 256 values; with UNSIGNED_MAP a
-    positive value rounds to at least the least positive map value, never to 0: `_boundaries`).
+    positive value rounds to at least the least positive map value, never to 0: `_boundaries`),
+    or with `salt` one of the two neighbouring map values, drawn so that the rounding is
+    unbiased (`_stochastic_code`).
 
     Args:
       x: any float dtype, ndim >= 1.
@@ -210,6 +254,8 @@ def quantize(x: jax.Array, qmap: np.ndarray, block: int = BLOCK,
       block: elements per block (the last of a row may be shorter).
       axes: how many trailing axes the blocks run over (merged, row-major); None:
         `block_axes(x.shape, block)`.
+      salt: None: round to the nearest map value (bitsandbytes' rule). A uint32 scalar
+        (`step_salt`): stochastic rounding, its random numbers hashed from the values and salt.
 
     Returns:
       Quantized(codes uint8 x.shape, scale fp32 x.shape[:-axes] + (nblocks,), block).
@@ -220,7 +266,8 @@ def quantize(x: jax.Array, qmap: np.ndarray, block: int = BLOCK,
     xb, pad = _blocks(x.astype(jnp.float32).reshape(view), b)       # [..., nb, b]
     scale = jnp.max(jnp.abs(xb), axis=-1)                            # [..., nb]
     normed = xb / jnp.where(scale == 0, 1.0, scale)[..., None]       # in [-1, 1]
-    idx = _nearest_code(normed, qmap).astype(jnp.uint8)
+    idx = (_nearest_code(normed, qmap) if salt is None
+           else _stochastic_code(normed, qmap, salt)).astype(jnp.uint8)
     codes = idx.reshape(idx.shape[:-2] + (-1,))
     if pad:
         codes = codes[..., : view[-1]]
@@ -323,9 +370,10 @@ def bias_corrections(count: jax.Array, b1: float, b2: float) -> tuple[jax.Array,
     return 1 - jnp.asarray(b1, jnp.float32) ** count, 1 - jnp.asarray(b2, jnp.float32) ** count
 
 
-def adam_piece(g, m, v, c1, c2, b1: float, b2: float, eps: float):
+def adam_piece(g, m, v, c1, c2, b1: float, b2: float, eps: float, salt=None):
     """One Adam step on (a piece of) a leaf: g any float dtype; m, v Quantized or fp32 arrays of
-    g's shape. Returns (update in promote(g.dtype, bf16), new m, new v); fp32 math throughout.
+    g's shape; `salt` (`step_salt`) rounds the new 8-bit moments stochastically, None to the
+    nearest. Returns (update in promote(g.dtype, bf16), new m, new v); fp32 math throughout.
     Shared by `scale_by_adam_8bit` and in-place updates built on it (jaxmem's trainer), so the
     two give bitwise the same moments and updates."""
     g32 = g.astype(jnp.float32)
@@ -334,8 +382,9 @@ def adam_piece(g, m, v, c1, c2, b1: float, b2: float, eps: float):
     m32 = b1 * m32 + (1 - b1) * g32
     v32 = b2 * v32 + (1 - b2) * g32 * g32
     u = (m32 / c1) / (jnp.sqrt(v32 / c2) + eps)
-    new_m = quantize(m32, SIGNED_MAP, m.block, _axes(m)) if _is_q(m) else m32
-    new_v = quantize(v32, UNSIGNED_MAP, v.block, _axes(v)) if _is_q(v) else v32
+    salt_v = None if salt is None else _fmix32(salt + np.uint32(1))
+    new_m = quantize(m32, SIGNED_MAP, m.block, _axes(m), salt) if _is_q(m) else m32
+    new_v = quantize(v32, UNSIGNED_MAP, v.block, _axes(v), salt_v) if _is_q(v) else v32
     return u.astype(jnp.promote_types(g.dtype, jnp.bfloat16)), new_m, new_v
 
 
@@ -347,7 +396,8 @@ LayerAxes = Callable[[Any, jax.Array], int]
 
 def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
                        keep_fp32: KeepFp32 | None = None, block_size: int = BLOCK,
-                       layer_axes: LayerAxes | None = None) -> optax.GradientTransformation:
+                       layer_axes: LayerAxes | None = None,
+                       stochastic_moments: bool = True) -> optax.GradientTransformation:
     """`optax.scale_by_adam` with both moments in 8 bits; bias-corrected, no `eps_root`.
 
     Args:
@@ -357,6 +407,8 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
       block_size: elements per absmax block (laid out by `block_axes`).
       layer_axes: `(path, leaf) -> int`: how many leading axes of that leaf index separate
         tensors (a scanned stack of layers), which no block spans. None: 0 for every leaf.
+      stochastic_moments: round the requantized moments stochastically (unbiased; the default),
+        or to the nearest map value (False: bitsandbytes' rule). See `adamw_8bit`.
 
     Returns:
       A GradientTransformation whose state is `ScaleByAdam8bitState`; updates come out in
@@ -381,9 +433,10 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         del params
         count = optax.safe_int32_increment(state.count)
         c1, c2 = bias_corrections(count, b1, b2)
+        salt = step_salt(count) if stochastic_moments else None
 
         def chunk(g, m, v):
-            return adam_piece(g, m, v, c1, c2, b1, b2, eps)
+            return adam_piece(g, m, v, c1, c2, b1, b2, eps, salt)
 
         def one(g, m, v):
             # Dequantize, Adam and quantize again cannot all fuse into one loop (the new absmax
@@ -412,8 +465,8 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
 def adamw_8bit(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float = 0.999,
                eps: float = 1e-8, weight_decay: float = 1e-4,
                mask: Any | Callable[[Any], Any] | None = None, *, keep_fp32: KeepFp32 | None = None,
-               block_size: int = BLOCK,
-               layer_axes: LayerAxes | None = None) -> optax.GradientTransformation:
+               block_size: int = BLOCK, layer_axes: LayerAxes | None = None,
+               stochastic_moments: bool = True) -> optax.GradientTransformation:
     r"""AdamW with both moments stored in 8 bits (block-wise dynamic quantization).
 
     `optax.adamw` with each moment dequantized to fp32 for the update and quantized again after it.
@@ -471,6 +524,7 @@ def adamw_8bit(learning_rate: float | optax.Schedule, b1: float = 0.9, b2: float
       <https://arxiv.org/abs/1711.05101>`_, 2019.
     """
     return optax.chain(scale_by_adam_8bit(b1, b2, eps, keep_fp32=keep_fp32, block_size=block_size,
-                                          layer_axes=layer_axes),
+                                          layer_axes=layer_axes,
+                                          stochastic_moments=stochastic_moments),
                        optax.add_decayed_weights(weight_decay, mask),
                        optax.scale_by_learning_rate(learning_rate))

@@ -39,7 +39,7 @@ from jaxmem.bits import from_bits, to_bits, tree_norm
 import jaxmem.optim._stochastic as sr
 from jaxmem.optim._adamw8bit import (BLOCK, KeepFp32, LayerAxes, Quantized, ScaleByAdam8bitState,
                                      adam_piece, adamw_8bit, as_rows, bias_corrections,
-                                     moment_pieces)
+                                     moment_pieces, step_salt)
 
 # (path, leaf shape) -> the leaf's NamedSharding on a mesh, or None where it is not split
 Placement = Callable[[Any, tuple], Any]
@@ -65,8 +65,8 @@ class AdamW8bitInPlace:
     `stochastic_rounding`; :math:`\lambda` only where `mask` is True).
 
     Fields:
-      learning_rate, b1, b2, eps, weight_decay, mask, keep_fp32, block_size, layer_axes:
-        `adamw_8bit`'s.
+      learning_rate, b1, b2, eps, weight_decay, mask, keep_fp32, block_size, layer_axes,
+        stochastic_moments: `adamw_8bit`'s.
       clip_norm: > 0: clip the gradients by this global norm first; 0: no clipping.
       stochastic_rounding: bf16 leaves get p + u in fp32 rounded stochastically (the keys of
         `apply_updates_sr`); `update_and_apply` then needs a `key` on every call.
@@ -106,6 +106,7 @@ class AdamW8bitInPlace:
     keep_fp32: KeepFp32 | None = None
     block_size: int = BLOCK
     layer_axes: LayerAxes | None = None
+    stochastic_moments: bool = True
     stochastic_rounding: bool = False
     placement: Placement | None = None
 
@@ -114,7 +115,8 @@ class AdamW8bitInPlace:
         """The optax transformation this equals; its state is this optimizer's."""
         adamw = adamw_8bit(self.learning_rate, self.b1, self.b2, self.eps, self.weight_decay,
                            self.mask, keep_fp32=self.keep_fp32, block_size=self.block_size,
-                           layer_axes=self.layer_axes)
+                           layer_axes=self.layer_axes,
+                           stochastic_moments=self.stochastic_moments)
         if self.clip_norm > 0:
             return optax.chain(optax.clip_by_global_norm(self.clip_norm), adamw)
         return adamw
@@ -184,6 +186,7 @@ class AdamW8bitInPlace:
         clip_state, adam, decay, sched = self._split(state)
         count = optax.safe_int32_increment(adam.count)
         c1, c2 = bias_corrections(count, self.b1, self.b2)
+        salt = step_salt(count) if self.stochastic_moments else None
         lr = self.learning_rate
         step_size = -1 * (lr(sched.count) if callable(lr) else lr)  # scale_by_learning_rate
         wd, clip, rounds = self.weight_decay, self.clip_norm, self.stochastic_rounding
@@ -192,7 +195,7 @@ class AdamW8bitInPlace:
         def piece(g, m, v, p, decays, pkey, bits=None):
             if clip > 0:  # clip_by_global_norm
                 g = jax.lax.select(trigger, g, (g / g_norm.astype(g.dtype)) * clip)
-            u, m, v = adam_piece(g, m, v, c1, c2, self.b1, self.b2, self.eps)
+            u, m, v = adam_piece(g, m, v, c1, c2, self.b1, self.b2, self.eps, salt)
             if decays and wd != 0.0:  # add_decayed_weights (masked)
                 u = u + wd * p
             u = jnp.array(step_size, dtype=u.dtype) * u
@@ -286,7 +289,7 @@ def apply_leaf_in_place(piece, g, m, v, p, decays, leaf_key, finite):
         take = lambda x: jax.lax.dynamic_index_in_dim(x, j, 0, keepdims=False)  # noqa: E731
         put = lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, j, 0)  # noqa: E731
         pkey = None if leaf_key is None else jax.random.fold_in(leaf_key, j)
-        gj = g(n, j).reshape((-1, view[-1])) if gs is None else from_bits(take(gs), g.dtype)
+        gj = g(n, j).reshape((-1, rows[-1])) if gs is None else from_bits(take(gs), g.dtype)
         out = piece(gj, *jax.tree_util.tree_map(take, carry[1:]), take(carry[0]), decays, pkey)
         return jax.tree_util.tree_map(put, carry, out)
 
