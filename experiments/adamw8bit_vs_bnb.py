@@ -8,11 +8,12 @@ with a 200-wide last axis), each without and with global-norm clipping (at half 
 gradient norm, so that it acts on the first steps). The gradients of
 every optimizer come from one JAX loss function (bnb's params are fed JAX's gradients), so the
 optimizers are the only difference. Prints, per problem x clipping, the final loss of fp32 AdamW
-(optax.adamw), jaxmem.optim.adamw_8bit and bnb.optim.AdamW8bit, each 8-bit one's gap to fp32, and
-the max |param - fp32 param| of both 8-bit optimizers over the first steps. With --seeds N each
-problem is drawn N times (seeds 0..N-1) and a summary gives the mean gaps and how often jaxmem's
-is the smaller: at these sizes one seed's final-loss gap moves by as much as the two optimizers
-differ.
+(optax.adamw), jaxmem.optim.adamw_8bit (its default, stochastic rounding of the moments, and
+`stochastic_moments=False`: nearest, bitsandbytes' rule) and bnb.optim.AdamW8bit, each 8-bit
+one's gap to fp32, and the max |param - fp32 param| of jaxmem's default and bnb over the first
+steps. With --seeds N each problem is drawn N times (seeds 0..N-1) and a summary gives the mean
+gaps and how often jaxmem's is the smaller (with nearest rounding one seed's gap moves by as
+much as jaxmem's and bitsandbytes' differ).
 """
 
 from __future__ import annotations
@@ -133,15 +134,18 @@ def compare(name, clip, steps, lr, first=5, seed=0):
         clip = clip * float(optax.global_norm(jax.grad(loss)(params)))
     ref = run_optax(optax.adamw(lr, B1, B2, EPS, weight_decay=WD), params, loss, steps, clip)
     j8 = run_optax(adamw_8bit(lr, B1, B2, EPS, weight_decay=WD), params, loss, steps, clip)
+    near = run_optax(adamw_8bit(lr, B1, B2, EPS, weight_decay=WD, stochastic_moments=False),
+                     params, loss, steps, clip)
     b8 = run_bnb(params, loss, steps, clip, lr)
     lf = jax.jit(loss)
     row = {"problem": name, "clip": clip, "seed": seed, "fp32": float(lf(ref[-1])),
-           "jaxmem8": float(lf(j8[-1])), "bnb8": float(lf(b8[-1])),
+           "jaxmem8": float(lf(j8[-1])), "nearest8": float(lf(near[-1])), "bnb8": float(lf(b8[-1])),
            "jaxmem_diff": [_maxdiff(j8[i], ref[i]) for i in range(1, first + 1)],
            "bnb_diff": [_maxdiff(b8[i], ref[i]) for i in range(1, first + 1)],
            "jaxmem_vs_bnb": [_maxdiff(j8[i], b8[i]) for i in range(1, first + 1)]}
     row["gap_jaxmem"] = abs(row["jaxmem8"] - row["fp32"])
     row["gap_bnb"] = abs(row["bnb8"] - row["fp32"])
+    row["gap_nearest"] = abs(row["nearest8"] - row["fp32"])
     return row
 
 
@@ -156,22 +160,24 @@ def main(argv=None):
     rows = [compare(n, c, args.steps, args.lr, seed=s) for n in args.problems.split(",")
             for c in (0.0, 0.5) for s in range(args.seeds)]
     print(f"{args.steps} steps, lr {args.lr}, wd {WD}; gaps are |final loss - fp32 AdamW's|")
-    print(f"{'problem':8} {'clip':>6} {'seed':>4} {'fp32':>10} {'jaxmem8':>10} {'bnb8':>10} "
-          f"{'gap jaxmem':>11} {'gap bnb':>10}  ok")
+    print("jaxmem8: adamw_8bit's default (stochastic moments); nearest: stochastic_moments=False")
+    print(f"{'problem':8} {'clip':>6} {'seed':>4} {'fp32':>10} {'jaxmem8':>10} {'nearest':>10} "
+          f"{'bnb8':>10} {'gap jaxmem':>11} {'gap nearest':>11} {'gap bnb':>10}  ok")
     for r in rows:
         print(f"{r['problem']:8} {r['clip']:6.3f} {r['seed']:4d} {r['fp32']:10.6f} "
-              f"{r['jaxmem8']:10.6f} {r['bnb8']:10.6f} {r['gap_jaxmem']:11.2e} "
-              f"{r['gap_bnb']:10.2e}  {'yes' if r['gap_jaxmem'] <= r['gap_bnb'] else 'NO '}")
+              f"{r['jaxmem8']:10.6f} {r['nearest8']:10.6f} {r['bnb8']:10.6f} "
+              f"{r['gap_jaxmem']:11.2e} {r['gap_nearest']:11.2e} {r['gap_bnb']:10.2e}  "
+              f"{'yes' if r['gap_jaxmem'] <= r['gap_bnb'] else 'NO '}")
     if args.seeds > 1:
         print(f"\nover {args.seeds} seeds: mean gap, and the seeds where jaxmem's is the smaller")
         for n in args.problems.split(","):
             for c in (False, True):
                 rs = [r for r in rows if r["problem"] == n and bool(r["clip"]) == c]
-                gj = np.mean([r["gap_jaxmem"] for r in rs])
-                gb = np.mean([r["gap_bnb"] for r in rs])
+                gj, gn, gb = (np.mean([r[k] for r in rs])
+                              for k in ("gap_jaxmem", "gap_nearest", "gap_bnb"))
                 wins = sum(r["gap_jaxmem"] <= r["gap_bnb"] for r in rs)
-                print(f"{n:8} clip {'yes' if c else 'no ':3}  jaxmem {gj:.3e}  bnb {gb:.3e}  "
-                      f"{'yes' if gj <= gb else 'NO '}  {wins}/{len(rs)}")
+                print(f"{n:8} clip {'yes' if c else 'no ':3}  jaxmem {gj:.3e}  nearest {gn:.3e}  "
+                      f"bnb {gb:.3e}  {'yes' if gj <= gb else 'NO '}  {wins}/{len(rs)}")
     print("\nmax |param - fp32 AdamW's param| after steps 1..5 (jaxmem / bnb), and jaxmem vs bnb")
     for r in rows:
         fmt = lambda xs: " ".join(f"{x:.1e}" for x in xs)  # noqa: E731

@@ -12,26 +12,27 @@ Nothing here imports jaxmem's model, trainer or CLIs (the package order is dtype
 model -> optim -> ...: docs/architecture.md).
 """
 
-# 8-bit AdamW (Dettmers et al. 2022)
-from jaxmem.optim._adamw8bit import (
+# 8-bit AdamW (Dettmers et al. 2022) and its block-wise quantization
+from jaxmem.optim._blockwise import (
     BLOCK,
-    MIN_8BIT_SIZE,
     SIGNED_MAP,
     UNSIGNED_MAP,
     Quantized,
-    ScaleByAdam8bitState,
-    adamw_8bit,
-    as_rows,
     block_axes,
     block_view,
     create_dynamic_map,
     dequantize,
+    quantize,
+    step_salt,
+)
+from jaxmem.optim._adamw8bit import (
+    MIN_8BIT_SIZE,
+    ScaleByAdam8bitState,
+    adamw_8bit,
+    as_rows,
     keep_small_fp32,
     moment_pieces,
-    moment_view,
-    quantize,
     scale_by_adam_8bit,
-    step_salt,
 )
 
 # bf16 stochastic rounding
@@ -65,7 +66,7 @@ __all__ = [
     # 8-bit AdamW
     "BLOCK", "MIN_8BIT_SIZE", "SIGNED_MAP", "UNSIGNED_MAP", "Quantized", "ScaleByAdam8bitState",
     "adamw_8bit", "as_rows", "block_axes", "block_view", "create_dynamic_map", "dequantize",
-    "keep_small_fp32", "moment_pieces", "moment_view", "quantize", "scale_by_adam_8bit",
+    "keep_small_fp32", "moment_pieces", "quantize", "scale_by_adam_8bit",
     "step_salt", "AdamW8bitInPlace", "apply_leaf_in_place",
     # stochastic rounding
     "apply_leaf_sr", "apply_updates_sr", "round_bf16", "round_bf16_bits", "row_chunks",

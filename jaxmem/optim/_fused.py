@@ -224,7 +224,7 @@ class AdamW8bitInPlace:
         """`apply_leaf_in_place` where the leaf lives: with `placement` giving it a sharding,
         each device updates its own shard inside a `shard_map`, in row pieces of its shard, so
         the update never gathers the leaf (a row piece of the whole leaf would cross the shards
-        of an inner axis). Blocks run along the last axis of the leaf's `moment_view` (its last
+        of an inner axis). Blocks run along the last axis of the leaf's block view (its last
         k axes merged): a split there must be on the first of the k axes only, with each shard
         holding whole blocks, else the leaf is updated whole. bf16 rounding on a shard draws from
         fold_in(leaf_key, the shard's index): other bits than one device's, as unbiased."""

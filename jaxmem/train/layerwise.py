@@ -241,8 +241,9 @@ def _flatten_sub(paths, idx, tree):
 def _layer_rows(fn, ins, stacked, l, shape, leaf_key, finite, n=None):
     """Layer `l` of the stacked arrays `stacked` (of `shape` [L, ..., last_k], seen as rows of
     last_k: an 8-bit leaf's `shape` and `n` are its jaxmem.optim.moment_pieces' rows and count,
-    its moments' codes and scales cut by as_rows; n None: row_chunks(shape)) through fn(ins rows, stacked rows, piece key, bits) -> new stacked
-    rows, written back in place; `ins` are layer-l arrays (size a x last_k).
+    its moments' codes and scales cut by as_rows; n None: row_chunks(shape)) through
+    fn(ins rows, stacked rows, piece key, bits) -> new stacked rows, written back in place;
+    `ins` are layer-l arrays (size a x last_k).
 
     The whole-tree update cuts a leaf's L * a rows (a per layer) into pieces of P rows, piece j
     rounded with key(j). Here the layer goes through in sub-pieces of g = gcd(a, P) rows, each
