@@ -486,3 +486,14 @@ def test_fused_skip_is_bitwise_and_branch_free(precision, monkeypatch):
     hlo = jax.jit(lambda g, s, p, w: opt.update_and_apply(g, s, p, key=key, where=w)).lower(
         grads, opt_state, params, jnp.bool_(True)).compile().as_text()
     assert " conditional(" not in hlo and " while(" in hlo
+
+
+def test_a_checkpoint_of_the_old_8bit_layout_gets_its_own_hint():
+    """An adamw8bit state saved before the flat-block layout meets a stored scale of another
+    shape: the error says why and that the checkpoint is unchanged, not 'try an older step'
+    (every older step has the same layout). Other failures keep the older-steps hint."""
+    from jaxmem.train.rundir import LAYOUT_HINT, restore_hint
+    shape_error = "ValueError: Requested shape: (1, 192) is not compatible with the stored shape"
+    assert restore_hint([1, 2], 2, shape_error, "adamw8bit") == LAYOUT_HINT
+    assert "older committed steps: 1" in restore_hint([1, 2], 2, shape_error, "adamw")
+    assert "older committed steps: 1" in restore_hint([1, 2], 2, "truncated file", "adamw8bit")

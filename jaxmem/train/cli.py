@@ -40,7 +40,7 @@ from jaxmem.data.checks import data_warnings
 from jaxmem.data.examples import example_options
 from jaxmem.io.checkpoint import CheckpointError, Checkpointer
 from jaxmem.train.rundir import (CKPT_DIR, CONFIG_FILE, RunError, exit_after_failed_restore, fail,
-                              older_steps_hint, read_run_config, run_tokenizer)
+                              read_run_config, restore_hint, run_tokenizer)
 from jaxmem.parallel.distributed import add_process_flags, initialize_from_args
 from jaxmem.parallel.mesh import run_mesh
 from jaxmem.train.placement import Placement
@@ -175,8 +175,8 @@ def setup(args, parser) -> Setup:
                 try:
                     s.state, _ = s.ckpt.restore(step, abstract)  # names step and path
                 except CheckpointError as e:
-                    raise CheckpointError(str(e).splitlines()[0]
-                                          + older_steps_hint(steps, step)) from e
+                    raise CheckpointError(str(e).splitlines()[0] + restore_hint(
+                        steps, step, str(e), cfg.optim.optimizer)) from e
                 for later in (x for x in steps if x > step):  # --resume-step: redone from here
                     s.ckpt.delete(later)
         elif args.resume_step is not None:

@@ -127,6 +127,22 @@ def older_steps_hint(steps: list[int], failed: int, flag: str = "--resume --resu
             f"{flag} {older[-1]})")
 
 
+LAYOUT_HINT = ("; an adamw8bit checkpoint saved by jaxmem before 2026-11-25 cannot be restored "
+               "when a weight's last axis is neither a multiple nor a divisor of 256 (the tiny "
+               "preset's MLP and head): its 8-bit moments' blocks are laid out differently now "
+               "(docs/optimizers.md); the checkpoint is unchanged: resume it with that jaxmem, "
+               "or start a new run")
+
+
+def restore_hint(steps: list[int], failed: int, error: str, optimizer: str,
+                 flag: str = "--resume --resume-step") -> str:
+    """What to try after step `failed` did not restore: `LAYOUT_HINT` when an adamw8bit state
+    met a stored shape of another layout, else `older_steps_hint`."""
+    if optimizer == "adamw8bit" and "stored shape" in error:
+        return LAYOUT_HINT
+    return older_steps_hint(steps, failed, flag)
+
+
 def load_run(run_dir: Path, step: int | None = None) -> LoadedRun:
     """A committed step of a run (default: the newest), rebuilt from the run's own config."""
     cfg, record = read_run_config(run_dir)
@@ -142,8 +158,8 @@ def load_run(run_dir: Path, step: int | None = None) -> LoadedRun:
         try:
             state, _ = ckpt.restore(step, abstract_train_state(step_cfg, loss_scale, cfg.data.seed))
         except CheckpointError as e:
-            raise CheckpointError(str(e).splitlines()[0]
-                                  + older_steps_hint(steps, step, "--step")) from e
+            raise CheckpointError(str(e).splitlines()[0] + restore_hint(
+                steps, step, str(e), cfg.optim.optimizer, "--step")) from e
     return LoadedRun(cfg, record, model_cfg, step_cfg, state, load_tokenizer(run_tokenizer(run_dir, cfg)))
 
 
