@@ -129,9 +129,9 @@ def older_steps_hint(steps: list[int], failed: int, flag: str = "--resume --resu
 
 LAYOUT_HINT = ("; an adamw8bit checkpoint saved by jaxmem before 2026-11-25 cannot be restored "
                "when a weight's last axis is neither a multiple nor a divisor of 256 (the tiny "
-               "preset's MLP and head): its 8-bit moments' blocks are laid out differently now "
-               "(docs/optimizers.md); the checkpoint is unchanged: resume it with that jaxmem, "
-               "or start a new run")
+               "and small presets' 259-token heads, tiny's MLP): its 8-bit moments' blocks are "
+               "laid out differently now (docs/optimizers.md); the checkpoint is unchanged: "
+               "resume it with that jaxmem, or start a new run")
 
 
 def restore_hint(steps: list[int], failed: int, error: str, optimizer: str,
