@@ -15,6 +15,12 @@ def key_name(key) -> str | None:
     return None
 
 
+def in_layers(path) -> bool:
+    """True for a leaf of the scanned decoder stack ('layers' among its keys), whose first axis
+    (when it has more than one) is the layer axis L."""
+    return "layers" in path_text(path).split("/")
+
+
 def path_text(path) -> str:
     """'layers/self_attn/q_proj' for a tuple of keys or a KeyPath."""
     def text(key):

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxmem.memory.spec import StepSpec
-from jaxmem.paths import path_text
+from jaxmem.paths import in_layers, path_text
 import jaxmem.parallel.rules as rules
 
 OFFLOAD_KINDS = ("none", "host")
@@ -128,7 +128,7 @@ def base_split(spec: StepSpec, sizes: dict[str, int]) -> BaseSplit:
         split, tensor = _split(leaf_spec, sizes)
         if split == 1 and devices > 1:
             replicated += nbytes
-        if "layers" in path_text(path).split("/"):
+        if in_layers(path):
             layers += nbytes // split
             gathered += nbytes // L // tensor
             dtypes.add(leaf.dtype.name)

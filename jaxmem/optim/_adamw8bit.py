@@ -40,8 +40,8 @@ import optax
 
 from jaxmem.bits import from_bits, to_bits
 from jaxmem.optim._blockwise import (BLOCK, SIGNED_MAP, UNSIGNED_MAP, Quantized, _axes,
-                                     _fmix32, block_axes, dequantize, moment_view, quantize,
-                                     quantized_zeros, step_salt)
+                                     _fmix32, block_axes, dequantize, moment_view, _num_blocks,
+                                     quantize, quantized_zeros, step_salt)
 from jaxmem.optim._stochastic import row_chunks
 
 MIN_8BIT_SIZE = 4096  # smaller tensors keep fp32 states (bitsandbytes' min_8bit_size)
@@ -90,9 +90,9 @@ def as_rows(tree, last: int, n: int | None = None):
 
     def one(x):
         if isinstance(x, Quantized):
-            nb = -(-last // min(x.block, last))
             return Quantized(codes=x.codes.reshape(lead + (last,)),
-                             scale=x.scale.reshape(lead + (nb,)), block=x.block)
+                             scale=x.scale.reshape(lead + (_num_blocks(last, x.block),)),
+                             block=x.block)
         return x.reshape(lead + (last,))
     return jax.tree_util.tree_map(one, tree, is_leaf=lambda x: isinstance(x, Quantized))
 

@@ -94,6 +94,12 @@ def _block_size(shape, block: int) -> int:
     return min(block, shape[-1]) if shape else 1
 
 
+def _num_blocks(n: int, block: int) -> int:
+    """Blocks along an axis of `n` elements (`block` each; one short block when n < block, and
+    the last one short when block does not divide n)."""
+    return -(-n // min(block, n))
+
+
 def block_axes(shape, block: int = BLOCK, lead: int = 0) -> int:
     """How many trailing axes of a leaf of `shape` its blocks run over (the layout rule):
 
@@ -252,7 +258,7 @@ def quantized_zeros(shape, qmap: np.ndarray, block: int = BLOCK,
     init (llama-3-8b state creation compiled to 40.5 GiB of temporaries on CPU; with this, 0.58)."""
     code = int(np.sum(_boundaries(qmap) < np.float32(0.0)))  # what _nearest_code gives for 0.0
     view = block_view(shape, block_axes(shape, block) if axes is None else axes)
-    nb = -(-view[-1] // _block_size(view, block))
+    nb = _num_blocks(view[-1], block)
     return Quantized(codes=jnp.full(shape, code, jnp.uint8),
                      scale=jnp.zeros(view[:-1] + (nb,), jnp.float32), block=block)
 

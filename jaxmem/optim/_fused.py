@@ -40,6 +40,7 @@ import jaxmem.optim._stochastic as sr
 from jaxmem.optim._adamw8bit import (BLOCK, KeepFp32, LayerAxes, Quantized, ScaleByAdam8bitState,
                                      adam_piece, adamw_8bit, as_rows, bias_corrections,
                                      moment_pieces, step_salt)
+from jaxmem.optim._blockwise import _axes
 
 # (path, leaf shape) -> the leaf's NamedSharding on a mesh, or None where it is not split
 Placement = Callable[[Any, tuple], Any]
@@ -235,7 +236,7 @@ class AdamW8bitInPlace:
         sizes = dict(mesh.shape)
         axes_of = lambda e: () if e is None else (e if isinstance(e, tuple) else (e,))  # noqa: E731
         split = tuple(a for e in spec for a in axes_of(e))
-        k = p.ndim - m.scale.ndim + 1  # the axes the blocks run over (`block_axes`)
+        k = _axes(m)  # the axes the blocks run over (`block_axes`)
         cut = int(np.prod([sizes[a] for a in axes_of(spec[-k])]))
         merged = int(np.prod(p.shape[-k:]))
         if any(e is not None for e in spec[p.ndim - k + 1:]) or \
@@ -264,8 +265,7 @@ def apply_leaf_in_place(piece, g, m, v, p, decays, leaf_key, finite):
     blocks, and they are `row_chunks(p.shape)`'s but for a tensor whose size is not a multiple
     of the block: then other pieces, and bf16 rounding draws other, equally unbiased, bits than
     `apply_updates_sr`, except when it is updated whole: then it draws that function's), piece
-    j with
-    key fold_in(leaf_key, j), inside a fori_loop whose carry (p, m, v) is updated slice by
+    j with key fold_in(leaf_key, j), inside a fori_loop whose carry (p, m, v) is updated slice by
     slice and that runs no piece where `finite` is False; a smaller one at once (key leaf_key),
     selected with jnp.where. `g` may be a function (n, j) -> piece j of n of the gradient's rows
     (rows [j * rows / n, (j + 1) * rows / n)), so a caller can make each piece where it is used,

@@ -71,7 +71,7 @@ import sys
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxmem.paths import path_text
+from jaxmem.paths import in_layers, path_text
 from jaxmem.model.roles import param_role
 from jaxmem.optim import BLOCK
 from jaxmem.parallel.mesh import BATCH_AXES
@@ -95,10 +95,6 @@ def _role(path):
         return None
 
 
-def _has_layer_axis(path) -> bool:
-    return "layers" in path_text(path).split("/")
-
-
 def leaf_spec(path, shape: tuple[int, ...], axis_sizes: dict[str, int]) -> P:
     """The PartitionSpec of one state leaf (see the module docstring for the rules)."""
     size = 1
@@ -107,7 +103,7 @@ def leaf_spec(path, shape: tuple[int, ...], axis_sizes: dict[str, int]) -> P:
     role = _role(path)
     if len(shape) == 0 or size < MIN_SHARDED or role == "norm":
         return P()
-    first = 1 if _has_layer_axis(path) and len(shape) > 1 else 0
+    first = 1 if in_layers(path) and len(shape) > 1 else 0
     spec: list = [None] * len(shape)
     tensor, fsdp = axis_sizes.get("tensor", 1), axis_sizes.get("fsdp", 1)
     # context parallelism: `context` shards the state with fsdp (torchtitan's dp_shard x cp):

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxmem.config.run import OptimConfig
-from jaxmem.paths import path_text
+from jaxmem.paths import in_layers, path_text
 from jaxmem.model.roles import param_role
 from jaxmem.sharding import weight_placement
 from jaxmem.optim import (AdamW8bitInPlace, DynamicLossScale, LossScale, NoOpLossScale,
@@ -76,7 +76,7 @@ def layer_axes(path, leaf) -> int:
     """The trainer's `layer_axes` rule for adamw_8bit: a scanned block param ([L, ...] under
     "layers") is L tensors, and no 8-bit block spans two of them (as bitsandbytes sees each
     layer's tensor on its own)."""
-    return 1 if leaf.ndim > 1 and "layers" in path_text(path).split("/") else 0
+    return 1 if leaf.ndim > 1 and in_layers(path) else 0
 
 
 def _placement(path, shape):
