@@ -6,7 +6,9 @@
 - Markers (pyproject.toml): `gpu` and `torch` skip where there is no GPU / no PyTorch;
   `cpu_only(reason=...)` skips a check of a fact of the CPU backend (bf16 emulated, no cuDNN,
   no allocator stats) on any other backend, with its reason; `slow` is left out of the default
-  selection (`-m "not slow"` in addopts; `-m "slow or not slow"` runs everything, as CI does).
+  selection (`-m "not slow"` in addopts; `-m "slow or not slow"` runs everything, as CI does);
+  `reordered` is added at collection to the tests that compare fp32 results in another
+  summation order or run torch (tests/kernel_sweep.sh).
 """
 
 import importlib.util
@@ -41,6 +43,15 @@ def _gpu_target_missing() -> str | None:
     except target.TargetError as e:
         return str(e)
     return None
+
+
+def pytest_itemcollected(item):
+    """`reordered`: a test that compares two fp32 computations adding in different orders (its
+    module uses tests/numerics.py's policy) or runs torch's kernels; tests/kernel_sweep.sh runs
+    these under other kernels. Marked here, at collection, so that `-m reordered` selects them."""
+    module = getattr(item, "module", None)
+    if "torch" in item.keywords or hasattr(module, "assert_reordered_fp32"):
+        item.add_marker(pytest.mark.reordered)
 
 
 def pytest_collection_modifyitems(config, items):

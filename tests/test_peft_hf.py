@@ -20,6 +20,7 @@ from jaxmem.train.cli import main
 from runs import error_line
 
 from hf_files import lora_eval_losses, random_params, write_tokenizer  # noqa: E402
+from numerics import assert_reordered_fp32, model_terms  # noqa: E402
 
 pytest.importorskip("tokenizers")
 
@@ -103,6 +104,9 @@ def _adapter_logits(run, tokens):
 
 
 TOKENS = np.random.default_rng(0).integers(0, 300, (2, 24))
+# merged vs adapted, jaxmem vs peft, jaxmem vs transformers: one fp32 function in another order
+# (tests/numerics.py), with the reduction length of the model's logits
+LOGIT_TERMS = model_terms(CFG, TOKENS.shape[1])
 
 
 @pytest.mark.slow  # 3.0 s cold on 2 cores (default run kept under 5 min)
@@ -112,7 +116,7 @@ def test_merge_equals_the_adapter_forward_and_uses_the_original_base(qlora, caps
     merged = merged_params(run)
     assert "into the original base weights of" in capsys.readouterr().out
     got = np.asarray(Llama(CFG).apply({"params": merged}, jnp.asarray(TOKENS)))
-    np.testing.assert_allclose(got, _adapter_logits(run, TOKENS), rtol=1e-5, atol=1e-5)
+    assert_reordered_fp32(got, _adapter_logits(run, TOKENS), terms=LOGIT_TERMS)
 
 
 @pytest.mark.torch
@@ -132,7 +136,7 @@ def test_peft_loads_the_adapters_onto_the_base_with_the_same_logits(qlora, tmp_p
     with torch.no_grad():
         got = model(torch.as_tensor(TOKENS)).logits.numpy()
     want = _adapter_logits(load_run(out), TOKENS)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert_reordered_fp32(got, want, terms=LOGIT_TERMS)
     with torch.no_grad():
         plain = transformers.LlamaForCausalLM.from_pretrained(str(hf), dtype=torch.float32)(
             torch.as_tensor(TOKENS)).logits.numpy()
@@ -142,8 +146,8 @@ def test_peft_loads_the_adapters_onto_the_base_with_the_same_logits(qlora, tmp_p
     assert export_main(["--run", str(out), "--out", str(merged_dir)]) == 0
     merged = transformers.LlamaForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32)
     with torch.no_grad():
-        np.testing.assert_allclose(merged(torch.as_tensor(TOKENS)).logits.numpy(), want,
-                                   rtol=1e-4, atol=1e-4)
+        assert_reordered_fp32(merged(torch.as_tensor(TOKENS)).logits.numpy(), want,
+                              terms=LOGIT_TERMS)
 
 
 @pytest.mark.slow  # 3.0 s cold on 2 cores (default run kept under 5 min)
