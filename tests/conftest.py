@@ -45,16 +45,46 @@ def _gpu_target_missing() -> str | None:
     return None
 
 
+def _compares_reordered(function, module, depth: int = 2) -> bool:
+    """`function` calls tests/numerics.py's assert_reordered_fp32, itself or through a function
+    of its module (up to `depth` calls deep)."""
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return False
+    names = set(code.co_names)
+    for const in code.co_consts:  # nested functions and lambdas
+        if hasattr(const, "co_names"):
+            names |= set(const.co_names)
+    if "assert_reordered_fp32" in names:
+        return True
+    return depth > 0 and any(
+        _compares_reordered(getattr(module, n), module, depth - 1) for n in names
+        if callable(getattr(module, n, None))
+        and getattr(getattr(module, n), "__module__", None) == module.__name__)
+
+
 def pytest_itemcollected(item):
-    """`reordered`: a test that compares two fp32 computations adding in different orders (its
-    module uses tests/numerics.py's policy) or runs torch's kernels; tests/kernel_sweep.sh runs
-    these under other kernels. Marked here, at collection, so that `-m reordered` selects them."""
+    """`reordered`: a test that compares two fp32 computations adding in different orders
+    (tests/numerics.py's assert_reordered_fp32, called by the test or a helper of its module) or
+    runs torch's kernels; tests/kernel_sweep.sh runs these under other kernels. Marked here, at
+    collection, so that `-m reordered` selects them."""
     module = getattr(item, "module", None)
-    if "torch" in item.keywords or hasattr(module, "assert_reordered_fp32"):
+    function = getattr(item, "function", None)
+    if "torch" in item.keywords or (
+            hasattr(module, "assert_reordered_fp32") and _compares_reordered(function, module)):
         item.add_marker(pytest.mark.reordered)
 
 
 def pytest_collection_modifyitems(config, items):
+    # `slow` tests first (a stable sort: each keeps its place among its kind), so that pytest-xdist
+    # hands the minutes-long ones out while both workers are fresh and the short tests fill the
+    # end: in collection order a 2-minute test could start last and leave one worker idle.
+    # .ci/run distributes whole modules (`--dist loadscope`), so a module-scoped fixture (a
+    # worker on 8 simulated devices: up to 2 minutes) is built once, not once per worker; with
+    # this order the modules that hold slow tests are handed out first. (`--dist loadgroup` and
+    # `xdist_group` would be finer, but pytest-xdist 3.8 marks a group by rewriting
+    # `item._nodeid`, which pytest 9 no longer reads: the groups are silently ignored.)
+    items.sort(key=lambda item: "slow" not in item.keywords)
     has_torch = importlib.util.find_spec("torch") is not None
     no_target = _gpu_target_missing() if any("gpu_target" in i.keywords for i in items) else None
     backend = jax.default_backend()

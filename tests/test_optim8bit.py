@@ -56,7 +56,17 @@ def bnb_create_dynamic_map(signed=True, max_exponent_bits=7, total_bits=8):
 @pytest.mark.torch
 @pytest.mark.parametrize("signed", [True, False])
 def test_maps_equal_bitsandbytes_algorithm_bitwise(signed):
-    np.testing.assert_array_equal(create_dynamic_map(signed), bnb_create_dynamic_map(signed))
+    """Bitwise where torch runs a vectorized kernel (AVX2 / AVX-512 on x86, what any machine
+    bitsandbytes runs on has). bitsandbytes builds its map with torch.linspace at run time, and
+    torch's scalar kernel (ATEN_CPU_CAPABILITY=default, tests/kernel_sweep.sh's variant a) rounds
+    start + step * i twice where the vectorized one rounds once: 42 of the 256 signed entries
+    (31 unsigned) then differ by up to 2 fp32 ulps (measured), so there the maps agree to 2."""
+    import torch
+    got, want = create_dynamic_map(signed), bnb_create_dynamic_map(signed)
+    if torch.backends.cpu.get_cpu_capability() != "DEFAULT":
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_array_max_ulp(got, want, maxulp=2)
 
 
 def test_map_shapes_and_known_values():
