@@ -1,6 +1,6 @@
 """Long context on a CPU: packed rows split over 4 simulated devices, save, stop, resume.
 
-    python examples/long_context.py                           # 16,384-token rows: ~1 minute on 2 cores
+    python examples/long_context.py                           # 16,384-token rows: ~30 s on 2 cores
     python examples/long_context.py --seq-len 65536           # the full size: ~11 minutes on 2 cores
     python examples/long_context.py --seq-len 1024 --out DIR  # the CI size (tests/test_examples.py)
 
@@ -42,7 +42,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 MODEL = ["--num-layers", "1", "--hidden-size", "32", "--intermediate-size", "64",
          "--num-heads", "1", "--num-kv-heads", "1"]
 STEPS = 2
-DEFAULT_SEQ = 16384  # ~1 minute on 2 CPU cores; --seq-len 65536 is the full size
+DEFAULT_SEQ = 16384  # ~30 s on 2 CPU cores; --seq-len 65536 is the full size (~11 minutes)
 
 
 def write_documents(path: Path, tokens: int, seed: int = 0) -> int:
