@@ -18,8 +18,8 @@
 # order); ONEDNN_MAX_CPU_ISA changes no fp32 result (torch's fp32 matmul is MKL's, not oneDNN's),
 # and is swept because the issue names it and it decides torch's bf16 kernels.
 #
-# Run by .ci/run after the main suite (about 3 minutes on 2 cores with the suite's compilation
-# cache warm), and by hand: `bash tests/kernel_sweep.sh [extra pytest args]` in the project's
+# Run by .ci/run after the main suite (the fast tests: 1:50 to 2:05 on 2 cores, both variants),
+# and by hand: `bash tests/kernel_sweep.sh [extra pytest args]` in the project's
 # venv. Each variant writes how close every comparison came to tests/numerics.py's tolerance
 # (JAXMEM_TEST_NUMERICS_LOG) and prints the five closest.
 set -euo pipefail

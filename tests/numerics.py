@@ -122,8 +122,9 @@ def assert_reordered_fp32(got, want, terms: int = DEFAULT_TERMS, err_msg: str = 
     rtol = fp32_rtol(terms) if rtol is None else rtol
     got_leaves, keystr = _leaves(got)
     want_leaves, _ = _leaves(want)
-    assert len(got_leaves) == len(want_leaves), (
-        f"{err_msg}: {len(got_leaves)} arrays vs {len(want_leaves)}")
+    got_paths = [keystr(p) for p, _ in got_leaves]
+    want_paths = [keystr(p) for p, _ in want_leaves]
+    assert got_paths == want_paths, f"{err_msg}: arrays at {got_paths} vs {want_paths}"
     for (path, g), (_, w) in zip(got_leaves, want_leaves):
         g, w = np.asarray(g), np.asarray(w)
         where = (err_msg + " " + keystr(path)).strip()

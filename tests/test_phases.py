@@ -42,6 +42,7 @@ def test_eval_fused_loss_equals_full_logits(loss_chunk):
         logits = cfg.build_model().apply({"params": params}, batch["inputs"])  # [B, T, V] fp32
         ref_total, ref_count = cross_entropy(logits, batch["targets"], batch["mask"])
     assert float(count) == float(ref_count) == 4 * 96
+    # the loss's terms for one row, plus the sum of the token losses over all 4 x 128 tokens
     assert_reordered_fp32(np.asarray(total), np.asarray(ref_total),
                           terms=model_terms(spec.model, 128, loss=True) + 4 * 128)
     assert float(total) / float(count) > 5.0  # ~ln(259) at init: a real loss, not a zero
