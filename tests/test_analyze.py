@@ -28,7 +28,7 @@ def test_import_loads_no_trainer_torch_or_matplotlib():
     heavy = {m for m in loaded if m.split(".")[0] in ("torch", "transformers", "matplotlib", "flax")
              or m.startswith(("jaxmem.train", "jaxmem.model", "jaxmem.config"))}
     assert not heavy, sorted(heavy)
-    assert {"jaxmem.memory.analysis", "jax"} <= loaded
+    assert {"jaxmem.xla.analysis", "jax"} <= loaded
 
 
 def test_agrees_with_jaxmem_memory_compile_step_to_the_byte():
@@ -81,8 +81,8 @@ def test_residuals_grouped_by_name_shape_dtype():
     assert [(r.shape, r.dtype, r.count, r.bytes) for r in named] == [((B, F), "float32", 2,
                                                                       2 * B * F * 4)]
     assert a.residuals_of == "_mlp_loss"
-    # the total agrees with jaxmem.memory.residuals' count (arguments left out of both)
-    from jaxmem.memory.residuals import saved_residual_bytes
+    # the total agrees with jaxmem.xla.residuals' count (arguments left out of both)
+    from jaxmem.xla.residuals import saved_residual_bytes
     assert a.residual_bytes == saved_residual_bytes(_mlp_loss, params, x).bytes
     assert all(r.argument == r.name.startswith("argument ") for r in a.residuals)
     text = a.report()

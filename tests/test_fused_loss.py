@@ -75,7 +75,7 @@ def test_fused_equals_unfused_whole_model(tied):
 
 def test_fused_keeps_no_logits():
     """No [B, T, V]-sized residual is kept for the backward (jax's saved residuals)."""
-    from jaxmem.memory.residuals import available, saved_residual_bytes
+    from jaxmem.xla.residuals import available, saved_residual_bytes
     if not available():
         pytest.skip("this jax has no saved_residuals")
     B, T, D, V = 2, 32, 8, 301

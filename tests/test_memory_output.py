@@ -10,7 +10,7 @@ import pytest
 from jaxmem.config.flags import given_overrides
 from jaxmem.memory.cli import build_parser, main
 from jaxmem.memory.report import train_command
-from jaxmem.memory.verdict import GiB, usable_gib, verdict_lines
+from jaxmem.xla.verdict import GiB, usable_gib, verdict_lines
 
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--intermediate-size", "128",
          "--seq-len", "32"]

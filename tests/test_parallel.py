@@ -255,7 +255,7 @@ def test_memory_fit_searches_meshes():
     assert min(peaks) < peaks[0]  # splitting the params pays off per device
     # the GPU size whose usable bytes (verdict.usable_bytes, the subprocess's environment:
     # preallocation off) are just above the smallest per-device peak
-    from jaxmem.memory.verdict import device_gib_for, usable_bytes
+    from jaxmem.xla.verdict import device_gib_for, usable_bytes
     budget = device_gib_for(min(peaks) + 1024, fraction=1.0)
     rc, r = fit(budget)
     first = next(i for i, p in enumerate(peaks) if p <= usable_bytes(budget, fraction=1.0))

@@ -56,7 +56,7 @@ def test_lora_saved_residuals_match_jax(name):
     import jax
     import jax.numpy as jnp
 
-    from jaxmem.memory.residuals import available, saved_residual_bytes
+    from jaxmem.xla.residuals import available, saved_residual_bytes
     from jaxmem.peft.base import abstract_base
     from jaxmem.train.loss import abstract_batch, token_loss
     if not available():

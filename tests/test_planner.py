@@ -28,7 +28,7 @@ CFG = ModelConfig(hidden_size=40, intermediate_size=56, num_layers=3, num_heads=
 def jax_saved_bytes(spec: StepSpec) -> int:
     """Bytes of the residuals jax keeps for the train step's loss (params passed in excluded)."""
     import jax
-    from jaxmem.memory.residuals import saved_residual_bytes
+    from jaxmem.xla.residuals import saved_residual_bytes
     from jaxmem.train.loss import abstract_batch, token_loss
     from jaxmem.model.llama import abstract_params
 
@@ -169,7 +169,7 @@ def test_fit_and_verdict_share_one_budget_rule(monkeypatch, device_gib, fraction
     """A peak `plan` accepts for a GPU of `device_gib` (the budget `--fit` passes:
     verdict.usable_bytes) is one the verdict says fits on that size, and one byte more is
     rejected by both (the 37.59 GiB candidate of `--fit 40` is now refused by both at .75)."""
-    from jaxmem.memory.verdict import device_gib_for, fits, usable_bytes, verdict_lines
+    from jaxmem.xla.verdict import device_gib_for, fits, usable_bytes, verdict_lines
     monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
     if fraction is None:  # preallocation off: XLA may use all but the CUDA context
         monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -192,7 +192,7 @@ def test_fit_and_verdict_share_one_budget_rule(monkeypatch, device_gib, fraction
 def test_cli_fit_searches_the_usable_budget_and_its_verdict_agrees(capsys, monkeypatch):
     """`--fit GIB`: every candidate is judged against usable_bytes(GIB), which the JSON gives,
     and the chosen configuration's verdict names GIB among the sizes it fits."""
-    from jaxmem.memory.verdict import usable_bytes
+    from jaxmem.xla.verdict import usable_bytes
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".75")
     monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
     assert main(["--preset", "tiny", "--num-layers", "2", "--seq-len", "32", "--fit", "37",

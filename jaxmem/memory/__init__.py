@@ -27,7 +27,8 @@ import importlib
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "analyze": "analysis", "MemoryAnalysis": "analysis", "Residual": "analysis",
+    "analyze": "jaxmem.xla.analysis", "MemoryAnalysis": "jaxmem.xla.analysis",
+    "Residual": "jaxmem.xla.analysis",
     "analytic_breakdown": "analytic", "rule_of_thumb": "analytic",
     "argument_bytes": "compiled", "compile_step": "compiled", "compiled_stats": "compiled",
     "grad_step_report": "compiled",
@@ -44,7 +45,8 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"jaxmem.memory.{_EXPORTS[name]}"), name)
+        value = getattr(importlib.import_module(_EXPORTS[name] if "." in _EXPORTS[name]
+                                                    else f"jaxmem.memory.{_EXPORTS[name]}"), name)
         globals()[name] = value  # later lookups skip __getattr__
         return value
     raise AttributeError(f"module 'jaxmem.memory' has no attribute {name!r}")

@@ -26,7 +26,7 @@ other three. The verdict is on the largest phase, and so is `--fit`'s choice.
 `--fit GIB --global-batch N` runs the planner instead (jaxmem.memory.planner.plan): candidates from
 fastest to most frugal, the first whose *compiled* peak fits is printed with its breakdown, with
 every rejected candidate and why; exit 1 when nothing fits. GIB is the GPU's size; a candidate
-fits when its peak is within jaxmem.memory.verdict.usable_bytes(GIB), the verdict's own rule.
+fits when its peak is within jaxmem.xla.verdict.usable_bytes(GIB), the verdict's own rule.
 
 `--mesh data=D,fsdp=F,tensor=T` (with `--devices N` on the CPU backend: N simulated devices)
 prints the per-device breakdown instead: the analytic model split by the sharding rules and the
@@ -61,7 +61,7 @@ from jaxmem.memory.planner import plan
 from jaxmem.memory.report import (format_plan, format_report, header_line, step_report,
                                   train_command)
 from jaxmem.memory.spec import GiB, StepSpec
-from jaxmem.memory.verdict import COMMON_GIB, usable_bytes, verdict_lines
+from jaxmem.xla.verdict import COMMON_GIB, usable_bytes, verdict_lines
 from jaxmem.model.remat import RematPolicy
 from jaxmem.train.run import build_step_config
 
@@ -395,7 +395,7 @@ def _print_plan(args, cfg, result, out) -> None:
     chosen = result["spec"]
     print(format_plan(result, args.fit))
     print(f"  (a {args.fit:g} GiB GPU: {usable_bytes(args.fit) / GiB:.3f} GiB usable, "
-          f"jaxmem.memory.verdict.usable_bytes)")
+          f"jaxmem.xla.verdict.usable_bytes)")
     if chosen is None:
         return
     print(f"\nchosen: micro-batch {chosen.batch_size} x grad-accum {chosen.grad_accum}, "

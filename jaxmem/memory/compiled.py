@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxmem import target
 from jaxmem.config.model import ModelConfig
-from jaxmem.memory.analysis import MemoryAnalysis, analyze
+from jaxmem.xla.analysis import MemoryAnalysis, analyze
 from jaxmem.memory.spec import StepSpec
 from jaxmem.model.llama import Llama, abstract_params, count_params
 from jaxmem.model.remat import RematPolicy, check_offload_supported
@@ -40,7 +40,7 @@ def compiled_stats(compiled) -> tuple[dict, float]:
 
     peak = temp + argument + output - alias: what the executable needs at once, with donated
     (aliased) outputs written over their inputs. The figures are `MemoryAnalysis.of_compiled`'s
-    (jaxmem.memory.analysis), the ones `jaxmem.memory.analyze` gives for any function.
+    (jaxmem.xla.analysis), the ones `jaxmem.memory.analyze` gives for any function.
     """
     analysis = MemoryAnalysis.of_compiled(compiled)
     return analysis.stats(), analysis.flops

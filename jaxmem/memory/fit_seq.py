@@ -6,7 +6,7 @@ compiled peaks, as `--fit` searches the micro-batch: from the given `--seq-len` 
 granule), double T while the run fits, then bisect between the last length that fits and the
 first that does not, to the granule (1024 tokens). Each length is one compile of the step and,
 with `--compile`, of the run's other phases (the state and sample programs do not depend on T:
-compiled once); the largest phase decides, by `jaxmem.memory.verdict.usable_bytes`, the rule of
+compiled once); the largest phase decides, by `jaxmem.xla.verdict.usable_bytes`, the rule of
 the verdict and `--fit`. The search stops at the model's `max_position_embeddings` (RoPE
 positions beyond it are not trained: `--max-position-embeddings` raises it).
 
@@ -135,7 +135,7 @@ def run(spec: StepSpec, sample, budget_gib: float, compile_phases: bool, as_json
     import json  # noqa: PLC0415
     if mesh_text is not None:
         from jaxmem.memory.mesh import compile_per_device  # noqa: PLC0415
-        from jaxmem.memory.verdict import usable_bytes  # noqa: PLC0415
+        from jaxmem.xla.verdict import usable_bytes  # noqa: PLC0415
         result = fit_seq(spec, usable_bytes(budget_gib),
                          lambda s, step: {"peak_bytes": step["peak_bytes"],
                                           "peak_phase": f"step per device ({mesh_text})"},
@@ -149,7 +149,7 @@ def run(spec: StepSpec, sample, budget_gib: float, compile_phases: bool, as_json
         return 0 if result["chosen"] else 1
 
     from jaxmem.memory.phases import run_phases  # noqa: PLC0415
-    from jaxmem.memory.verdict import usable_bytes  # noqa: PLC0415
+    from jaxmem.xla.verdict import usable_bytes  # noqa: PLC0415
     cache: dict = {}
 
     def phases(s, step):

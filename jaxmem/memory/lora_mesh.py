@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from dataclasses import dataclass
 
 import jax
@@ -61,6 +60,7 @@ from jax.sharding import PartitionSpec as P
 from jaxmem.memory.spec import StepSpec
 from jaxmem.paths import in_layers, path_text
 import jaxmem.parallel.rules as rules
+from jaxmem.xla.hlo import entry_argument_bytes
 
 OFFLOAD_KINDS = ("none", "host")
 LAYER_COPY = "frozen layer copied from the host"
@@ -186,38 +186,12 @@ def adapter_fraction(spec: StepSpec, sizes: dict[str, int]) -> float:
     return local / total
 
 
-# bytes per element of the HLO element types an argument can have (4-bit types packed)
-_HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-              "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "s4": 0.5, "u4": 0.5}
-HOST_SPACE = "S(5)"  # XLA's memory-space annotation of host memory in a layout
-
-
-def host_argument_bytes(hlo_text: str) -> int:
-    """Bytes of the compiled program's arguments that live in host memory, per device.
-
-    XLA:CPU's memory_analysis() adds an argument in pinned host memory to argument_size_in_bytes
-    and reports host_argument_size_in_bytes 0 (measured, jax 0.10.2), but the compiled module's
-    entry layout marks each such argument with the host memory space (`f32[8,4]{1,0:S(5)}`):
-    this sums those. Shapes in a partitioned module are per device."""
-    head = hlo_text.split("\n", 1)[0]
-    start = head.find("entry_computation_layout={(")
-    if start < 0:
-        return 0
-    args = head[start:].split(")->", 1)[0]
-    total = 0.0
-    for dtype, dims, layout in re.findall(r"(\w+)\[([0-9,]*)\]\{([^}]*)\}", args):
-        if HOST_SPACE in layout:
-            n = math.prod(int(d) for d in dims.split(",") if d)
-            total += n * _HLO_BYTES.get(dtype, 1 if dtype.startswith("f8") else 4)
-    return int(total)
-
-
 def host_split(compiled, stats: dict, hlo_text: str) -> dict:
     """{"host_argument_bytes", "device_peak_bytes"} of a compiled step: the host arguments as
     memory_analysis() reports them apart (GPU), else as the entry layout marks them (XLA:CPU,
     where they are inside argument_size_in_bytes and so taken out of the device peak)."""
     reported = int(getattr(compiled.memory_analysis(), "host_argument_size_in_bytes", 0) or 0)
-    marked = 0 if reported else host_argument_bytes(hlo_text)
+    marked = 0 if reported else entry_argument_bytes(hlo_text)[0]
     return {"host_argument_bytes": reported or marked,
             "host_source": "memory_analysis" if reported else "entry layout S(5)",
             "device_peak_bytes": stats["peak_bytes"] - marked}
@@ -249,7 +223,7 @@ def format_host_lines(r: dict, div: int) -> list[str]:
 def format_compiled_host(c: dict, div: int, offload: bool = False) -> list[str]:
     """What the compiled program puts in host memory: its arguments marked with the host
     memory space in the entry layout (memory_analysis() on XLA:CPU counts them as device
-    arguments; see host_argument_bytes). offload: --offload-base host was asked for; a program
+    arguments; see jaxmem.xla.hlo.entry_argument_bytes). offload: --offload-base host was asked for; a program
     with no argument on the host is then said not to offload."""
     host = c.get("host_argument_bytes", 0)
     if not host:

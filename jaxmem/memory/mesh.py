@@ -28,7 +28,7 @@ import jax
 
 from jaxmem import target
 from jaxmem.memory.analytic import analytic_breakdown
-from jaxmem.memory.collectives import comm_line, comm_report
+from jaxmem.xla.collectives import comm_line, comm_report
 from jaxmem.memory.lora_mesh import (adapter_fraction, base_components as lora_base_components,
                                      compare_line, format_compiled_host, format_host_lines,
                                      host_split)
@@ -125,7 +125,7 @@ def _gathered_layer(spec: StepSpec) -> list[dict]:
 def compile_per_device(spec: StepSpec, mesh_text: str | None, keep_hlo: bool = False) -> dict:
     """The train step compiled for the mesh over this host's devices (None, or one device:
     the single-device step); XLA's per-device memory numbers, the HLO's collectives (static
-    ops per kind) and "communication": bytes per device per step (jaxmem.memory.collectives
+    ops per kind) and "communication": bytes per device per step (jaxmem.xla.collectives
     .comm_report). keep_hlo: also the optimized HLO text ("hlo")."""
     step_cfg, loss_scale = spec.step_config()
     state = abstract_state(spec)

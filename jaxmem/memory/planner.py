@@ -88,7 +88,7 @@ def plan(base: StepSpec, global_batch: int, budget_bytes: int, mu_dtypes=("fp32"
     state, step, eval, sample) is within the budget (entry "run_peak_bytes", "peak_phase").
 
     budget_bytes: what the device may give the run, as `--fit GIB` passes it:
-    jaxmem.memory.verdict.usable_bytes(GIB), the rule the verdict judges by (plan_mesh's too).
+    jaxmem.xla.verdict.usable_bytes(GIB), the rule the verdict judges by (plan_mesh's too).
     """
     from jaxmem.memory.analytic import analytic_breakdown
     tried, compiles = [], 0
@@ -183,7 +183,7 @@ def plan_mesh(base: StepSpec, meshes, global_batch: int, budget_bytes: int, anal
     analytic peak x band[0] is over the budget is rejected without compiling; the others are
     compiled in order and the first that fits is chosen. Host bytes (--offload-base host) are
     never part of the device budget; each entry carries them. budget_bytes: as `plan`'s
-    (jaxmem.memory.verdict.usable_bytes of the device's size).
+    (jaxmem.xla.verdict.usable_bytes of the device's size).
     """
     tried, compiles = [], 0
     for mesh_text, spec in mesh_candidates_for(base, meshes, global_batch, max_micro):

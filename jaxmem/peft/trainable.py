@@ -126,7 +126,7 @@ class Trainable:
         raise NotImplementedError
 
     def saved_per_layer(self, c, B: int, T: int, dtype, remat) -> list:
-        """Residuals per block beyond the model's own (jaxmem.memory.residuals' form)."""
+        """Residuals per block beyond the model's own (jaxmem.xla.residuals' form)."""
         return []
 
     def backward_transient(self, c, B: int, T: int, dtype) -> int:

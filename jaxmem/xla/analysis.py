@@ -8,8 +8,8 @@
     Residual                           one group of the residuals a backward saves
 
 Every number is XLA's own (`compiled.memory_analysis()`, `cost_analysis()`) or jax's own
-(`saved_residuals`, through jaxmem.memory.residuals); nothing is estimated. This module imports
-only jax, numpy and jaxmem.memory.residuals / .verdict, so a user's model code can call it without
+(`saved_residuals`, through jaxmem.xla.residuals); nothing is estimated. This module imports
+only jax, numpy and jaxmem.xla.residuals / .verdict, so a user's model code can call it without
 jaxmem's trainer; matplotlib is imported by `.plot` alone.
 """
 
@@ -25,8 +25,8 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from jaxmem.memory.residuals import residual_list
-from jaxmem.memory.verdict import COMMON_GIB, GiB, verdict_lines
+from jaxmem.xla.residuals import residual_list
+from jaxmem.xla.verdict import COMMON_GIB, GiB, verdict_lines
 
 _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
