@@ -118,6 +118,12 @@ class RematPolicy:
     def enabled(self) -> bool:
         return self.kind != "none"
 
+    @property
+    def saves_dots(self) -> bool:
+        """Whether the policy keeps what the matmuls read (`none`: everything; `dots`,
+        `dots_no_batch`), so a weight object's own inputs (LoRA's x A) are kept too."""
+        return self.kind in ("none", "dots", "dots_no_batch")
+
     def checkpoint_policy(self) -> Callable[..., bool]:
         """The `jax.checkpoint` policy: always a callable ("none" is everything_saveable,
         "full" nothing_saveable); an offload policy compiles only where the device has a

@@ -27,11 +27,13 @@ import jax.numpy as jnp
 from jaxmem import target
 from jaxmem.config.model import ModelConfig
 from jaxmem.xla.analysis import MemoryAnalysis, analyze
+from jaxmem.memory.counted import (abstract_frozen, abstract_state,  # noqa: F401
+                                   abstract_step_batch, count_state, tree_bytes)
 from jaxmem.memory.spec import StepSpec
 from jaxmem.model.llama import Llama, abstract_params, count_params
 from jaxmem.model.remat import RematPolicy, check_offload_supported
 from jaxmem.train.loss import abstract_batch, token_loss
-from jaxmem.train.run import abstract_step_args, abstract_train_state, make_eval_fn
+from jaxmem.train.run import abstract_step_args, make_eval_fn
 from jaxmem.train.step import jit_train_step, state_creation_fn
 
 
@@ -46,25 +48,10 @@ def compiled_stats(compiled) -> tuple[dict, float]:
     return analysis.stats(), analysis.flops
 
 
-def abstract_state(spec: StepSpec):
-    """The train state as ShapeDtypeStructs (nothing allocated)."""
-    return abstract_train_state(*spec.step_config())
-
-
-def abstract_step_batch(spec: StepSpec):
-    """The step's batch [K, B, T] as ShapeDtypeStructs."""
-    return {k: jax.ShapeDtypeStruct((spec.grad_accum,) + v.shape, v.dtype)
-            for k, v in abstract_batch(spec.batch_size, spec.seq_len).items()}
-
-
-def abstract_frozen(spec: StepSpec):
-    """A LoRA step's frozen base (int8 / NF4 codes and scales) as ShapeDtypeStructs, else None."""
-    return spec.trainable.abstract_frozen(spec.model, spec.precision.compute_dtype)
-
-
 def argument_bytes(spec: StepSpec) -> int:
-    """Exact bytes of the step's arguments; a lower bound of the compiled peak."""
-    return tree_bytes((abstract_state(spec), abstract_step_batch(spec), abstract_frozen(spec)))
+    """Exact bytes of the step's arguments (jaxmem.memory.counted); a lower bound of the
+    compiled peak."""
+    return sum(c.bytes for c in count_state(spec))
 
 
 def compile_step(spec: StepSpec) -> dict:
@@ -107,12 +94,6 @@ def grad_step_report(config: ModelConfig, remat: RematPolicy | str, batch_size: 
         "compiled": stats,
         "flops": flops,
     }
-
-
-def tree_bytes(tree) -> int:
-    """Bytes of the leaves of a pytree of arrays or ShapeDtypeStructs (4-bit types packed)."""
-    return sum(int(x.size) * x.dtype.itemsize if x.dtype not in (jnp.uint4, jnp.int4)
-               else int(x.size) // 2 for x in jax.tree_util.tree_leaves(tree))
 
 
 def state_program(step_cfg, loss_scale, seed: int = 0, out_shardings=None):

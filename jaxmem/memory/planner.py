@@ -175,8 +175,8 @@ def plan_mesh(base: StepSpec, meshes, global_batch: int, budget_bytes: int, anal
               band: tuple[float, float] = ANALYTIC_BAND) -> dict:
     """The first (mesh, micro-batch, remat, loss chunk) whose per-device compiled peak fits.
 
-    analytic_fn(spec, mesh_text) -> the per-device analytic dict (jaxmem.memory.mesh.
-    analytic_per_device: "total" device bytes, "host" bytes); compile_fn(spec, mesh_text) ->
+    analytic_fn(spec, mesh_text) -> the per-device analytic dict (jaxmem.memory.analytic.
+    analytic_breakdown on the mesh: "total_bytes" on the device, "host_bytes"); compile_fn(spec, mesh_text) ->
     the per-device compiled dict ("peak_bytes"), or None where the step is not compiled here
     (compile_fn None: --analytic-only; or one device only): the analytic figure then decides, and
     the entry says so. As `plan`: a candidate whose
@@ -190,10 +190,10 @@ def plan_mesh(base: StepSpec, meshes, global_batch: int, budget_bytes: int, anal
         a = analytic_fn(spec, mesh_text)
         entry = {"mesh": mesh_text, "batch_size": spec.batch_size, "grad_accum": spec.grad_accum,
                  "remat": str(spec.remat), "loss_chunk": spec.loss_chunk,
-                 "analytic_bytes": int(a["total"]), "host_bytes": int(a.get("host", 0))}
-        if a["total"] * band[0] > budget_bytes:
+                 "analytic_bytes": int(a["total_bytes"]), "host_bytes": int(a["host_bytes"])}
+        if a["total_bytes"] * band[0] > budget_bytes:
             entry.update(fits=False, peak_bytes=None, decided_by="analytic", reason=(
-                f"analytic {a['total'] / GiB:.3f} GiB x {band[0]} > budget "
+                f"analytic {a['total_bytes'] / GiB:.3f} GiB x {band[0]} > budget "
                 f"{budget_bytes / GiB:.3f} GiB (not compiled)"))
         else:
             compiles += compile_fn is not None
@@ -205,7 +205,7 @@ def plan_mesh(base: StepSpec, meshes, global_batch: int, budget_bytes: int, anal
                              reason=f"compile error: {msg[:200]}")
             else:
                 if compiled is None:
-                    peak, what = int(a["total"]), "analytic (not compiled here)"
+                    peak, what = int(a["total_bytes"]), "analytic (not compiled here)"
                 else:
                     peak, what = int(compiled["peak_bytes"]), "compiled per-device peak"
                 fits = peak <= budget_bytes
