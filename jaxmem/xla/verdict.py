@@ -55,8 +55,8 @@ def verdict_lines(peak_bytes: int, source: str, backend: str, precision: str,
              f"  plus ~{CUDA_CONTEXT_GIB} GiB of CUDA context outside it; to use nearly all of a "
              f"GPU, set XLA_PYTHON_CLIENT_MEM_FRACTION=.95"]
     if backend == "cpu":
-        lines.append("  compiled by XLA:CPU: not a GPU's program, and no bound on it either way "
-                     "(1B amp-bf16 step:")
-        lines.append("  25.50 GiB on the CPU, 32.23 on the H100's compiler); plan a GPU with "
-                     "--target h100 (docs/memory.md)")
+        lines.append("  compiled by XLA:CPU: not a GPU's program (8B bf16-sr + adamw8bit step: "
+                     "83.95 GiB on")
+        lines.append("  the CPU, 49.03 on the H100's compiler); plan a GPU with --target h100 "
+                     "(docs/memory.md)")
     return lines
