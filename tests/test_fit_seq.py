@@ -1,4 +1,4 @@
-"""`--fit-seq GIB` (jaxmem.memory.fit_seq): the longest sequence whose run fits."""
+"""`--fit-seq GIB` (jaxmem.memory.search): the longest sequence whose run fits."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from jaxmem.config.run import RunConfig
 from jaxmem.memory.cli import main
-from jaxmem.memory.fit_seq import fit_seq
+from jaxmem.memory.search import fit_seq
 from jaxmem.memory.spec import StepSpec
 
 

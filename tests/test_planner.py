@@ -114,7 +114,7 @@ def test_planner_never_recommends_over_budget():
         assert result["spec"].remat.kind == "dots_no_batch"
 
 
-@pytest.mark.cpu_only(reason="the rule-out band (planner.ANALYTIC_BAND) holds the toy's analytic "
+@pytest.mark.cpu_only(reason="the rule-out band (search.ANALYTIC_BAND) holds the toy's analytic "
                              "peak to XLA:CPU's compiled one; a GPU compile of this few-MiB toy "
                              "also holds the cuBLAS workspace (up to 32 MiB on Hopper), which the "
                              "analytic model leaves out, so nothing would be ruled out there")

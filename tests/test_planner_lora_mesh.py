@@ -170,15 +170,16 @@ def test_plan_mesh_searches_meshes_micro_batches_remat_and_loss_chunk():
     """plan_mesh on the tiny QLoRA step over 4 devices (analytic only): candidates in order,
     none over the budget chosen, the first under it chosen; micro-batches divisible by the
     batch shards only."""
-    from jaxmem.memory.planner import mesh_candidates_for, plan_mesh
-    from jaxmem.memory.mesh import mesh_candidates
+    from jaxmem.memory.search import mesh_candidates_for, plan_mesh
+    from jaxmem.memory.search import mesh_candidates
     spec = _spec(TINY_QLORA)
     meshes = mesh_candidates(dataclasses.replace(spec, batch_size=8), 4)
     cands = mesh_candidates_for(spec, meshes, 8)
-    assert [m for m, _ in cands][0] == "data=4,fsdp=1,tensor=1"
-    assert all(s.batch_size % (4 if "tensor=1" in m else 2) == 0 for m, s in cands)
+    assert [str(m) for m, _ in cands][0] == "data=4,fsdp=1,tensor=1"
+    assert all(s.batch_size % (4 if m.tensor == 1 else 2) == 0 for m, s in cands)
     assert {s.loss_chunk for _, s in cands} >= {None}
-    fn = lambda s, m: _analytic(s, m, 4)  # noqa: E731
+    from jaxmem.memory.analytic import analytic_breakdown
+    fn = analytic_breakdown
     peaks = [fn(s, m)["total_bytes"] for m, s in cands]
     budget = sorted(peaks)[len(peaks) // 2]
     r = plan_mesh(spec, meshes, 8, budget, analytic_fn=fn, compile_fn=None)

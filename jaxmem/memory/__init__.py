@@ -35,7 +35,7 @@ _EXPORTS = {
     "measure_available": "measure", "measure_here": "measure",
     "measure_in_subprocess": "measure",
     "SampleShape": "phases", "run_phases": "phases",
-    "candidates": "planner", "plan": "planner",
+    "candidates": "search", "plan": "search",
     "format_plan": "report", "format_report": "report", "step_report": "report",
     "GiB": "spec", "StepSpec": "spec",
 }

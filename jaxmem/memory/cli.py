@@ -23,7 +23,7 @@ loss on one [B, T] batch) and the end-of-run sample (`--max-new-tokens`), each w
 holds outside its program; analytic, and compiled for the step and, with `--compile`, for the
 other three. The verdict is on the largest phase, and so is `--fit`'s choice.
 
-`--fit GIB --global-batch N` runs the planner instead (jaxmem.memory.planner.plan): candidates from
+`--fit GIB --global-batch N` runs the planner instead (jaxmem.memory.search.plan): candidates from
 fastest to most frugal, the first whose *compiled* peak fits is printed with its breakdown, with
 every rejected candidate and why; exit 1 when nothing fits. GIB is the GPU's size; a candidate
 fits when its peak is within jaxmem.xla.verdict.usable_bytes(GIB), the verdict's own rule.
@@ -34,7 +34,7 @@ step compiled for the mesh, with its collectives (jaxmem.memory.mesh, docs/distr
 `--fit GIB --devices N` chooses the mesh instead of the step: the first mesh of N devices, from
 pure data parallel to all-fsdp to tensor=2, whose per-device compiled peak fits. For a LoRA /
 QLoRA run, or with `--global-batch`, it chooses the mesh, the micro-batch, the remat policy and
-the fused loss's chunk together (jaxmem.memory.planner.plan_mesh; analytic-first as `--fit`).
+the fused loss's chunk together (jaxmem.memory.search.plan_mesh; analytic-first as `--fit`).
 With `--offload-base host` the frozen block layers are counted in host memory, printed apart
 from the device bytes, with the device figure without offload beside it. `--analytic-only`
 skips the compile (a 70B step takes minutes to compile on a CPU).
@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fit-seq", type=positive_gib, default=None, metavar="GIB",
                    help="plan: the longest --seq-len (multiples of 1024, up to the model's "
                         "max positions) whose run fits a GPU of GIB GiB, batch and the rest "
-                        "as given (jaxmem.memory.fit_seq: doubling, then bisection on compiled "
+                        "as given (jaxmem.memory.search: doubling, then bisection on compiled "
                         "peaks); with --devices / --mesh (e.g. --mesh context=8: the sequence "
                         "split over 8 devices) the step's per-device compiled peak decides")
     g.add_argument("--compile", action="store_true",

@@ -14,7 +14,7 @@ from jaxmem.config.flags import given_overrides
 from jaxmem.config.run import RunConfig
 from jaxmem.memory.measure import measure_in_subprocess
 from jaxmem.memory.phases import SampleShape, format_phases, run_phases
-from jaxmem.memory.planner import plan
+from jaxmem.memory.search import plan
 from jaxmem.memory.report import (format_plan, format_report, header_line, step_report,
                                   train_command)
 from jaxmem.memory.spec import GiB
@@ -32,14 +32,17 @@ def verdict(report: dict, fit: float | None = None) -> list[str]:
                          report["precision"], sizes) + [
         f"  the run's largest phase: {ph['peak_phase']} (GiB: {others}; a = analytic)"]
 
+
 def gib(row) -> str:
     n = row["compiled_bytes"] if row["compiled_bytes"] is not None else row["analytic_bytes"]
     return f"{n / GiB:.2f}" + ("" if row["compiled_bytes"] is not None else "a")
+
 
 def phases(args, cfg, spec, report, cache=None) -> dict:
     measured = (report.get("measured") or {}).get("peak_bytes")
     return run_phases(spec, SampleShape.of(cfg), compile=args.compile,
                       step_compiled=report["compiled"], step_measured=measured, cache=cache)
+
 
 def plot(parser, path, reports, labels, budget=None) -> None:
     if not path:
@@ -56,25 +59,26 @@ def plot(parser, path, reports, labels, budget=None) -> None:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         raise SystemExit(2)
 
+
 def fit_mesh_and_step(args, spec, global_batch: int, max_micro: int | None) -> int:
-    """`--fit GIB --devices N` for a LoRA run or with --global-batch: the first mesh x
-    micro-batch x remat x loss chunk whose per-device peak fits (jaxmem.memory.planner.plan_mesh);
-    exit 1 when nothing does."""
+    """`--fit GIB --devices N` with a frozen base or --global-batch: the first mesh x
+    micro-batch x remat x loss chunk whose per-device peak fits (search.plan_mesh); exit 1 when
+    nothing does."""
     from jaxmem.memory.analytic import analytic_breakdown
-    from jaxmem.memory.mesh import compile_per_device, mesh_candidates, resolve
-    from jaxmem.memory.planner import plan_mesh
+    from jaxmem.memory.mesh import compile_per_device
+    from jaxmem.memory.search import mesh_candidates, plan_mesh
     whole = dataclasses.replace(spec, batch_size=global_batch, grad_accum=1)
-    meshes = mesh_candidates(whole, args.devices)
     log = None if args.json else (lambda t: print(
         f"  mesh {t['mesh']} micro {t['batch_size']} remat {t['remat']} loss chunk "
         f"{t['loss_chunk'] or 'auto'}: {t['reason']}", file=sys.stderr, flush=True))
-    result = plan_mesh(spec, meshes, global_batch, usable_bytes(args.fit),
-                       analytic_fn=lambda s, m: analytic_breakdown(s, resolve(s, m, args.devices)),
-                       compile_fn=None if args.analytic_only else (
-                           lambda s, m: compile_per_device(s, m) if target.device_count() > 1
-                           else None), max_micro=max_micro, log=log)
+    here = target.device_count() > 1 and not args.analytic_only
+    result = plan_mesh(spec, mesh_candidates(whole, args.devices), global_batch,
+                       usable_bytes(args.fit), analytic_fn=analytic_breakdown,
+                       compile_fn=(lambda s, m: compile_per_device(s, str(m))) if here else None,
+                       max_micro=max_micro, log=log)
+    tried = [{k: v for k, v in t.items() if k != "compiled"} for t in result["tried"]]
     out = {"budget_gib": args.fit, "usable_bytes": usable_bytes(args.fit), "devices": args.devices,
-           "global_batch": global_batch, "tried": result["tried"], "chosen": result["chosen"]}
+           "global_batch": global_batch, "tried": tried, "chosen": result["chosen"] and tried[-1]}
     if args.json:
         print(json.dumps(out, indent=2))
     elif result["chosen"]:
@@ -90,31 +94,80 @@ def fit_mesh_and_step(args, spec, global_batch: int, max_micro: int | None) -> i
         return 1
     return 0
 
-def fit_seq(parser, args, spec, mesh) -> int:
-    """`--fit-seq GIB`: the longest sequence that fits (jaxmem.memory.fit_seq)."""
+
+def fit_seq(parser, args, spec, mesh_text) -> int:
+    """`--fit-seq GIB`: the longest sequence that fits (search.fit_seq); on a mesh the step's
+    per-device compiled peak decides, on one device the run's largest phase."""
+    from jaxmem.memory.mesh import compile_per_device, resolve
+    from jaxmem.memory.search import fit_seq as search_fit_seq
     if args.fit is not None:
         parser.error("--fit-seq searches the sequence length, --fit the batch: drop one")
-    mesh_text = None
-    if mesh is not None or (args.devices or 1) > 1:  # per device on a mesh (context=N...)
-        from jaxmem.memory.mesh import resolve
+    log = None if args.json else (lambda e: print(f"  {e['seq_len']:,} tokens: {e['reason']}",
+                                                  file=sys.stderr, flush=True))
+    budget = usable_bytes(args.fit_seq)
+    if mesh_text is not None or (args.devices or 1) > 1:  # per device (context=N...)
         try:
-            mesh_text = str(resolve(spec, mesh))
+            mesh = resolve(spec, mesh_text)
         except ValueError as e:  # MeshError names --mesh
             parser.error(str(e))
-    from jaxmem.memory.fit_seq import run as fit_seq
-    return fit_seq(spec, SampleShape.of(RunConfig().replace(given_overrides(args))),
-                   args.fit_seq, args.compile, args.json, log=None if args.json else (
-                       lambda e: print(f"  {e['seq_len']:,} tokens: {e['reason']}",
-                                       file=sys.stderr, flush=True)), mesh_text=mesh_text)
+        where = f"step per device ({mesh})"
+        result = search_fit_seq(spec, budget, lambda s, step: {
+            "peak_bytes": step["peak_bytes"], "peak_phase": where},
+            compile_fn=lambda s, m: compile_per_device(s, str(m)), log=log, mesh=mesh)
+        result["mesh"] = str(mesh)
+    else:
+        sample, cache = SampleShape.of(RunConfig().replace(given_overrides(args))), {}
+
+        def run(s, step):
+            for k in [k for k in cache if k[0] == "eval"]:  # eval depends on T: not reused
+                del cache[k]
+            return run_phases(s, sample, args.compile, step, cache=cache)
+        result = search_fit_seq(spec, budget, run, log=log)
+    result["tried"] = [{k: v for k, v in t.items() if k not in ("compiled", "phases")}
+                       for t in result["tried"]]
+    result["chosen"] = result["chosen"] and {k: v for k, v in result["chosen"].items()
+                                             if k not in ("compiled", "phases")}
+    result.pop("spec")
+    if args.json:
+        print(json.dumps({"budget_gib": args.fit_seq, "usable_bytes": budget, **result}, indent=2))
+    else:
+        print("\n".join(format_fit_seq(result, args.fit_seq)))
+    return 0 if result["chosen"] else 1
+
+
+def format_fit_seq(result: dict, budget_gib: float) -> list[str]:
+    """The lines `--fit-seq` prints."""
+    lines = [f"longest sequence for a {budget_gib:g} GiB GPU (multiples of {result['granule']} "
+             f"tokens; the run's largest phase decides):"]
+    for e in sorted(result["tried"], key=lambda e: e["seq_len"]):
+        host = f", host {e['host_bytes'] / GiB:.2f} GiB" if e.get("host_bytes") else ""
+        lines.append(f"  {e['seq_len']:>9,} tokens: {e['reason']}{host}")
+    c = result["chosen"]
+    if c is None:
+        return lines + [f"nothing fits: not even {result['granule']} tokens"]
+    lines.append(f"chosen: --seq-len {c['seq_len']} ({c.get('peak_phase', 'step')} "
+                 f"{c['run_peak_bytes'] / GiB:.2f} GiB)")
+    if result["limit"] == "max_position_embeddings":
+        lines.append(f"  limited by the model's max_position_embeddings "
+                     f"({result['max_position_embeddings']:,}), not by memory: "
+                     f"--max-position-embeddings N searches further")
+    return lines
+
 
 def fit_mesh(args, spec) -> int:
     """`--fit GIB --devices N`: the first mesh whose per-device peak fits, else exit 1."""
-    from jaxmem.memory.mesh import fit_mesh
-    result = fit_mesh(spec, usable_bytes(args.fit), log=None if args.json else (
-        lambda t: print(f"  mesh {t['mesh']}: per-device peak {t['peak_bytes'] / GiB:.3f} GiB"
-                        f"{'' if t['fits'] else ' > budget'}", file=sys.stderr, flush=True)))
+    from jaxmem.memory.mesh import compile_per_device
+    from jaxmem.memory.search import fit_mesh as search_fit_mesh, mesh_candidates
+    result = search_fit_mesh(
+        spec, mesh_candidates(spec, target.device_count()), usable_bytes(args.fit),
+        lambda s, m: compile_per_device(s, str(m)), log=None if args.json else (
+            lambda t: print(f"  mesh {t['mesh']}: {t['reason']}", file=sys.stderr, flush=True)))
+    tried = [{"mesh": t["mesh"], "peak_bytes": t["peak_bytes"], "fits": t["fits"],
+              "reason": t["reason"], "collectives": (t.get("compiled") or {}).get("collectives")}
+             for t in result["tried"]]
+    out = {"chosen": tried[-1] if result["chosen"] else None, "tried": tried}
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps(out, indent=2))
     elif result["chosen"]:
         print(f"chosen mesh: {result['chosen']['mesh']}")
     if result["chosen"] is None:
@@ -122,6 +175,7 @@ def fit_mesh(args, spec) -> int:
               f"per device", file=sys.stderr)
         return 1
     return 0
+
 
 def mesh_breakdown(parser, args, spec, mesh) -> int:
     """`--mesh` / `--devices`: the per-device breakdown (jaxmem.memory.mesh)."""
@@ -132,6 +186,7 @@ def mesh_breakdown(parser, args, spec, mesh) -> int:
         parser.error(str(e).splitlines()[0])
     print(json.dumps(report, indent=2) if args.json else format_mesh_report(report))
     return 0
+
 
 def breakdown(parser, args, cfg, spec) -> int:
     """One configuration: its step's breakdown, the run's phases and the verdict."""
@@ -149,8 +204,9 @@ def breakdown(parser, args, cfg, spec) -> int:
     plot(parser, args.plot, [report], [f"{spec.remat}, micro {spec.batch_size}"])
     return 0
 
+
 def fit(parser, args, cfg, spec, global_batch: int, max_micro: int | None) -> int:
-    """`--fit GIB`: the planner's candidates and its choice (planner.plan), else exit 1."""
+    """`--fit GIB`: the planner's candidates and its choice (search.plan), else exit 1."""
     # progress while compiling, only on a terminal: the list itself is printed once, below
     log = None if args.json or not sys.stderr.isatty() else (
         lambda t: print(f"  tried micro {t['batch_size']} remat {t['remat']} mu {t['mu_dtype']}: "
@@ -176,6 +232,7 @@ def fit(parser, args, cfg, spec, global_batch: int, max_micro: int | None) -> in
         return 1
     return 0
 
+
 def plan_output(args, cfg, result, global_batch: int, cache) -> dict:
     """--fit's JSON: the budget, the candidates tried, the chosen one's report and command."""
     chosen = result["spec"]
@@ -194,6 +251,7 @@ def plan_output(args, cfg, result, global_batch: int, cache) -> dict:
         "remat.policy": str(chosen.remat), "optim.mu_dtype": chosen.mu_dtype}))
     return out
 
+
 def print_plan(args, cfg, result, out) -> None:
     """--fit's table: the candidates, the budget, and the chosen configuration's breakdown."""
     chosen = result["spec"]
@@ -210,13 +268,14 @@ def print_plan(args, cfg, result, out) -> None:
     print("\n" + format_phases(out["chosen"]["phases"]))
     print("\n" + "\n".join(out["chosen"]["verdict"]))
 
+
 def plot_candidates(parser, args, spec, result) -> None:
     """--fit --plot: every compiled candidate's breakdown as a bar, with the budget line."""
     compiled = [(dataclasses.replace(spec, batch_size=t["batch_size"], grad_accum=t["grad_accum"],
                                      remat=RematPolicy.parse(t["remat"]), mu_dtype=t["mu_dtype"]),
                  t) for t in result["tried"] if t.get("compiled")]
     labels = [f"micro {t['batch_size']} x{t['grad_accum']}\n"
-              f"{'selective' if t['remat'].startswith('names:') else t['remat']}, "
+              f"{t['remat'][:24]}, "
               f"mu {t['mu_dtype']}" for _, t in compiled]
     plot(parser, args.plot, [step_report(c, compiled=t["compiled"]) for c, t in compiled],
           labels, budget=usable_bytes(args.fit) / GiB)

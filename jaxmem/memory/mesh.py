@@ -5,7 +5,6 @@
     compile_per_device(spec, "fsdp=8")    the step compiled for the mesh: memory_analysis() is
                                           per device; with --offload-base host the arguments in
                                           host memory apart (`host_split`)
-    mesh_candidates(spec, devices)        the meshes `--fit --devices` tries
 """
 
 from __future__ import annotations
@@ -113,42 +112,6 @@ def format_mesh_report(r: dict) -> str:
                   f"{k} {v}" for k, v in c["collectives"].items()),
               comm_line(c["communication"])]
     return "\n".join(lines + format_compiled_host(c, mib, "analytic_without_offload" in r))
-
-
-def mesh_candidates(spec: StepSpec, devices: int) -> list[MeshSpec]:
-    """Meshes for `devices`, from the least communication to the least memory per device:
-    pure data parallel, then more and more of the devices on fsdp, then tensor=2 with fsdp.
-    Only meshes the model and batch can be split by (MeshSpec.check) are listed."""
-    divisors = [d for d in range(devices, 0, -1) if devices % d == 0]
-    out = [MeshSpec(d, devices // d, 1) for d in divisors]
-    if devices % 2 == 0:
-        out += [MeshSpec(1, devices // 2, 2)]
-    ok = []
-    for m in out:
-        try:
-            m.check(spec.model, spec.batch_size)
-        except ValueError:
-            continue
-        ok.append(m)
-    return ok
-
-
-def fit_mesh(spec: StepSpec, budget_bytes: int, log=None) -> dict:
-    """The first mesh of `mesh_candidates` (over this host's devices) whose per-device compiled
-    peak fits in `budget_bytes`; every candidate tried with its peak. The step itself (batch,
-    remat, precision) stays as given: this chooses the mesh only."""
-    tried = []
-    for m in mesh_candidates(spec, target.device_count()):
-        compiled = compile_per_device(spec, str(m))
-        fits = compiled["peak_bytes"] <= budget_bytes
-        t = {"mesh": str(m), "peak_bytes": compiled["peak_bytes"], "fits": fits,
-             "collectives": compiled["collectives"]}
-        tried.append(t)
-        if log:
-            log(t)
-        if fits:
-            return {"chosen": t, "tried": tried}
-    return {"chosen": None, "tried": tried}
 
 
 def host_split(compiled, stats: dict, hlo_text: str) -> dict:
