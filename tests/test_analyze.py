@@ -123,8 +123,8 @@ def test_verdict_lines_as_the_cli_prints_them(monkeypatch):
     assert a.verdict(40 * 2**30).splitlines()[0] == (
         "verdict: compiled peak 50.00 GiB does not fit on any common GPU size (40 GiB)")
     assert a.verdict().splitlines()[0] == (  # 0.75 x 80 = 60 GiB usable; 0.75 x 141
-        "verdict: compiled peak 50.00 GiB fits on 80 GiB, 141 GiB; does not fit on 24 GiB, "
-        "40 GiB")
+        "verdict: compiled peak 50.00 GiB fits on 80 GiB, 141 GiB; does not fit on 12 GiB, "
+        "16 GiB, 24 GiB, 40 GiB")
     assert "79.16 GiB" in a.verdict("85GB")  # 85e9 bytes
     cpu16 = MemoryAnalysis("step", "cpu", "", 1, 0, 0, 0, 2**20, precision="bfloat16")
     assert "compiled by XLA:CPU: not a GPU's program" in cpu16.verdict("24GiB")

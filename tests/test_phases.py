@@ -9,8 +9,7 @@ import pytest
 
 from jaxmem.config.model import ModelConfig, get_preset
 from jaxmem.memory import StepSpec, analytic_breakdown, compile_step
-from jaxmem.memory.compiled import (abstract_state, compile_eval, compile_sample, compile_state,
-                                    tree_bytes)
+from jaxmem.memory.compiled import abstract_state, compile_phase, tree_bytes
 from jaxmem.memory.phases import SampleShape, analytic_phases, run_phases
 from jaxmem.model.llama import init_params
 from jaxmem.model.remat import RematPolicy
@@ -51,7 +50,7 @@ def test_eval_fused_loss_equals_full_logits(loss_chunk):
 def _eval_phase(spec) -> int:
     """The eval phase as the run holds it: the eval program + the state outside its arguments."""
     state = abstract_state(spec)
-    return compile_eval(spec)["peak_bytes"] + tree_bytes(state) - tree_bytes(state.params)
+    return compile_phase("eval", spec)["peak_bytes"] + tree_bytes(state) - tree_bytes(state.params)
 
 
 @pytest.mark.slow  # 6.8 s cold on 2 cores (default run kept under 5 min)
@@ -97,7 +96,7 @@ def test_phases_compiled_and_the_largest_decides():
     assert r["peak_bytes"] == max(peaks.values()) and peaks[r["peak_phase"]] == r["peak_bytes"]
     assert r["peak_source"] == "compiled"
     state = abstract_state(spec)
-    out = compile_state(spec)["output_bytes"]  # the state, plus XLA's few bytes of alignment
+    out = compile_phase("state", spec)["output_bytes"]  # the state, plus XLA's few bytes of alignment
     assert tree_bytes(state) <= out <= tree_bytes(state) + 1024, (out, tree_bytes(state))
     sample = rows["sample"]["program"]
     # the KV-cache sampler takes the fp32 master params as stored (cast to bf16 inside), the
@@ -145,7 +144,8 @@ def test_lora_sample_phase_compiles_what_the_run_samples_with(quantize):
     (jaxmem.train.loop): the sample phase's program takes exactly those params (the same leaves,
     shapes and dtypes, so the same argument bytes), and on the tiny preset compiles to less than
     the plain fp32 model's sampler it used to stand in for."""
-    from jaxmem.memory.compiled import sample_params, state_program
+    from jaxmem.memory.compiled import sample_params
+    from jaxmem.train.placement import Placement
     from jaxmem.peft.base import base_on_device
     from jaxmem.peft.lora import LoraSpec
     c = get_preset("tiny")
@@ -153,19 +153,20 @@ def test_lora_sample_phase_compiles_what_the_run_samples_with(quantize):
     spec = StepSpec(c, get_precision("amp-bf16"), RematPolicy.parse("full"), 1, 64, trainable=lora)
     host = jax.tree_util.tree_map(np.asarray, init_params(c, jax.random.PRNGKey(0)))
     frozen = base_on_device(host, lora, spec.precision.compute_dtype)  # the run's import
-    adapters = state_program(*spec.step_config())().params  # the run's state's params
+    adapters = Placement.single().state_creation(*spec.step_config(), seed=0)().params  # the run's
     run_params = lora.full_params(frozen, adapters)
     shapes = lambda t: [(x.shape, jnp.dtype(x.dtype)) for x in jax.tree_util.tree_leaves(t)]  # noqa: E731
     assert (jax.tree_util.tree_structure(sample_params(spec))
             == jax.tree_util.tree_structure(run_params))
     assert shapes(sample_params(spec)) == shapes(run_params)
     n_prompt, total = 16, 80
-    lora_prog = compile_sample(spec, n_prompt, total, 0.8, 40)
+    shape = SampleShape(total - n_prompt, 0.8, 40, prompt_tokens=n_prompt)
+    lora_prog = compile_phase("sample", spec, sample=shape)
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
     tokens = n_prompt * 4 + n_prompt * 1 + key.size * key.dtype.itemsize  # ids, valid, key
     assert lora_prog["argument_bytes"] == tree_bytes(run_params) + tokens
     plain = StepSpec(c, get_precision("fp32"), RematPolicy.parse("full"), 1, 64)
-    plain_prog = compile_sample(plain, n_prompt, total, 0.8, 40)
+    plain_prog = compile_phase("sample", plain, sample=shape)
     assert lora_prog["argument_bytes"] < plain_prog["argument_bytes"]
     if quantize != "none":  # (a bf16 base: XLA:CPU emulates bf16 with fp32 copies in its temp)
         assert lora_prog["peak_bytes"] < plain_prog["peak_bytes"], (lora_prog, plain_prog)

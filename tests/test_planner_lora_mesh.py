@@ -139,7 +139,7 @@ def test_host_argument_bytes_from_the_entry_layout():
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
     from jaxmem.memory.compiled import compiled_stats
-    from jaxmem.memory.mesh import host_split
+    from jaxmem.memory.compiled import host_split
     d = jax.devices()[0]
     if "pinned_host" not in {m.kind for m in d.addressable_memories()}:
         pytest.skip("this backend has no pinned_host memory")
@@ -214,13 +214,13 @@ def test_headline_cli_prints_device_and_host_bytes():
 def _worker(out_path: str) -> None:
     """Compile the tiny QLoRA step for each mesh of this process's devices, with the analytic."""
     import jax
-    from jaxmem.memory.mesh import compile_per_device
+    from jaxmem.memory.compiled import compile_step
     n = jax.device_count()
     report = {}
     for mesh in MESHES[n]:
         spec = _spec(TINY_QLORA)
         a = _analytic(spec, mesh, n)
-        c = compile_per_device(spec, mesh)
+        c = compile_step(spec, mesh)
         report[mesh] = {"analytic": a["total_bytes"], "compiled": c["peak_bytes"],
                         "argument": c["argument_bytes"]}
     one = _spec(TINY_QLORA)

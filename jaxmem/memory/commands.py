@@ -65,7 +65,7 @@ def fit_mesh_and_step(args, spec, global_batch: int, max_micro: int | None) -> i
     micro-batch x remat x loss chunk whose per-device peak fits (search.plan_mesh); exit 1 when
     nothing does."""
     from jaxmem.memory.analytic import analytic_breakdown
-    from jaxmem.memory.mesh import compile_per_device
+    from jaxmem.memory.compiled import compile_step
     from jaxmem.memory.search import mesh_candidates, plan_mesh
     whole = dataclasses.replace(spec, batch_size=global_batch, grad_accum=1)
     log = None if args.json else (lambda t: print(
@@ -74,7 +74,7 @@ def fit_mesh_and_step(args, spec, global_batch: int, max_micro: int | None) -> i
     here = target.device_count() > 1 and not args.analytic_only
     result = plan_mesh(spec, mesh_candidates(whole, args.devices), global_batch,
                        usable_bytes(args.fit), analytic_fn=analytic_breakdown,
-                       compile_fn=(lambda s, m: compile_per_device(s, str(m))) if here else None,
+                       compile_fn=compile_step if here else None,
                        max_micro=max_micro, log=log)
     tried = [{k: v for k, v in t.items() if k != "compiled"} for t in result["tried"]]
     out = {"budget_gib": args.fit, "usable_bytes": usable_bytes(args.fit), "devices": args.devices,
@@ -98,7 +98,8 @@ def fit_mesh_and_step(args, spec, global_batch: int, max_micro: int | None) -> i
 def fit_seq(parser, args, spec, mesh_text) -> int:
     """`--fit-seq GIB`: the longest sequence that fits (search.fit_seq); on a mesh the step's
     per-device compiled peak decides, on one device the run's largest phase."""
-    from jaxmem.memory.mesh import compile_per_device, resolve
+    from jaxmem.memory.compiled import compile_step
+    from jaxmem.memory.mesh import resolve
     from jaxmem.memory.search import fit_seq as search_fit_seq
     if args.fit is not None:
         parser.error("--fit-seq searches the sequence length, --fit the batch: drop one")
@@ -113,7 +114,7 @@ def fit_seq(parser, args, spec, mesh_text) -> int:
         where = f"step per device ({mesh})"
         result = search_fit_seq(spec, budget, lambda s, step: {
             "peak_bytes": step["peak_bytes"], "peak_phase": where},
-            compile_fn=lambda s, m: compile_per_device(s, str(m)), log=log, mesh=mesh)
+            compile_fn=compile_step, log=log, mesh=mesh)
         result["mesh"] = str(mesh)
     else:
         sample, cache = SampleShape.of(RunConfig().replace(given_overrides(args))), {}
@@ -156,11 +157,11 @@ def format_fit_seq(result: dict, budget_gib: float) -> list[str]:
 
 def fit_mesh(args, spec) -> int:
     """`--fit GIB --devices N`: the first mesh whose per-device peak fits, else exit 1."""
-    from jaxmem.memory.mesh import compile_per_device
+    from jaxmem.memory.compiled import compile_step
     from jaxmem.memory.search import fit_mesh as search_fit_mesh, mesh_candidates
     result = search_fit_mesh(
         spec, mesh_candidates(spec, target.device_count()), usable_bytes(args.fit),
-        lambda s, m: compile_per_device(s, str(m)), log=None if args.json else (
+        compile_step, log=None if args.json else (
             lambda t: print(f"  mesh {t['mesh']}: {t['reason']}", file=sys.stderr, flush=True)))
     tried = [{"mesh": t["mesh"], "peak_bytes": t["peak_bytes"], "fits": t["fits"],
               "reason": t["reason"], "collectives": (t.get("compiled") or {}).get("collectives")}

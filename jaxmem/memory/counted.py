@@ -36,6 +36,7 @@ import jaxmem.parallel.rules as rules
 from jaxmem.memory.spec import StepSpec
 from jaxmem.model.roles import param_role
 from jaxmem.paths import in_layers, key_name
+from jaxmem.train.placement import Placement
 
 
 class Kind(enum.Enum):
@@ -206,7 +207,7 @@ def count_frozen(spec: StepSpec, sizes: dict[str, int]) -> list[Component]:
     """A LoRA step's frozen base on one device: its stacked layers (on the host with
     --offload-base host) and the rest (embedding, head, final norm: always on the device)."""
     leaves = _frozen_leaves(spec, sizes)
-    host = spec.offload_base == "host"
+    host = Placement(None, spec.offload_base).base_on_host
     q = spec.trainable
     kind = getattr(q, "quantize", "none") + ("+dq" if getattr(q, "double_quant", False) else "")
     return (_group(Kind.FROZEN, f"frozen layers {kind}" + (" (host)" if host else ""),
@@ -226,7 +227,7 @@ def layer_in_flight(spec: StepSpec, sizes: dict[str, int]) -> list[Component]:
     L, t = spec.model.num_layers, sizes.get("tensor", 1)
     out = []
     frozen = [x for x in _frozen_leaves(spec, sizes) if in_layers(x[0])]
-    if frozen and spec.offload_base == "host":
+    if frozen and Placement(None, spec.offload_base).base_on_host:
         out.append(Component(Kind.LAYER, "frozen layer copied from the host",
                              sum(b for _, _, b in frozen) // L, _dtypes(frozen), Phase.BACKWARD))
     if fsdp > 1 and frozen:

@@ -2,28 +2,20 @@
 (jaxmem.memory.analytic, counted under the sharding rules) and XLA's own numbers.
 
     mesh_report(spec, "fsdp=8")           both, for `python -m jaxmem.memory --mesh`
-    compile_per_device(spec, "fsdp=8")    the step compiled for the mesh: memory_analysis() is
-                                          per device; with --offload-base host the arguments in
-                                          host memory apart (`host_split`)
+                                          (jaxmem.memory.compiled.compile_step on the mesh:
+                                          memory_analysis() is per device)
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import jax
-
 from jaxmem import target
 from jaxmem.memory.analytic import analytic_breakdown
-from jaxmem.xla.collectives import comm_line, comm_report
-from jaxmem.memory.compiled import compiled_stats
-from jaxmem.memory.counted import abstract_frozen, abstract_state, abstract_step_batch
+from jaxmem.xla.collectives import comm_line
+from jaxmem.memory.compiled import compile_step, placement
 from jaxmem.memory.spec import StepSpec
-from jaxmem.parallel.mesh import MeshSpec, run_mesh
-from jaxmem.train.placement import Placement
-from jaxmem.parallel.rules import batch_sharding
-from jaxmem.peft.offload import abstract_in_host_memory
-from jaxmem.xla.hlo import entry_argument_bytes
+from jaxmem.parallel.mesh import MeshSpec
 
 
 def resolve(spec: StepSpec, mesh_text: str | None, devices: int | None = None) -> MeshSpec:
@@ -34,54 +26,18 @@ def resolve(spec: StepSpec, mesh_text: str | None, devices: int | None = None) -
     return mesh
 
 
-def compile_per_device(spec: StepSpec, mesh_text: str | None, keep_hlo: bool = False) -> dict:
-    """The train step compiled for the mesh over this host's devices (None, or one device:
-    the single-device step); XLA's per-device memory numbers, the HLO's collectives (static
-    ops per kind) and "communication": bytes per device per step (jaxmem.xla.collectives
-    .comm_report). keep_hlo: also the optimized HLO text ("hlo")."""
-    step_cfg, loss_scale = spec.step_config()
-    state = abstract_state(spec)
-    batch = abstract_step_batch(spec)
-    frozen = abstract_frozen(spec)  # LoRA: the frozen base, the step's third argument
-    base = spec.trainable.step_args(frozen)
-    mesh = run_mesh(mesh_text, spec.model, spec.batch_size, seq_len=spec.seq_len) if mesh_text else None
-    offload = spec.offload_base == "host"  # LoRA only: step_config() refuses it otherwise
-    if mesh is None:
-        par = Placement.single()
-        if offload:  # the block layers in pinned host memory, as the run places them
-            base = (abstract_in_host_memory(frozen),)
-        lowered = par.train_step(step_cfg, state).lower(state, batch, *base)
-    else:
-        par = Placement.on(mesh, spec.offload_base)
-        if offload:
-            base = (jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                 frozen, par.base_shardings(step_cfg)),)
-        state = par.abstract(state)
-        bs = batch_sharding(mesh)
-        batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=bs) for k, v in batch.items()}
-        lowered = par.train_step(step_cfg, state).lower(state, batch, *base)
-    compiled = lowered.compile()
-    stats, flops = compiled_stats(compiled)
-    hlo = compiled.as_text()
-    comm = comm_report(hlo)
-    return {**stats, "flops": flops,
-            "collectives": {k: r["ops"] for k, r in comm["by_kind"].items()},
-            "communication": comm, **host_split(compiled, stats, hlo),
-            **({"hlo": hlo} if keep_hlo else {})}
-
-
 def mesh_report(spec: StepSpec, mesh_text: str | None, compile: bool = True) -> dict:
     """Per-device analytic breakdown and compiled numbers of `spec` on the mesh over this host's
     devices (jaxmem.memory --mesh); with --offload-base host also the analytic figure without
     offload ("analytic_without_offload"). compile False: "compiled" is None."""
     mesh = resolve(spec, mesh_text)
     analytic = analytic_breakdown(spec, mesh)
-    compiled = (compile_per_device(spec, str(mesh) if target.device_count() > 1 else None)
+    compiled = (compile_step(spec, mesh if target.device_count() > 1 else None)
                 if compile else None)
     out = {"mesh": str(mesh), "devices": target.device_count(), "backend": target.platform(),
            "compiler": target.compiler(),
            "analytic": analytic, "compiled": compiled}
-    if spec.offload_base == "host":
+    if placement(spec, None).base_on_host:
         on_device = dataclasses.replace(spec, offload_base="none")
         out["analytic_without_offload"] = analytic_breakdown(on_device, mesh)["total_bytes"]
     return out
@@ -112,17 +68,6 @@ def format_mesh_report(r: dict) -> str:
                   f"{k} {v}" for k, v in c["collectives"].items()),
               comm_line(c["communication"])]
     return "\n".join(lines + format_compiled_host(c, mib, "analytic_without_offload" in r))
-
-
-def host_split(compiled, stats: dict, hlo_text: str) -> dict:
-    """{"host_argument_bytes", "device_peak_bytes"} of a compiled step: the host arguments as
-    memory_analysis() reports them apart (GPU), else as the entry layout marks them (XLA:CPU,
-    where they are inside argument_size_in_bytes and so taken out of the device peak)."""
-    reported = int(getattr(compiled.memory_analysis(), "host_argument_size_in_bytes", 0) or 0)
-    marked = 0 if reported else entry_argument_bytes(hlo_text)[0]
-    return {"host_argument_bytes": reported or marked,
-            "host_source": "memory_analysis" if reported else "entry layout S(5)",
-            "device_peak_bytes": stats["peak_bytes"] - marked}
 
 
 def compare_line(r: dict) -> str:

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 
 from jaxmem.memory.activations import FP32, layer_residuals, outside_residuals
 from jaxmem.memory.analytic import analytic_breakdown
-from jaxmem.memory.compiled import compile_eval, compile_import, compile_sample, compile_state
+from jaxmem.memory.compiled import compile_phase
 from jaxmem.memory.counted import (Kind, Where, abstract_frozen, abstract_state, compute_copy,
                                    count_frozen, count_state, largest_param_leaf, tree_bytes)
 from jaxmem.memory.spec import StepSpec
@@ -189,18 +189,6 @@ def _held_outside(spec: StepSpec) -> dict:
             "sample": state_bytes - param_bytes}
 
 
-def _compile_phase(name: str, spec: StepSpec, sample: SampleShape) -> dict:
-    if name == "import":  # peak_bytes: what the import needs beyond the finished base
-        return compile_import(spec)
-    if name == "state":
-        return compile_state(spec)
-    if name == "eval":
-        return compile_eval(spec)
-    limit = spec.model.max_position_embeddings
-    return compile_sample(spec, sample.n_prompt(limit), sample.total(limit), sample.temperature,
-                          sample.top_k, sample.dtype)
-
-
 def run_phases(spec: StepSpec, sample: SampleShape | None = None, compile: bool = False,
                step_compiled: dict | None = None, step_measured: int | None = None,
                cache: dict | None = None) -> dict:
@@ -223,11 +211,12 @@ def run_phases(spec: StepSpec, sample: SampleShape | None = None, compile: bool 
         a = analytic[name]
         compiled, program, source = None, None, "analytic"
         if name == "step" and step_compiled is not None:
-            compiled, source = int(step_compiled["peak_bytes"]), "compiled"
+            compiled, source = int(step_compiled.get("device_peak_bytes",
+                                              step_compiled["peak_bytes"])), "compiled"
         elif compile and name != "step":
             key = (name, None if name == "import" else spec.mu_dtype,
                    spec.batch_size if name == "eval" else None)
-            program = (cache or {}).get(key) or _compile_phase(name, spec, sample)
+            program = (cache or {}).get(key) or compile_phase(name, spec, sample=sample)
             if cache is not None:
                 cache[key] = program
             compiled, source = program["peak_bytes"] + outside[name], "compiled"

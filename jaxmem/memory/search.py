@@ -223,7 +223,8 @@ class Decider:
     analytic_fn(spec, mesh) -> jaxmem.memory.analytic.analytic_breakdown's dict;
     phases_fn(spec, compiled) -> jaxmem.memory.phases.run_phases' dict: the run's largest phase
         decides instead of the step alone (one device only);
-    analytic_first: rule out by the analytic peak x band[0] (and a floor) before compiling.
+    analytic_first: rule out by the arguments, the analytic peak x band[0] and a floor before
+        compiling (False: compile every candidate, as `fit_mesh` does to show each mesh's peak).
     """
 
     budget: int
@@ -245,7 +246,7 @@ class Decider:
         a = self.analytic_fn(s, mesh) if (self.analytic_first and self.analytic_fn) else None
         if a is not None:
             entry.update(analytic_bytes=int(a["total_bytes"]), host_bytes=int(a["host_bytes"]))
-        if args > self.budget:
+        if self.analytic_first and args > self.budget:
             return {**entry, "fits": False, "peak_bytes": None, "decided_by": "arguments",
                     "reason": f"arguments alone {args / GiB:.3f} GiB > {budget} (not compiled)"}
         if a is not None and a["total_bytes"] * self.band[0] > self.budget:
@@ -269,7 +270,8 @@ class Decider:
                          peak_bytes=peak, run_peak_bytes=peak)
             what = "analytic (not compiled here)"
         else:
-            peak = int(compiled["peak_bytes"])
+            # the device's peak: arguments in pinned host memory are not on the device
+            peak = int(compiled.get("device_peak_bytes", compiled["peak_bytes"]))
             entry.update(decided_by="compiled", peak_bytes=peak, run_peak_bytes=peak,
                          compiled=compiled, host_bytes=int(compiled.get(
                              "host_argument_bytes", compiled.get("host_bytes", 0)) or 0))
