@@ -54,6 +54,7 @@ from jaxmem import target
 from jaxmem.config.flags import (PLANNER_ONLY, PLANNER_SECTIONS, add_run_flags, given_overrides,
                                  positive_int)
 from jaxmem.config.run import RunConfig
+from jaxmem.model.precision import get_precision
 from jaxmem.memory import commands
 from jaxmem.memory.measure import run_worker
 from jaxmem.memory.spec import StepSpec
@@ -159,8 +160,9 @@ def main(argv=None) -> int:
         if args.measure:
             parser.error("--measure runs real steps on this machine's device; --target only "
                          "compiles for a GPU that is not here: drop one of them")
-        if given_overrides(args).get("precision.mode") == "fp8":
-            from jaxmem.model.fp8_compile import set_xla_flags  # the flags an fp8 run gets (train CLI)
+        mode = given_overrides(args).get("precision.mode", RunConfig().precision.mode)
+        if get_precision(mode).fp8:  # the XLA flags an fp8 run gets (train CLI), before start
+            from jaxmem.model.fp8_compile import set_xla_flags
             set_xla_flags()
         target.prepare()
         try:
