@@ -270,3 +270,22 @@ def test_measured_peak_near_compiled():
     compiled = compile_step(spec)["peak_bytes"]
     assert m["peak_bytes"] is not None
     assert 0.8 * compiled <= m["peak_bytes"] <= 1.5 * compiled
+
+
+@pytest.mark.slow  # four compiles of the toy
+@pytest.mark.parametrize("precision", ["fp32", "amp-bf16"])
+def test_the_mu_dtype_floor_is_below_the_compiled_peak(precision):
+    """search.by_speed rules a bf16 mu out when its fp32 sibling's compiled peak less 3 x the
+    moments it saves (counted) is over the budget: that floor must never exceed the bf16
+    candidate's own compiled peak (else a fitting candidate could be ruled out)."""
+    import dataclasses
+
+    from jaxmem.memory.search import _moment_bytes
+    for remat in ("none", "full"):
+        fp32 = StepSpec(CFG, get_precision(precision), RematPolicy.parse(remat), 2, 24,
+                        mu_dtype="fp32")
+        bf16 = dataclasses.replace(fp32, mu_dtype="bf16")
+        saved = _moment_bytes(fp32) - _moment_bytes(bf16)
+        assert saved > 0
+        floor = compile_step(fp32)["peak_bytes"] - 3 * saved
+        assert floor <= compile_step(bf16)["peak_bytes"], (remat, floor)

@@ -28,7 +28,7 @@ import importlib
 # public name -> the module that defines it
 _EXPORTS = {
     "analyze": "jaxmem.xla.analysis", "MemoryAnalysis": "jaxmem.xla.analysis",
-    "Residual": "jaxmem.xla.analysis",
+    "Residual": "jaxmem.xla.residuals",
     "analytic_breakdown": "analytic", "rule_of_thumb": "analytic",
     "argument_bytes": "compiled", "compile_step": "compiled", "compiled_stats": "compiled",
     "grad_step_report": "compiled",

@@ -39,10 +39,9 @@ from jaxmem.remat import RematError
 # attention and the MLP's two wide inputs (docs/remat.md measures it).
 PLANNER_NAMES = "names:query,key,value,mlp_gate,mlp_up"
 
-# compiled peak / analytic peak, measured on the CPU backend: fp32 0.95-1.04 on every preset,
-# 16-bit 1.0-1.8 (CPU bf16 keeps fp32 temporaries; docs/memory.md's tables), tiny at 8 x 512
-# 0.890-1.021 over the 15 candidates of experiments/tables/fit_speed.py (the lowest: full remat).
-# Only the lower end rules candidates out, so it is the lowest ratio measured, rounded down.
+# compiled / analytic peak on the CPU backend: fp32 0.95-1.04 on every preset, 16-bit up to 1.8
+# (CPU bf16 keeps fp32 temporaries; docs/memory.md), tiny at 8 x 512 0.890-1.021 over the 15
+# candidates of experiments/tables/fit_speed.py. Only the lower end rules candidates out.
 ANALYTIC_BAND = (0.88, 1.6)
 GRANULE = 1024  # --fit-seq's step in tokens
 
@@ -55,14 +54,17 @@ class Candidate:
     why_floor: str = ""
 
 
-def search(candidates, decide) -> dict:
+def search(candidates, decide, log=None) -> dict:
     """Decide what `candidates` (a generator of Candidate, sent each decided entry) proposes;
-    the chosen one is the last that fit (a generator that wants the first stops there)."""
+    the chosen one is the last that fit (a generator that wants the first stops there).
+    log(entry): called with each entry as it is decided (progress)."""
     tried, chosen, compiles = [], None, 0
     try:
         cand = next(candidates)
         while True:
             entry = decide(cand)
+            if log:
+                log(entry)
             compiles += entry["decided_by"] == "compiled"
             tried.append(entry)
             if entry["fits"]:
@@ -74,7 +76,7 @@ def search(candidates, decide) -> dict:
             "compiles": compiles}
 
 
-def _first_fit(cands):
+def _first_fit(cands):  # a generator that stops at the first candidate that fits
     for c in cands:
         entry = yield c
         if entry["fits"]:
@@ -297,7 +299,7 @@ def plan(base: StepSpec, global_batch: int, budget_bytes: int, mu_dtypes=("fp32"
     one = compile_fn or compile_step
     decide = Decider(budget_bytes, lambda s, m: one(s), lambda s, m: analytic_breakdown(s),
                      phases_fn, analytic_first, band)
-    return search(by_speed(base, global_batch, mu_dtypes, max_micro), _logged(decide, log))
+    return search(by_speed(base, global_batch, mu_dtypes, max_micro), decide, log)
 
 
 def plan_mesh(base: StepSpec, meshes, global_batch: int, budget_bytes: int, analytic_fn,
@@ -306,7 +308,7 @@ def plan_mesh(base: StepSpec, meshes, global_batch: int, budget_bytes: int, anal
     """--fit --devices: the first (mesh, micro-batch, remat, loss chunk) whose per-device peak
     fits; compile_fn None (--analytic-only): the analytic peak decides."""
     decide = Decider(budget_bytes, compile_fn or (lambda s, m: None), analytic_fn, band=band)
-    return search(by_mesh(base, meshes, global_batch, max_micro), _logged(decide, log))
+    return search(by_mesh(base, meshes, global_batch, max_micro), decide, log)
 
 
 def fit_seq(spec: StepSpec, budget_bytes: int, phases_fn, granule: int = GRANULE,
@@ -326,7 +328,7 @@ def fit_seq(spec: StepSpec, budget_bytes: int, phases_fn, granule: int = GRANULE
             e["reason"] = (f"{e['peak_phase']} {e['run_peak_bytes'] / GiB:.3f} GiB "
                            f"{'<=' if e['fits'] else '>'} budget {budget_bytes / GiB:.3f} GiB")
         return e
-    r = search(by_length(spec, granule, mesh), _logged(by_phase, log))
+    r = search(by_length(spec, granule, mesh), by_phase, log)
     top = _round(cap, granule)
     fit = r["chosen"]
     return {**r, "limit": "max_position_embeddings" if fit and fit["seq_len"] == top and
@@ -337,16 +339,5 @@ def fit_seq(spec: StepSpec, budget_bytes: int, phases_fn, granule: int = GRANULE
 def fit_mesh(spec: StepSpec, meshes, budget_bytes: int, compile_fn, log=None) -> dict:
     """--fit --devices for a full fine-tune: the first mesh whose per-device compiled peak
     fits, the step itself (batch, remat, precision) as given."""
-    return search(meshes_only(spec, meshes), _logged(Decider(budget_bytes, compile_fn,
-                                                              analytic_first=False), log))
-
-
-def _logged(decide, log):
-    if log is None:
-        return decide
-
-    def logged(cand):
-        entry = decide(cand)
-        log(entry)
-        return entry
-    return logged
+    return search(meshes_only(spec, meshes), Decider(budget_bytes, compile_fn,
+                                                     analytic_first=False), log)
