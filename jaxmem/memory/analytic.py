@@ -33,9 +33,9 @@ params-sized update buffer (activations are freed by then; at full size with rem
 sets the peak: 5 x 4 B/param in fp32); adamw8bit updates in place (AdamW8bitInPlace): only
 its small leaves and one piece of a large one (update_8bit_working_set).
 
-With `--offload-base host` (LoRA) the frozen block layers are in host memory: counted as phase
-"host" (`host_bytes`), in no device phase, and one layer's copy joins the backward phase
-(jaxmem.memory.lora_mesh).
+With `--offload-base host` (LoRA) the frozen block layers are in host memory (`Where.HOST`,
+`host_bytes`), in no device phase, and one layer's copy joins the backward phase
+(jaxmem.memory.counted.layer_in_flight).
 
 One layer's backward includes, where the policy recomputes the MLP, its backward's working set
 (mlp_backward): the lean SwiGLU keeps fewer residuals than its backward allocates. Sizes are in

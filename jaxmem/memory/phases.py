@@ -166,14 +166,15 @@ def analytic_phases(spec: StepSpec, sample: SampleShape | None = None) -> dict:
 def _sample_cast(spec: StepSpec, dtype) -> int:
     """What the sampler makes of the params it is given (jaxmem.memory.compiled.sample_params,
     counted) in `dtype`: every floating leaf that is not a norm and not stored in `dtype` cast,
-    and a quantized base's layer dequantized at a time."""
+    and a quantized base's largest projection dequantized (one at a time)."""
     from jaxmem.memory.compiled import sample_params  # noqa: PLC0415
     params = sample_params(spec)
     sd = jnp.dtype(dtype)
     cast = sum(int(x.size) * sd.itemsize for path, x in jax.tree_util.tree_leaves_with_path(params)
                if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype) != sd
                and param_role(path) != "norm")
-    return cast + sum(math.prod(q.shape) for q in _quantized(params)) * sd.itemsize
+    # a forward dequantizes one projection at a time (the largest bounds it)
+    return cast + max((math.prod(q.shape) for q in _quantized(params)), default=0) * sd.itemsize
 
 
 def _held_outside(spec: StepSpec) -> dict:

@@ -39,7 +39,7 @@ class StepSpec:
         None: the path jaxmem.model.attention.attention_path picks for this step's shapes.
     optimizer: `--optimizer` (adamw, adamw8bit, adafactor, lion).
     offload_base: `--offload-base`: "host" keeps a LoRA run's frozen block layers in pinned host
-        memory, each layer moved to the device inside the layer scan (jaxmem.memory.lora_mesh).
+        memory, each layer moved to the device inside the layer scan (jaxmem.memory.counted).
     """
 
     model: ModelConfig
