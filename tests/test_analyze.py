@@ -43,7 +43,7 @@ def test_agrees_with_jaxmem_memory_compile_step_to_the_byte():
     from jaxmem.model.precision import get_precision
     from jaxmem.train.step import jit_train_step
 
-    spec = StepSpec(get_preset("tiny", num_layers=1), get_precision("fp32"), RematPolicy(), 2, 32)
+    spec = StepSpec.of(get_preset("tiny", num_layers=1), get_precision("fp32"), RematPolicy(), 2, 32)
     args = (abstract_state(spec), abstract_step_batch(spec), abstract_frozen(spec))
     step = jit_train_step(spec.step_config()[0])
     raw = step.lower(*args).compile().memory_analysis()

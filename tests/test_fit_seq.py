@@ -15,7 +15,7 @@ from jaxmem.memory.spec import StepSpec
 def _spec(seq_len=2048, max_pos=131072):
     cfg = RunConfig().replace({"model.preset": "tiny", "model.max_position_embeddings": max_pos,
                                "data.seq_len": min(seq_len, max_pos)})
-    return dataclasses.replace(StepSpec.from_run_config(cfg), seq_len=seq_len)
+    return StepSpec.from_run_config(cfg).replace(seq_len=seq_len)
 
 
 def _linear(per_token, fixed=0):

@@ -46,7 +46,7 @@ def test_import_phase_compiles_the_imports_own_programs(tmp_path, monkeypatch):
     hf = tmp_path / "hf"
     save_hf(hf, CFG, random_params(CFG))  # float32 safetensors + config.json
     lora = LoraSpec(8, quantize="nf4", double_quant=True)
-    spec = StepSpec(CFG, get_precision("amp-bf16"), RematPolicy.parse("full"), 1, 32, trainable=lora)
+    spec = StepSpec.of(CFG, get_precision("amp-bf16"), RematPolicy.parse("full"), 1, 32, trainable=lora)
 
     calls = []
     real = peft_base.layer_quantizer
@@ -99,13 +99,13 @@ def test_import_phase_compiles_the_imports_own_programs(tmp_path, monkeypatch):
 
 
 def test_import_phase_of_an_unquantized_base_is_the_base():
-    spec = StepSpec(CFG, get_precision("amp-bf16"), RematPolicy.parse("full"), 1, 32,
+    spec = StepSpec.of(CFG, get_precision("amp-bf16"), RematPolicy.parse("full"), 1, 32,
                     trainable=LoraSpec(8))
     assert compile_phase("import", spec) == {"peak_bytes": 0, "roles": {}}
     r = run_phases(spec, SampleShape(max_new_tokens=0), compile=True,
                    step_compiled={"peak_bytes": 0})
     row = {x["name"]: x for x in r["phases"]}["import"]
     assert row["compiled_bytes"] == row["outside_bytes"] == tree_bytes(abstract_frozen(spec))
-    full = StepSpec(CFG, get_precision("fp32"), RematPolicy.parse("full"), 1, 32)
+    full = StepSpec.of(CFG, get_precision("fp32"), RematPolicy.parse("full"), 1, 32)
     assert "import" not in {x["name"] for x in run_phases(full, SampleShape(max_new_tokens=0))[
         "phases"]}

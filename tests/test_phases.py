@@ -30,7 +30,7 @@ def test_eval_fused_loss_equals_full_logits(loss_chunk):
     """make_eval_fn (token_loss, fused LM head) gives the old eval's value: full [B, T, V] fp32
     logits through cross_entropy, tiny preset, fp32, with padding; measured max rel diff ~1e-7,
     compared under tests/numerics.py's policy (the fused head adds in another order)."""
-    spec = StepSpec(get_preset("tiny"), get_precision("fp32"), RematPolicy.parse("full"), 4, 128,
+    spec = StepSpec.of(get_preset("tiny"), get_precision("fp32"), RematPolicy.parse("full"), 4, 128,
                     loss_chunk=loss_chunk)
     cfg = spec.step_config()[0]
     params = init_params(spec.model, jax.random.PRNGKey(0))
@@ -60,7 +60,7 @@ def test_eval_phase_not_above_step_small():
     under the step, and holds no [B, T, V] logits (the old eval's, loss_chunk 0, measured
     2026-11-23: fused 39.6 MiB, unfused 91.0, step 226.6 at B = 4, T = 256)."""
     def spec(loss_chunk):
-        return StepSpec(WIDE_VOCAB, get_precision("amp-bf16"), RematPolicy.parse("full"), 2, 128,
+        return StepSpec.of(WIDE_VOCAB, get_precision("amp-bf16"), RematPolicy.parse("full"), 2, 128,
                         loss_chunk=loss_chunk)
     step = compile_step(spec(32))["peak_bytes"]
     fused, unfused = _eval_phase(spec(32)), _eval_phase(spec(0))
@@ -73,7 +73,7 @@ def test_eval_phase_not_above_step_small():
 def test_1b_eval_and_sample_phases_not_above_step():
     """llama-3.2-1b amp-bf16 full 8 x 2048, compile only (CPU: 34 s alone, ~2.5 min under load here): measured 2026-11-23,
     step 25.50 GiB, eval phase 19.00 (the old full-logits eval: see docs/memory.md), sample 21.44."""
-    spec = StepSpec(get_preset("llama-3.2-1b"), get_precision("amp-bf16"),
+    spec = StepSpec.of(get_preset("llama-3.2-1b"), get_precision("amp-bf16"),
                     RematPolicy.parse("full"), 8, 2048)
     step = compile_step(spec)
     r = run_phases(spec, SampleShape(), compile=True, step_compiled=step)
@@ -86,7 +86,7 @@ def test_1b_eval_and_sample_phases_not_above_step():
 def test_phases_compiled_and_the_largest_decides():
     """tiny amp-bf16, 2 x 64: each phase compiled; the run's peak is the largest of them; the
     state program outputs exactly the state; the sampler's arguments are the stored params."""
-    spec = StepSpec(get_preset("tiny", num_layers=2), get_precision("amp-bf16"),
+    spec = StepSpec.of(get_preset("tiny", num_layers=2), get_precision("amp-bf16"),
                     RematPolicy.parse("full"), 2, 64)
     step = compile_step(spec)
     r = run_phases(spec, SampleShape(max_new_tokens=16), compile=True, step_compiled=step)
@@ -113,7 +113,7 @@ def test_analytic_phases_follow_the_config():
     """No sample when max_new_tokens is 0; the sample's buffer is capped at the model's positions;
     the state phase is the state plus one fp32 params leaf."""
     c = get_preset("tiny")
-    spec = StepSpec(c, get_precision("fp32"), RematPolicy.parse("full"), 2, 64)
+    spec = StepSpec.of(c, get_precision("fp32"), RematPolicy.parse("full"), 2, 64)
     assert "sample" not in analytic_phases(spec, SampleShape(max_new_tokens=0))
     assert SampleShape(max_new_tokens=10_000).total(c.max_position_embeddings) == 512
     assert SampleShape(max_new_tokens=10).total(512) == 74
@@ -150,7 +150,7 @@ def test_lora_sample_phase_compiles_what_the_run_samples_with(quantize):
     from jaxmem.peft.lora import LoraSpec
     c = get_preset("tiny")
     lora = LoraSpec(8, quantize=quantize, double_quant=quantize == "nf4")
-    spec = StepSpec(c, get_precision("amp-bf16"), RematPolicy.parse("full"), 1, 64, trainable=lora)
+    spec = StepSpec.of(c, get_precision("amp-bf16"), RematPolicy.parse("full"), 1, 64, trainable=lora)
     host = jax.tree_util.tree_map(np.asarray, init_params(c, jax.random.PRNGKey(0)))
     frozen = base_on_device(host, lora, spec.precision.compute_dtype)  # the run's import
     adapters = Placement.single().state_creation(*spec.step_config(), seed=0)().params  # the run's
@@ -165,7 +165,7 @@ def test_lora_sample_phase_compiles_what_the_run_samples_with(quantize):
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
     tokens = n_prompt * 4 + n_prompt * 1 + key.size * key.dtype.itemsize  # ids, valid, key
     assert lora_prog["argument_bytes"] == tree_bytes(run_params) + tokens
-    plain = StepSpec(c, get_precision("fp32"), RematPolicy.parse("full"), 1, 64)
+    plain = StepSpec.of(c, get_precision("fp32"), RematPolicy.parse("full"), 1, 64)
     plain_prog = compile_phase("sample", plain, sample=shape)
     assert lora_prog["argument_bytes"] < plain_prog["argument_bytes"]
     if quantize != "none":  # (a bf16 base: XLA:CPU emulates bf16 with fp32 copies in its temp)
@@ -188,7 +188,7 @@ def test_adamw8bit_update_has_no_params_sized_buffer(monkeypatch):
     monkeypatch.setattr(sr, "CHUNK", 2**12)
     c = ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=1024, num_layers=2,
                     num_heads=4, num_kv_heads=4, max_position_embeddings=64)
-    spec = StepSpec(c, get_precision("fp32"), RematPolicy.parse("full"), 1, 16,
+    spec = StepSpec.of(c, get_precision("fp32"), RematPolicy.parse("full"), 1, 16,
                     optimizer="adamw8bit")
     compiled = compile_step(spec)
     a = analytic_breakdown(spec)

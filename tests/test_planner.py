@@ -52,7 +52,7 @@ def jax_saved_bytes(spec: StepSpec) -> int:
                                    "names:query,key,value,mlp_gate,mlp_up", "names:" + ",".join(TAGS)])
 def test_saved_activations_match_jax(precision, remat):
     """Formula = jax's saved residuals to 0.5% (measured: 0.05-0.35% below, a few [B, T] ints)."""
-    spec = StepSpec(CFG, get_precision(precision), RematPolicy.parse(remat), 2, 24,
+    spec = StepSpec.of(CFG, get_precision(precision), RematPolicy.parse(remat), 2, 24,
                     attention="xla")
     a = analytic_breakdown(spec)
     compute_copy = {c["name"]: c["bytes"] for c in a["components"]}["params (compute copy)"]
@@ -71,7 +71,7 @@ def test_analytic_within_15_percent_of_compiled(remat, batch):
     """fp32 on CPU (bf16 is emulated there, docs/memory.md): tiny preset, B x 256 tokens.
     Measured 2026-11-23: none 2 x 256 1.083, full 2 x 256 1.101, full 8 x 256 1.066 (0.838
     before the MLP backward's working set was counted)."""
-    spec = StepSpec(get_preset("tiny"), get_precision("fp32"), RematPolicy.parse(remat), batch,
+    spec = StepSpec.of(get_preset("tiny"), get_precision("fp32"), RematPolicy.parse(remat), batch,
                     256, attention="xla")
     compiled = compile_step(spec)["peak_bytes"]
     ratio = analytic_breakdown(spec)["total_bytes"] / compiled
@@ -79,7 +79,7 @@ def test_analytic_within_15_percent_of_compiled(remat, batch):
 
 
 def test_candidate_order():
-    base = StepSpec(CFG, get_precision("fp32"), RematPolicy(), 1, 24)
+    base = StepSpec.of(CFG, get_precision("fp32"), RematPolicy(), 1, 24)
     c = candidates(base, 4)
     keys = [(s.batch_size, str(s.remat), s.mu_dtype) for s in c]
     assert keys[:3] == [(4, "none", "fp32"), (4, "none", "bf16"), (4, "dots_no_batch", "fp32")]
@@ -93,7 +93,7 @@ def test_candidate_order():
 @pytest.mark.slow  # two compiles: 9 s of CPU cold
 def test_planner_never_recommends_over_budget():
     small = CFG.replace(num_layers=2)
-    base = StepSpec(small, get_precision("fp32"), RematPolicy(), 2, 64)
+    base = StepSpec.of(small, get_precision("fp32"), RematPolicy(), 2, 64)
     cache = {}
 
     def compiled(spec):  # real compiles, each configuration once
@@ -122,7 +122,7 @@ def test_planner_never_recommends_over_budget():
 def test_analytic_first_rules_out_only_what_does_not_fit():
     """Same choice as compiling every candidate, fewer compiles, and each candidate ruled out by
     the analytic model really is over the budget when compiled."""
-    base = StepSpec(CFG, get_precision("fp32"), RematPolicy(), 4, 24)
+    base = StepSpec.of(CFG, get_precision("fp32"), RematPolicy(), 4, 24)
     cache = {}
 
     def compiled(spec):
@@ -147,7 +147,7 @@ def test_analytic_first_rules_out_only_what_does_not_fit():
 
 def test_planner_rejects_with_fake_compiler_and_errors():
     """The rule is on the compiled peak, whatever the analytic model says; errors reject."""
-    base = StepSpec(CFG, get_precision("fp32"), RematPolicy(), 1, 24)
+    base = StepSpec.of(CFG, get_precision("fp32"), RematPolicy(), 1, 24)
     peaks = iter([None, 10**9, 5 * 10**6])
 
     def fake(spec):
@@ -175,7 +175,7 @@ def test_fit_and_verdict_share_one_budget_rule(monkeypatch, device_gib, fraction
         monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     else:
         monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", fraction)
-    base = StepSpec(CFG, get_precision("fp32"), RematPolicy(), 1, 24)
+    base = StepSpec.of(CFG, get_precision("fp32"), RematPolicy(), 1, 24)
     usable = usable_bytes(device_gib)
     for peak in (usable - 1, usable, usable + 1, int(37.59 * 2**30)):
         result = plan(base, 1, usable, mu_dtypes=("fp32",), analytic_first=False,
@@ -213,7 +213,7 @@ def test_cli_nothing_fits_exits_1():
     assert p.returncode == 1, p.stderr
     assert "nothing fits in 0.001 GiB" in p.stderr
     assert p.stdout.count("arguments alone") == len(candidates(
-        StepSpec(get_preset("tiny"), get_precision("fp32"), RematPolicy(), 1, 32), 2))
+        StepSpec.of(get_preset("tiny"), get_precision("fp32"), RematPolicy(), 1, 32), 2))
 
 
 @pytest.mark.slow  # a compile here and another in the --measure subprocess
@@ -265,7 +265,7 @@ def test_bad_input_exits_2(argv, needle):
 @pytest.mark.gpu
 def test_measured_peak_near_compiled():
     """On a GPU: the device's peak after real steps, own process, against XLA's plan."""
-    spec = StepSpec(get_preset("small"), get_precision("fp32"), RematPolicy(), 2, 512)
+    spec = StepSpec.of(get_preset("small"), get_precision("fp32"), RematPolicy(), 2, 512)
     m = measure_in_subprocess(spec)
     compiled = compile_step(spec)["peak_bytes"]
     assert m["peak_bytes"] is not None
@@ -282,9 +282,9 @@ def test_the_mu_dtype_floor_is_below_the_compiled_peak(precision):
 
     from jaxmem.memory.search import _moment_bytes
     for remat in ("none", "full"):
-        fp32 = StepSpec(CFG, get_precision(precision), RematPolicy.parse(remat), 2, 24,
+        fp32 = StepSpec.of(CFG, get_precision(precision), RematPolicy.parse(remat), 2, 24,
                         mu_dtype="fp32")
-        bf16 = dataclasses.replace(fp32, mu_dtype="bf16")
+        bf16 = fp32.replace(mu_dtype="bf16")
         saved = _moment_bytes(fp32) - _moment_bytes(bf16)
         assert saved > 0
         floor = compile_step(fp32)["peak_bytes"] - 3 * saved

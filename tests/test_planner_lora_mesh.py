@@ -59,7 +59,7 @@ def _spec(overrides):
 @pytest.fixture(scope="module")
 def headline():
     spec = _spec(HEADLINE)
-    on_device = dataclasses.replace(spec, offload_base="none")
+    on_device = spec.replace(offload_base="none")
     return spec, _analytic(spec, "fsdp=2", 2), _analytic(on_device, "fsdp=2", 2)
 
 
@@ -85,8 +85,8 @@ def test_headline_70b_qlora_offload_fits_22_gib_per_device(headline):
     assert 16 * GiB < off["host_bytes"] < 17 * GiB
     # without offload the same device holds those layers instead of one layer's copy
     sizes = {"fsdp": 2}
-    layers = _frozen(dataclasses.replace(spec, offload_base="host"), sizes)["host"]
-    flight = _in_flight(dataclasses.replace(spec, offload_base="host"), sizes)
+    layers = _frozen(spec.replace(offload_base="host"), sizes)["host"]
+    flight = _in_flight(spec.replace(offload_base="host"), sizes)
     copy = flight["frozen layer copied from the host"]
     assert on["host_bytes"] == 0 and on["total_bytes"] > 22 * GiB
     assert on["total_bytes"] - off["total_bytes"] == layers - copy
@@ -124,7 +124,7 @@ def test_single_device_offload_moves_the_layers_to_the_host():
     (host_bytes) and adds one layer's copy; nothing else changes."""
     from jaxmem.memory.analytic import analytic_breakdown
     spec = _spec(TINY_QLORA)
-    host = dataclasses.replace(spec, offload_base="host")
+    host = spec.replace(offload_base="host")
     on, off = analytic_breakdown(spec), analytic_breakdown(host)
     layers, copy = _frozen(host, {})["host"], _in_flight(host, {})["frozen layer copied from the host"]
     assert on["host_bytes"] == 0 and off["host_bytes"] == layers
@@ -173,7 +173,7 @@ def test_plan_mesh_searches_meshes_micro_batches_remat_and_loss_chunk():
     from jaxmem.memory.search import mesh_candidates_for, plan_mesh
     from jaxmem.memory.search import mesh_candidates
     spec = _spec(TINY_QLORA)
-    meshes = mesh_candidates(dataclasses.replace(spec, batch_size=8), 4)
+    meshes = mesh_candidates(spec.replace(batch_size=8), 4)
     cands = mesh_candidates_for(spec, meshes, 8)
     assert [str(m) for m, _ in cands][0] == "data=4,fsdp=1,tensor=1"
     assert all(s.batch_size % (4 if m.tensor == 1 else 2) == 0 for m, s in cands)

@@ -41,7 +41,7 @@ def spec_for(preset: str, precision: str, remat: str):
     model = get_preset(preset)
     if model.max_position_embeddings < SEQ:
         model = model.replace(max_position_embeddings=SEQ)
-    return StepSpec(model, get_precision(precision), RematPolicy.parse(remat), 1, SEQ)
+    return StepSpec.of(model, get_precision(precision), RematPolicy.parse(remat), 1, SEQ)
 
 
 def one(preset: str, precision: str, remat: str, what: str) -> dict:

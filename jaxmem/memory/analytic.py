@@ -44,7 +44,6 @@ bytes. Axis letters follow docs/architecture.md.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -82,7 +81,7 @@ def local_spec(spec: StepSpec, mesh: MeshSpec) -> StepSpec:
     narrow = m if t == 1 else m.replace(num_heads=m.num_heads // t, head_dim=m.resolved_head_dim,
                                         num_kv_heads=m.num_kv_heads // t,
                                         intermediate_size=m.intermediate_size // t)
-    return dataclasses.replace(spec, batch_size=spec.batch_size // mesh.batch_shards,
+    return spec.replace(batch_size=spec.batch_size // mesh.batch_shards,
                                seq_len=spec.seq_len // mesh.context, model=narrow)
 
 

@@ -5,7 +5,6 @@ status."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 
@@ -67,7 +66,7 @@ def fit_mesh_and_step(args, spec, global_batch: int, max_micro: int | None) -> i
     from jaxmem.memory.analytic import analytic_breakdown
     from jaxmem.memory.compiled import compile_step
     from jaxmem.memory.search import mesh_candidates, plan_mesh
-    whole = dataclasses.replace(spec, batch_size=global_batch, grad_accum=1)
+    whole = spec.replace(batch_size=global_batch, grad_accum=1)
     log = None if args.json else (lambda t: print(
         f"  mesh {t['mesh']} micro {t['batch_size']} remat {t['remat']} loss chunk "
         f"{t['loss_chunk'] or 'auto'}: {t['reason']}", file=sys.stderr, flush=True))
@@ -272,7 +271,7 @@ def print_plan(args, cfg, result, out) -> None:
 
 def plot_candidates(parser, args, spec, result) -> None:
     """--fit --plot: every compiled candidate's breakdown as a bar, with the budget line."""
-    compiled = [(dataclasses.replace(spec, batch_size=t["batch_size"], grad_accum=t["grad_accum"],
+    compiled = [(spec.replace(batch_size=t["batch_size"], grad_accum=t["grad_accum"],
                                      remat=RematPolicy.parse(t["remat"]), mu_dtype=t["mu_dtype"]),
                  t) for t in result["tried"] if t.get("compiled")]
     labels = [f"micro {t['batch_size']} x{t['grad_accum']}\n"

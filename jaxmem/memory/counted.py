@@ -137,17 +137,27 @@ def _group(kind: Kind, label: str, leaves, **kw) -> list[Component]:
     return [Component(kind, label, total, _dtypes(leaves), **kw)] if leaves else []
 
 
-@functools.lru_cache(maxsize=32)
 def abstract_state(spec: StepSpec):
-    """The train state as ShapeDtypeStructs: `jax.eval_shape` of the program that makes it."""
-    from jaxmem.train.run import abstract_train_state
-    return abstract_train_state(*spec.step_config())
+    """The train state as ShapeDtypeStructs: `jax.eval_shape` of the program that makes it
+    (once per StepConfig: the batch shape does not change it)."""
+    return _abstract_state(spec.step)
 
 
 @functools.lru_cache(maxsize=32)
+def _abstract_state(step):
+    from jaxmem.train.optim import parse_loss_scale
+    from jaxmem.train.run import abstract_train_state
+    return abstract_train_state(step, parse_loss_scale(step.precision.loss_scale))
+
+
 def abstract_frozen(spec: StepSpec):
     """A LoRA step's frozen base (int8 / NF4 codes and scales) as ShapeDtypeStructs, else None."""
-    return spec.trainable.abstract_frozen(spec.model, spec.precision.compute_dtype)
+    return _abstract_frozen(spec.trainable, spec.model, spec.precision.compute_dtype)
+
+
+@functools.lru_cache(maxsize=32)
+def _abstract_frozen(trainable, model, dtype):
+    return trainable.abstract_frozen(model, dtype)
 
 
 def abstract_step_batch(spec: StepSpec):

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 from jaxmem import target
 from jaxmem.memory.analytic import analytic_breakdown
@@ -38,7 +37,7 @@ def mesh_report(spec: StepSpec, mesh_text: str | None, compile: bool = True) -> 
            "compiler": target.compiler(),
            "analytic": analytic, "compiled": compiled}
     if placement(spec, None).base_on_host:
-        on_device = dataclasses.replace(spec, offload_base="none")
+        on_device = spec.replace(offload_base="none")
         out["analytic_without_offload"] = analytic_breakdown(on_device, mesh)["total_bytes"]
     return out
 

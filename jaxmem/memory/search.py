@@ -26,7 +26,6 @@ jaxmem.xla.verdict.usable_bytes(GIB), the verdict's own rule.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from jaxmem.memory.counted import Kind, Where, count_state
@@ -103,7 +102,7 @@ def has_first_moment(spec: StepSpec) -> bool:
     """Whether the optimizer's state holds a first moment whose dtype --mu-dtype sets: its
     abstract state changes with it (AdamW and Lion do; adamw8bit's codes and adafactor do not)."""
     def moments(mu):
-        s = dataclasses.replace(spec, mu_dtype=mu)
+        s = spec.replace(mu_dtype=mu)
         return sum(c.bytes for c in count_state(s) if c.kind is Kind.OPTIMIZER)
     return moments("fp32") != moments("bf16")
 
@@ -113,7 +112,7 @@ def candidates(base: StepSpec, global_batch: int, mu_dtypes=("fp32", "bf16"),
     """Every configuration `by_speed` proposes, fastest first (micro-batch, remat, mu dtype)."""
     if not has_first_moment(base):
         mu_dtypes = (base.mu_dtype,)
-    return [dataclasses.replace(base, batch_size=b, grad_accum=global_batch // b,
+    return [base.replace(batch_size=b, grad_accum=global_batch // b,
                                 remat=RematPolicy.parse(r), mu_dtype=m)
             for b in _micros(global_batch, max_micro) for r in remat_candidates()
             for m in mu_dtypes]
@@ -127,7 +126,7 @@ def by_speed(base: StepSpec, global_batch: int, mu_dtypes=("fp32", "bf16"),
     for spec in candidates(base, global_batch, mu_dtypes, max_micro):
         floor, why = None, ""
         if last is not None and last[0].mu_dtype != spec.mu_dtype and \
-                dataclasses.replace(last[0], mu_dtype=spec.mu_dtype) == spec and \
+                last[0].replace(mu_dtype=spec.mu_dtype) == spec and \
                 last[1].get("decided_by") == "compiled" and last[1].get("peak_bytes"):
             saved = _moment_bytes(last[0]) - _moment_bytes(spec)
             floor, why = last[1]["peak_bytes"] - 3 * saved, (
@@ -175,7 +174,7 @@ def mesh_candidates_for(base: StepSpec, meshes, global_batch: int,
                                       base.model)
             chunks = [base.loss_chunk] + ([max(1, auto // 4)] if base.loss_chunk is None
                                           and auto > 1 else [])
-            out += [(mesh, dataclasses.replace(base, batch_size=b, grad_accum=global_batch // b,
+            out += [(mesh, base.replace(batch_size=b, grad_accum=global_batch // b,
                                                remat=RematPolicy.parse(r), loss_chunk=chunk))
                     for r in remat_candidates() for chunk in chunks]
     return out
@@ -198,7 +197,7 @@ def by_length(spec: StepSpec, granule: int = GRANULE, mesh: MeshSpec | None = No
     """--fit-seq: multiples of `granule` up to the model's max positions, from spec.seq_len:
     doubled while it fits (or halved until it does), then bisected; never one length twice."""
     top = _round(spec.model.max_position_embeddings, granule)
-    at = lambda t: Candidate(dataclasses.replace(spec, seq_len=t), mesh)  # noqa: E731
+    at = lambda t: Candidate(spec.replace(seq_len=t), mesh)  # noqa: E731
     t = min(_round(spec.seq_len, granule), top)
     if (yield at(t))["fits"]:
         good, bad = t, None

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxmem import target
 from jaxmem.config.run import OptimConfig
 from jaxmem.paths import in_layers, path_text
 from jaxmem.model.roles import param_role
@@ -144,11 +145,16 @@ class RunOptimizer:
 
     def working_set(self, params, local_bytes) -> int:
         """Bytes the update holds beyond the state and the gradients, for abstract `params`
-        (`local_bytes(tree)`: one device's bytes of a tree). optax's update: one params-sized
-        buffer of updates (fp32 with stochastic rounding, else the params' dtype). The in-place
+        (`local_bytes(tree)`: one device's bytes of a tree). optax's update: on XLA:CPU one
+        params-sized buffer of updates (fp32 with stochastic rounding, else the params' dtype);
+        a GPU's compiler fuses it into the donated params and moments, nothing more (the 1B
+        amp-bf16 step at 1x2048, remat full, H100 compiler: 20.35 GiB compiled, 24.72 with a
+        buffer counted, 20.12 without). The in-place
         8-bit update: a leaf of more than optim.CHUNK elements in row pieces, one piece's
         working set at a time; the smaller leaves updated whole and live together."""
         if self.in_place is None:
+            if target.platform() != "cpu":  # a GPU fuses the update into its donated buffers
+                return 0
             if self.stochastic_rounding:
                 params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), params)
             return local_bytes(params)
