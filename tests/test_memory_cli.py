@@ -61,7 +61,7 @@ def test_bad_input_exits_2(argv, needle):
 def test_spec_json_round_trip(spec):
     text = spec.to_json()
     assert StepSpec.from_json(text) == spec
-    assert json.loads(text)["run"]["precision"]["mode"] == spec.precision.name  # plain JSON, by name
+    assert json.loads(text)["precision"] == spec.precision.name  # plain JSON, by name
 
 
 @pytest.mark.parametrize("flags", [
