@@ -139,7 +139,9 @@ def analytic_breakdown(spec: StepSpec, mesh: MeshSpec | None = None) -> dict:
         "param_fraction": params_fraction(spec, sizes),
         "components": [x.row(peak) for x in comps],
         "saved_activations": {"per_layer": _rows(per_layer), "per_layer_bytes": _sum(per_layer),
-                              "outside_layers": _rows(outside), "total_bytes": saved},
+                              "outside_layers": _rows(outside), "total_bytes": saved,
+                              # the unfused loss keeps exp(logits - max) [B, T, V] fp32
+                              "logits_bytes": 0 if loss_chunk else B * T * c.vocab_size * FP32},
         "transients": {"logits_group_bytes": logits_group, "layer_backward_bytes": layer_bwd,
                        "loss_chunk": loss_chunk},
         "peak_phase": peak.value,

@@ -29,8 +29,7 @@ def categories(report: dict) -> dict[str, int]:
     the largest transient under logits when it is the loss's logits group."""
     a = report["analytic"]
     out = dict.fromkeys(CATEGORIES, 0)
-    saved_logits = sum(x["bytes"] for x in a["saved_activations"]["outside_layers"]
-                       if "logits" in x["name"])
+    saved_logits = a["saved_activations"]["logits_bytes"]
     t = a["transients"]
     logits_transient = t["logits_group_bytes"] >= t["layer_backward_bytes"]
     for c in a["components"]:
