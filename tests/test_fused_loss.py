@@ -153,7 +153,7 @@ def test_memory_model_and_compiled_step_know_the_fused_loss(monkeypatch, tied):
     cfg = dataclasses.replace(get_preset("tiny", num_layers=1, vocab_size=8192),
                               tie_embeddings=tied)
     specs = {c: StepSpec.of(cfg, get_precision("fp32"), RematPolicy.parse("full"), 2, 128,
-                         attention="xla", loss_chunk=c) for c in (0, None)}
+                            attention="xla", loss_chunk=c) for c in (0, None)}
     temp = {c: compile_step(s)["temp_bytes"] for c, s in specs.items()}
     a = {c: analytic_breakdown(s) for c, s in specs.items()}
     logits = 2 * 128 * 8192 * 4

@@ -100,7 +100,7 @@ def test_import_phase_compiles_the_imports_own_programs(tmp_path, monkeypatch):
 
 def test_import_phase_of_an_unquantized_base_is_the_base():
     spec = StepSpec.of(CFG, get_precision("amp-bf16"), RematPolicy.parse("full"), 1, 32,
-                    trainable=LoraSpec(8))
+                       trainable=LoraSpec(8))
     assert compile_phase("import", spec) == {"peak_bytes": 0, "roles": {}}
     r = run_phases(spec, SampleShape(max_new_tokens=0), compile=True,
                    step_compiled={"peak_bytes": 0})

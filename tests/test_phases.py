@@ -31,7 +31,7 @@ def test_eval_fused_loss_equals_full_logits(loss_chunk):
     logits through cross_entropy, tiny preset, fp32, with padding; measured max rel diff ~1e-7,
     compared under tests/numerics.py's policy (the fused head adds in another order)."""
     spec = StepSpec.of(get_preset("tiny"), get_precision("fp32"), RematPolicy.parse("full"), 4, 128,
-                    loss_chunk=loss_chunk)
+                       loss_chunk=loss_chunk)
     cfg = spec.step_config()[0]
     params = init_params(spec.model, jax.random.PRNGKey(0))
     batch = synthetic_batch(jax.random.PRNGKey(1), 4, 128, spec.model.vocab_size,
@@ -61,7 +61,7 @@ def test_eval_phase_not_above_step_small():
     2026-11-23: fused 39.6 MiB, unfused 91.0, step 226.6 at B = 4, T = 256)."""
     def spec(loss_chunk):
         return StepSpec.of(WIDE_VOCAB, get_precision("amp-bf16"), RematPolicy.parse("full"), 2, 128,
-                        loss_chunk=loss_chunk)
+                           loss_chunk=loss_chunk)
     step = compile_step(spec(32))["peak_bytes"]
     fused, unfused = _eval_phase(spec(32)), _eval_phase(spec(0))
     logits = 2 * 128 * WIDE_VOCAB.vocab_size * 4  # [B, T, V] fp32, 16 MiB
@@ -74,7 +74,7 @@ def test_1b_eval_and_sample_phases_not_above_step():
     """llama-3.2-1b amp-bf16 full 8 x 2048, compile only (CPU: 34 s alone, ~2.5 min under load here): measured 2026-11-23,
     step 25.50 GiB, eval phase 19.00 (the old full-logits eval: see docs/memory.md), sample 21.44."""
     spec = StepSpec.of(get_preset("llama-3.2-1b"), get_precision("amp-bf16"),
-                    RematPolicy.parse("full"), 8, 2048)
+                       RematPolicy.parse("full"), 8, 2048)
     step = compile_step(spec)
     r = run_phases(spec, SampleShape(), compile=True, step_compiled=step)
     by = {p["name"]: p["compiled_bytes"] for p in r["phases"]}
@@ -87,7 +87,7 @@ def test_phases_compiled_and_the_largest_decides():
     """tiny amp-bf16, 2 x 64: each phase compiled; the run's peak is the largest of them; the
     state program outputs exactly the state; the sampler's arguments are the stored params."""
     spec = StepSpec.of(get_preset("tiny", num_layers=2), get_precision("amp-bf16"),
-                    RematPolicy.parse("full"), 2, 64)
+                       RematPolicy.parse("full"), 2, 64)
     step = compile_step(spec)
     r = run_phases(spec, SampleShape(max_new_tokens=16), compile=True, step_compiled=step)
     rows = {p["name"]: p for p in r["phases"]}
@@ -189,7 +189,7 @@ def test_adamw8bit_update_has_no_params_sized_buffer(monkeypatch):
     c = ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=1024, num_layers=2,
                     num_heads=4, num_kv_heads=4, max_position_embeddings=64)
     spec = StepSpec.of(c, get_precision("fp32"), RematPolicy.parse("full"), 1, 16,
-                    optimizer="adamw8bit")
+                       optimizer="adamw8bit")
     compiled = compile_step(spec)
     a = analytic_breakdown(spec)
     P4 = 4 * c.num_params()

@@ -53,7 +53,7 @@ def jax_saved_bytes(spec: StepSpec) -> int:
 def test_saved_activations_match_jax(precision, remat):
     """Formula = jax's saved residuals to 0.5% (measured: 0.05-0.35% below, a few [B, T] ints)."""
     spec = StepSpec.of(CFG, get_precision(precision), RematPolicy.parse(remat), 2, 24,
-                    attention="xla")
+                       attention="xla")
     a = analytic_breakdown(spec)
     compute_copy = {c["name"]: c["bytes"] for c in a["components"]}["params (compute copy)"]
     formula = a["saved_activations"]["total_bytes"] + compute_copy
@@ -72,7 +72,7 @@ def test_analytic_within_15_percent_of_compiled(remat, batch):
     Measured 2026-11-23: none 2 x 256 1.083, full 2 x 256 1.101, full 8 x 256 1.066 (0.838
     before the MLP backward's working set was counted)."""
     spec = StepSpec.of(get_preset("tiny"), get_precision("fp32"), RematPolicy.parse(remat), batch,
-                    256, attention="xla")
+                       256, attention="xla")
     compiled = compile_step(spec)["peak_bytes"]
     ratio = analytic_breakdown(spec)["total_bytes"] / compiled
     assert 0.85 <= ratio <= 1.15, ratio
@@ -283,7 +283,7 @@ def test_the_mu_dtype_floor_is_below_the_compiled_peak(precision):
     from jaxmem.memory.search import _moment_bytes
     for remat in ("none", "full"):
         fp32 = StepSpec.of(CFG, get_precision(precision), RematPolicy.parse(remat), 2, 24,
-                        mu_dtype="fp32")
+                           mu_dtype="fp32")
         bf16 = fp32.replace(mu_dtype="bf16")
         saved = _moment_bytes(fp32) - _moment_bytes(bf16)
         assert saved > 0

@@ -272,10 +272,9 @@ def print_plan(args, cfg, result, out) -> None:
 def plot_candidates(parser, args, spec, result) -> None:
     """--fit --plot: every compiled candidate's breakdown as a bar, with the budget line."""
     compiled = [(spec.replace(batch_size=t["batch_size"], grad_accum=t["grad_accum"],
-                                     remat=RematPolicy.parse(t["remat"]), mu_dtype=t["mu_dtype"]),
-                 t) for t in result["tried"] if t.get("compiled")]
-    labels = [f"micro {t['batch_size']} x{t['grad_accum']}\n"
-              f"{t['remat'][:24]}, "
-              f"mu {t['mu_dtype']}" for _, t in compiled]
+                              remat=RematPolicy.parse(t["remat"]), mu_dtype=t["mu_dtype"]), t)
+                for t in result["tried"] if t.get("compiled")]
+    labels = [f"micro {t['batch_size']} x{t['grad_accum']}\n{t['remat'][:24]}, mu {t['mu_dtype']}"
+              for _, t in compiled]
     plot(parser, args.plot, [step_report(c, compiled=t["compiled"]) for c, t in compiled],
           labels, budget=usable_bytes(args.fit) / GiB)

@@ -264,7 +264,8 @@ def head_gathered(spec: StepSpec, sizes: dict[str, int]) -> int:
         if in_layers(p):
             continue
         role = param_role(p)
-        if (role == "lm_head" or (role == "embedding" and spec.model.tie_embeddings)) and b < nbytes(x):
+        head = role == "lm_head" or (role == "embedding" and spec.model.tie_embeddings)
+        if head and b < nbytes(x):
             return nbytes(x) // t
     return 0
 

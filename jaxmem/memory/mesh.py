@@ -54,7 +54,8 @@ def format_mesh_report(r: dict) -> str:
     for comp in a["components"]:
         mark = "" if comp["in_peak"] else "  (not in peak)"
         lines.append(f"{comp['name']:56s} {comp['bytes'] / mib:10.2f}  {comp['phase']}{mark}")
-    lines += [f"{'analytic peak (' + a['peak_phase'] + '), device':56s} {a['total_bytes'] / mib:10.2f}"]
+    peak = f"analytic peak ({a['peak_phase']}), device"
+    lines += [f"{peak:56s} {a['total_bytes'] / mib:10.2f}"]
     lines += format_host_lines(r, mib)
     if c is None:
         return "\n".join(lines + ["", "compiled: not compiled (--analytic-only)"])
@@ -95,7 +96,8 @@ def format_host_lines(r: dict, div: int) -> list[str]:
 def format_compiled_host(c: dict, div: int, offload: bool = False) -> list[str]:
     """What the compiled program puts in host memory: its arguments marked with the host
     memory space in the entry layout (memory_analysis() on XLA:CPU counts them as device
-    arguments; see jaxmem.xla.hlo.entry_argument_bytes). offload: --offload-base host was asked for; a program
+    arguments; see jaxmem.xla.hlo.entry_argument_bytes). offload: --offload-base host was asked
+    for; a program
     with no argument on the host is then said not to offload."""
     host = c.get("host_argument_bytes", 0)
     if not host:

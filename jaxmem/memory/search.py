@@ -101,10 +101,8 @@ def _micros(global_batch: int, max_micro: int | None, shards: int = 1) -> list[i
 def has_first_moment(spec: StepSpec) -> bool:
     """Whether the optimizer's state holds a first moment whose dtype --mu-dtype sets: its
     abstract state changes with it (AdamW and Lion do; adamw8bit's codes and adafactor do not)."""
-    def moments(mu):
-        s = spec.replace(mu_dtype=mu)
-        return sum(c.bytes for c in count_state(s) if c.kind is Kind.OPTIMIZER)
-    return moments("fp32") != moments("bf16")
+    return (_moment_bytes(spec.replace(mu_dtype="fp32"))
+            != _moment_bytes(spec.replace(mu_dtype="bf16")))
 
 
 def candidates(base: StepSpec, global_batch: int, mu_dtypes=("fp32", "bf16"),
@@ -112,8 +110,8 @@ def candidates(base: StepSpec, global_batch: int, mu_dtypes=("fp32", "bf16"),
     """Every configuration `by_speed` proposes, fastest first (micro-batch, remat, mu dtype)."""
     if not has_first_moment(base):
         mu_dtypes = (base.mu_dtype,)
-    return [base.replace(batch_size=b, grad_accum=global_batch // b,
-                                remat=RematPolicy.parse(r), mu_dtype=m)
+    return [base.replace(batch_size=b, grad_accum=global_batch // b, remat=RematPolicy.parse(r),
+                         mu_dtype=m)
             for b in _micros(global_batch, max_micro) for r in remat_candidates()
             for m in mu_dtypes]
 
@@ -175,7 +173,7 @@ def mesh_candidates_for(base: StepSpec, meshes, global_batch: int,
             chunks = [base.loss_chunk] + ([max(1, auto // 4)] if base.loss_chunk is None
                                           and auto > 1 else [])
             out += [(mesh, base.replace(batch_size=b, grad_accum=global_batch // b,
-                                               remat=RematPolicy.parse(r), loss_chunk=chunk))
+                                        remat=RematPolicy.parse(r), loss_chunk=chunk))
                     for r in remat_candidates() for chunk in chunks]
     return out
 
@@ -267,7 +265,8 @@ class Decider:
         if compiled is None:  # not compiled here: the analytic figure decides
             a = a or self.analytic_fn(s, mesh)
             peak = int(a["total_bytes"])
-            entry.update(analytic_bytes=peak, host_bytes=int(a["host_bytes"]), decided_by="analytic",
+            entry.update(analytic_bytes=peak, host_bytes=int(a["host_bytes"]),
+                         decided_by="analytic",
                          peak_bytes=peak, run_peak_bytes=peak)
             what = "analytic (not compiled here)"
         else:

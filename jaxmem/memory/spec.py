@@ -102,7 +102,8 @@ class StepSpec:
 
     @property
     def attention_path(self) -> str:
-        """The path the step's attention takes: jaxmem.model.attention decides (cuDNN accepts it)."""
+        """The path the step's attention takes (jaxmem.model.attention decides: cuDNN accepts
+        it)."""
         if self.attention:
             return self.attention
         from jaxmem.model.attention import attention_path
