@@ -2,7 +2,7 @@
 training FLOPs per token, dense peak FLOP/s per device kind, device memory counters, and the
 budget rule: what XLA may use of a GPU of a given size (`usable_bytes`) and its inverse
 (`device_gib_for`), applied by the planner's verdicts and by the trainer's check before its first
-step (re-exported by jaxmem.memory.verdict)."""
+step (re-exported by jaxmem.xla.verdict)."""
 
 from __future__ import annotations
 

@@ -118,6 +118,32 @@ class RematPolicy:
     def enabled(self) -> bool:
         return self.kind != "none"
 
+    @property
+    def saves_dots(self) -> bool:
+        """Whether the policy keeps what the matmuls read (`none`: everything; `dots`,
+        `dots_no_batch`), so a weight object's own inputs (LoRA's x A) are kept too."""
+        return self.kind in ("none", "dots", "dots_no_batch")
+
+    @property
+    def saves_batched_dots(self) -> bool:
+        """Whether the dots with batch dimensions (attention's) are kept too (`none`, `dots`)."""
+        return self.kind in ("none", "dots")
+
+    @property
+    def recomputes_all(self) -> bool:
+        """`full`: nothing inside the function is kept; its backward recomputes all of it."""
+        return self.kind == "full"
+
+    @property
+    def kept_tags(self) -> tuple[str, ...]:
+        """The tags a `names:` policy keeps on the device (other kinds name none)."""
+        return self.names if self.kind == "names" else ()
+
+    @property
+    def offloaded_tags(self) -> tuple[str, ...]:
+        """The tags an `offload` policy moves to pinned host memory (other kinds: none)."""
+        return self.names if self.kind == "offload" else ()
+
     def checkpoint_policy(self) -> Callable[..., bool]:
         """The `jax.checkpoint` policy: always a callable ("none" is everything_saveable,
         "full" nothing_saveable); an offload policy compiles only where the device has a

@@ -78,13 +78,16 @@ def main(out):
             np.savez(os.path.join(out, f"{name}_{key}.npz"), **run(cfg, text, batches))
     if "--memory" in sys.argv:
         from jaxmem.memory.spec import StepSpec
-        from jaxmem.memory.mesh import analytic_per_device, compile_per_device
+        from jaxmem.memory.analytic import analytic_breakdown
+        from jaxmem.memory.compiled import compile_step
+        from jaxmem.memory.mesh import resolve
         spec = StepSpec.from_run_config(RunConfig().replace({"data.batch_size": 16}))
-        report = {"single": compile_per_device(spec, None)}
+        report = {"single": compile_step(spec)}
         for key, text in MESHES.items():
-            report[key] = compile_per_device(spec, text)
-            report[key]["analytic_total"] = analytic_per_device(spec, text)["total"]
-        report["single"]["analytic_total"] = analytic_per_device(spec, None)["total"]
+            report[key] = compile_step(spec, text)
+            report[key]["analytic_total"] = analytic_breakdown(spec, resolve(spec, text))[
+                "total_bytes"]
+        report["single"]["analytic_total"] = analytic_breakdown(spec)["total_bytes"]
         with open(os.path.join(out, "memory.json"), "w") as f:
             json.dump(report, f)
 

@@ -28,7 +28,7 @@ def test_import_loads_no_trainer_torch_or_matplotlib():
     heavy = {m for m in loaded if m.split(".")[0] in ("torch", "transformers", "matplotlib", "flax")
              or m.startswith(("jaxmem.train", "jaxmem.model", "jaxmem.config"))}
     assert not heavy, sorted(heavy)
-    assert {"jaxmem.memory.analysis", "jax"} <= loaded
+    assert {"jaxmem.xla.analysis", "jax"} <= loaded
 
 
 def test_agrees_with_jaxmem_memory_compile_step_to_the_byte():
@@ -43,7 +43,7 @@ def test_agrees_with_jaxmem_memory_compile_step_to_the_byte():
     from jaxmem.model.precision import get_precision
     from jaxmem.train.step import jit_train_step
 
-    spec = StepSpec(get_preset("tiny", num_layers=1), get_precision("fp32"), RematPolicy(), 2, 32)
+    spec = StepSpec.of(get_preset("tiny", num_layers=1), get_precision("fp32"), RematPolicy(), 2, 32)
     args = (abstract_state(spec), abstract_step_batch(spec), abstract_frozen(spec))
     step = jit_train_step(spec.step_config()[0])
     raw = step.lower(*args).compile().memory_analysis()
@@ -81,8 +81,8 @@ def test_residuals_grouped_by_name_shape_dtype():
     assert [(r.shape, r.dtype, r.count, r.bytes) for r in named] == [((B, F), "float32", 2,
                                                                       2 * B * F * 4)]
     assert a.residuals_of == "_mlp_loss"
-    # the total agrees with jaxmem.memory.residuals' count (arguments left out of both)
-    from jaxmem.memory.residuals import saved_residual_bytes
+    # the total agrees with jaxmem.xla.residuals' count (arguments left out of both)
+    from jaxmem.xla.residuals import saved_residual_bytes
     assert a.residual_bytes == saved_residual_bytes(_mlp_loss, params, x).bytes
     assert all(r.argument == r.name.startswith("argument ") for r in a.residuals)
     text = a.report()
@@ -123,8 +123,8 @@ def test_verdict_lines_as_the_cli_prints_them(monkeypatch):
     assert a.verdict(40 * 2**30).splitlines()[0] == (
         "verdict: compiled peak 50.00 GiB does not fit on any common GPU size (40 GiB)")
     assert a.verdict().splitlines()[0] == (  # 0.75 x 80 = 60 GiB usable; 0.75 x 141
-        "verdict: compiled peak 50.00 GiB fits on 80 GiB, 141 GiB; does not fit on 24 GiB, "
-        "40 GiB")
+        "verdict: compiled peak 50.00 GiB fits on 80 GiB, 141 GiB; does not fit on 12 GiB, "
+        "16 GiB, 24 GiB, 40 GiB")
     assert "79.16 GiB" in a.verdict("85GB")  # 85e9 bytes
     cpu16 = MemoryAnalysis("step", "cpu", "", 1, 0, 0, 0, 2**20, precision="bfloat16")
     assert "compiled by XLA:CPU: not a GPU's program" in cpu16.verdict("24GiB")

@@ -90,13 +90,13 @@ def test_planner_plans_for_the_path_taken(fresh):
 
     cfg = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, max_position_embeddings=64)
-    spec = StepSpec(cfg, get_precision("amp-bf16"), RematPolicy(), batch_size=2, seq_len=16)
+    spec = StepSpec.of(cfg, get_precision("amp-bf16"), RematPolicy(), batch_size=2, seq_len=16)
     fresh.setattr(attn, "_on_gpu", lambda: False)  # a CPU, on a GPU machine too
     assert spec.attention_path == "xla"
     fresh.setattr(attn, "_on_gpu", lambda: True)
     fresh.setattr(attn, "_cudnn_attention", lambda q, k, v: q)
     assert spec.attention_path == "cudnn"
-    assert StepSpec(cfg, get_precision("fp32"), RematPolicy(), 2, 16).attention_path == "xla"
+    assert StepSpec.of(cfg, get_precision("fp32"), RematPolicy(), 2, 16).attention_path == "xla"
     attn._cudnn_verdict.cache_clear()
 
     def rejecting(q, k, v):

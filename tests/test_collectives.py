@@ -1,4 +1,4 @@
-"""jaxmem.memory.collectives: bytes per device per step from an optimized HLO text.
+"""jaxmem.xla.collectives: bytes per device per step from an optimized HLO text.
 
 Checked on a hand-written module in the formats XLA's GPU backend prints (async pairs, an
 async-start wrapping a reduce-scatter, known_trip_count in backend_config, the three forms of
@@ -7,7 +7,7 @@ replica_groups), with every figure computed by hand in the comments.
 
 import pytest
 
-from jaxmem.memory.collectives import (collective_counts, comm_report, find_collectives,
+from jaxmem.xla.collectives import (collective_counts, comm_report, find_collectives,
                                        format_comm_table, fsdp_volume, group_size, ring_bytes)
 
 # Two nested loops (3 x 4 runs) around an all-gather-start/done with a fusion between, an

@@ -18,7 +18,7 @@ from experiments.compare import report  # noqa: E402
 from experiments.compare import workers  # noqa: E402
 from experiments.compare import torch_train as tt  # noqa: E402
 from jaxmem.config.model import ModelConfig, get_preset  # noqa: E402
-from jaxmem.memory.residuals import saved_residual_bytes  # noqa: E402
+from jaxmem.xla.residuals import saved_residual_bytes  # noqa: E402
 from jaxmem.model import Llama, RematPolicy, abstract_params  # noqa: E402
 from jaxmem.perf import flops_per_token, peak_flops  # noqa: E402
 from jaxmem.model.precision import cast_params, get_precision  # noqa: E402

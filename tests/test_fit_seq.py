@@ -1,4 +1,4 @@
-"""`--fit-seq GIB` (jaxmem.memory.fit_seq): the longest sequence whose run fits."""
+"""`--fit-seq GIB` (jaxmem.memory.search): the longest sequence whose run fits."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import pytest
 
 from jaxmem.config.run import RunConfig
 from jaxmem.memory.cli import main
-from jaxmem.memory.fit_seq import fit_seq
+from jaxmem.memory.search import fit_seq
 from jaxmem.memory.spec import StepSpec
 
 
 def _spec(seq_len=2048, max_pos=131072):
     cfg = RunConfig().replace({"model.preset": "tiny", "model.max_position_embeddings": max_pos,
                                "data.seq_len": min(seq_len, max_pos)})
-    return dataclasses.replace(StepSpec.from_run_config(cfg), seq_len=seq_len)
+    return StepSpec.from_run_config(cfg).replace(seq_len=seq_len)
 
 
 def _linear(per_token, fixed=0):

@@ -75,7 +75,7 @@ def test_fused_equals_unfused_whole_model(tied):
 
 def test_fused_keeps_no_logits():
     """No [B, T, V]-sized residual is kept for the backward (jax's saved residuals)."""
-    from jaxmem.memory.residuals import available, saved_residual_bytes
+    from jaxmem.xla.residuals import available, saved_residual_bytes
     if not available():
         pytest.skip("this jax has no saved_residuals")
     B, T, D, V = 2, 32, 8, 301
@@ -152,8 +152,8 @@ def test_memory_model_and_compiled_step_know_the_fused_loss(monkeypatch, tied):
     from jaxmem.model.precision import get_precision
     cfg = dataclasses.replace(get_preset("tiny", num_layers=1, vocab_size=8192),
                               tie_embeddings=tied)
-    specs = {c: StepSpec(cfg, get_precision("fp32"), RematPolicy.parse("full"), 2, 128,
-                         attention="xla", loss_chunk=c) for c in (0, None)}
+    specs = {c: StepSpec.of(cfg, get_precision("fp32"), RematPolicy.parse("full"), 2, 128,
+                            attention="xla", loss_chunk=c) for c in (0, None)}
     temp = {c: compile_step(s)["temp_bytes"] for c, s in specs.items()}
     a = {c: analytic_breakdown(s) for c, s in specs.items()}
     logits = 2 * 128 * 8192 * 4

@@ -139,11 +139,11 @@ def test_fsdp_over_8_gpus_keeps_an_eighth_of_the_state_per_device():
     """Per-device arguments of the fsdp=8 step: 1/8 of the params and optimizer state (within
     the small leaves that stay whole), on 8 deviceless H100s."""
     from jaxmem.memory.compiled import abstract_state, tree_bytes
-    from jaxmem.memory.mesh import compile_per_device
+    from jaxmem.memory.compiled import compile_step
     sp = spec(**{"data.batch_size": 8})
     whole = tree_bytes(abstract_state(sp))
     with target.compiling_for("h100", devices=8):
-        c = compile_per_device(sp, "fsdp=8")
+        c = compile_step(sp, "fsdp=8")
     assert c["collectives"]["all-gather"] > 0
     np.testing.assert_allclose(c["argument_bytes"], whole / 8, rtol=0.03)
 
@@ -236,14 +236,13 @@ def test_fsdp8_step_temp_shrinks_with_the_devices():
     0.34x with the LM head gathered once for the loss's chunks (jaxmem.sharding.
     gather_weight: 1 GiB live through the loss, 27 GiB less sent per step on 32 layers). The
     issue's target: 0.4x."""
-    from jaxmem.memory.compiled import compiled_stats
-    from jaxmem.memory.mesh import compile_per_device
+    from jaxmem.memory.compiled import compile_step as compile_placed, compiled_stats
     over = {"optim.optimizer": "adamw8bit", "model.preset": "llama-3-8b", "model.num_layers": 8,
             "model.vocab_size": 128_256, "data.seq_len": 2048}
     with target.compiling_for("h100"):
         one, _ = compiled_stats(compile_step(spec("bf16-sr", **over, **{"data.batch_size": 1})))
     with target.compiling_for("h100", devices=8):
-        eight = compile_per_device(spec("bf16-sr", **over, **{"data.batch_size": 8}), "fsdp=8")
+        eight = compile_placed(spec("bf16-sr", **over, **{"data.batch_size": 8}), "fsdp=8")
     ratio = eight["temp_bytes"] / one["temp_bytes"]
     assert ratio <= 0.4, (ratio, eight["temp_bytes"], one["temp_bytes"])
 

@@ -11,7 +11,7 @@ import pytest
 from hf_files import random_params
 from jaxmem.config.model import ModelConfig
 from jaxmem.memory import StepSpec
-from jaxmem.memory.compiled import abstract_frozen, compile_import, compiled_stats, tree_bytes
+from jaxmem.memory.compiled import abstract_frozen, compile_phase, compiled_stats, tree_bytes
 from jaxmem.memory.phases import SampleShape, run_phases
 from jaxmem.model.precision import get_precision
 from jaxmem.model.remat import RematPolicy
@@ -40,13 +40,13 @@ def test_import_phase_compiles_the_imports_own_programs(tmp_path, monkeypatch):
     """Import a tiny fp32 HF checkpoint as `jaxmem.train --init-from DIR --lora-rank 8
     --quantize-base nf4 --double-quant` does (base_on_host, base_on_device), recording every
     jitted function it calls with its arguments' shapes; those compiled give, per projection,
-    exactly the programs compile_import compiles from the preset's shapes, and the import
+    exactly the programs compile_phase("import", ...) compiles from the preset's shapes, and the import
     phase is the largest (program peak - its stacked result) + the whole device base."""
     from jaxmem.io.hf_export import save_hf
     hf = tmp_path / "hf"
     save_hf(hf, CFG, random_params(CFG))  # float32 safetensors + config.json
     lora = LoraSpec(8, quantize="nf4", double_quant=True)
-    spec = StepSpec(CFG, get_precision("amp-bf16"), RematPolicy.parse("full"), 1, 32, trainable=lora)
+    spec = StepSpec.of(CFG, get_precision("amp-bf16"), RematPolicy.parse("full"), 1, 32, trainable=lora)
 
     calls = []
     real = peft_base.layer_quantizer
@@ -74,7 +74,7 @@ def test_import_phase_compiles_the_imports_own_programs(tmp_path, monkeypatch):
     assert len(ran) == 5  # q, k/v, o, gate/up, down
     assert {id(fn) for fn, _ in calls} == {id(p["fn"]) for p in peft_base.import_programs(
         CFG, lora)}
-    planned = compile_import(spec)
+    planned = compile_phase("import", spec)
     programs = {p["role"]: p for p in peft_base.import_programs(CFG, lora)}
     assert sorted(planned["roles"]) == sorted(programs) and len(programs) == 7
     for role, p in programs.items():  # the same function, the same shapes, the same figures
@@ -99,13 +99,13 @@ def test_import_phase_compiles_the_imports_own_programs(tmp_path, monkeypatch):
 
 
 def test_import_phase_of_an_unquantized_base_is_the_base():
-    spec = StepSpec(CFG, get_precision("amp-bf16"), RematPolicy.parse("full"), 1, 32,
-                    trainable=LoraSpec(8))
-    assert compile_import(spec) == {"peak_bytes": 0, "roles": {}}
+    spec = StepSpec.of(CFG, get_precision("amp-bf16"), RematPolicy.parse("full"), 1, 32,
+                       trainable=LoraSpec(8))
+    assert compile_phase("import", spec) == {"peak_bytes": 0, "roles": {}}
     r = run_phases(spec, SampleShape(max_new_tokens=0), compile=True,
                    step_compiled={"peak_bytes": 0})
     row = {x["name"]: x for x in r["phases"]}["import"]
     assert row["compiled_bytes"] == row["outside_bytes"] == tree_bytes(abstract_frozen(spec))
-    full = StepSpec(CFG, get_precision("fp32"), RematPolicy.parse("full"), 1, 32)
+    full = StepSpec.of(CFG, get_precision("fp32"), RematPolicy.parse("full"), 1, 32)
     assert "import" not in {x["name"] for x in run_phases(full, SampleShape(max_new_tokens=0))[
         "phases"]}

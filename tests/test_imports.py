@@ -126,7 +126,7 @@ def tiers() -> list[tuple[str, list[str]]]:
 
 def tier_of(module: str, order: list[tuple[str, list[str]]]) -> int | None:
     """The tier of a jaxmem module: that of the longest listed name it is or sits inside
-    (jaxmem.memory.analysis -> `memory.analysis`'s, jaxmem.memory.cli -> `memory`'s); None for
+    (jaxmem.xla.analysis -> `xla.analysis`'s, jaxmem.memory.cli -> `memory`'s); None for
     the root package and for names outside jaxmem."""
     parts = module.split(".")
     if parts[0] != "jaxmem" or len(parts) == 1:

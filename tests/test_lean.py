@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxmem.config.model import get_preset
-from jaxmem.memory.residuals import available, saved_residual_bytes
+from jaxmem.xla.residuals import available, saved_residual_bytes
 from jaxmem.model.lean import rms_norm, rope, swiglu
 from jaxmem.model.llama import Llama, init_params
 from jaxmem.model.remat import RematPolicy

@@ -52,16 +52,17 @@ def test_bad_input_exits_2(argv, needle):
 
 
 @pytest.mark.parametrize("spec", [
-    StepSpec(get_preset("tiny"), get_precision("fp32"), RematPolicy(), 2, 64),
-    StepSpec(ModelConfig(hidden_size=40, intermediate_size=56, num_heads=4, num_kv_heads=2,
-                         head_dim=12, rope_theta=500000.0, rms_norm_eps=1e-6, tie_embeddings=True),
-             get_precision("amp-fp16"), RematPolicy.parse("names:query,mlp_up"), 3, 48,
-             grad_accum=5, mu_dtype="bf16", attention="cudnn"),
+    StepSpec.of(get_preset("tiny"), get_precision("fp32"), RematPolicy(), 2, 64),
+    StepSpec.of(ModelConfig(hidden_size=40, intermediate_size=56, num_heads=4, num_kv_heads=2,
+                            head_dim=12, rope_theta=500000.0, rms_norm_eps=1e-6,
+                            tie_embeddings=True),
+                get_precision("amp-fp16"), RematPolicy.parse("names:query,mlp_up"), 3, 48,
+                grad_accum=5, mu_dtype="bf16", attention="cudnn"),
 ])
 def test_spec_json_round_trip(spec):
     text = spec.to_json()
     assert StepSpec.from_json(text) == spec
-    assert json.loads(text)["run"]["precision"]["mode"] == spec.precision.name  # plain JSON, by name
+    assert json.loads(text)["precision"] == spec.precision.name  # plain JSON, by name
 
 
 @pytest.mark.parametrize("flags", [
@@ -107,8 +108,8 @@ def test_measure_worker_gets_the_chosen_spec(flags, monkeypatch):
     report = doc["chosen"] if "chosen" in doc else doc
     assert report["measured"] == {"peak_bytes": 12345, "steps": 3, "note": "fake"}
     (spec,) = measured
-    expected = StepSpec(get_preset("tiny", num_layers=1), get_precision("amp-bf16"),
-                        RematPolicy.parse(report["remat"]), 2, 32, grad_accum=2,
-                        mu_dtype=report["mu_dtype"])
+    expected = StepSpec.of(get_preset("tiny", num_layers=1), get_precision("amp-bf16"),
+                           RematPolicy.parse(report["remat"]), 2, 32, grad_accum=2,
+                           mu_dtype=report["mu_dtype"])
     assert spec == expected
     assert (report["batch_size"], report["grad_accum"]) == (2, 2)

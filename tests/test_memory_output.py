@@ -10,7 +10,7 @@ import pytest
 from jaxmem.config.flags import given_overrides
 from jaxmem.memory.cli import build_parser, main
 from jaxmem.memory.report import train_command
-from jaxmem.memory.verdict import GiB, usable_gib, verdict_lines
+from jaxmem.xla.verdict import GiB, usable_gib, verdict_lines
 
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--intermediate-size", "128",
          "--seq-len", "32"]
@@ -22,7 +22,7 @@ def test_verdict_names_sizes_and_headroom(monkeypatch):
     assert usable_gib(40) == 30.0 and usable_gib(24) == 18.0
     lines = verdict_lines(int(24.46 * GiB), "compiled", "cpu", "amp-bf16")
     assert lines[0] == ("verdict: compiled peak 24.46 GiB fits on 40 GiB, 80 GiB, 141 GiB; "
-                        "does not fit on 24 GiB")
+                        "does not fit on 12 GiB, 16 GiB, 24 GiB")
     text = "\n".join(lines)
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in text and "75%" in text
     assert "not a GPU's program" in text and "--target h100" in text  # a CPU compile says so
@@ -32,7 +32,7 @@ def test_verdict_names_sizes_and_headroom(monkeypatch):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".95")
     # 24.46 GiB fits in 95% of 24 GiB? no (22.8); 30 GiB fits in 40 * .95 = 38
     assert verdict_lines(int(30 * GiB), "compiled", "gpu", "fp32")[0].endswith(
-        "fits on 40 GiB, 80 GiB, 141 GiB; does not fit on 24 GiB")
+        "fits on 40 GiB, 80 GiB, 141 GiB; does not fit on 12 GiB, 16 GiB, 24 GiB")
     assert usable_gib(24) == pytest.approx(22.8)
 
 
@@ -46,7 +46,8 @@ def test_breakdown_prints_header_and_verdict(capsys):
         " params), precision amp-bf16, remat full")
     assert out[1] == "  optimizer adamw (mu param dtype), batch 2 x 32 tokens, grad accum 1 (global batch 2)"
     (verdict,) = [l for l in out if l.startswith("verdict: compiled peak ")]
-    assert verdict.endswith("fits on every common GPU size (24 GiB, 40 GiB, 80 GiB, 141 GiB)")
+    assert verdict.endswith("fits on every common GPU size (12 GiB, 16 GiB, 24 GiB, 40 GiB, "
+                            "80 GiB, 141 GiB)")
     assert max(map(len, out)) <= 120
 
 

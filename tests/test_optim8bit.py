@@ -303,16 +303,27 @@ def test_resume_is_bitwise_exact(flags, tmp_path, corpus):
 def test_bytes_per_param_from_the_abstract_state(preset, opt_max, state_max):
     """Measured on the abstract state (jax.eval_shape): 8B 2.425 / 4.425 B/param (its untied
     embedding, 6.5% of the params, keeps fp32 moments); 1B 3.31 / 5.31 (tied embedding, 21%)."""
-    from jaxmem.config.model import get_preset
-    from jaxmem.memory.optimizer_bytes import state_bytes_per_param
-    r = state_bytes_per_param(get_preset(preset), OptimConfig(optimizer="adamw8bit"),
-                              get_precision("bf16-sr"))
-    assert r["optimizer_bytes_per_param"] <= opt_max and r["train_state_bytes_per_param"] <= state_max
+    from jaxmem.config.run import RunConfig
+    from jaxmem.memory.counted import Kind, count_state
+    from jaxmem.memory.spec import StepSpec
+    from jaxmem.model.llama import abstract_params
+    from jaxmem.model.roles import count_by_role
+
+    def per_param(over):
+        spec = StepSpec.from_run_config(RunConfig().replace({"model.preset": preset, **over}))
+        P = spec.model.num_params()
+        got = {k: sum(c.bytes for c in count_state(spec) if c.kind is k) / P for k in Kind}
+        return got[Kind.OPTIMIZER], got[Kind.PARAMS] + got[Kind.OPTIMIZER], spec
+
+    opt, state, spec = per_param({"precision.mode": "bf16-sr", "optim.optimizer": "adamw8bit"})
+    assert opt <= opt_max and state <= state_max
     # the 8-bit floor: 2 B/param of codes on the non-embedding params, fp32 m and v on the rest
-    floor = 2 * (1 - r["embedding_fraction"]) + 8 * r["embedding_fraction"]
-    assert floor <= r["optimizer_bytes_per_param"] <= floor * 1.03
-    amp = state_bytes_per_param(get_preset(preset), OptimConfig(), get_precision("amp-bf16"))
-    np.testing.assert_allclose(amp["train_state_bytes_per_param"], 12.0, rtol=1e-6)  # + count
+    params = abstract_params(spec.model)
+    embedding = count_by_role(params)["embedding"] / spec.model.num_params()
+    floor = 2 * (1 - embedding) + 8 * embedding
+    assert floor <= opt <= floor * 1.03
+    _, amp, _ = per_param({"precision.mode": "amp-bf16"})
+    np.testing.assert_allclose(amp, 12.0, rtol=1e-6)  # + count
 
 
 @pytest.mark.slow  # 8 s of CPU cold

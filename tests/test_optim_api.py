@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 
+from jaxmem import target
 from jaxmem.optim import (DynamicLossScale, Quantized, adamw_8bit, apply_updates_sr, as_optimizer,
                           loss_scaled, skip_nonfinite)
 from testenv import ROOT, subprocess_env
@@ -219,15 +220,29 @@ def poisoned(params, bad, everywhere):
     return jax.tree.map(one, params)
 
 
+@pytest.fixture(params=["cpu", "gpu"])
+def guard_platform(request, monkeypatch):
+    """as_optimizer's skip in the form for this platform (jaxmem.target.platform() decides it at
+    trace time: a lax.cond for the CPU, a leafwise select for a GPU), run on this CPU."""
+    monkeypatch.setattr(target, "platform", lambda: request.param)
+    return request.param
+
+
+def assert_skip_form(platform, fn, *args):
+    """The GPU's form has no conditional (a lax.cond around the update copies the whole state
+    in XLA's GPU buffer assignment); the CPU's is one lax.cond."""
+    hlo = jax.jit(fn).lower(*args).compile().as_text()
+    assert (" conditional(" in hlo) == (platform == "cpu")
+
+
 @pytest.mark.parametrize("make, sr", [(lambda: optax.adamw(1e-2), False),
                                       (lambda: adamw_8bit(1e-2, block_size=64), False),
                                       (lambda: optax.adamw(1e-2), True)])
-def test_a_skipped_step_is_bitwise_unchanged_and_branch_free(make, sr):
-    """From a state one step in (moments, codes and counts not at their init values):
-    where=False returns params and every state leaf bitwise, with inf / nan gradients in every
-    element or in one, under jit with donation; where=True gives bitwise the unguarded update;
-    and the program has no conditional (a lax.cond around the update copies the whole state on
-    the GPU)."""
+def test_a_skipped_step_is_bitwise_unchanged_and_branch_free(make, sr, guard_platform):
+    """In the form for each platform, from a state one step in (moments, codes and counts not at
+    their init values): where=False returns params and every state leaf bitwise, with inf / nan
+    gradients in every element or in one, under jit with donation; where=True gives bitwise the
+    unguarded update; and the GPU's program has no conditional."""
     opt = as_optimizer(make(), stochastic_rounding=sr)
     dtype = jnp.bfloat16 if sr else jnp.float32
     params = {"w": jnp.linspace(-1, 1, 64 * 64, dtype=jnp.float32).reshape(64, 64).astype(dtype),
@@ -245,16 +260,17 @@ def test_a_skipped_step_is_bitwise_unchanged_and_branch_free(make, sr):
             assert_bitwise((params, state), got)
     assert_bitwise(plain(grads, state, params),
                    step(grads, copy(state), copy(params), jnp.bool_(True)))
-    hlo = jax.jit(lambda g, s, p, w: opt.update_and_apply(g, s, p, key=key, where=w)).lower(
-        grads, state, params, jnp.bool_(True)).compile().as_text()
-    assert " conditional(" not in hlo
+    assert_skip_form(
+        guard_platform, lambda g, s, p, w: opt.update_and_apply(g, s, p, key=key, where=w),
+        grads, state, params, jnp.bool_(True))
 
 
-def test_wrappers_honour_where():
-    """loss_scaled(skip_nonfinite(...)): a finite step with where=False keeps the whole state
-    bitwise, counters and loss scale included; a non-finite one keeps params and the inner state
-    bitwise and, with where True or False, counts a skip and backs the scale off; a finite step
-    with where=True equals the call without `where`. No conditional in the program."""
+def test_wrappers_honour_where(guard_platform):
+    """loss_scaled(skip_nonfinite(...)), in the form for each platform: a finite step with
+    where=False keeps the whole state bitwise, counters and loss scale included; a non-finite
+    one keeps params and the inner state bitwise and, with where True or False, counts a skip
+    and backs the scale off; a finite step with where=True equals the call without `where`.
+    No conditional in the GPU's program."""
     opt = loss_scaled(skip_nonfinite(as_optimizer(adamw_8bit(1e-2, block_size=64))),
                       DynamicLossScale.create(2.0**10, growth_interval=3))
     params = {"w": jnp.linspace(-1, 1, 64 * 64, dtype=jnp.float32).reshape(64, 64),
@@ -274,6 +290,55 @@ def test_wrappers_honour_where():
             assert (float(s2.loss_scale.loss_scale), int(s2.loss_scale.good_steps)) == (2.0**9, 0)
     assert_bitwise(plain(grads, state, params),
                    step(grads, copy(state), copy(params), jnp.bool_(True)))
-    hlo = jax.jit(lambda g, s, p, w: opt.update_and_apply(g, s, p, where=w)).lower(
-        grads, state, params, jnp.bool_(True)).compile().as_text()
-    assert " conditional(" not in hlo
+    assert_skip_form(guard_platform,
+                                lambda g, s, p, w: opt.update_and_apply(g, s, p, where=w),
+                                grads, state, params, jnp.bool_(True))
+
+
+def guard_temp_bytes(guarded: bool) -> int:
+    """Temp bytes of one compiled AdamW step (jit, params and state donated) behind the
+    trainer's wrappers, loss_scaled(skip_nonfinite(as_optimizer(adamw))), with the gradients
+    of a 4-layer tanh MLP computed in the program (as the train step's are): `guarded`, the
+    skip as traced (the trainer's); else the update alone (the inner optimizer without
+    wrappers or `where`). Compiled for JAX's backend or the active jaxmem.target."""
+    tx = optax.adamw(1e-3)
+    opt = loss_scaled(skip_nonfinite(as_optimizer(tx))) if guarded else as_optimizer(tx)
+    d = 512
+    params = {"a": jax.ShapeDtypeStruct((4, d, d), jnp.float32),
+              "b": jax.ShapeDtypeStruct((d, 2 * d), jnp.float32)}
+    state = jax.eval_shape(opt.init, params)
+
+    def step(params, state, x):
+        def loss(p):
+            h = x
+            for i in range(4):
+                h = jnp.tanh(h @ p["a"][i])
+            return jnp.sum((h @ p["b"]) ** 2)
+        return opt.update_and_apply(jax.grad(loss)(params), state, params)
+
+    x = jax.ShapeDtypeStruct((64, d), jnp.float32)
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, x).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_the_skip_costs_no_memory_on_the_cpu():
+    """XLA:CPU: the guarded step's temp is the unguarded one's (the leafwise select the GPU
+    takes costs this compiler 9 MiB here, 1.5 times the params: 3e3d8c0's regression)."""
+    guarded, plain = guard_temp_bytes(True), guard_temp_bytes(False)
+    assert guarded <= plain, (guarded, plain)
+
+
+@pytest.mark.gpu_target
+def test_the_skip_costs_no_memory_on_the_h100():
+    """The H100's compiler (deviceless, in a child process): the guarded step's temp is the
+    unguarded one's (the lax.cond the CPU takes costs it 17.6 MiB here, about the whole state
+    of 18 MiB again)."""
+    code = ("import sys; sys.path.insert(0, 'tests'); from jaxmem import target; "
+            "target.prepare(); import test_optim_api as t\n"
+            "with target.compiling_for('h100'):\n"
+            "    print(t.guard_temp_bytes(True), t.guard_temp_bytes(False))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       env=subprocess_env(cpu=True), timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    guarded, plain = map(int, p.stdout.split()[-2:])
+    assert guarded <= plain, (guarded, plain)

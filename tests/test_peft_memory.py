@@ -56,7 +56,7 @@ def test_lora_saved_residuals_match_jax(name):
     import jax
     import jax.numpy as jnp
 
-    from jaxmem.memory.residuals import available, saved_residual_bytes
+    from jaxmem.xla.residuals import available, saved_residual_bytes
     from jaxmem.peft.base import abstract_base
     from jaxmem.train.loss import abstract_batch, token_loss
     if not available():
@@ -101,7 +101,7 @@ def test_memory_cli_takes_the_peft_flags(capsys):
                  "--lora-rank", "4", "--quantize-base", "nf4", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     names = [c["name"] for c in report["analytic"]["components"]]
-    assert "frozen base: proj. nf4" in names and "LoRA adapters (master)" in names
+    assert "frozen layers nf4" in names and "LoRA adapters (master)" in names
     with pytest.raises(SystemExit) as e:
         main(["--preset", "tiny", "--quantize-base", "int8"])
     assert e.value.code == 2

@@ -9,8 +9,7 @@ import pytest
 
 from jaxmem.config.model import ModelConfig, get_preset
 from jaxmem.memory import StepSpec, analytic_breakdown, compile_step
-from jaxmem.memory.compiled import (abstract_state, compile_eval, compile_sample, compile_state,
-                                    tree_bytes)
+from jaxmem.memory.compiled import abstract_state, compile_phase, tree_bytes
 from jaxmem.memory.phases import SampleShape, analytic_phases, run_phases
 from jaxmem.model.llama import init_params
 from jaxmem.model.remat import RematPolicy
@@ -31,8 +30,8 @@ def test_eval_fused_loss_equals_full_logits(loss_chunk):
     """make_eval_fn (token_loss, fused LM head) gives the old eval's value: full [B, T, V] fp32
     logits through cross_entropy, tiny preset, fp32, with padding; measured max rel diff ~1e-7,
     compared under tests/numerics.py's policy (the fused head adds in another order)."""
-    spec = StepSpec(get_preset("tiny"), get_precision("fp32"), RematPolicy.parse("full"), 4, 128,
-                    loss_chunk=loss_chunk)
+    spec = StepSpec.of(get_preset("tiny"), get_precision("fp32"), RematPolicy.parse("full"), 4, 128,
+                       loss_chunk=loss_chunk)
     cfg = spec.step_config()[0]
     params = init_params(spec.model, jax.random.PRNGKey(0))
     batch = synthetic_batch(jax.random.PRNGKey(1), 4, 128, spec.model.vocab_size,
@@ -51,7 +50,7 @@ def test_eval_fused_loss_equals_full_logits(loss_chunk):
 def _eval_phase(spec) -> int:
     """The eval phase as the run holds it: the eval program + the state outside its arguments."""
     state = abstract_state(spec)
-    return compile_eval(spec)["peak_bytes"] + tree_bytes(state) - tree_bytes(state.params)
+    return compile_phase("eval", spec)["peak_bytes"] + tree_bytes(state) - tree_bytes(state.params)
 
 
 @pytest.mark.slow  # 6.8 s cold on 2 cores (default run kept under 5 min)
@@ -61,8 +60,8 @@ def test_eval_phase_not_above_step_small():
     under the step, and holds no [B, T, V] logits (the old eval's, loss_chunk 0, measured
     2026-11-23: fused 39.6 MiB, unfused 91.0, step 226.6 at B = 4, T = 256)."""
     def spec(loss_chunk):
-        return StepSpec(WIDE_VOCAB, get_precision("amp-bf16"), RematPolicy.parse("full"), 2, 128,
-                        loss_chunk=loss_chunk)
+        return StepSpec.of(WIDE_VOCAB, get_precision("amp-bf16"), RematPolicy.parse("full"), 2, 128,
+                           loss_chunk=loss_chunk)
     step = compile_step(spec(32))["peak_bytes"]
     fused, unfused = _eval_phase(spec(32)), _eval_phase(spec(0))
     logits = 2 * 128 * WIDE_VOCAB.vocab_size * 4  # [B, T, V] fp32, 16 MiB
@@ -74,8 +73,8 @@ def test_eval_phase_not_above_step_small():
 def test_1b_eval_and_sample_phases_not_above_step():
     """llama-3.2-1b amp-bf16 full 8 x 2048, compile only (CPU: 34 s alone, ~2.5 min under load here): measured 2026-11-23,
     step 25.50 GiB, eval phase 19.00 (the old full-logits eval: see docs/memory.md), sample 21.44."""
-    spec = StepSpec(get_preset("llama-3.2-1b"), get_precision("amp-bf16"),
-                    RematPolicy.parse("full"), 8, 2048)
+    spec = StepSpec.of(get_preset("llama-3.2-1b"), get_precision("amp-bf16"),
+                       RematPolicy.parse("full"), 8, 2048)
     step = compile_step(spec)
     r = run_phases(spec, SampleShape(), compile=True, step_compiled=step)
     by = {p["name"]: p["compiled_bytes"] for p in r["phases"]}
@@ -87,8 +86,8 @@ def test_1b_eval_and_sample_phases_not_above_step():
 def test_phases_compiled_and_the_largest_decides():
     """tiny amp-bf16, 2 x 64: each phase compiled; the run's peak is the largest of them; the
     state program outputs exactly the state; the sampler's arguments are the stored params."""
-    spec = StepSpec(get_preset("tiny", num_layers=2), get_precision("amp-bf16"),
-                    RematPolicy.parse("full"), 2, 64)
+    spec = StepSpec.of(get_preset("tiny", num_layers=2), get_precision("amp-bf16"),
+                       RematPolicy.parse("full"), 2, 64)
     step = compile_step(spec)
     r = run_phases(spec, SampleShape(max_new_tokens=16), compile=True, step_compiled=step)
     rows = {p["name"]: p for p in r["phases"]}
@@ -97,7 +96,7 @@ def test_phases_compiled_and_the_largest_decides():
     assert r["peak_bytes"] == max(peaks.values()) and peaks[r["peak_phase"]] == r["peak_bytes"]
     assert r["peak_source"] == "compiled"
     state = abstract_state(spec)
-    out = compile_state(spec)["output_bytes"]  # the state, plus XLA's few bytes of alignment
+    out = compile_phase("state", spec)["output_bytes"]  # the state, plus XLA's few bytes of alignment
     assert tree_bytes(state) <= out <= tree_bytes(state) + 1024, (out, tree_bytes(state))
     sample = rows["sample"]["program"]
     # the KV-cache sampler takes the fp32 master params as stored (cast to bf16 inside), the
@@ -114,7 +113,7 @@ def test_analytic_phases_follow_the_config():
     """No sample when max_new_tokens is 0; the sample's buffer is capped at the model's positions;
     the state phase is the state plus one fp32 params leaf."""
     c = get_preset("tiny")
-    spec = StepSpec(c, get_precision("fp32"), RematPolicy.parse("full"), 2, 64)
+    spec = StepSpec.of(c, get_precision("fp32"), RematPolicy.parse("full"), 2, 64)
     assert "sample" not in analytic_phases(spec, SampleShape(max_new_tokens=0))
     assert SampleShape(max_new_tokens=10_000).total(c.max_position_embeddings) == 512
     assert SampleShape(max_new_tokens=10).total(512) == 74
@@ -145,27 +144,29 @@ def test_lora_sample_phase_compiles_what_the_run_samples_with(quantize):
     (jaxmem.train.loop): the sample phase's program takes exactly those params (the same leaves,
     shapes and dtypes, so the same argument bytes), and on the tiny preset compiles to less than
     the plain fp32 model's sampler it used to stand in for."""
-    from jaxmem.memory.compiled import sample_params, state_program
+    from jaxmem.memory.compiled import sample_params
+    from jaxmem.train.placement import Placement
     from jaxmem.peft.base import base_on_device
     from jaxmem.peft.lora import LoraSpec
     c = get_preset("tiny")
     lora = LoraSpec(8, quantize=quantize, double_quant=quantize == "nf4")
-    spec = StepSpec(c, get_precision("amp-bf16"), RematPolicy.parse("full"), 1, 64, trainable=lora)
+    spec = StepSpec.of(c, get_precision("amp-bf16"), RematPolicy.parse("full"), 1, 64, trainable=lora)
     host = jax.tree_util.tree_map(np.asarray, init_params(c, jax.random.PRNGKey(0)))
     frozen = base_on_device(host, lora, spec.precision.compute_dtype)  # the run's import
-    adapters = state_program(*spec.step_config())().params  # the run's state's params
+    adapters = Placement.single().state_creation(*spec.step_config(), seed=0)().params  # the run's
     run_params = lora.full_params(frozen, adapters)
     shapes = lambda t: [(x.shape, jnp.dtype(x.dtype)) for x in jax.tree_util.tree_leaves(t)]  # noqa: E731
     assert (jax.tree_util.tree_structure(sample_params(spec))
             == jax.tree_util.tree_structure(run_params))
     assert shapes(sample_params(spec)) == shapes(run_params)
     n_prompt, total = 16, 80
-    lora_prog = compile_sample(spec, n_prompt, total, 0.8, 40)
+    shape = SampleShape(total - n_prompt, 0.8, 40, prompt_tokens=n_prompt)
+    lora_prog = compile_phase("sample", spec, sample=shape)
     key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
     tokens = n_prompt * 4 + n_prompt * 1 + key.size * key.dtype.itemsize  # ids, valid, key
     assert lora_prog["argument_bytes"] == tree_bytes(run_params) + tokens
-    plain = StepSpec(c, get_precision("fp32"), RematPolicy.parse("full"), 1, 64)
-    plain_prog = compile_sample(plain, n_prompt, total, 0.8, 40)
+    plain = StepSpec.of(c, get_precision("fp32"), RematPolicy.parse("full"), 1, 64)
+    plain_prog = compile_phase("sample", plain, sample=shape)
     assert lora_prog["argument_bytes"] < plain_prog["argument_bytes"]
     if quantize != "none":  # (a bf16 base: XLA:CPU emulates bf16 with fp32 copies in its temp)
         assert lora_prog["peak_bytes"] < plain_prog["peak_bytes"], (lora_prog, plain_prog)
@@ -187,8 +188,8 @@ def test_adamw8bit_update_has_no_params_sized_buffer(monkeypatch):
     monkeypatch.setattr(sr, "CHUNK", 2**12)
     c = ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=1024, num_layers=2,
                     num_heads=4, num_kv_heads=4, max_position_embeddings=64)
-    spec = StepSpec(c, get_precision("fp32"), RematPolicy.parse("full"), 1, 16,
-                    optimizer="adamw8bit")
+    spec = StepSpec.of(c, get_precision("fp32"), RematPolicy.parse("full"), 1, 16,
+                       optimizer="adamw8bit")
     compiled = compile_step(spec)
     a = analytic_breakdown(spec)
     P4 = 4 * c.num_params()

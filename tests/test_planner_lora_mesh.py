@@ -1,5 +1,5 @@
-"""The planner per device for LoRA / QLoRA on a mesh (jaxmem.memory.lora_mesh, jaxmem.parallel.
-memory): the 70B headline (analytic, no compile), the frozen base split by the rules, host bytes
+"""The planner per device for LoRA / QLoRA on a mesh (jaxmem.memory.counted and .analytic on a
+mesh, jaxmem.parallel.rules): the 70B headline (analytic, no compile), the frozen base split by the rules, host bytes
 with --offload-base host, the mesh x micro-batch x remat x loss-chunk search, and the per-device
 analytic peak against XLA's compiled one on 2 and 4 simulated devices.
 
@@ -30,6 +30,26 @@ TINY_QLORA = {"model.num_layers": 2, "model.hidden_size": 256, "model.intermedia
 MESHES = {2: ["fsdp=2"], 4: ["fsdp=4", "tensor=2,fsdp=2"]}  # the base split on fsdp and tensor
 
 
+def _analytic(spec, mesh, devices):
+    from jaxmem.memory.analytic import analytic_breakdown
+    from jaxmem.memory.mesh import resolve
+    return analytic_breakdown(spec, resolve(spec, mesh, devices) if mesh else None)
+
+
+def _frozen(spec, sizes):
+    """{where: bytes} of the frozen base on one device (jaxmem.memory.counted)."""
+    from jaxmem.memory.counted import count_frozen
+    out = {}
+    for c in count_frozen(spec, sizes):
+        out[c.where.value] = out.get(c.where.value, 0) + c.bytes
+    return out
+
+
+def _in_flight(spec, sizes):
+    from jaxmem.memory.counted import layer_in_flight
+    return {c.label: c.bytes for c in layer_in_flight(spec, sizes)}
+
+
 def _spec(overrides):
     from jaxmem.config.run import RunConfig
     from jaxmem.memory.spec import StepSpec
@@ -38,81 +58,78 @@ def _spec(overrides):
 
 @pytest.fixture(scope="module")
 def headline():
-    from jaxmem.memory.mesh import analytic_per_device
     spec = _spec(HEADLINE)
-    on_device = dataclasses.replace(spec, offload_base="none")
-    return (spec, analytic_per_device(spec, "fsdp=2", 2),
-            analytic_per_device(on_device, "fsdp=2", 2))
+    on_device = spec.replace(offload_base="none")
+    return spec, _analytic(spec, "fsdp=2", 2), _analytic(on_device, "fsdp=2", 2)
 
 
 def test_headline_70b_qlora_offload_fits_22_gib_per_device(headline):
     """Llama-3.1-70B, r 16 on 7 targets, NF4 + double quant, amp-bf16, full remat, 2048 tokens
     per device on fsdp=2, base offloaded: at most 22 GiB of device memory per device (analytic;
     measured here 10.81 GiB, with 16.45 GiB of host memory per device; 27.05 without offload)."""
-    from jaxmem.memory.lora_mesh import base_split
-    from jaxmem.peft.memory import quantized_bytes, _in_out
+    import jax
+    from jaxmem.model.llama import abstract_params
+    from jaxmem.paths import in_layers
     spec, off, on = headline
     c = spec.model
     assert off["local_batch"] == 1 and off["mesh"] == "data=1,fsdp=2,tensor=1"
-    assert off["total"] <= 22 * GiB, off["total"] / GiB
-    # the host holds each device's half of the packed block layers: the NF4+dq formula / 2
-    # (norms and scales' rounding to whole second-level blocks are within 0.1%)
-    packed = sum(quantized_bytes(i, o, "nf4", 64, True) for i, o in _in_out(c).values())
-    np.testing.assert_allclose(off["host"], packed * c.num_layers / 2, rtol=1e-3)
-    assert 16 * GiB < off["host"] < 17 * GiB
+    assert off["total_bytes"] <= 22 * GiB, off["total_bytes"] / GiB
+    # the host holds each device's half of the packed block layers: NF4 + double quant is 4.127
+    # bits per weight (4 of code, 8 / 64 of absmax code, 32 / (64 x 256) of fp32 absmax scale);
+    # the norms stay fp32 beside them
+    leaves = jax.tree_util.tree_leaves_with_path(abstract_params(c))
+    norms = sum(x.size * 4 for p, x in leaves if in_layers(p) and x.ndim == 2)
+    dense = sum(x.size for p, x in leaves if in_layers(p) and x.ndim > 2)
+    packed = dense * (4 + 8 / 64 + 32 / (64 * 256)) / 8 + norms
+    np.testing.assert_allclose(off["host_bytes"], packed / 2, rtol=1e-3)
+    assert 16 * GiB < off["host_bytes"] < 17 * GiB
     # without offload the same device holds those layers instead of one layer's copy
-    split = base_split(spec, {"data": 1, "fsdp": 2, "tensor": 1})
-    assert on["host"] == 0 and on["total"] > 22 * GiB
-    assert on["total"] - off["total"] == split.layers - split.layer_copy
-    assert split.layer_copy * c.num_layers == split.layers
+    sizes = {"fsdp": 2}
+    layers = _frozen(spec.replace(offload_base="host"), sizes)["host"]
+    flight = _in_flight(spec.replace(offload_base="host"), sizes)
+    copy = flight["frozen layer copied from the host"]
+    assert on["host_bytes"] == 0 and on["total_bytes"] > 22 * GiB
+    assert on["total_bytes"] - off["total_bytes"] == layers - copy
+    assert copy * c.num_layers == layers
     # one gathered layer is the whole packed layer (fsdp gathers it), twice the device's shard
-    np.testing.assert_allclose(split.layer_gathered, 2 * split.layer_copy, rtol=1e-3)
+    np.testing.assert_allclose(flight["frozen layer gathered (fsdp)"], 2 * copy, rtol=1e-3)
     # adapters and their state are split in two: 207M params, fp32 master + grads + mu + nu
-    comps = {x["name"]: x["bytes"] for x in off["components"]}
     adapters = 207_093_760  # sum over the 7 targets of 80 x 16 x (in + out)
-    assert comps["LoRA adapters (master)"] == adapters * 4 // 2
+    assert sum(x["bytes"] for x in off["components"] if x["kind"] == "params") == adapters * 4 // 2
 
 
 def test_base_split_follows_the_rules_on_tiny():
     """On the tiny model: fsdp=N holds at most 1/N of the base + the leaves the rules keep whole;
     offload moves exactly the block layers to the host; one device has nothing gathered."""
-    from jaxmem.memory.lora_mesh import base_components, base_split
+    from jaxmem.memory.counted import head_gathered, tree_bytes
     spec = _spec(TINY_QLORA)
-    one = base_split(spec, {})
-    assert one.replicated == 0 and one.layer_gathered == one.layer_copy
+    one = _frozen(spec, {})["device"]
+    assert _in_flight(spec, {}) == {}
+    base = spec.trainable.abstract_frozen(spec.model, spec.precision.compute_dtype)
+    assert one == tree_bytes(base)
+    gathered = []
     for n in (2, 4):
-        s = base_split(spec, {"data": 1, "fsdp": n, "tensor": 1})
-        assert s.layers + s.other <= (one.layers + one.other) / n + s.replicated
-        assert s.layer_gathered == one.layer_gathered  # fsdp gathers the whole layer
-        names = {x[0]: x[3] for x in base_components(spec, {"fsdp": n})}
-        assert names["frozen layer gathered (fsdp)"] == "backward"
-    # the LM head, split by fsdp, is gathered whole for the loss: it counts where the loss's
-    # logits group with it outgrows a layer's backward with its gathered layer
-    sizes = {"data": 1, "fsdp": 2, "tensor": 1}
+        local = _frozen(spec, {"fsdp": n})["device"]
+        assert one / n <= local < one / n + one / 20  # a few small leaves stay whole
+        gathered.append(_in_flight(spec, {"fsdp": n})["frozen layer gathered (fsdp)"])
+    assert gathered[0] == gathered[1] > 0  # fsdp gathers the whole layer
+    # the LM head, split by fsdp, is gathered whole for the loss
     wide = _spec({**TINY_QLORA, "model.vocab_size": 4096})  # a head larger than a layer
-    s = base_split(wide, sizes)
-    assert s.head_gathered == 256 * 4096 * 4 > s.layer_gathered  # [D, V] fp32, whole
-    extra = lambda t: [x[1] for x in base_components(wide, sizes, t) if "LM head" in x[0]]  # noqa
-    assert extra({"logits_group_bytes": 10**6, "layer_backward_bytes": 0}) == [
-        s.head_gathered - s.layer_gathered]
-    assert extra({"logits_group_bytes": 0, "layer_backward_bytes": 10**7}) == [0]
-    host = base_components(dataclasses.replace(spec, offload_base="host"), {})
-    assert [(x[1], x[3]) for x in host if x[3] == "host"] == [(one.layers, "host")]
+    assert head_gathered(wide, {"fsdp": 2}) == 256 * 4096 * 4 > gathered[0]  # [D, V] fp32, whole
+    assert head_gathered(wide, {}) == 0
 
 
 def test_single_device_offload_moves_the_layers_to_the_host():
     """analytic_breakdown: --offload-base host takes the block layers out of the device peak
     (host_bytes) and adds one layer's copy; nothing else changes."""
     from jaxmem.memory.analytic import analytic_breakdown
-    from jaxmem.memory.lora_mesh import base_split
     spec = _spec(TINY_QLORA)
-    on, off = analytic_breakdown(spec), analytic_breakdown(dataclasses.replace(
-        spec, offload_base="host"))
-    s = base_split(spec, {})
-    assert on["host_bytes"] == 0 and off["host_bytes"] == s.layers
-    # the formula counts the packed layers within 1% of the leaves' bytes (second-level blocks)
-    np.testing.assert_allclose(on["total_bytes"] - off["total_bytes"], s.layers - s.layer_copy,
-                               rtol=0.01)
+    host = spec.replace(offload_base="host")
+    on, off = analytic_breakdown(spec), analytic_breakdown(host)
+    layers, copy = _frozen(host, {})["host"], _in_flight(host, {})["frozen layer copied from the host"]
+    assert on["host_bytes"] == 0 and off["host_bytes"] == layers
+    assert copy * spec.model.num_layers == layers
+    assert on["total_bytes"] - off["total_bytes"] == layers - copy
 
 
 def test_host_argument_bytes_from_the_entry_layout():
@@ -122,7 +139,7 @@ def test_host_argument_bytes_from_the_entry_layout():
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
     from jaxmem.memory.compiled import compiled_stats
-    from jaxmem.memory.lora_mesh import host_split
+    from jaxmem.memory.compiled import host_split
     d = jax.devices()[0]
     if "pinned_host" not in {m.kind for m in d.addressable_memories()}:
         pytest.skip("this backend has no pinned_host memory")
@@ -141,8 +158,8 @@ def test_host_argument_bytes_from_the_entry_layout():
 def test_compare_line_compares_the_program_that_was_compiled():
     """With --offload-base host, a compiled step that kept the base on the device is compared
     with the analytic figure without offload; an offloading one by its device peak."""
-    from jaxmem.memory.lora_mesh import compare_line
-    r = {"analytic": {"total": 10}, "analytic_without_offload": 30,
+    from jaxmem.memory.mesh import compare_line
+    r = {"analytic": {"total_bytes": 10}, "analytic_without_offload": 30,
          "compiled": {"peak_bytes": 40, "host_argument_bytes": 0, "device_peak_bytes": 40}}
     assert compare_line(r) == "analytic / compiled peak: 0.750 (both without offload)"
     r["compiled"].update(host_argument_bytes=20, device_peak_bytes=20)
@@ -153,16 +170,17 @@ def test_plan_mesh_searches_meshes_micro_batches_remat_and_loss_chunk():
     """plan_mesh on the tiny QLoRA step over 4 devices (analytic only): candidates in order,
     none over the budget chosen, the first under it chosen; micro-batches divisible by the
     batch shards only."""
-    from jaxmem.memory.planner import mesh_candidates_for, plan_mesh
-    from jaxmem.memory.mesh import analytic_per_device, mesh_candidates
+    from jaxmem.memory.search import mesh_candidates_for, plan_mesh
+    from jaxmem.memory.search import mesh_candidates
     spec = _spec(TINY_QLORA)
-    meshes = mesh_candidates(dataclasses.replace(spec, batch_size=8), 4)
+    meshes = mesh_candidates(spec.replace(batch_size=8), 4)
     cands = mesh_candidates_for(spec, meshes, 8)
-    assert [m for m, _ in cands][0] == "data=4,fsdp=1,tensor=1"
-    assert all(s.batch_size % (4 if "tensor=1" in m else 2) == 0 for m, s in cands)
+    assert [str(m) for m, _ in cands][0] == "data=4,fsdp=1,tensor=1"
+    assert all(s.batch_size % (4 if m.tensor == 1 else 2) == 0 for m, s in cands)
     assert {s.loss_chunk for _, s in cands} >= {None}
-    fn = lambda s, m: analytic_per_device(s, m, 4)  # noqa: E731
-    peaks = [fn(s, m)["total"] for m, s in cands]
+    from jaxmem.memory.analytic import analytic_breakdown
+    fn = analytic_breakdown
+    peaks = [fn(s, m)["total_bytes"] for m, s in cands]
     budget = sorted(peaks)[len(peaks) // 2]
     r = plan_mesh(spec, meshes, 8, budget, analytic_fn=fn, compile_fn=None)
     first = next(i for i, p in enumerate(peaks) if p <= budget)
@@ -184,8 +202,8 @@ def test_headline_cli_prints_device_and_host_bytes():
     proc = run("--batch-size", "2", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout)
-    assert r["compiled"] is None and r["analytic"]["total"] <= 22 * GiB
-    assert 16 * GiB < r["analytic"]["host"] < 17 * GiB
+    assert r["compiled"] is None and r["analytic"]["total_bytes"] <= 22 * GiB
+    assert 16 * GiB < r["analytic"]["host_bytes"] < 17 * GiB
     assert r["analytic_without_offload"] > 22 * GiB
     bad = run("--batch-size", "1")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith(
@@ -196,17 +214,17 @@ def test_headline_cli_prints_device_and_host_bytes():
 def _worker(out_path: str) -> None:
     """Compile the tiny QLoRA step for each mesh of this process's devices, with the analytic."""
     import jax
-    from jaxmem.memory.mesh import analytic_per_device, compile_per_device
+    from jaxmem.memory.compiled import compile_step
     n = jax.device_count()
     report = {}
     for mesh in MESHES[n]:
         spec = _spec(TINY_QLORA)
-        a = analytic_per_device(spec, mesh, n)
-        c = compile_per_device(spec, mesh)
-        report[mesh] = {"analytic": a["total"], "compiled": c["peak_bytes"],
+        a = _analytic(spec, mesh, n)
+        c = compile_step(spec, mesh)
+        report[mesh] = {"analytic": a["total_bytes"], "compiled": c["peak_bytes"],
                         "argument": c["argument_bytes"]}
     one = _spec(TINY_QLORA)
-    report["one"] = {"analytic": analytic_per_device(one, None)["total"]}
+    report["one"] = {"analytic": _analytic(one, None, 1)["total_bytes"]}
     with open(out_path, "w") as f:
         json.dump(report, f)
 

@@ -75,8 +75,15 @@ def test_decay_mask_and_norm_casting_follow_roles():
 
 @pytest.mark.parametrize("preset", ["tiny", "llama-3.2-1b", "llama-3-8b"])
 def test_planner_counts_norm_params_by_role(preset):
-    from jaxmem.config.model import get_preset
-    from jaxmem.memory.analytic import norm_params
-    c = get_preset(preset)
-    # 2 RMSNorms per block and the final one, D scales each (no allocation: eval_shape)
-    assert norm_params(c) == (2 * c.num_layers + 1) * c.hidden_size
+    """The amp compute copy (jaxmem.memory.counted.compute_copy) leaves out the params whose
+    role is a norm, and an untied embedding: 2 RMSNorms per block and the final one, D scales
+    each, counted on the abstract params (no allocation)."""
+    from jaxmem.config.run import RunConfig
+    from jaxmem.memory.counted import compute_copy
+    from jaxmem.memory.spec import StepSpec
+    spec = StepSpec.from_run_config(RunConfig().replace({"model.preset": preset,
+                                                         "precision.mode": "amp-bf16"}))
+    c = spec.model
+    norms = (2 * c.num_layers + 1) * c.hidden_size
+    embedding = 0 if c.tie_embeddings else c.vocab_size * c.hidden_size
+    assert compute_copy(spec, {}) == (c.num_params() - norms - embedding) * 2

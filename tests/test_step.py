@@ -71,10 +71,14 @@ def test_overflow_from_a_too_large_scale_is_skipped():
 @pytest.mark.parametrize("precision, optimizer", [
     ("amp-fp16", "adamw"), pytest.param("bf16-sr", "adamw8bit", marks=pytest.mark.slow),
     pytest.param("bf16-sr", "adamw", marks=pytest.mark.slow)])
-def test_the_step_has_no_conditional(precision, optimizer):
-    """The compiled train step skips a non-finite step without a conditional (jaxmem.optim's
-    `where` contract): a lax.cond whose branches return params and optimizer state gets its own
-    copies of them in the GPU program's buffers (12 fp32 copies of the 1B model's MLP stacks)."""
+def test_the_step_has_no_conditional(precision, optimizer, monkeypatch):
+    """The train step built for a GPU skips a non-finite step without a conditional
+    (jaxmem.optim's `where` contract): a lax.cond whose branches return params and optimizer
+    state gets its own copies of them in the GPU program's buffers (12 fp32 copies of the 1B
+    model's MLP stacks). The GPU's form is forced here (jaxmem.optim._apply._guard_form; the
+    CPU's own is a cond, tests/test_optim_api.py), the program compiled by XLA:CPU."""
+    from jaxmem.optim import _apply
+    monkeypatch.setattr(_apply, "_guard_form", lambda: "select")
     cfg, state = state_for(precision, optim=OptimConfig(lr=1e-2, total_steps=20,
                                                         optimizer=optimizer))
     hlo = jit_train_step(cfg).lower(state, batch()).compile().as_text()

@@ -83,7 +83,7 @@ def jax_saved_bytes(model, abstract_compute_params, batch, loss_chunk=0) -> tupl
     out: the token ids and targets count when they are saved, as on the torch side
     (saved_tensors_hooks see them too)."""
     import numpy as np
-    from jaxmem.memory.residuals import saved_residual_bytes
+    from jaxmem.xla.residuals import saved_residual_bytes
     from jaxmem.train.loss import token_loss
 
     def loss_of(params, batch):

@@ -18,7 +18,7 @@ import json
 import os
 import re
 
-from jaxmem.memory.hlo import attr, entry_name, parse_hlo  # noqa: F401  (re-exported)
+from jaxmem.xla.hlo import attr, entry_name, parse_hlo  # noqa: F401  (re-exported)
 
 F8_TARGET = "__cublas$lt$matmul$f8"
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
@@ -27,7 +27,7 @@ _PASS_THROUGH = {"convert", "multiply", "broadcast", "transpose", "reshape", "bi
                  "slice", "pad", "select", "dynamic-slice"}
 
 # ------------------------------------------------------------------------------ HLO text
-# The reader is jaxmem.memory.hlo's (one implementation); `_attr` is its `attr`, kept under the
+# The reader is jaxmem.xla.hlo's (one implementation); `_attr` is its `attr`, kept under the
 # name experiments.fp8_diag.table imports.
 _attr = attr
 

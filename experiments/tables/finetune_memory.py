@@ -54,7 +54,7 @@ def row(model: str, mode: str, compile_it: bool) -> dict:
     out = {"model": model, "mode": mode, "params": a["params"],
            "trainable": comps.get("LoRA adapters (master)", comps.get("params (master)", 0)) // 4,
            "state": state, "analytic": a["total_bytes"], "phase": a["peak_phase"],
-           "analytic_gpu": analytic_breakdown(dataclasses.replace(spec, attention="cudnn"))[
+           "analytic_gpu": analytic_breakdown(spec.replace(attention="cudnn"))[
                "total_bytes"]}
     if compile_it:
         from jaxmem.memory.compiled import compile_step

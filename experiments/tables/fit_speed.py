@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     jax.config.update("jax_enable_compilation_cache", False)
     from jaxmem.config.run import RunConfig
     from jaxmem.memory.analytic import analytic_breakdown
-    from jaxmem.memory.planner import candidates, plan
+    from jaxmem.memory.search import candidates, plan
     from jaxmem.memory.spec import GiB, StepSpec
     cfg = RunConfig().replace({"model.preset": args.preset, "precision.mode": args.precision,
                                "optim.optimizer": args.optimizer, "data.seq_len": args.seq_len,

@@ -6,9 +6,9 @@
         --num-layers 8 --precision bf16-sr --mesh fsdp=8        (a saved module; no compile)
 
 The step is compiled as `python -m jaxmem.memory ... --mesh M --target CARD --devices N` compiles
-it (jaxmem.memory.mesh.compile_per_device inside jaxmem.target.compiling_for: the card's own XLA
+it (jaxmem.memory.compiled.compile_step inside jaxmem.target.compiling_for: the card's own XLA
 compiler, deviceless), or read from an optimized HLO text (`XLA_FLAGS=--xla_dump_to=DIR`,
-`*jit_train_step*after_optimizations.txt`). jaxmem.memory.collectives reads its collectives:
+`*jit_train_step*after_optimizations.txt`). jaxmem.xla.collectives reads its collectives:
 bytes each device sends and receives per kind by the ring model, multiplied by the trip counts
 of the loops they sit in, and the async pairs. The theory is FSDP's 3 x the parameter bytes in
 the compute dtype (gathered for the forward, again for the backward, gradients scattered) x
@@ -28,7 +28,7 @@ import sys
 from jaxmem import target
 from jaxmem.config.flags import add_run_flags, given_overrides, positive_int
 from jaxmem.config.run import RunConfig
-from jaxmem.memory.collectives import comm_report, format_comm_table, fsdp_volume
+from jaxmem.xla.collectives import comm_report, format_comm_table, fsdp_volume
 from jaxmem.memory.spec import StepSpec
 from jaxmem.parallel.mesh import MeshSpec
 
@@ -62,10 +62,10 @@ def param_bytes(spec: StepSpec) -> int:
 def compiled_hlo(spec: StepSpec, mesh: str, card: str, devices: int) -> str:
     """The optimized HLO of the step compiled for `devices` deviceless `card` GPUs on `mesh`,
     by the planner's own path."""
-    from jaxmem.memory.mesh import compile_per_device
+    from jaxmem.memory.compiled import compile_step
     target.prepare()
     with target.compiling_for(card, devices=devices):
-        return compile_per_device(spec, mesh, keep_hlo=True)["hlo"]
+        return compile_step(spec, mesh, keep_hlo=True)["hlo"]
 
 
 def ops_table(report: dict, limit: int = 40) -> str:

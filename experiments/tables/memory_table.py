@@ -4,7 +4,7 @@
 
 For presets tiny, small, llama-3.2-1b, llama-3.2-3b, llama-3-8b in precision fp32, amp-bf16 and
 bf16, remat none and full, batch 1 x 2048 tokens, Adam mu in the params' dtype: the analytic
-peak (jaxmem.memory.planner), the full train step compiled ahead of time on the current backend from
+peak (jaxmem.memory.search), the full train step compiled ahead of time on the current backend from
 abstract shapes (each compile in its own process, killed after --timeout seconds: "timeout" in
 the table), the device's measured peak where the backend reports one (a GPU; one process per
 configuration), and the rule of thumb (4 B/param fp32 weights, 16 B/param mixed-precision Adam).
@@ -41,7 +41,7 @@ def spec_for(preset: str, precision: str, remat: str):
     model = get_preset(preset)
     if model.max_position_embeddings < SEQ:
         model = model.replace(max_position_embeddings=SEQ)
-    return StepSpec(model, get_precision(precision), RematPolicy.parse(remat), 1, SEQ)
+    return StepSpec.of(model, get_precision(precision), RematPolicy.parse(remat), 1, SEQ)
 
 
 def one(preset: str, precision: str, remat: str, what: str) -> dict:

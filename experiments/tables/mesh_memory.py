@@ -40,18 +40,20 @@ def worker(n: int, preset: str, batch: int, seq: int) -> list[dict]:
 
     from jaxmem.config.run import RunConfig
     from jaxmem.memory.spec import StepSpec
-    from jaxmem.memory.mesh import analytic_per_device, compile_per_device
+    from jaxmem.memory.analytic import analytic_breakdown
+    from jaxmem.memory.compiled import compile_step
+    from jaxmem.memory.mesh import resolve
 
     spec = StepSpec.from_run_config(RunConfig().replace(
         {"model.preset": preset, "data.batch_size": batch, "data.seq_len": seq}))
     rows = []
     for m in meshes(n):
         text = None if m == "(none)" else m
-        c = compile_per_device(spec, text)
-        a = analytic_per_device(spec, text, n)
+        c = compile_step(spec, text)
+        a = analytic_breakdown(spec, resolve(spec, text, n) if text else None)
         rows.append({"devices": n, "mesh": m, **{k: c[k] for k in (
             "argument_bytes", "temp_bytes", "output_bytes", "alias_bytes", "peak_bytes")},
-            "analytic_bytes": a["total"], "collectives": c["collectives"]})
+            "analytic_bytes": a["total_bytes"], "collectives": c["collectives"]})
     return rows
 
 

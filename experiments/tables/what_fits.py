@@ -15,7 +15,7 @@ remat full, per preset x method x sequence length. The methods, with their exact
     QLoRA r16       ... --quantize-base nf4 --double-quant          (NF4 base)
 
 A cell is the run's largest compiled phase and whether it fits: "yes" within
-jaxmem.memory.verdict.usable_bytes at XLA's default share (.75 of the card), "pre-off" only with
+jaxmem.xla.verdict.usable_bytes at XLA's default share (.75 of the card), "pre-off" only with
 XLA_PYTHON_CLIENT_PREALLOCATE=false (the whole card less 0.5 GiB of CUDA context), else "no".
 `--judge` cards (default: rtx4090, the 24 GB card) get a column judged on the first card's
 program, not compiled again: on 2026-11-25 the 1B AdamW step compiled within 0.4% on both (21.35
@@ -74,7 +74,7 @@ def run_memory(flags: list[str], timeout: float) -> dict:
 
 
 def verdict(peak: int, card_gib: float) -> str:
-    from jaxmem.memory.verdict import usable_bytes
+    from jaxmem.xla.verdict import usable_bytes
     if peak <= usable_bytes(card_gib, 0.75):
         return "yes"
     return "pre-off" if peak <= usable_bytes(card_gib, 1.0) else "no"

@@ -12,7 +12,6 @@ from jaxmem.config.model import ModelConfig
 from jaxmem.memory.spec import StepSpec
 from jaxmem.model.tiled import mlp_tile, tiles_under
 from jaxmem.model.remat import RematPolicy
-from jaxmem.remat import RematError
 
 FP32 = 4
 
@@ -64,10 +63,9 @@ def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematP
     tags = tag_shapes(c, B, T)
     BTD, BNT = B * T * D, B * N * T
     block_input = ("block input [B,T,D]", BTD * cb, cd)
-    kind = remat.kind
-    if kind == "full":
+    if remat.recomputes_all:
         return [block_input]
-    if kind == "none":
+    if not remat.enabled:
         out = []
         for norm in ("attn_norm", "mlp_norm"):
             out += [(f"{norm}: input [B,T,D]", BTD * cb, cd),
@@ -78,19 +76,18 @@ def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematP
             out += [("softmax statistics [B,N,T] x2", 2 * BNT * FP32, "float32")]
         out += [("SwiGLU [B,T,F] x3", 3 * B * T * F * cb, cd)]
         return out
-    if kind in ("dots", "dots_no_batch"):
+    if remat.saves_dots:
         out = [block_input, ("o_proj output [B,T,D]", BTD * cb, cd),
                ("q, k, v projections", (tags["query"] + tags["key"] + tags["value"]) * cb, cd),
                ("gate, up [B,T,F] x2", 2 * B * T * F * cb, cd)]
-        if kind == "dots" and attention == "xla":
+        if remat.saves_batched_dots and attention == "xla":
             out += [("PV output [B,T,N,H]", tags["attn_context"] * cb, cd)]
         return out
-    if kind == "names":
-        return [block_input] + [(f"tag {t}", tags[t] * cb, cd) for t in remat.names
-                                if t not in ("mlp_out", "block_input")]
-    if kind == "offload":  # offloaded to pinned host memory: nothing extra on the device
-        return [] if "block_input" in remat.names else [block_input]
-    raise RematError(f"no activation formula for remat policy {remat}")
+    # names / offload: the block input (unless offloaded) and the tags kept on the device
+    # (an offloaded tag lives in host memory and counts zero here)
+    kept = [] if "block_input" in remat.offloaded_tags else [block_input]
+    return kept + [(f"tag {t}", tags[t] * cb, cd) for t in remat.kept_tags
+                   if t not in ("mlp_out", "block_input")]
 
 
 def outside_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematPolicy,
@@ -138,8 +135,8 @@ def mlp_backward(spec: StepSpec) -> int:
     c, B, T = spec.model, spec.batch_size, spec.seq_len
     F, cb = c.intermediate_size, _nbytes(spec.precision.compute_dtype)
     r = spec.remat
-    recomputed = r.kind == "full" or (r.kind in ("names", "offload")
-                                      and not {"mlp_gate", "mlp_up"} <= set(r.names))
+    recomputed = not r.saves_dots and not {"mlp_gate", "mlp_up"} <= {*r.kept_tags,
+                                                                      *r.offloaded_tags}
     if not recomputed:  # gate and up saved or offloaded (none, dots*, the default offload)
         return 0
     tile = mlp_tiled(spec)

@@ -23,10 +23,10 @@ loss on one [B, T] batch) and the end-of-run sample (`--max-new-tokens`), each w
 holds outside its program; analytic, and compiled for the step and, with `--compile`, for the
 other three. The verdict is on the largest phase, and so is `--fit`'s choice.
 
-`--fit GIB --global-batch N` runs the planner instead (jaxmem.memory.planner.plan): candidates from
+`--fit GIB --global-batch N` runs the planner instead (jaxmem.memory.search.plan): candidates from
 fastest to most frugal, the first whose *compiled* peak fits is printed with its breakdown, with
 every rejected candidate and why; exit 1 when nothing fits. GIB is the GPU's size; a candidate
-fits when its peak is within jaxmem.memory.verdict.usable_bytes(GIB), the verdict's own rule.
+fits when its peak is within jaxmem.xla.verdict.usable_bytes(GIB), the verdict's own rule.
 
 `--mesh data=D,fsdp=F,tensor=T` (with `--devices N` on the CPU backend: N simulated devices)
 prints the per-device breakdown instead: the analytic model split by the sharding rules and the
@@ -34,7 +34,7 @@ step compiled for the mesh, with its collectives (jaxmem.memory.mesh, docs/distr
 `--fit GIB --devices N` chooses the mesh instead of the step: the first mesh of N devices, from
 pure data parallel to all-fsdp to tensor=2, whose per-device compiled peak fits. For a LoRA /
 QLoRA run, or with `--global-batch`, it chooses the mesh, the micro-batch, the remat policy and
-the fused loss's chunk together (jaxmem.memory.planner.plan_mesh; analytic-first as `--fit`).
+the fused loss's chunk together (jaxmem.memory.search.plan_mesh; analytic-first as `--fit`).
 With `--offload-base host` the frozen block layers are counted in host memory, printed apart
 from the device bytes, with the device figure without offload beside it. `--analytic-only`
 skips the compile (a 70B step takes minutes to compile on a CPU).
@@ -47,7 +47,6 @@ flag.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
@@ -55,14 +54,10 @@ from jaxmem import target
 from jaxmem.config.flags import (PLANNER_ONLY, PLANNER_SECTIONS, add_run_flags, given_overrides,
                                  positive_int)
 from jaxmem.config.run import RunConfig
-from jaxmem.memory.measure import measure_in_subprocess, run_worker
-from jaxmem.memory.phases import SampleShape, format_phases, run_phases
-from jaxmem.memory.planner import plan
-from jaxmem.memory.report import (format_plan, format_report, header_line, step_report,
-                                  train_command)
-from jaxmem.memory.spec import GiB, StepSpec
-from jaxmem.memory.verdict import COMMON_GIB, usable_bytes, verdict_lines
-from jaxmem.model.remat import RematPolicy
+from jaxmem.model.precision import get_precision
+from jaxmem.memory import commands
+from jaxmem.memory.measure import run_worker
+from jaxmem.memory.spec import StepSpec
 from jaxmem.train.run import build_step_config
 
 
@@ -107,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fit-seq", type=positive_gib, default=None, metavar="GIB",
                    help="plan: the longest --seq-len (multiples of 1024, up to the model's "
                         "max positions) whose run fits a GPU of GIB GiB, batch and the rest "
-                        "as given (jaxmem.memory.fit_seq: doubling, then bisection on compiled "
+                        "as given (jaxmem.memory.search: doubling, then bisection on compiled "
                         "peaks); with --devices / --mesh (e.g. --mesh context=8: the sequence "
                         "split over 8 devices) the step's per-device compiled peak decides")
     g.add_argument("--compile", action="store_true",
@@ -155,78 +150,6 @@ def _resolve(parser, args):
     return spec, args.global_batch or batch * accum, batch if batch_given else None
 
 
-def _verdict(report: dict, fit: float | None = None) -> list[str]:
-    """The verdict on the run's largest phase (jaxmem.memory.phases), and which one it is; with
-    --fit its size is judged too (by `usable_bytes`, the rule the search used)."""
-    ph = report["phases"]
-    others = ", ".join(f"{r['name']} {_gib(r)}" for r in ph["phases"])
-    sizes = COMMON_GIB if fit is None else tuple(sorted({*COMMON_GIB, fit}))
-    return verdict_lines(ph["peak_bytes"], ph["peak_source"], report["backend"],
-                         report["precision"], sizes) + [
-        f"  the run's largest phase: {ph['peak_phase']} (GiB: {others}; a = analytic)"]
-
-
-def _gib(row) -> str:
-    n = row["compiled_bytes"] if row["compiled_bytes"] is not None else row["analytic_bytes"]
-    return f"{n / GiB:.2f}" + ("" if row["compiled_bytes"] is not None else "a")
-
-
-def _phases(args, cfg, spec, report, cache=None) -> dict:
-    measured = (report.get("measured") or {}).get("peak_bytes")
-    return run_phases(spec, SampleShape.of(cfg), compile=args.compile,
-                      step_compiled=report["compiled"], step_measured=measured, cache=cache)
-
-
-def _plot(parser, path, reports, labels, budget=None) -> None:
-    if not path:
-        return
-    from jaxmem.plot.figure import PlotError, save  # noqa: PLC0415
-    from jaxmem.plot.memory import plot_memory  # noqa: PLC0415
-    if not reports:
-        print("no candidate was compiled: nothing to plot", file=sys.stderr)
-        return
-    try:
-        print(f"wrote {save(plot_memory(reports, labels, budget_gib=budget), path)}",
-              file=sys.stderr)
-    except PlotError as e:
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
-        raise SystemExit(2)
-
-
-def _fit_mesh_and_step(args, spec, global_batch: int, max_micro: int | None) -> int:
-    """`--fit GIB --devices N` for a LoRA run or with --global-batch: the first mesh x
-    micro-batch x remat x loss chunk whose per-device peak fits (jaxmem.memory.planner.plan_mesh);
-    exit 1 when nothing does."""
-    from jaxmem.memory.mesh import analytic_per_device, compile_per_device, mesh_candidates
-    from jaxmem.memory.planner import plan_mesh
-    whole = dataclasses.replace(spec, batch_size=global_batch, grad_accum=1)
-    meshes = mesh_candidates(whole, args.devices)
-    log = None if args.json else (lambda t: print(
-        f"  mesh {t['mesh']} micro {t['batch_size']} remat {t['remat']} loss chunk "
-        f"{t['loss_chunk'] or 'auto'}: {t['reason']}", file=sys.stderr, flush=True))
-    result = plan_mesh(spec, meshes, global_batch, usable_bytes(args.fit),
-                       analytic_fn=lambda s, m: analytic_per_device(s, m, args.devices),
-                       compile_fn=None if args.analytic_only else (
-                           lambda s, m: compile_per_device(s, m) if target.device_count() > 1
-                           else None), max_micro=max_micro, log=log)
-    out = {"budget_gib": args.fit, "usable_bytes": usable_bytes(args.fit), "devices": args.devices,
-           "global_batch": global_batch, "tried": result["tried"], "chosen": result["chosen"]}
-    if args.json:
-        print(json.dumps(out, indent=2))
-    elif result["chosen"]:
-        c = result["chosen"]
-        host = f", {c['host_bytes'] / GiB:.3f} GiB on the host" if c["host_bytes"] else ""
-        print(f"chosen: mesh {c['mesh']}, micro-batch {c['batch_size']} x grad-accum "
-              f"{c['grad_accum']}, remat {c['remat']}, loss chunk {c['loss_chunk'] or 'auto'}: "
-              f"{c['reason']}{host}")
-    if result["chosen"] is None:
-        print(f"error: no mesh, micro-batch, remat or loss chunk of {args.devices} devices fits "
-              f"global batch {global_batch} in {args.fit:g} GiB per device "
-              f"({len(result['tried'])} tried)", file=sys.stderr)
-        return 1
-    return 0
-
-
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -237,8 +160,9 @@ def main(argv=None) -> int:
         if args.measure:
             parser.error("--measure runs real steps on this machine's device; --target only "
                          "compiles for a GPU that is not here: drop one of them")
-        if given_overrides(args).get("precision.mode") == "fp8":
-            from jaxmem.model.fp8_compile import set_xla_flags  # the flags an fp8 run gets (train CLI)
+        mode = given_overrides(args).get("precision.mode", RunConfig().precision.mode)
+        if get_precision(mode).fp8:  # the XLA flags an fp8 run gets (train CLI), before start
+            from jaxmem.model.fp8_compile import set_xla_flags
             set_xla_flags()
         target.prepare()
         try:
@@ -265,155 +189,20 @@ def _main(parser, args) -> int:
         parser.error("--optimizer-in-backward plans one device and one configuration: drop "
                      "--mesh, --devices and --fit (--fit-seq works)")
     if args.fit_seq is not None:
-        return _fit_seq(parser, args, spec, mesh)
+        return commands.fit_seq(parser, args, spec, mesh)
     if args.fit is not None and mesh is not None:
         parser.error("--fit with --devices searches the meshes itself; drop --mesh")
     if args.fit is not None and args.devices is not None:
-        both = lambda: _fit_mesh_and_step(args, spec, global_batch, max_micro)  # noqa: E731
-        return both() if args.global_batch is not None else \
-            spec.trainable.fit_devices(lambda: _fit_mesh(args, spec), both)
+        # a full fine-tune at its micro-batch searches meshes; with --global-batch, or with a
+        # frozen base (the state is small: the micro-batch decides), meshes and micro-batches
+        from jaxmem.memory.counted import abstract_frozen
+        if args.global_batch is None and abstract_frozen(spec) is None:
+            return commands.fit_mesh(args, spec)
+        return commands.fit_mesh_and_step(args, spec, global_batch, max_micro)
     if mesh is not None or args.devices is not None:
-        return _mesh_breakdown(parser, args, spec, mesh)
+        return commands.mesh_breakdown(parser, args, spec, mesh)
     cfg = RunConfig().replace(given_overrides(args))
     if args.fit is None:
-        return _breakdown(parser, args, cfg, spec)
-    return _fit(parser, args, cfg, spec, global_batch, max_micro)
+        return commands.breakdown(parser, args, cfg, spec)
+    return commands.fit(parser, args, cfg, spec, global_batch, max_micro)
 
-
-def _fit_seq(parser, args, spec, mesh) -> int:
-    """`--fit-seq GIB`: the longest sequence that fits (jaxmem.memory.fit_seq)."""
-    if args.fit is not None:
-        parser.error("--fit-seq searches the sequence length, --fit the batch: drop one")
-    mesh_text = None
-    if mesh is not None or (args.devices or 1) > 1:  # per device on a mesh (context=N...)
-        from jaxmem.memory.mesh import resolve
-        try:
-            mesh_text = str(resolve(spec, mesh))
-        except ValueError as e:  # MeshError names --mesh
-            parser.error(str(e))
-    from jaxmem.memory.fit_seq import run as fit_seq
-    return fit_seq(spec, SampleShape.of(RunConfig().replace(given_overrides(args))),
-                   args.fit_seq, args.compile, args.json, log=None if args.json else (
-                       lambda e: print(f"  {e['seq_len']:,} tokens: {e['reason']}",
-                                       file=sys.stderr, flush=True)), mesh_text=mesh_text)
-
-
-def _fit_mesh(args, spec) -> int:
-    """`--fit GIB --devices N`: the first mesh whose per-device peak fits, else exit 1."""
-    from jaxmem.memory.mesh import fit_mesh
-    result = fit_mesh(spec, usable_bytes(args.fit), log=None if args.json else (
-        lambda t: print(f"  mesh {t['mesh']}: per-device peak {t['peak_bytes'] / GiB:.3f} GiB"
-                        f"{'' if t['fits'] else ' > budget'}", file=sys.stderr, flush=True)))
-    if args.json:
-        print(json.dumps(result, indent=2))
-    elif result["chosen"]:
-        print(f"chosen mesh: {result['chosen']['mesh']}")
-    if result["chosen"] is None:
-        print(f"error: no mesh of {args.devices} devices fits this step in {args.fit:g} GiB "
-              f"per device", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _mesh_breakdown(parser, args, spec, mesh) -> int:
-    """`--mesh` / `--devices`: the per-device breakdown (jaxmem.memory.mesh)."""
-    from jaxmem.memory.mesh import format_mesh_report, mesh_report
-    try:
-        report = mesh_report(spec, mesh, compile=not args.analytic_only)
-    except ValueError as e:  # MeshError names --mesh
-        parser.error(str(e).splitlines()[0])
-    print(json.dumps(report, indent=2) if args.json else format_mesh_report(report))
-    return 0
-
-
-def _breakdown(parser, args, cfg, spec) -> int:
-    """One configuration: its step's breakdown, the run's phases and the verdict."""
-    report = step_report(spec, measured=measure_in_subprocess(spec) if args.measure else None)
-    report["phases"] = _phases(args, cfg, spec, report)
-    report["verdict"] = _verdict(report)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(header_line(cfg, spec, report["params"]) + "\n")
-        print(format_report(report))
-        print("\n" + format_phases(report["phases"],
-                                   "GiB" if report["compiled"]["peak_bytes"] >= GiB else "MiB"))
-        print("\n" + "\n".join(report["verdict"]))
-    _plot(parser, args.plot, [report], [f"{spec.remat}, micro {spec.batch_size}"])
-    return 0
-
-
-def _fit(parser, args, cfg, spec, global_batch: int, max_micro: int | None) -> int:
-    """`--fit GIB`: the planner's candidates and its choice (planner.plan), else exit 1."""
-    # progress while compiling, only on a terminal: the list itself is printed once, below
-    log = None if args.json or not sys.stderr.isatty() else (
-        lambda t: print(f"  tried micro {t['batch_size']} remat {t['remat']} mu {t['mu_dtype']}: "
-                        f"{t['reason']}", file=sys.stderr, flush=True))
-    cache = {}
-    result = plan(spec, global_batch, usable_bytes(args.fit),
-                  mu_dtypes=(spec.mu_dtype,) if spec.mu_dtype else ("fp32", "bf16"),
-                  max_micro=max_micro, log=log,
-                  phases_fn=lambda c, compiled: run_phases(c, SampleShape.of(cfg), args.compile,
-                                                           compiled, cache=cache))
-    out = _plan_output(args, cfg, result, global_batch, cache)
-    if args.json:
-        print(json.dumps(out, indent=2))
-    else:
-        _print_plan(args, cfg, result, out)
-    if args.plot:
-        _plot_candidates(parser, args, spec, result)
-    if result["spec"] is None:
-        print(f"error: nothing fits in {args.fit:g} GiB for global batch {global_batch} x "
-              f"{spec.seq_len} tokens ({len(result['tried'])} candidates tried; smallest "
-              f"peak above); try a smaller --seq-len or --global-batch, or another --precision",
-              file=sys.stderr)
-        return 1
-    return 0
-
-
-def _plan_output(args, cfg, result, global_batch: int, cache) -> dict:
-    """--fit's JSON: the budget, the candidates tried, the chosen one's report and command."""
-    chosen = result["spec"]
-    out = {"budget_gib": args.fit, "usable_bytes": usable_bytes(args.fit),
-           "global_batch": global_batch, "tried": [
-        {k: v for k, v in t.items() if k != "compiled"} for t in result["tried"]], "chosen": None}
-    if chosen is None:
-        return out
-    measured = measure_in_subprocess(chosen) if args.measure else None
-    out["chosen"] = step_report(chosen, compiled=result["chosen"]["compiled"], measured=measured)
-    out["chosen"]["phases"] = (result["chosen"]["phases"] if measured is None else
-                               _phases(args, cfg, chosen, out["chosen"], cache))
-    out["chosen"]["verdict"] = _verdict(out["chosen"], args.fit)
-    out["train_command"] = train_command(cfg.replace({
-        "data.batch_size": chosen.batch_size, "data.grad_accum": chosen.grad_accum,
-        "remat.policy": str(chosen.remat), "optim.mu_dtype": chosen.mu_dtype}))
-    return out
-
-
-def _print_plan(args, cfg, result, out) -> None:
-    """--fit's table: the candidates, the budget, and the chosen configuration's breakdown."""
-    chosen = result["spec"]
-    print(format_plan(result, args.fit))
-    print(f"  (a {args.fit:g} GiB GPU: {usable_bytes(args.fit) / GiB:.3f} GiB usable, "
-          f"jaxmem.memory.verdict.usable_bytes)")
-    if chosen is None:
-        return
-    print(f"\nchosen: micro-batch {chosen.batch_size} x grad-accum {chosen.grad_accum}, "
-          f"remat {chosen.remat}, mu {chosen.mu_dtype}; train it with:\n"
-          f"  {out['train_command']}\n")
-    print(header_line(cfg, chosen, out["chosen"]["params"]) + "\n")
-    print(format_report(out["chosen"], unit="GiB"))
-    print("\n" + format_phases(out["chosen"]["phases"]))
-    print("\n" + "\n".join(out["chosen"]["verdict"]))
-
-
-def _plot_candidates(parser, args, spec, result) -> None:
-    """--fit --plot: every compiled candidate's breakdown as a bar, with the budget line."""
-    compiled = [(dataclasses.replace(spec, batch_size=t["batch_size"], grad_accum=t["grad_accum"],
-                                     remat=RematPolicy.parse(t["remat"]), mu_dtype=t["mu_dtype"]),
-                 t) for t in result["tried"] if t.get("compiled")]
-    labels = [f"micro {t['batch_size']} x{t['grad_accum']}\n"
-              f"{'selective' if t['remat'].startswith('names:') else t['remat']}, "
-              f"mu {t['mu_dtype']}" for _, t in compiled]
-    _plot(parser, args.plot, [step_report(c, compiled=t["compiled"]) for c, t in compiled],
-          labels, budget=usable_bytes(args.fit) / GiB)

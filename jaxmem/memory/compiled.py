@@ -1,22 +1,23 @@
-"""What XLA plans for a step: compiled ahead of time from abstract shapes, nothing allocated.
+"""What XLA plans for the programs of a run: compiled ahead of time from abstract shapes for a
+placement (one device, or one device of a mesh), nothing allocated.
 
-    compile_step(spec)         the full train step (optimizer included, state donated):
-                               XLA's memory_analysis() and FLOPs
-    argument_bytes(spec)       exact bytes of the step's arguments (state + batch): a lower bound
-                               of the compiled peak, which lets the planner reject a candidate
-                               without compiling it
-    grad_step_report(...)      the gradient of the train step's loss alone (fp32), for the remat
-                               measurements (docs/remat.md)
-    compile_state(spec)        the program that makes the train state (jaxmem.memory.phases)
-    compile_eval(spec)         the eval function of a run (make_eval_fn: the fused loss)
-    compile_sample(spec, ...)  the end-of-run sampler (jaxmem.decode.sampling.lower_sample)
-    compile_import(spec)       a QLoRA run's import: its base quantized layer by layer
-                               (jaxmem.peft.base.import_programs)
+    compile_phase(name, spec, mesh)   the one function that compiles: "step" (the full train
+                                      step, optimizer included, state donated), "state" (making
+                                      the train state), "eval" (the fused loss on one [B, T]
+                                      batch), "sample" (the end-of-run sampler), "import" (a
+                                      QLoRA base quantized layer by layer); XLA's memory
+                                      numbers and FLOPs, per device on a mesh
+    compile_step(spec, mesh)          compile_phase("step", ...): also the HLO's collectives,
+                                      bytes each device sends per step, and the arguments in
+                                      host memory apart from the device peak
+    argument_bytes(spec)              exact bytes of the step's arguments (jaxmem.memory.counted)
+    grad_step_report(...)             the gradient of the train step's loss alone (fp32), for
+                                      the remat measurements (docs/remat.md)
 
-Both compile the code that trains: `jaxmem.train.step.jit_train_step` on
-`jaxmem.train.run.abstract_step_args` (the step's own arguments) and
-`jaxmem.train.loss.token_loss` (causal-only attention, padding removed by the loss mask), so a
-number here is a number of the real step, not of a look-alike.
+Each compiles the code that runs: the placement's own programs (jaxmem.train.placement:
+`train_step`, `state_creation`, `eval_fn`; jaxmem.decode.sampling.lower_sample;
+jaxmem.peft.base.import_programs) on the arguments the run passes, as abstract values, so a
+number here is a number of the real program, not of a look-alike.
 """
 
 from __future__ import annotations
@@ -26,13 +27,18 @@ import jax.numpy as jnp
 
 from jaxmem import target
 from jaxmem.config.model import ModelConfig
-from jaxmem.memory.analysis import MemoryAnalysis, analyze
+from jaxmem.xla.analysis import MemoryAnalysis
+from jaxmem.xla.collectives import comm_report
+from jaxmem.xla.hlo import entry_argument_bytes
+from jaxmem.memory.counted import (abstract_frozen, abstract_state,  # noqa: F401
+                                   abstract_step_batch, count_state, tree_bytes)
 from jaxmem.memory.spec import StepSpec
 from jaxmem.model.llama import Llama, abstract_params, count_params
-from jaxmem.model.remat import RematPolicy, check_offload_supported
+from jaxmem.model.remat import RematPolicy
+from jaxmem.parallel.mesh import MeshSpec, run_mesh
+from jaxmem.parallel.rules import batch_sharding
 from jaxmem.train.loss import abstract_batch, token_loss
-from jaxmem.train.run import abstract_step_args, abstract_train_state, make_eval_fn
-from jaxmem.train.step import jit_train_step, state_creation_fn
+from jaxmem.train.placement import Placement
 
 
 def compiled_stats(compiled) -> tuple[dict, float]:
@@ -40,41 +46,100 @@ def compiled_stats(compiled) -> tuple[dict, float]:
 
     peak = temp + argument + output - alias: what the executable needs at once, with donated
     (aliased) outputs written over their inputs. The figures are `MemoryAnalysis.of_compiled`'s
-    (jaxmem.memory.analysis), the ones `jaxmem.memory.analyze` gives for any function.
+    (jaxmem.xla.analysis), the ones `jaxmem.memory.analyze` gives for any function.
     """
     analysis = MemoryAnalysis.of_compiled(compiled)
     return analysis.stats(), analysis.flops
 
 
-def abstract_state(spec: StepSpec):
-    """The train state as ShapeDtypeStructs (nothing allocated)."""
-    return abstract_train_state(*spec.step_config())
-
-
-def abstract_step_batch(spec: StepSpec):
-    """The step's batch [K, B, T] as ShapeDtypeStructs."""
-    return {k: jax.ShapeDtypeStruct((spec.grad_accum,) + v.shape, v.dtype)
-            for k, v in abstract_batch(spec.batch_size, spec.seq_len).items()}
-
-
-def abstract_frozen(spec: StepSpec):
-    """A LoRA step's frozen base (int8 / NF4 codes and scales) as ShapeDtypeStructs, else None."""
-    return spec.trainable.abstract_frozen(spec.model, spec.precision.compute_dtype)
-
-
 def argument_bytes(spec: StepSpec) -> int:
-    """Exact bytes of the step's arguments; a lower bound of the compiled peak."""
-    return tree_bytes((abstract_state(spec), abstract_step_batch(spec), abstract_frozen(spec)))
+    """Exact bytes of the step's arguments (jaxmem.memory.counted); a lower bound of the
+    compiled peak."""
+    return sum(c.bytes for c in count_state(spec))
 
 
-def compile_step(spec: StepSpec) -> dict:
-    """Compile the full train step ahead of time; XLA's memory and FLOP numbers (no allocation)."""
-    if spec.remat.kind == "offload":
-        check_offload_supported()
-    step_cfg, loss_scale = spec.step_config()
-    analysis = analyze(jit_train_step(step_cfg), *abstract_step_args(
-        step_cfg, loss_scale, spec.batch_size, spec.seq_len, spec.grad_accum))
-    return {**analysis.stats(), "flops": analysis.flops}
+def placement(spec: StepSpec, mesh: MeshSpec | None) -> Placement:
+    """The run's placement for `mesh` (None: one device) over this host's devices."""
+    if mesh is None:
+        return Placement(None, spec.offload_base)
+    return Placement.on(run_mesh(str(mesh), spec.model, spec.batch_size, seq_len=spec.seq_len),
+                        spec.offload_base)
+
+
+def _lower_step(spec, par, sample):
+    step_cfg, _ = spec.step_config()
+    state, batch = abstract_state(spec), abstract_step_batch(spec)
+    if par.mesh is not None:
+        state = par.abstract(state)
+        bs = batch_sharding(par.mesh)
+        batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=bs) for k, v in batch.items()}
+    base = par.abstract_base(step_cfg, abstract_frozen(spec))
+    return par.train_step(step_cfg, state).lower(state, batch,
+                                                 *spec.trainable.step_args(base))
+
+
+def _lower_state(spec, par, sample):
+    return par.state_creation(*spec.step_config(), seed=0).lower()
+
+
+def _lower_eval(spec, par, sample):
+    step_cfg, _ = spec.step_config()
+    batch = abstract_batch(spec.batch_size, spec.seq_len)
+    return par.eval_fn(step_cfg).lower(abstract_state(spec).params, batch, abstract_frozen(spec))
+
+
+def _lower_sample(spec, par, sample):
+    from jaxmem.decode.sampling import lower_sample
+    limit = spec.model.max_position_embeddings
+    return lower_sample(spec.model, sample_params(spec), sample.n_prompt(limit),
+                        sample.total(limit),
+                        compute_dtype=sample.compute_dtype(spec.precision.compute_dtype),
+                        temperature=sample.temperature,
+                        top_k=min(sample.top_k, spec.model.vocab_size))
+
+
+_LOWER = {"step": _lower_step, "state": _lower_state, "eval": _lower_eval,
+          "sample": _lower_sample}
+
+
+def compile_phase(name: str, spec: StepSpec, mesh: MeshSpec | None = None, sample=None,
+                  keep_hlo: bool = False) -> dict:
+    """XLA's memory numbers (and "flops") of the program of phase `name` for a placement
+    (`mesh` None: one device; a mesh: per device; eval, sample and import are one-device
+    programs of the run). sample: the run's SampleShape (jaxmem.memory.phases) for "sample".
+    The step also gives "collectives" (static ops per kind), "communication" (bytes per device
+    per step, jaxmem.xla.collectives.comm_report) and its arguments in host memory apart
+    (`host_split`); keep_hlo: the optimized HLO text ("hlo")."""
+    if name == "import":
+        return _compile_import(spec)
+    if mesh is not None and name in ("sample", "eval"):
+        raise ValueError(f"the {name} phase is planned on one device")
+    compiled = _LOWER[name](spec, placement(spec, mesh), sample).compile()
+    stats, flops = compiled_stats(compiled)
+    out = {**stats, "flops": flops}
+    if name != "step":
+        return out
+    hlo = compiled.as_text()
+    comm = comm_report(hlo)
+    return {**out, "collectives": {k: r["ops"] for k, r in comm["by_kind"].items()},
+            "communication": comm, **host_split(compiled, stats, hlo),
+            **({"hlo": hlo} if keep_hlo else {})}
+
+
+def compile_step(spec: StepSpec, mesh: MeshSpec | None = None, keep_hlo: bool = False) -> dict:
+    """The full train step for a placement: `compile_phase("step", ...)`."""
+    return compile_phase("step", spec, mesh, keep_hlo=keep_hlo)
+
+
+def host_split(compiled, stats: dict, hlo_text: str) -> dict:
+    """{"host_argument_bytes", "device_peak_bytes"} of a compiled step: the host arguments as
+    memory_analysis() reports them apart (GPU), else as the entry layout marks them (XLA:CPU,
+    where they are inside argument_size_in_bytes and so taken out of the device peak)."""
+    reported = int(getattr(compiled.memory_analysis(), "host_argument_size_in_bytes", 0) or 0)
+    marked = 0 if reported else entry_argument_bytes(hlo_text)[0]
+    return {"host_argument_bytes": reported or marked,
+            "host_source": "memory_analysis" if reported else "entry layout S(5)",
+            "device_peak_bytes": stats["peak_bytes"] - marked}
 
 
 def grad_step_report(config: ModelConfig, remat: RematPolicy | str, batch_size: int,
@@ -109,32 +174,6 @@ def grad_step_report(config: ModelConfig, remat: RematPolicy | str, batch_size: 
     }
 
 
-def tree_bytes(tree) -> int:
-    """Bytes of the leaves of a pytree of arrays or ShapeDtypeStructs (4-bit types packed)."""
-    return sum(int(x.size) * x.dtype.itemsize if x.dtype not in (jnp.uint4, jnp.int4)
-               else int(x.size) // 2 for x in jax.tree_util.tree_leaves(tree))
-
-
-def state_program(step_cfg, loss_scale, seed: int = 0, out_shardings=None):
-    """The program a run makes its train state with, jitted (`out_shardings` under a mesh):
-    `jaxmem.train.step.state_creation_fn`, the function `create_train_state` and
-    `Placement.init_state` jit too, so the state phase plans what the run executes."""
-    return jax.jit(state_creation_fn(step_cfg, loss_scale, seed), out_shardings=out_shardings)
-
-
-def compile_state(spec: StepSpec, seed: int = 0) -> dict:
-    """XLA's memory numbers of making the train state (output: the state; no arguments)."""
-    return compiled_stats(state_program(*spec.step_config(), seed).lower().compile())[0]
-
-
-def compile_eval(spec: StepSpec) -> dict:
-    """XLA's memory numbers of the run's eval function on one [B, T] batch (make_eval_fn)."""
-    fn = make_eval_fn(spec.step_config()[0])
-    lowered = fn.lower(abstract_state(spec).params, abstract_batch(spec.batch_size, spec.seq_len),
-                       abstract_frozen(spec))
-    return compiled_stats(lowered.compile())[0]
-
-
 def sample_params(spec: StepSpec):
     """The params the end-of-run sample is given, as ShapeDtypeStructs: the state's params; for
     LoRA / QLoRA what the run passes (jaxmem.train.loop): `peft.full_params(frozen base,
@@ -145,22 +184,7 @@ def sample_params(spec: StepSpec):
                           abstract_frozen(spec), params)
 
 
-def compile_sample(spec: StepSpec, n_prompt: int, total: int, temperature: float = 0.0,
-                   top_k: int = 0, dtype: str | None = None) -> dict:
-    """XLA's memory numbers of the end-of-run sampler for `total` positions (arguments: the
-    params as the run passes them (`sample_params`), the token buffer, the key), computing in
-    the dtype the run samples in: jaxmem.decode.stopping.sample_dtype(dtype, the compute dtype)
-    (`dtype`: the run's --dtype, None: bf16 on a GPU (fp16 for an fp16 run), else the compute
-    dtype)."""
-    from jaxmem.decode.sampling import lower_sample
-    from jaxmem.decode.stopping import sample_dtype
-    lowered = lower_sample(spec.model, sample_params(spec), n_prompt, total,
-                           compute_dtype=sample_dtype(dtype, spec.precision.compute_dtype),
-                           temperature=temperature, top_k=min(top_k, spec.model.vocab_size))
-    return compiled_stats(lowered.compile())[0]
-
-
-def compile_import(spec: StepSpec) -> dict:
+def _compile_import(spec: StepSpec) -> dict:
     """XLA's memory numbers of a LoRA run's import of its frozen base, from the programs the
     one-device import runs (jaxmem.peft.base.import_programs: per projection, one layer
     quantized into the donated stacked result; the layer read in fp32, a seed's init; a 16-bit

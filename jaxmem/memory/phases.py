@@ -34,19 +34,22 @@ numbers stand in. Saving a checkpoint is left out: it runs on the host copy of t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
 from jaxmem.memory.activations import FP32, layer_residuals, outside_residuals
-from jaxmem.memory.analytic import analytic_breakdown, norm_params
-from jaxmem.memory.compiled import (abstract_frozen, abstract_state, compile_eval,
-                                    compile_import, compile_sample, compile_state, tree_bytes)
+from jaxmem.memory.analytic import analytic_breakdown
+from jaxmem.memory.compiled import compile_phase
+from jaxmem.memory.counted import (Kind, Where, abstract_frozen, abstract_state, compute_copy,
+                                   count_frozen, count_state, largest_param_leaf, tree_bytes)
 from jaxmem.memory.spec import StepSpec
 from jaxmem.model.attention import query_chunk
-from jaxmem.model.llama import abstract_params
 from jaxmem.model.remat import RematPolicy
+from jaxmem.model.roles import param_role
+from jaxmem.quant import QuantizedWeight
 from jaxmem.loss.chunked import resolve_loss_chunk
 
 PHASES = ("import", "state", "step", "eval", "sample")
@@ -113,105 +116,78 @@ def _forward_working_set(spec: StepSpec, B: int, T: int, logits: str) -> int:
     return stream + max(layer + attn, head)
 
 
-def analytic_phases(spec: StepSpec, sample: SampleShape | None = None) -> dict:
-    """{phase: {"total": bytes, "what": text}} from shapes: what the device holds in each.
+def _quantized(tree) -> list:
+    """The QuantizedWeight nodes of an abstract tree (a QLoRA base, or params holding one)."""
+    return [q for q in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(
+        x, QuantizedWeight)) if isinstance(q, QuantizedWeight)]
 
-    state: the state's bytes plus one params leaf in fp32 (made whole, then cast);
-    step: jaxmem.memory.analytic's peak; eval: the state, the batch, the compute copy of the
-    params (amp) and a forward's working set; sample: the state, the params in the compute dtype
-    (a new copy where that is not their dtype) and the sampler's forward over [1, total].
+
+def analytic_phases(spec: StepSpec, sample: SampleShape | None = None) -> dict:
+    """{phase: {"total": bytes, "what": text}} without compiling: what the device holds in each.
+
+    state: the state's and the frozen base's counted bytes (jaxmem.memory.counted) plus one
+    trained params leaf in fp32 (made whole, then cast); step: jaxmem.memory.analytic's peak;
+    eval: the state, the batch, the compute copy of the params (amp) and a forward's working
+    set; sample: the state, the sampler's params cast to its dtype (counted on the params it is
+    given) and its forward over [1, total]; import (a frozen base): the base and, where it is
+    quantized, its largest projection three times in fp32 (the weight read, its blocks, their
+    normalized values).
     """
     a = analytic_breakdown(spec)
     c, p = spec.model, spec.precision
-    comps = {x["name"]: x for x in a["components"]}
-    state = sum(x["bytes"] for x in a["components"] if x["phase"] == "both"
-                and not x["name"].startswith(("gradients", "batch")))
-    leaf = max(int(x.size) for x in jax.tree_util.tree_leaves(abstract_params(c))) * FP32
+    held = [x for x in count_state(spec) if x.where is Where.DEVICE and x.kind is not Kind.BATCH]
+    state = sum(x.bytes for x in held)
+    leaf = largest_param_leaf(spec) * FP32
     B, T = spec.batch_size, spec.seq_len
-    copy = comps["params (compute copy)"]["bytes"]
-    out = {
+    out = {}
+    base = abstract_frozen(spec)
+    if base is not None:  # LoRA / QLoRA: the frozen base is imported before the state is made
+        quantized = _quantized(base)
+        work = 3 * max((math.prod(q.shape) for q in quantized), default=0) * FP32
+        out["import"] = {"total": tree_bytes(base) + work, "what": "importing the frozen base: " + (
+            "quantized one layer at a time" if quantized else "put as stored")}
+    out.update({
         "state": {"total": state + leaf,
                   "what": "making the train state: its bytes + one fp32 params leaf"},
         "step": {"total": a["total_bytes"],
                  "what": f"one train step ({a['peak_phase']} phase at the peak)"},
-        "eval": {"total": state + 3 * B * T * 4 + copy
+        "eval": {"total": state + 3 * B * T * 4 + compute_copy(spec, {})
                  + _forward_working_set(spec, B, T, "fused"),
                  "what": f"evaluation, batch {B} x {T}, fused loss (with the whole state)"},
-    }
-    out = {**spec.trainable.import_phase(lambda: _analytic_import(spec)), **out}  # LoRA's base
+    })
     if sample is not None and sample.max_new_tokens > 0:
-        limit = c.max_position_embeddings
-        total = sample.total(limit)
-        sd = sample.compute_dtype(p.compute_dtype)
-        # LoRA: the adapters cast; the base as stored, a quantized layer dequantized at a time
-        cast = spec.trainable.sample_cast(lambda: _model_sample_cast(spec, sd),
-                                          lambda: _lora_sample_cast(spec, sd))
+        total = sample.total(c.max_position_embeddings)
+        cast = _sample_cast(spec, sample.compute_dtype(p.compute_dtype))
         out["sample"] = {"total": state + cast + _forward_working_set(spec, 1, total, "full"),
-                         "what": f"end-of-run sample, 1 x {total} tokens "
-                                               f"(with the whole state)"}
+                         "what": f"end-of-run sample, 1 x {total} tokens (with the whole state)"}
     return out
 
 
-def _model_sample_cast(spec: StepSpec, sd) -> int:
-    """The model's params cast to the sampler's dtype `sd` (norms in fp32), 0 if stored in it."""
-    c, p = spec.model, spec.precision
-    P, Pn = c.num_params(), norm_params(c)
-    changed = jnp.dtype(p.param_dtype) != jnp.dtype(sd)
-    return (P - Pn) * _b(sd) + Pn * FP32 if changed else 0
-
-
-def _analytic_import(spec: StepSpec) -> dict:
-    """The frozen base (as the step holds it) and, while a projection is quantized, its largest
-    layer three times in fp32: the weight read, its fp32 blocks and their normalized values."""
-    from jaxmem.peft import memory as peft_memory
-    c, lora = spec.model, spec.trainable
-    base = sum(b for _, b, _ in peft_memory.base_components(c, lora, spec.precision.compute_dtype))
-    layer = max(i * o for i, o in peft_memory._in_out(c).values())
-    work = 3 * layer * FP32 if lora.quantize != "none" else 0
-    what = ("importing the frozen base: " + (f"{lora.quantize} quantized one layer at a time"
-                                            if lora.quantize != "none" else "put as stored"))
-    return {"total": base + work, "what": what}
-
-
-def _lora_sample_cast(spec: StepSpec, dtype) -> int:
-    """What a LoRA sampler makes of its params in `dtype`: the adapters cast, the base's 16-bit
-    leaves (embedding, head, an unquantized base's projections) cast where `dtype` is not the
-    compute dtype they are stored in, and one quantized layer's projections dequantized."""
-    from jaxmem.peft import memory as peft_memory
-    c, lora, p = spec.model, spec.trainable, spec.precision
-    out = peft_memory.trainable_params(c, lora) * _b(dtype)
-    if jnp.dtype(dtype) != jnp.dtype(p.compute_dtype):
-        out += sum(b // _b(p.compute_dtype) * _b(dtype)
-                   for n, b, d in peft_memory.base_components(c, lora, p.compute_dtype)
-                   if d == jnp.dtype(p.compute_dtype).name)
-    return out + peft_memory.dequant_transient(c, lora, dtype) // c.num_layers
+def _sample_cast(spec: StepSpec, dtype) -> int:
+    """What the sampler makes of the params it is given (jaxmem.memory.compiled.sample_params,
+    counted) in `dtype`: every floating leaf that is not a norm and not stored in `dtype` cast,
+    and a quantized base's largest projection dequantized (one at a time)."""
+    from jaxmem.memory.compiled import sample_params  # noqa: PLC0415
+    params = sample_params(spec)
+    sd = jnp.dtype(dtype)
+    cast = sum(int(x.size) * sd.itemsize for path, x in jax.tree_util.tree_leaves_with_path(params)
+               if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype) != sd
+               and param_role(path) != "norm")
+    # a forward dequantizes one projection at a time (the largest bounds it)
+    return cast + max((math.prod(q.shape) for q in _quantized(params)), default=0) * sd.itemsize
 
 
 def _held_outside(spec: StepSpec) -> dict:
     """Bytes the run holds outside each phase's program (the train state's parts that are not
-    the program's arguments; LoRA's frozen base where it is not one)."""
+    the program's arguments; LoRA's frozen base where it is not one, its layers on the host
+    with --offload-base host)."""
     state = abstract_state(spec)
     state_bytes, param_bytes = tree_bytes(state), tree_bytes(state.params)
-    frozen = tree_bytes(abstract_frozen(spec))  # 0 when nothing is frozen
-    if spec.offload_base == "host":  # LoRA's block layers in host memory
-        from jaxmem.memory.lora_mesh import base_split
-        frozen -= base_split(spec, {}).layers
+    frozen = sum(x.bytes for x in count_frozen(spec, {}) if x.where is Where.DEVICE)
     # the sampler takes the params as stored and casts them inside its program (a temporary):
     # its arguments are the state's own params (LoRA: the frozen base and the adapters)
     return {"import": frozen, "state": frozen, "step": 0, "eval": state_bytes - param_bytes,
             "sample": state_bytes - param_bytes}
-
-
-def _compile_phase(name: str, spec: StepSpec, sample: SampleShape) -> dict:
-    if name == "import":  # peak_bytes: what the import needs beyond the finished base
-        return compile_import(spec)
-    if name == "state":
-        return compile_state(spec)
-    if name == "eval":
-        return compile_eval(spec)
-    limit = spec.model.max_position_embeddings
-    return compile_sample(spec, sample.n_prompt(limit), sample.total(limit), sample.temperature,
-                          sample.top_k, sample.dtype)
 
 
 def run_phases(spec: StepSpec, sample: SampleShape | None = None, compile: bool = False,
@@ -236,11 +212,12 @@ def run_phases(spec: StepSpec, sample: SampleShape | None = None, compile: bool 
         a = analytic[name]
         compiled, program, source = None, None, "analytic"
         if name == "step" and step_compiled is not None:
-            compiled, source = int(step_compiled["peak_bytes"]), "compiled"
+            compiled, source = int(step_compiled.get("device_peak_bytes",
+                                              step_compiled["peak_bytes"])), "compiled"
         elif compile and name != "step":
             key = (name, None if name == "import" else spec.mu_dtype,
                    spec.batch_size if name == "eval" else None)
-            program = (cache or {}).get(key) or _compile_phase(name, spec, sample)
+            program = (cache or {}).get(key) or compile_phase(name, spec, sample=sample)
             if cache is not None:
                 cache[key] = program
             compiled, source = program["peak_bytes"] + outside[name], "compiled"

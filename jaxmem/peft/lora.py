@@ -101,45 +101,13 @@ class LoraSpec(Trainable):
     def mlp_tile(self, tile):
         return 0  # a target multiplies through LoraWeight.project: never tiled
 
-    def compute_copy(self, castable, trained):
-        return trained
-
-    def optimizer_state(self, adam, counted):
-        return adam  # counted() would be over the whole model, not the adapters
-
-    def adamw8bit_update(self, in_place, buffer):
-        return buffer
-
-    def state_fraction(self, params, adapters):
-        return adapters()
-
-    def per_device_weights(self, base, gathered):
-        return base()
-
-    def fit_devices(self, mesh_only, mesh_and_step):
-        return mesh_and_step()  # the state is small: the micro-batch decides what fits
-
-    def import_phase(self, analytic_import):
-        return {"import": analytic_import()}
-
-    def sample_cast(self, params, adapters):
-        return adapters()
-
-    def trained_params(self, c) -> int:
-        return _memory.trainable_params(c, self)
-
-    def saved_per_layer(self, c, B, T, dtype, remat):
-        # what the policy saves of the adapters' inputs (none under full remat)
-        if remat.kind not in ("none", "dots", "dots_no_batch"):
-            return []
-        return _memory.lora_saved_per_layer(c, self, B, T, dtype)
-
-    def backward_transient(self, c, B, T, dtype):
-        return (_memory.dequant_transient(c, self, dtype)
-                + _memory.adapter_backward_transient(c, self, B, T, dtype))
-
-    def frozen_components(self, c, dtype):
-        return _memory.base_components(c, self, dtype)
+    def activations(self, c, B, T, dtype, remat):
+        # x A per adapter where the policy keeps the adapters' inputs (none under full remat or
+        # a names / offload policy); the backward's dequantized layer and [B, T, Out] buffers
+        saved = (_memory.lora_saved_per_layer(c, self, B, T, dtype) if remat.saves_dots
+                 else [])
+        return saved, (_memory.dequant_transient(c, self, dtype)
+                       + _memory.adapter_backward_transient(c, self, B, T, dtype))
 
     def flags(self) -> dict:
         return {"peft.lora_rank": self.rank, "peft.lora_alpha": self.alpha,

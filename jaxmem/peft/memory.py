@@ -1,9 +1,5 @@
 """What LoRA and a quantized base change in the memory of a train step (for jaxmem.memory).
 
-    trainable_params(c, spec)            adapter parameters: sum over targets of L * R * (In + Out)
-    base_components(c, spec, dtype)      the frozen base's bytes: int8 / NF4 projections (codes +
-                                         scales, counted as quant.bits_per_param counts them),
-                                         embedding and LM head in the compute dtype, norms fp32
     lora_saved_per_layer(c, spec, B, T)  what each adapter keeps for its backward: x A [B, T, R]
                                          (and the dropout mask of x when dropout > 0)
     dequant_transient(c, spec, dtype)    one layer's projections dequantized at once (the
@@ -30,47 +26,11 @@ import jax.numpy as jnp
 from jaxmem.config.model import ModelConfig
 from jaxmem.config.lora import TARGETS
 from jaxmem.peft.base import weight_axes
-from jaxmem.quant import DQ_BLOCK
 
 
 def _in_out(c: ModelConfig) -> dict[str, tuple[int, int]]:
     return {name: (math.prod(shape[:n_in]), math.prod(shape[n_in:]))
             for name, (_, shape, n_in) in weight_axes(c).items()}
-
-
-def trainable_params(c: ModelConfig, spec: "LoraSpec") -> int:
-    io = _in_out(c)
-    return sum(c.num_layers * spec.rank * (io[t][0] + io[t][1]) for t in spec.targets)
-
-
-def quantized_bytes(In: int, Out: int, kind: str, block: int, double_quant: bool) -> float:
-    """Bytes of one layer's In x Out weight stored by jaxmem.quant."""
-    block = block or In
-    n_scales = In // block * Out
-    codes = In * Out * (0.5 if kind == "nf4" else 1)
-    if double_quant:
-        scales = n_scales + math.ceil(n_scales / DQ_BLOCK) * 4 + 4
-    else:
-        scales = n_scales * 4
-    return codes + scales
-
-
-def base_components(c: ModelConfig, spec: "LoraSpec", dtype) -> list[tuple[str, int, str]]:
-    """(what, bytes, dtype) of the frozen base as the train step holds it."""
-    cb, cd = jnp.dtype(dtype).itemsize, jnp.dtype(dtype).name
-    io = _in_out(c)
-    proj = sum(i * o for i, o in io.values()) * c.num_layers
-    if spec.quantize == "none":
-        out = [("frozen base: projections", proj * cb, cd)]
-    else:
-        q = sum(quantized_bytes(i, o, spec.quantize, spec.block, spec.double_quant)
-                for i, o in io.values()) * c.num_layers
-        out = [(f"frozen base: proj. {spec.quantize}" + ("+dq" if spec.double_quant else ""),
-                int(q), "uint8+float32" if spec.quantize == "nf4" else "int8+float32")]
-    embed = c.vocab_size * c.hidden_size * (1 if c.tie_embeddings else 2)
-    norms = (2 * c.num_layers + 1) * c.hidden_size
-    return out + [("frozen base: embed + head", embed * cb, cd),
-                  ("frozen base: norms", norms * 4, "float32")]
 
 
 def lora_saved_per_layer(c: ModelConfig, spec: "LoraSpec", B: int, T: int,

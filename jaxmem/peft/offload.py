@@ -37,6 +37,7 @@ import jax
 import numpy as np
 
 from jaxmem import target
+from jaxmem.xla.hlo import entry_argument_bytes
 
 HOST_KIND = "pinned_host"
 _WARNED: set = set()  # platforms warned about (one line per process)
@@ -103,32 +104,16 @@ def abstract_in_host_memory(abstract_base, shardings=None):
                         abstract_base, shardings)
 
 
-# f32[4,256,256]{2,1,0:S(5)}: an entry parameter in memory space 5 (XLA's host memory space)
-_PARAM = re.compile(r"(\w+)\[([\d,]*)\]\{[\d,]*(?::([^}]*))?\}")
-_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2,
-          "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
-
-
 def host_argument_bytes(compiled) -> tuple[int, int]:
-    """(host, device) bytes of a compiled program's arguments, from its entry layout: a
-    parameter whose layout says `S(5)` is in host memory. Per device under a mesh (the layout
-    of the partitioned module). The CPU's memory_analysis() counts both in
+    """(host, device) bytes of a compiled program's arguments, from its entry layout
+    (jaxmem.xla.hlo.entry_argument_bytes: a parameter whose layout says `S(5)` is in host
+    memory). Per device under a mesh. The CPU's memory_analysis() counts both in
     argument_size_in_bytes; this tells them apart.
 
     Example: a scan over w [4, 256, 256] fp32 in pinned_host and x [8, 256] on the device
     -> (1048576, 8192).
     """
-    text = compiled.as_text()
-    head = text[text.index("entry_computation_layout={(") + len("entry_computation_layout={("):]
-    params = head[:head.index(")->")]
-    host = device = 0
-    for dtype, dims, attrs in _PARAM.findall(params):
-        size = int(np.prod([int(d) for d in dims.split(",") if d])) * _BYTES.get(dtype, 4)
-        if attrs and "S(5)" in attrs:
-            host += size
-        else:
-            device += size
-    return host, device
+    return entry_argument_bytes(compiled.as_text())
 
 
 def device_fetches(lowered_text: str) -> dict[str, int]:

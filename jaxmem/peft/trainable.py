@@ -21,8 +21,7 @@ from typing import Any
 
 class Trainable:
     """The interface (see the module docstring); every method is answered by each subclass.
-    Callers never ask which subclass they hold: where jaxmem.train or jaxmem.memory would
-    branch on it, a method here takes both outcomes (values or callables) and picks one."""
+    Callers never ask which subclass they hold: they ask the object."""
 
     def init_params(self, model_cfg, key, dtype, given=None) -> Any:
         """The train state's initial params (traceable): `given` (step-0 weights) or the init."""
@@ -74,69 +73,18 @@ class Trainable:
         """This choice as RunConfig fields ({"peft.lora_rank": ..., ...}; {} for the default)."""
         raise NotImplementedError
 
-    # What the trainable params take in memory (the planner, jaxmem.memory): jaxmem.peft does not
-    # import jaxmem.memory, so the methods below take what memory computes and pick from it.
+    # The planner (jaxmem.memory) counts the state, the base and the batch on their abstract
+    # values; it asks a trainable only what no argument holds: the two below.
     params_name: str = "params"  # what the state's params are called in a breakdown
 
     def mlp_tile(self, tile: int) -> int:
         """The MLP's sequence tile: `tile` where every projection is a plain einsum, else 0."""
         raise NotImplementedError
 
-    def compute_copy(self, castable: int, trained: int) -> int:
-        """Params the backward holds cast to the compute dtype: the model's `castable` ones, or
-        the adapters (`trained`: a frozen base is stored in the compute dtype already)."""
-        raise NotImplementedError
-
-    def optimizer_state(self, adam: list, counted) -> list:
-        """(name, bytes, dtype) of a non-AdamW optimizer's state: `counted()` on the model's
-        abstract state, or for adapters `adam` (AdamW-sized: an upper bound)."""
-        raise NotImplementedError
-
-    def adamw8bit_update(self, in_place, buffer):
-        """adamw8bit's update working set: `in_place()` (the model's weights, updated piece by
-        piece in place), or `buffer` (the adapters go through the optax update)."""
-        raise NotImplementedError
-
-    def state_fraction(self, params, adapters) -> float:
-        """The fraction of the trainable params one device holds: `params()` or `adapters()`."""
-        raise NotImplementedError
-
-    def per_device_weights(self, base, gathered) -> list:
-        """Weights per device beyond the state: `base()` (the frozen base split leaf by leaf),
-        or `gathered()` (what a full fine-tune gathers of one layer under fsdp)."""
-        raise NotImplementedError
-
-    def fit_devices(self, mesh_only, mesh_and_step):
-        """`--fit --devices` without --global-batch: `mesh_only()` (a full fine-tune searches
-        meshes at its micro-batch) or `mesh_and_step()` (LoRA: meshes and micro-batches)."""
-        raise NotImplementedError
-
-    def import_phase(self, analytic_import) -> dict:
-        """{} for a full fine-tune; {"import": analytic_import()}: a frozen base is imported
-        before the state is made (jaxmem.memory.phases)."""
-        raise NotImplementedError
-
-    def sample_cast(self, params, adapters) -> int:
-        """Bytes of the sampler's cast weights: `params()` (the model's) or `adapters()` (the
-        adapters cast, the base as stored)."""
-        raise NotImplementedError
-
-    def trained_params(self, c) -> int:
-        """How many values the optimizer updates."""
-        raise NotImplementedError
-
-    def saved_per_layer(self, c, B: int, T: int, dtype, remat) -> list:
-        """Residuals per block beyond the model's own (jaxmem.memory.residuals' form)."""
-        return []
-
-    def backward_transient(self, c, B: int, T: int, dtype) -> int:
-        """Bytes one block's backward needs beyond the model's own."""
-        return 0
-
-    def frozen_components(self, c, dtype) -> list:
-        """(name, bytes, dtype) of the frozen base as the step holds it ([]: nothing frozen)."""
-        return []
-
+    def activations(self, c, B: int, T: int, dtype, remat) -> tuple[list, int]:
+        """What this trainable adds to one block's activations beyond the model's own:
+        (residuals it saves, as (name, bytes, dtype); bytes its backward adds transiently)."""
+        return [], 0
 
 @dataclass(frozen=True)
 class FullFineTune(Trainable):
@@ -173,32 +121,5 @@ class FullFineTune(Trainable):
     def flags(self) -> dict:
         return {}
 
-    def trained_params(self, c) -> int:
-        return c.num_params()
-
     def mlp_tile(self, tile):
         return tile
-
-    def compute_copy(self, castable, trained):
-        return castable
-
-    def optimizer_state(self, adam, counted):
-        return counted()
-
-    def adamw8bit_update(self, in_place, buffer):
-        return in_place()
-
-    def state_fraction(self, params, adapters):
-        return params()
-
-    def per_device_weights(self, base, gathered):
-        return gathered()
-
-    def fit_devices(self, mesh_only, mesh_and_step):
-        return mesh_only()
-
-    def import_phase(self, analytic_import):
-        return {}
-
-    def sample_cast(self, params, adapters):
-        return params()

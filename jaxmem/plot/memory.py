@@ -16,29 +16,32 @@ GiB = 2**30
 CATEGORIES = ("params", "gradients", "optimizer", "activations", "logits", "transient")
 
 
+# a component's kind (jaxmem.memory.counted.Kind, its value in the report) -> its category
+_BY_KIND = {"params": "params", "compute copy": "params", "frozen base": "params",
+            "one layer in flight": "params", "gradients": "gradients",
+            "grad accumulator": "gradients", "optimizer state": "optimizer",
+            "loss scale": "optimizer", "counters": "optimizer", "optimizer update": "optimizer"}
+
+
 def categories(report: dict) -> dict[str, int]:
-    """Bytes per category of a `jaxmem.memory.report.step_report` dict (live at the peak)."""
+    """Bytes per category of a `jaxmem.memory.report.step_report` dict (live at the peak), by
+    each component's kind: saved activations split into the loss's saved logits and the rest,
+    the largest transient under logits when it is the loss's logits group."""
     a = report["analytic"]
     out = dict.fromkeys(CATEGORIES, 0)
-    saved_logits = sum(x["bytes"] for x in a["saved_activations"]["outside_layers"]
-                       if "logits" in x["name"])
+    saved_logits = a["saved_activations"]["logits_bytes"]
+    t = a["transients"]
+    logits_transient = t["logits_group_bytes"] >= t["layer_backward_bytes"]
     for c in a["components"]:
         if not c["in_peak"] or not c["bytes"]:
             continue
-        name = c["name"]
-        if name.startswith("params"):
-            out["params"] += c["bytes"]
-        elif name.startswith(("gradients", "grad accumulator")):
-            out["gradients"] += c["bytes"]
-        elif name.startswith(("adam", "loss scale", "optimizer")):
-            out["optimizer"] += c["bytes"]
-        elif name == "saved activations":
+        if c["kind"] == "saved activations":
             out["activations"] += c["bytes"] - saved_logits
             out["logits"] += saved_logits
-        elif "logits" in name:
-            out["logits"] += c["bytes"]
-        else:  # one layer's backward, the batch, anything new: transient
-            out["transient"] += c["bytes"]
+        elif c["kind"] == "transient":
+            out["logits" if logits_transient else "transient"] += c["bytes"]
+        else:  # the batch, anything new: transient
+            out[_BY_KIND.get(c["kind"], "transient")] += c["bytes"]
     return out
 
 

@@ -38,7 +38,7 @@ from jaxmem.model.context import balance, context_parallel
 from jaxmem.sharding import activation_sharding, weight_sharding
 from jaxmem.model.fp8_compile import compiler_options as fp8_compiler_options
 import jaxmem.parallel.rules as R
-from jaxmem.peft.offload import offload_shardings
+from jaxmem.peft.offload import abstract_in_host_memory, offload_shardings
 from jaxmem.quant import gather_packed
 from jaxmem.train.run import make_eval_fn
 from jaxmem.train.step import (create_train_state, jit_train_step, make_train_step,
@@ -143,9 +143,25 @@ class Placement:
         if self.mesh is None:
             return None
         shardings = R.lora_base_shardings(step_cfg, self.mesh)
-        if self.offload_base != "host":  # "host" is LoRA's only: the config refuses it otherwise
+        if not self.base_on_host:  # LoRA only: the config refuses --offload-base host otherwise
             return shardings
         return offload_shardings(shardings)
+
+    @property
+    def base_on_host(self) -> bool:
+        """Whether a LoRA base's decoder layers live in pinned host memory (--offload-base)."""
+        return self.offload_base == "host"
+
+    def abstract_base(self, step_cfg, frozen):
+        """A frozen base's abstract form (None: nothing frozen) as this placement passes it to
+        the step: split by `base_shardings` on a mesh; on one device with --offload-base host
+        its layers in pinned host memory (jaxmem.peft.offload); else as given."""
+        if frozen is None:
+            return None
+        if self.mesh is None:
+            return abstract_in_host_memory(frozen) if self.base_on_host else frozen
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            frozen, self.base_shardings(step_cfg))
 
     def train_step(self, step_cfg, like):
         """The jitted, donated step for states shaped like `like` (a state or its abstract

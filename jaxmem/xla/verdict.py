@@ -6,7 +6,7 @@ and the `jaxmem.train` command of a plan: jaxmem.memory.report).
                                             the one budget rule of the verdict, `--fit`, and the
                                             mesh planners (`fits`, `device_gib_for`: its test
                                             and its inverse)
-    verdict_lines(peak_bytes, source, ...)  fits / does not fit on 24, 40, 80, 141 GiB
+    verdict_lines(peak_bytes, source, ...)  fits / does not fit on 12, 16, 24, 40, 80, 141 GiB
 
 Headroom. JAX's XLA client preallocates 75% of a GPU's memory at start-up
 (XLA_PYTHON_CLIENT_MEM_FRACTION, default .75), so a step whose peak fits in the device but not in
@@ -23,7 +23,8 @@ from jaxmem.perf import (CUDA_CONTEXT_GIB, DEFAULT_FRACTION, device_gib_for, usa
                          xla_fraction)
 
 GiB = 2**30
-COMMON_GIB = (24, 40, 80, 141)  # RTX 4090 / L4-class 24, A100 40, A100 / H100 80, H200 141
+# RTX 3060 / 4070 12, RTX 4060 Ti / 4080 16, RTX 4090 / L4 24, A100 40, A100 / H100 80, H200 141
+COMMON_GIB = (12, 16, 24, 40, 80, 141)
 def usable_gib(device_gib: float, fraction: float | None = None) -> float:
     """GiB XLA can give a program on a `device_gib` GPU: `usable_bytes` in GiB."""
     return usable_bytes(device_gib, fraction) / GiB
@@ -54,8 +55,8 @@ def verdict_lines(peak_bytes: int, source: str, backend: str, precision: str,
              f"  plus ~{CUDA_CONTEXT_GIB} GiB of CUDA context outside it; to use nearly all of a "
              f"GPU, set XLA_PYTHON_CLIENT_MEM_FRACTION=.95"]
     if backend == "cpu":
-        lines.append("  compiled by XLA:CPU: not a GPU's program, and no bound on it either way "
-                     "(1B amp-bf16 step:")
-        lines.append("  25.50 GiB on the CPU, 32.23 on the H100's compiler); plan a GPU with "
-                     "--target h100 (docs/memory.md)")
+        lines.append("  compiled by XLA:CPU: not a GPU's program (8B bf16-sr + adamw8bit step: "
+                     "83.95 GiB on")
+        lines.append("  the CPU, 49.03 on the H100's compiler); plan a GPU with --target h100 "
+                     "(docs/memory.md)")
     return lines

@@ -8,8 +8,8 @@
     Residual                           one group of the residuals a backward saves
 
 Every number is XLA's own (`compiled.memory_analysis()`, `cost_analysis()`) or jax's own
-(`saved_residuals`, through jaxmem.memory.residuals); nothing is estimated. This module imports
-only jax, numpy and jaxmem.memory.residuals / .verdict, so a user's model code can call it without
+(`saved_residuals`, through jaxmem.xla.residuals); nothing is estimated. This module imports
+only jax, numpy and jaxmem.xla.residuals / .verdict, so a user's model code can call it without
 jaxmem's trainer; matplotlib is imported by `.plot` alone.
 """
 
@@ -25,32 +25,11 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from jaxmem.memory.residuals import residual_list
-from jaxmem.memory.verdict import COMMON_GIB, GiB, verdict_lines
+from jaxmem.xla.residuals import Residual, group_residuals, residual_list  # noqa: F401
+from jaxmem.xla.verdict import COMMON_GIB, GiB, verdict_lines
 
 _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-
-
-@dataclass(frozen=True)
-class Residual:
-    """One group of the values jax saves for a backward: same name, shape and dtype.
-
-    name: where the values come from, read off jax's description: `named 'q'` (a
-        `checkpoint_name`), `dot_general at model.py:42 (attn)` (an op's output and its source
-        line), `argument params['w']` (an input of the differentiated function) or `constant`.
-    shape, dtype: of one value (a layer scan saves one stacked [L, ...] value).
-    count: how many values of the group are saved; bytes: count x size x itemsize.
-    argument: True for the differentiated function's own inputs; they are held in memory for
-        the call anyway (MemoryAnalysis.argument_bytes), so `residual_bytes` leaves them out.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    count: int
-    bytes: int
-    argument: bool
 
 
 @dataclass(frozen=True)
@@ -284,41 +263,7 @@ def _with_residuals(result: MemoryAnalysis, residuals_of: Callable, residual_arg
     if listed is None:  # pragma: no cover - a future jax that moved saved_residuals
         raise RuntimeError("analyze: this jax has no saved_residuals (jax.ad_checkpoint)")
     of_name = getattr(residuals_of, "__name__", None) or type(residuals_of).__name__
-    return dataclasses.replace(result, residuals_of=of_name, residuals=_group(listed))
-
-
-def _group(listed) -> tuple[Residual, ...]:
-    """jax's (aval, description) pairs as Residual groups, largest total first."""
-    groups: dict[tuple, list] = {}
-    for aval, desc in listed:
-        shape, dtype = tuple(int(d) for d in aval.shape), np.dtype(aval.dtype)
-        key = (_residual_name(desc), shape, dtype.name, desc.startswith("from the argument"))
-        g = groups.setdefault(key, [0, 0])
-        g[0] += 1
-        g[1] += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    out = [Residual(n, s, d, c, b, arg) for (n, s, d, arg), (c, b) in groups.items()]
-    return tuple(sorted(out, key=lambda r: (r.argument, -r.bytes, r.name)))
-
-
-_SOURCE = re.compile(r"(?P<path>[^\s:]+):(?P<line>\d+)(?::\d+)?(?P<rest>.*)")
-
-
-def _residual_name(desc: str) -> str:
-    """A short name from jax's description ('output of dot_general from /a/b/m.py:42:8 (f)'
-    -> 'dot_general at m.py:42 (f)'; "named 'q' from ..." -> "named 'q'")."""
-    if desc.startswith("from the argument"):
-        return "argument " + desc[len("from the argument"):].strip()
-    if desc.startswith("named "):
-        return desc.split(" from ")[0]
-    if desc.startswith("output of "):
-        prim, _, src = desc[len("output of "):].partition(" from ")
-        m = _SOURCE.match(src.strip())
-        if m:  # "(make_loss.<locals>.block)" -> "(block)": the innermost function
-            fn = m["rest"].strip().strip("()").rpartition(".")[2]
-            return f"{prim} at {os.path.basename(m['path'])}:{m['line']}" + (f" ({fn})" if fn
-                                                                            else "")
-        return prim
-    return "constant"
+    return dataclasses.replace(result, residuals_of=of_name, residuals=group_residuals(listed))
 
 
 def _narrowest_float(tree) -> str:

@@ -35,7 +35,7 @@ import dataclasses
 import math
 import re
 
-from jaxmem.memory.hlo import attr, called, entry_name, module_devices, parse_hlo, shape_bytes, \
+from jaxmem.xla.hlo import attr, called, entry_name, module_devices, parse_hlo, shape_bytes, \
     tuple_elements
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")

@@ -14,6 +14,9 @@ whether this jax has it; callers skip or report instead of guessing.
 from __future__ import annotations
 
 import importlib
+import os
+import re
+from dataclasses import dataclass
 from typing import Callable, Collection, NamedTuple
 
 import numpy as np
@@ -90,3 +93,58 @@ def residual_list(fn: Callable, *args) -> list[tuple] | None:
         raise RuntimeError("saved_residuals descriptions in an unknown format: "
                            + "; ".join(unknown[:3]))
     return res
+
+
+@dataclass(frozen=True)
+class Residual:
+    """One group of the values jax saves for a backward: same name, shape and dtype.
+
+    name: where the values come from, read off jax's description: `named 'q'` (a
+        `checkpoint_name`), `dot_general at model.py:42 (attn)` (an op's output and its source
+        line), `argument params['w']` (an input of the differentiated function) or `constant`.
+    shape, dtype: of one value (a layer scan saves one stacked [L, ...] value).
+    count: how many values of the group are saved; bytes: count x size x itemsize.
+    argument: True for the differentiated function's own inputs; they are held in memory for
+        the call anyway (MemoryAnalysis.argument_bytes), so `residual_bytes` leaves them out.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    count: int
+    bytes: int
+    argument: bool
+
+
+def group_residuals(listed) -> tuple[Residual, ...]:
+    """jax's (aval, description) pairs as Residual groups, largest total first."""
+    groups: dict[tuple, list] = {}
+    for aval, desc in listed:
+        shape, dtype = tuple(int(d) for d in aval.shape), np.dtype(aval.dtype)
+        key = (_residual_name(desc), shape, dtype.name, desc.startswith("from the argument"))
+        g = groups.setdefault(key, [0, 0])
+        g[0] += 1
+        g[1] += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    out = [Residual(n, s, d, c, b, arg) for (n, s, d, arg), (c, b) in groups.items()]
+    return tuple(sorted(out, key=lambda r: (r.argument, -r.bytes, r.name)))
+
+
+_SOURCE = re.compile(r"(?P<path>[^\s:]+):(?P<line>\d+)(?::\d+)?(?P<rest>.*)")
+
+
+def _residual_name(desc: str) -> str:
+    """A short name from jax's description ('output of dot_general from /a/b/m.py:42:8 (f)'
+    -> 'dot_general at m.py:42 (f)'; "named 'q' from ..." -> "named 'q'")."""
+    if desc.startswith("from the argument"):
+        return "argument " + desc[len("from the argument"):].strip()
+    if desc.startswith("named "):
+        return desc.split(" from ")[0]
+    if desc.startswith("output of "):
+        prim, _, src = desc[len("output of "):].partition(" from ")
+        m = _SOURCE.match(src.strip())
+        if m:  # "(make_loss.<locals>.block)" -> "(block)": the innermost function
+            fn = m["rest"].strip().strip("()").rpartition(".")[2]
+            return f"{prim} at {os.path.basename(m['path'])}:{m['line']}" + (f" ({fn})" if fn
+                                                                            else "")
+        return prim
+    return "constant"

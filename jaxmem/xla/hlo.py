@@ -7,11 +7,12 @@
     tuple_elements(type)  '(a, (b, c))' -> ['a', '(b, c)'] (top level only); an array: [type]
     shape_bytes(type)     bytes of an array or tuple shape, layouts and memory spaces ignored
     module_devices(text)  replica_count x num_partitions of the HloModule line
+    entry_argument_bytes(text)   (host, device) bytes of the entry computation's parameters
 
 Text parsing, so a module compiled for a GPU can be saved (`XLA_FLAGS=--xla_dump_to=DIR`,
 `*after_optimizations.txt`, or `compiled.as_text()`) and read on any machine. Instructions keep
 the text's order: in a scheduled module (`is_scheduled=true`) that is the execution order.
-experiments.fp8_diag.hlo and jaxmem.memory.collectives read HLO through this module.
+experiments.fp8_diag.hlo and jaxmem.xla.collectives read HLO through this module.
 """
 
 from __future__ import annotations
@@ -138,3 +139,26 @@ def module_devices(text: str) -> int:
     count = re.search(r"replica_count=(\d+)", head)
     parts = re.search(r"num_partitions=(\d+)", head)
     return int(count.group(1) if count else 1) * int(parts.group(1) if parts else 1)
+
+
+HOST_SPACE = "S(5)"  # XLA's memory-space annotation of (pinned) host memory in a layout
+
+
+def entry_argument_bytes(text: str) -> tuple[int, int]:
+    """(host, device) bytes of a compiled module's parameters, from its entry layout: a
+    parameter whose layout says `S(5)` (`f32[4,256,256]{2,1,0:S(5)}`) is in host memory. Per
+    device in a partitioned module. XLA:CPU's memory_analysis() counts both in
+    argument_size_in_bytes (host_argument_size_in_bytes 0, jax 0.10.2); this tells them apart.
+    (0, 0) for a text without an entry layout."""
+    head = text.split("\n", 1)[0]
+    start = head.find("entry_computation_layout={(")
+    if start < 0:
+        return 0, 0
+    host = device = 0
+    for param in _top_level(head[start + len("entry_computation_layout={("):].split(")->", 1)[0]):
+        n = shape_bytes(param)
+        if HOST_SPACE in param:
+            host += n
+        else:
+            device += n
+    return host, device

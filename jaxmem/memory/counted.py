@@ -1,0 +1,318 @@
+"""What a train step holds that is an argument or output of a program, counted, not derived.
+
+    kinds = count_state(spec, sizes)      the train state, the frozen base and the batch, each
+                                          leaf's bytes on one device of a mesh of axis `sizes`
+    Component(kind, label, bytes, ...)    one row of a breakdown: a typed `Kind`, where it lives
+
+Every figure here is read off the program's own abstract values: `jax.eval_shape` of the program
+that makes the train state (jaxmem.train.run.abstract_train_state: the optimizer's own `init`,
+8-bit codes and block scales, fp32 moments of the leaves that keep them, the loss scale and
+counters), the frozen base's abstract form (packed NF4 nibbles or int8 codes with their scales,
+jaxmem.peft.base.abstract_base) and the step's batch. Each leaf is split as the placement splits
+it (jaxmem.parallel.rules: `leaf_spec` for the state, `base_specs` for the base, the batch over
+data x fsdp and context), so one device's bytes are exactly its shard: the compiled program's
+argument bytes per device (tests/test_counted.py). With `--offload-base host` the base's
+stacked layers live in pinned host memory (`Where.HOST`).
+
+What no argument holds (gradients, the accumulator, the compute copy, one gathered layer, the
+optimizer's update) is shaped like a counted tree, and counted on that tree here too. Only the
+saved activations and the transient working sets are a formula (jaxmem.memory.activations).
+
+Code never matches a component's label: `kind` and `where` say what it is.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+import jaxmem.parallel.rules as rules
+from jaxmem.memory.spec import StepSpec
+from jaxmem.model.roles import param_role
+from jaxmem.paths import in_layers, key_name
+from jaxmem.train.placement import Placement
+
+
+class Kind(enum.Enum):
+    """What a component of a step's memory is."""
+
+    PARAMS = "params"                  # the state's trained params (master copy)
+    OPTIMIZER = "optimizer state"
+    LOSS_SCALE = "loss scale"
+    COUNTERS = "counters"              # step, applied, skips, data position, rng
+    FROZEN = "frozen base"             # LoRA / QLoRA: never differentiated
+    BATCH = "batch"
+    GRADIENTS = "gradients"
+    ACCUMULATOR = "grad accumulator"
+    COMPUTE_COPY = "compute copy"      # amp: the params cast to the compute dtype
+    ACTIVATIONS = "saved activations"
+    TRANSIENT = "transient"            # the largest working set of the backward
+    UPDATE = "optimizer update"        # what the update holds beyond state and gradients
+    LAYER = "one layer in flight"      # gathered over fsdp, or copied in from the host
+
+
+class Where(enum.Enum):
+    DEVICE = "device"
+    HOST = "host"  # pinned host memory: never part of a device peak
+
+
+class Phase(enum.Enum):
+    """When a component is live: the whole step, or only the backward / the update."""
+
+    BOTH = "both"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+@dataclass(frozen=True)
+class Component:
+    kind: Kind
+    label: str  # for people: printed, never compared
+    bytes: int
+    dtype: str
+    phase: Phase = Phase.BOTH
+    where: Where = Where.DEVICE
+
+    def live_in(self, phase: Phase) -> bool:
+        return self.where is Where.DEVICE and self.phase in (Phase.BOTH, phase)
+
+    def row(self, peak: Phase) -> dict:
+        """The JSON / table row (phase "host" for host memory)."""
+        return {"name": self.label, "kind": self.kind.value, "bytes": int(self.bytes),
+                "dtype": self.dtype, "where": self.where.value,
+                "phase": "host" if self.where is Where.HOST else self.phase.value,
+                "in_peak": self.live_in(peak)}
+
+
+def nbytes(x) -> int:
+    """Bytes of one array or ShapeDtypeStruct (4-bit types packed two to a byte)."""
+    if x.dtype in (jnp.uint4, jnp.int4):
+        return int(x.size) // 2
+    return int(x.size) * jnp.dtype(x.dtype).itemsize
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of every leaf of a pytree of arrays or ShapeDtypeStructs (None: 0)."""
+    return sum(nbytes(x) for x in jax.tree_util.tree_leaves(tree))
+
+
+def shards(spec: P, sizes: dict[str, int]) -> int:
+    """Devices a leaf with PartitionSpec `spec` is split over, on a mesh of axis `sizes`."""
+    axes = [n for a in spec if a for n in ((a,) if isinstance(a, str) else a)]
+    return math.prod(sizes.get(a, 1) for a in axes)
+
+
+def _devices(sizes: dict[str, int]) -> int:
+    return math.prod(sizes.values()) if sizes else 1
+
+
+def local_bytes(tree, sizes: dict[str, int], specs=None) -> int:
+    """One device's bytes of `tree` (abstract) split by `specs` (default: rules.leaf_spec)."""
+    return sum(b for _, _, b in _leaves(tree, sizes, specs))
+
+
+def _leaves(tree, sizes, specs=None):
+    """(path, leaf, bytes on one device) of every leaf of `tree`."""
+    flat = jax.tree_util.tree_leaves_with_path(tree)
+    if specs is None:
+        many = _devices(sizes) > 1
+        return [(p, x, nbytes(x) // (shards(rules.leaf_spec(p, tuple(x.shape), sizes), sizes)
+                                     if many else 1)) for p, x in flat]
+    spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda s: isinstance(s, P))
+    return [(p, x, nbytes(x) // shards(s, sizes)) for (p, x), s in zip(flat, spec_leaves)]
+
+
+def _dtypes(leaves) -> str:
+    return "+".join(sorted({jnp.dtype(x.dtype).name for _, x, b in leaves if b})) or "-"
+
+
+def _group(kind: Kind, label: str, leaves, **kw) -> list[Component]:
+    total = sum(b for _, _, b in leaves)
+    return [Component(kind, label, total, _dtypes(leaves), **kw)] if leaves else []
+
+
+def abstract_state(spec: StepSpec):
+    """The train state as ShapeDtypeStructs: `jax.eval_shape` of the program that makes it
+    (once per StepConfig: the batch shape does not change it)."""
+    return _abstract_state(spec.step)
+
+
+@functools.lru_cache(maxsize=32)
+def _abstract_state(step):
+    from jaxmem.train.optim import parse_loss_scale
+    from jaxmem.train.run import abstract_train_state
+    return abstract_train_state(step, parse_loss_scale(step.precision.loss_scale))
+
+
+def abstract_frozen(spec: StepSpec):
+    """A LoRA step's frozen base (int8 / NF4 codes and scales) as ShapeDtypeStructs, else None."""
+    return _abstract_frozen(spec.trainable, spec.model, spec.precision.compute_dtype)
+
+
+@functools.lru_cache(maxsize=32)
+def _abstract_frozen(trainable, model, dtype):
+    return trainable.abstract_frozen(model, dtype)
+
+
+def abstract_step_batch(spec: StepSpec):
+    """The step's batch [K, B, T] as ShapeDtypeStructs."""
+    from jaxmem.train.loss import abstract_batch
+    return {k: jax.ShapeDtypeStruct((spec.grad_accum,) + v.shape, v.dtype)
+            for k, v in abstract_batch(spec.batch_size, spec.seq_len).items()}
+
+
+def _optimizer_label(path, leaf) -> str:
+    """What an optimizer-state leaf is: a field of a Quantized node (codes / scale), a counter,
+    or a moment (by dtype)."""
+    last = path[-1] if path else None
+    if isinstance(last, jax.tree_util.GetAttrKey) and last.name in ("codes", "scale"):
+        return "optimizer: 8-bit moment " + ("codes" if last.name == "codes" else "block scales")
+    if leaf.ndim == 0:
+        return "optimizer: counters"
+    return f"optimizer: moments ({jnp.dtype(leaf.dtype).name})"
+
+
+def count_state(spec: StepSpec, sizes: dict[str, int] | None = None) -> list[Component]:
+    """The step's arguments on one device of a mesh of axis `sizes` ({} or None: one device):
+    the train state by field (the optimizer's leaves by what they are), the frozen base (its
+    stacked layers on the host with --offload-base host) and the batch. Exact: see the module
+    docstring."""
+    sizes = sizes or {}
+    state = abstract_state(spec)
+    leaves = _leaves(state, sizes)
+    field = lambda p: key_name(p[0])  # noqa: E731  (a TrainState attribute)
+    what = spec.trainable.params_name
+    out = _group(Kind.PARAMS, f"{what} (master)", [x for x in leaves if field(x[0]) == "params"])
+    opt = [x for x in leaves if field(x[0]) == "opt_state"]
+    for label in sorted({_optimizer_label(p, x) for p, x, _ in opt}):
+        out += _group(Kind.OPTIMIZER, label, [x for x in opt if _optimizer_label(x[0], x[1])
+                                              == label])
+    out += _group(Kind.LOSS_SCALE, "loss scale", [x for x in leaves if field(x[0]) == "loss_scale"])
+    out += _group(Kind.COUNTERS, "counters and rng", [
+        x for x in leaves if field(x[0]) not in ("params", "opt_state", "loss_scale")])
+    out += count_frozen(spec, sizes)
+    batch = abstract_step_batch(spec)
+    bspec = P(None, ("data", "fsdp"), "context")
+    out += _group(Kind.BATCH, "batch (inputs, targets, mask)",
+                  _leaves(batch, sizes, {k: bspec for k in batch}))
+    return out
+
+
+def _frozen_leaves(spec: StepSpec, sizes):
+    base = abstract_frozen(spec)
+    if base is None:
+        return []
+    specs = (rules.base_specs(base, sizes) if _devices(sizes) > 1
+             else jax.tree.map(lambda _: P(), base))
+    return _leaves(base, sizes, specs)
+
+
+def count_frozen(spec: StepSpec, sizes: dict[str, int]) -> list[Component]:
+    """A LoRA step's frozen base on one device: its stacked layers (on the host with
+    --offload-base host) and the rest (embedding, head, final norm: always on the device)."""
+    leaves = _frozen_leaves(spec, sizes)
+    host = Placement(None, spec.offload_base).base_on_host
+    q = spec.trainable
+    kind = getattr(q, "quantize", "none") + ("+dq" if getattr(q, "double_quant", False) else "")
+    return (_group(Kind.FROZEN, f"frozen layers {kind}" + (" (host)" if host else ""),
+                   [x for x in leaves if in_layers(x[0])],
+                   where=Where.HOST if host else Where.DEVICE)
+            + _group(Kind.FROZEN, "frozen embed, head, final norm",
+                     [x for x in leaves if not in_layers(x[0])]))
+
+
+def layer_in_flight(spec: StepSpec, sizes: dict[str, int]) -> list[Component]:
+    """One layer of the weights as the backward holds it beyond the state: a full fine-tune
+    under fsdp gathers each layer in the compute dtype; a LoRA base under fsdp gathers its
+    packed layer (split over tensor still), and with --offload-base host the device's shard of
+    the layer is copied in from the host first (both live together: the copy feeds the gather).
+    """
+    fsdp = sizes.get("fsdp", 1) * sizes.get("context", 1)
+    L, t = spec.model.num_layers, sizes.get("tensor", 1)
+    out = []
+    frozen = [x for x in _frozen_leaves(spec, sizes) if in_layers(x[0])]
+    if frozen and Placement(None, spec.offload_base).base_on_host:
+        out.append(Component(Kind.LAYER, "frozen layer copied from the host",
+                             sum(b for _, _, b in frozen) // L, _dtypes(frozen), Phase.BACKWARD))
+    if fsdp > 1 and frozen:
+        whole = sum(nbytes(x) for _, x, _ in frozen)
+        out.append(Component(Kind.LAYER, "frozen layer gathered (fsdp)", whole // L // t,
+                             _dtypes(frozen), Phase.BACKWARD))
+    if fsdp > 1 and not frozen and abstract_frozen(spec) is None:
+        cd = jnp.dtype(spec.precision.compute_dtype)
+        params = abstract_state(spec).params
+        stacked = sum(int(x.size) for p, x in jax.tree_util.tree_leaves_with_path(params)
+                      if in_layers(p))
+        out.append(Component(Kind.LAYER, "one layer's gathered weights (fsdp)",
+                             stacked // L * cd.itemsize // t, cd.name, Phase.BACKWARD))
+    return out
+
+
+def head_gathered(spec: StepSpec, sizes: dict[str, int]) -> int:
+    """Bytes of a frozen LM head (or tied embedding) gathered whole over fsdp for the loss (0
+    where the rules keep it whole or nothing is frozen)."""
+    if _devices(sizes) == 1:
+        return 0
+    t = sizes.get("tensor", 1)
+    for p, x, b in _frozen_leaves(spec, sizes):
+        if in_layers(p):
+            continue
+        role = param_role(p)
+        head = role == "lm_head" or (role == "embedding" and spec.model.tie_embeddings)
+        if head and b < nbytes(x):
+            return nbytes(x) // t
+    return 0
+
+
+def trained_leaves(spec: StepSpec, sizes: dict[str, int]):
+    """(path, leaf, bytes on one device) of the state's trained params."""
+    return _leaves(abstract_state(spec).params, sizes)
+
+
+def gradient_part(spec: StepSpec, sizes: dict[str, int]) -> int:
+    """Bytes of the gradients live at once, in the params' dtype: all of them, or with
+    --optimizer-in-backward (jaxmem.train.inbackward) one part, the largest: one layer of the
+    stacked leaves or one other leaf."""
+    leaves = trained_leaves(spec, sizes)
+    if not spec.in_backward:
+        return sum(b for _, _, b in leaves)
+    L = spec.model.num_layers
+    layer = sum(b for p, _, b in leaves if in_layers(p)) // L
+    return max([layer] + [b for p, _, b in leaves if not in_layers(p)])
+
+
+def compute_copy(spec: StepSpec, sizes: dict[str, int], part: bool = False) -> int:
+    """amp (compute dtype != params' dtype): bytes of the trained params the backward holds cast
+    to the compute dtype: every matrix it multiplies by (not the norms, nor an untied
+    embedding, which is only gathered). 0 where nothing is cast. part: one in-backward part."""
+    p = spec.precision
+    cd, pd = jnp.dtype(p.compute_dtype), jnp.dtype(p.param_dtype)
+    if cd == pd:
+        return 0
+    tied = spec.model.tie_embeddings
+    leaves = [(q, x, b) for q, x, b in trained_leaves(spec, sizes)
+              if param_role(q) != "norm" and (tied or param_role(q) != "embedding")]
+    scale = lambda b: b // pd.itemsize * cd.itemsize  # noqa: E731
+    if not part:
+        return sum(scale(b) for _, _, b in leaves)
+    L = spec.model.num_layers
+    layer = sum(scale(b) for q, _, b in leaves if in_layers(q)) // L
+    return max([layer] + [scale(b) for q, _, b in leaves if not in_layers(q)])
+
+
+def params_fraction(spec: StepSpec, sizes: dict[str, int]) -> float:
+    """Elements of the trained params one device holds, over all of them."""
+    leaves = trained_leaves(spec, sizes)
+    return sum(b for _, _, b in leaves) / max(1, sum(nbytes(x) for _, x, _ in leaves))
+
+
+def largest_param_leaf(spec: StepSpec) -> int:
+    """Elements of the largest leaf of the state's trained params (the state program makes each
+    whole in fp32 before casting it)."""
+    return max(int(x.size) for x in jax.tree_util.tree_leaves(abstract_state(spec).params))
