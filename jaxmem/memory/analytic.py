@@ -48,6 +48,7 @@ import math
 
 import jax.numpy as jnp
 
+from jaxmem import target
 from jaxmem.memory.activations import (FP32, _dname, _nbytes, layer_residuals, mlp_backward,
                                        outside_residuals)
 from jaxmem.memory.counted import (Component, Kind, Phase, Where, abstract_state, compute_copy,
@@ -118,12 +119,21 @@ def analytic_breakdown(spec: StepSpec, mesh: MeshSpec | None = None) -> dict:
     part = gradient_part(spec, sizes)
     trained = count_state(spec, sizes)
     trained_bytes = sum(x.bytes for x in trained if x.kind is Kind.PARAMS)
+    copy = compute_copy(spec, sizes, spec.in_backward)
+    grads, grad_dtype = part, pd.name
+    if copy and target.platform() != "cpu":
+        # a GPU's compiler keeps the gradients of the cast params in the compute dtype and fuses
+        # their cast to the params' dtype into the update: the 1B amp-bf16 step (remat full,
+        # 1x2048, H100 compiler) holds the bf16 weight copies in its 5.14 GiB temp but no fp32
+        # gradient tree (XLA's buffer report); XLA:CPU holds the fp32 one
+        cd = jnp.dtype(p.compute_dtype)
+        grads = part - copy // cd.itemsize * pd.itemsize + copy
+        grad_dtype = f"{cd.name}+{pd.name}"
     comps = trained + [
-        Component(Kind.COMPUTE_COPY, "params (compute copy)",
-                  compute_copy(spec, sizes, spec.in_backward), _dname(p.compute_dtype),
+        Component(Kind.COMPUTE_COPY, "params (compute copy)", copy, _dname(p.compute_dtype),
                   Phase.BACKWARD),
         Component(Kind.GRADIENTS, "gradients" if not spec.in_backward else "gradients (one part)",
-                  part, pd.name),
+                  grads, grad_dtype),
         Component(Kind.ACCUMULATOR, "grad accumulator",
                   trained_bytes if spec.grad_accum > 1 else 0, pd.name, Phase.BACKWARD),
         Component(Kind.ACTIVATIONS, "saved activations", saved, _mixed(per_layer + outside),
