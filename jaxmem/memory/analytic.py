@@ -110,9 +110,9 @@ def analytic_breakdown(spec: StepSpec, mesh: MeshSpec | None = None) -> dict:
     # the weights a layer's backward holds beyond the state (a gathered or copied-in layer);
     # a frozen LM head gathered for the loss where the logits group with it is larger still
     in_flight = layer_in_flight(spec, sizes)
-    extra = (logits_group + head_gathered(spec, sizes) - max(logits_group, layer_bwd)
-             - sum(x.bytes for x in in_flight))
-    if head_gathered(spec, sizes) and extra > 0:
+    head = head_gathered(spec, sizes)
+    extra = logits_group + head - max(logits_group, layer_bwd) - sum(x.bytes for x in in_flight)
+    if head and extra > 0:
         transient.append(Component(Kind.TRANSIENT, "frozen LM head gathered (fsdp)", extra,
                                    _dname(p.compute_dtype), Phase.BACKWARD))
     pd = jnp.dtype(spec.precision.param_dtype)
@@ -164,7 +164,7 @@ def _update(spec: StepSpec, sizes: dict, part: int, trained_bytes: int) -> Compo
     """What the optimizer's update holds beyond state and gradients (the step's own optimizer
     says: jaxmem.train.optim.RunOptimizer.working_set); in-backward: one part's."""
     params = abstract_state(spec).params
-    opt = spec.step_config()[0].optimizer
+    opt = spec.step.optimizer
     work = opt.working_set(params, lambda tree: local_bytes(tree, sizes))
     if spec.in_backward and trained_bytes:
         work = work * part // trained_bytes

@@ -67,7 +67,7 @@ def placement(spec: StepSpec, mesh: MeshSpec | None) -> Placement:
 
 
 def _lower_step(spec, par, sample):
-    step_cfg, _ = spec.step_config()
+    step_cfg = spec.step
     state, batch = abstract_state(spec), abstract_step_batch(spec)
     if par.mesh is not None:
         state = par.abstract(state)
@@ -83,9 +83,8 @@ def _lower_state(spec, par, sample):
 
 
 def _lower_eval(spec, par, sample):
-    step_cfg, _ = spec.step_config()
     batch = abstract_batch(spec.batch_size, spec.seq_len)
-    return par.eval_fn(step_cfg).lower(abstract_state(spec).params, batch, abstract_frozen(spec))
+    return par.eval_fn(spec.step).lower(abstract_state(spec).params, batch, abstract_frozen(spec))
 
 
 def _lower_sample(spec, par, sample):

@@ -244,7 +244,7 @@ def layer_in_flight(spec: StepSpec, sizes: dict[str, int]) -> list[Component]:
         whole = sum(nbytes(x) for _, x, _ in frozen)
         out.append(Component(Kind.LAYER, "frozen layer gathered (fsdp)", whole // L // t,
                              _dtypes(frozen), Phase.BACKWARD))
-    if fsdp > 1 and not frozen and abstract_frozen(spec) is None:
+    if fsdp > 1 and abstract_frozen(spec) is None:
         cd = jnp.dtype(spec.precision.compute_dtype)
         params = abstract_state(spec).params
         stacked = sum(int(x.size) for p, x in jax.tree_util.tree_leaves_with_path(params)

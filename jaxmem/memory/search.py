@@ -241,7 +241,8 @@ class Decider:
                  "host_bytes": 0}
         budget = f"budget {self.budget / GiB:.3f} GiB"
         sizes = {} if mesh is None else dict(zip(AXES, mesh.sizes))
-        args = sum(c.bytes for c in count_state(s, sizes) if c.where is Where.DEVICE)
+        args = (sum(c.bytes for c in count_state(s, sizes) if c.where is Where.DEVICE)
+                if self.analytic_first else 0)
         a = self.analytic_fn(s, mesh) if (self.analytic_first and self.analytic_fn) else None
         if a is not None:
             entry.update(analytic_bytes=int(a["total_bytes"]), host_bytes=int(a["host_bytes"]))
