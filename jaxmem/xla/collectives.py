@@ -1,9 +1,5 @@
-"""What a compiled step sends between devices: its collectives read from the optimized HLO text.
-
-    find_collectives(text)   every collective reached from ENTRY, as a `Collective`
-    comm_report(text)        per kind: ops, runs, bytes sent and received per device per step;
-                             the async count; what the figures could not pin down
-    format_comm_table(r)     the markdown table of docs/distributed.md (comm_line: one line)
+"""What a compiled step sends between devices: its collectives read from the optimized HLO text
+(`find_collectives`), summed per kind and step (`comm_report`, `format_comm_table`).
 
 Bytes follow the ring model, per device and per run, sent = received, for a group of n devices:
 
@@ -23,6 +19,7 @@ once, and a conditional's branches as if each ran: the collectives under either 
 from __future__ import annotations
 
 import dataclasses
+import graphlib
 import math
 import re
 
@@ -122,7 +119,7 @@ def runs_per_step(comps: dict, entry: str) -> tuple[dict, dict]:
     """{computation: runs per step} from ENTRY (1) down every call edge, and {computation: the
     caveats (unknown loops, conditionals) on the paths to it}. Unreached computations: 0. An
     async-start of a collective calls nothing: its collective is counted at the start."""
-    edges: dict[str, list] = {}  # caller: [(callee, runs per run of the caller, caveat)]
+    edges: dict[str, list] = {c: [] for c in comps}  # caller: [(callee, factor, caveat)]
     for cname, comp in comps.items():
         for iname, ins in comp["instrs"].items():
             if _wrapped(comps, ins) is not None:
@@ -139,21 +136,14 @@ def runs_per_step(comps: dict, entry: str) -> tuple[dict, dict]:
                 # call, reduction or branch runs once per run of the caller
                 factor = {"body": trips or 1, "condition": trips + 1 if trips else 1}.get(key, 1)
                 if callee in comps:
-                    edges.setdefault(cname, []).append((callee, factor, caveat))
-    order, seen = [], set()
-
-    def visit(c):  # post-order; call graphs are DAGs a few levels deep
-        seen.add(c)
-        for callee, _, _ in edges.get(c, ()):
-            if callee not in seen:
-                visit(callee)
-        order.append(c)
-
-    visit(entry)
-    runs = dict.fromkeys(comps, 0)
-    runs[entry], caveats = 1, {c: set() for c in comps}
-    for c in reversed(order):  # callers before callees
-        for callee, factor, caveat in edges.get(c, ()):
+                    edges[cname].append((callee, factor, caveat))
+    graph = graphlib.TopologicalSorter({c: [e[0] for e in edges[c]] for c in comps})
+    runs, caveats = dict.fromkeys(comps, 0), {c: set() for c in comps}
+    runs[entry] = 1
+    for c in reversed(list(graph.static_order())):  # callers before callees
+        if not runs[c]:  # not reached from ENTRY
+            continue
+        for callee, factor, caveat in edges[c]:
             runs[callee] += runs[c] * factor
             caveats[callee] |= caveats[c] | ({caveat} if caveat else set())
     return runs, caveats
