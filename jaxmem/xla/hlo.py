@@ -1,11 +1,6 @@
 """Reading XLA's HLO module text: computations, instructions and shapes (any backend's format).
 
-    parse_hlo(text)       {computation: {"root", "instrs": {name: {type, op, operands, attrs}}}}
-    entry_name(text)      the ENTRY computation's name
-    attr, called          one attribute's text; the computations an instruction calls
-    shape_bytes(type)     bytes of an array or tuple shape, layouts and memory spaces ignored
-    module_devices(text)  replica_count x num_partitions of the HloModule line
-    entry_argument_bytes(text)   (host, device) bytes of the entry computation's parameters
+    parse_hlo(text)   {computation: {"root", "instrs": {name: {type, op, operands, attrs}}}}
 
 Text parsing, so a module compiled for a GPU can be saved (`XLA_FLAGS=--xla_dump_to=DIR`,
 `*after_optimizations.txt`, or `compiled.as_text()`) and read on any machine. Instructions keep
