@@ -170,17 +170,14 @@ class MemoryAnalysis:
 def analyze(fn: Callable, /, *args, jit_options: Mapping[str, Any] | None = None,
             residuals_of: Callable | None = None, residual_args: Sequence | None = None,
             name: str | None = None, **kwargs) -> MemoryAnalysis:
-    """Compile `fn(*args, **kwargs)` ahead of time and return XLA's memory plan of it.
-
-    Nothing is run and nothing the size of the arguments is allocated when they are
-    `jax.ShapeDtypeStruct`s (a `sharding=` on them places the call on a mesh: the figures are
-    then per device).
+    """Compile `fn(*args, **kwargs)` ahead of time (nothing is run) and return XLA's memory plan.
 
     Args:
       fn: a plain function (compiled as `jax.jit(fn, **jit_options)`) or an already jitted one
         (its own jit options apply; jit_options must be None).
-      *args, **kwargs: what `fn` is called with (arrays, ShapeDtypeStructs, pytrees of them,
-        static arguments' plain values). Keywords other than the four below go to fn.
+      *args, **kwargs: what `fn` is called with (arrays, or ShapeDtypeStructs: nothing allocated,
+        a `sharding=` on them gives per-device figures; pytrees of them; static arguments' plain
+        values). Keywords other than the four below go to fn.
       jit_options: keywords for `jax.jit` (static_argnums, donate_argnums, in_shardings, ...).
       residuals_of: the function `fn` differentiates (`loss` when fn calls
         `jax.value_and_grad(loss)`): what its VJP keeps, grouped by name, shape and dtype.

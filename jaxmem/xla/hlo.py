@@ -1,7 +1,5 @@
 """Reading XLA's HLO module text: computations, instructions and shapes (any backend's format).
 
-    parse_hlo(text)   {computation: {"root", "instrs": {name: {type, op, operands, attrs}}}}
-
 Text parsing, so a module compiled for a GPU can be saved (`XLA_FLAGS=--xla_dump_to=DIR`,
 `*after_optimizations.txt`, or `compiled.as_text()`) and read on any machine. Instructions keep
 the text's order: in a scheduled module (`is_scheduled=true`) that is the execution order.
