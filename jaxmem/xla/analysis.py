@@ -1,16 +1,11 @@
 """Memory analysis of any function `jax.jit` can compile: XLA's plan, and what a backward keeps.
 
-    analyze(fn, *args, **kwargs)       compile fn ahead of time for args (arrays or
-                                       ShapeDtypeStructs: nothing is allocated) -> MemoryAnalysis
-    MemoryAnalysis                     the figures in bytes per device, .report(), .verdict(), .plot()
-    MemoryAnalysis.of_compiled(c)      the same figures of an executable compiled elsewhere
-                                       (jaxmem.memory.compiled.compiled_stats reads them here)
-    Residual                           one group of the residuals a backward saves
-
-Every number is XLA's own (`compiled.memory_analysis()`, `cost_analysis()`) or jax's own
-(`saved_residuals`, through jaxmem.xla.residuals); nothing is estimated. This module imports
-only jax, numpy and jaxmem.xla.residuals / .verdict, so a user's model code can call it without
-jaxmem's trainer; matplotlib is imported by `.plot` alone.
+`analyze(fn, *args)` compiles fn ahead of time (ShapeDtypeStructs: nothing is allocated) and
+returns a `MemoryAnalysis`; `MemoryAnalysis.of_compiled(c)` reads an executable compiled
+elsewhere (jaxmem.memory.compiled.compiled_stats). Every number is XLA's own (`memory_analysis()`,
+`cost_analysis()`) or jax's own (`saved_residuals`, through jaxmem.xla.residuals); nothing is
+estimated. Only jax, numpy and jaxmem.xla are imported, so a user's model code can call it
+without jaxmem's trainer; matplotlib is imported by `.plot` alone.
 """
 
 from __future__ import annotations
@@ -34,25 +29,17 @@ _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 
 @dataclass(frozen=True)
 class MemoryAnalysis:
-    """XLA's memory plan of one compiled function, per device, and the residuals of a backward.
+    """XLA's memory plan of one compiled function, per device, and the residuals of a backward
+    (docs/api.md lists the fields).
 
     Figures are bytes on ONE device (under a mesh XLA plans each device alike; `devices` says
     how many run it). A CPU figure is XLA:CPU's program, not a GPU figure and no bound on one
     (16-bit math emulated in fp32, other fusions); compile inside `jaxmem.target.compiling_for`
-    for a GPU's.
-
-    argument_bytes, output_bytes: the inputs and results of the call (device memory space).
-    alias_bytes: outputs written over donated inputs (`donate_argnums`), counted in both above.
-    temp_bytes: XLA's scratch buffers (activations, gradients in flight, workspaces).
-    peak_bytes (property): temp + argument + output - alias, the figure `python -m jaxmem.memory`
-        uses; xla_peak_bytes: XLA's own buffer-assignment peak where this jax reports it (it can
-        be lower: a temp may reuse a dead argument's space), else None.
-    host_*_bytes: the same figures in host memory (offloaded values), 0 when nothing is there.
-    generated_code_bytes: the executable itself. flops: XLA's cost analysis (nan if none).
-    precision: the narrowest float dtype among the arguments (e.g. "bfloat16"): the verdict adds
-        the CPU caveat for anything below fp32.
-    residuals: the groups of values saved for the backward of `residuals_of`, largest first;
-        None when analyze was not asked for them.
+    for a GPU's. alias_bytes: outputs written over donated inputs, counted in argument_bytes and
+    output_bytes too. xla_peak_bytes: XLA's buffer-assignment peak where this jax reports it (it
+    can be lower than peak_bytes: a temp may reuse a dead argument's space). host_*_bytes: the
+    same figures in host memory (offloaded values). precision: the narrowest float dtype among
+    the arguments. residuals: None unless analyze was asked for them.
     """
 
     name: str
@@ -91,9 +78,8 @@ class MemoryAnalysis:
         return sum(r.bytes for r in self.residuals or () if not r.argument)
 
     def stats(self) -> dict[str, int]:
-        """The dict `jaxmem.memory.compiled.compiled_stats` returns: temp, argument, output,
-        alias and peak bytes (the device's), and host_bytes (host memory: offloaded values,
-        never part of the device peak)."""
+        """The dict `jaxmem.memory.compiled.compiled_stats` returns (host_bytes: never part of
+        the device peak)."""
         return {"temp_bytes": self.temp_bytes, "argument_bytes": self.argument_bytes,
                 "output_bytes": self.output_bytes, "alias_bytes": self.alias_bytes,
                 "peak_bytes": self.peak_bytes, "host_bytes": self.host_bytes}
@@ -106,17 +92,13 @@ class MemoryAnalysis:
         cost = compiled.cost_analysis()
         if isinstance(cost, (list, tuple)):  # older jax returns one dict per computation
             cost = cost[0] if cost else {}
+        # argument_bytes = argument_size_in_bytes, ..., host_temp_bytes = host_temp_size_in_bytes
+        sizes = {f"{host}{k}_bytes": get(f"{host}{k}_size_in_bytes") for host in ("", "host_")
+                 for k in ("argument", "output", "alias", "temp")}
         return cls(name=name, backend=jax.default_backend(), jax_version=jax.__version__,
-                   devices=_device_count(compiled),
-                   argument_bytes=get("argument_size_in_bytes"),
-                   output_bytes=get("output_size_in_bytes"),
-                   alias_bytes=get("alias_size_in_bytes"), temp_bytes=get("temp_size_in_bytes"),
+                   devices=_device_count(compiled), **sizes,
                    xla_peak_bytes=get("peak_memory_in_bytes") or None,
                    generated_code_bytes=get("generated_code_size_in_bytes"),
-                   host_argument_bytes=get("host_argument_size_in_bytes"),
-                   host_output_bytes=get("host_output_size_in_bytes"),
-                   host_alias_bytes=get("host_alias_size_in_bytes"),
-                   host_temp_bytes=get("host_temp_size_in_bytes"),
                    flops=float((cost or {}).get("flops", float("nan"))), precision=precision)
 
     def report(self) -> str:
@@ -147,17 +129,12 @@ class MemoryAnalysis:
         return "\n".join(lines)
 
     def verdict(self, device: int | str | None = None) -> str:
-        """The verdict lines of `python -m jaxmem.memory` for this peak: does it fit?
-
-        Args:
-          device: the device size, as bytes (int) or a string such as "80GiB", "24 GiB",
-            "40GB" (10^9) or "512MiB"; None: the common sizes 24, 40, 80 and 141 GiB.
-        Returns:
-          the lines, joined by newlines (the XLA preallocation assumption included).
-        """
+        """The verdict lines of `python -m jaxmem.memory` for this peak, joined by newlines.
+        device: bytes (int) or a size such as "80GiB", "24 GiB", "40GB" (10^9) or "512MiB";
+        None: the common sizes (verdict.COMMON_GIB)."""
         sizes = COMMON_GIB if device is None else (_gib(device),)
-        return "\n".join(verdict_lines(self.peak_bytes, "compiled", self.backend,
-                                       _precision_label(self.precision), sizes))
+        return "\n".join(verdict_lines(self.peak_bytes, "compiled", self.backend, self.precision,
+                                       sizes))
 
     def plot(self, path: str | os.PathLike) -> str:
         """Write a bar chart of the figures (and the largest residual groups) to `path` (.png,
@@ -193,29 +170,21 @@ class MemoryAnalysis:
 def analyze(fn: Callable, /, *args, jit_options: Mapping[str, Any] | None = None,
             residuals_of: Callable | None = None, residual_args: Sequence | None = None,
             name: str | None = None, **kwargs) -> MemoryAnalysis:
-    """Compile `fn(*args, **kwargs)` ahead of time and return XLA's memory plan of it.
-
-    Nothing is run and nothing the size of the arguments is allocated when they are
-    `jax.ShapeDtypeStruct`s (a `sharding=` on them places the call on a mesh: the figures are
-    then per device).
+    """Compile `fn(*args, **kwargs)` ahead of time (nothing is run) and return XLA's memory plan.
 
     Args:
       fn: a plain function (compiled as `jax.jit(fn, **jit_options)`) or an already jitted one
-        (its own static_argnums, donate_argnums and shardings apply; jit_options must be None).
-      *args, **kwargs: what `fn` is called with: arrays, ShapeDtypeStructs, pytrees of them,
-        and the plain values of static arguments. Keywords other than the four below go to fn.
+        (its own jit options apply; jit_options must be None).
+      *args, **kwargs: what `fn` is called with (arrays, or ShapeDtypeStructs: nothing allocated,
+        a `sharding=` on them gives per-device figures; pytrees of them; static arguments' plain
+        values). Keywords other than the four below go to fn.
       jit_options: keywords for `jax.jit` (static_argnums, donate_argnums, in_shardings, ...).
-      residuals_of: the function whose backward to inspect, i.e. the one `fn` differentiates
-        (`loss` when fn calls `jax.value_and_grad(loss)`); jax's `saved_residuals` lists what
-        its VJP keeps, grouped here by name, shape and dtype.
-      residual_args: residuals_of's positional arguments (arrays or ShapeDtypeStructs); default
-        `args` and `kwargs` (right when fn is `jax.grad(residuals_of)`). Pass them when fn
-        takes other arguments, e.g. (state.params, batch) for a train step fn(state, batch).
+      residuals_of: the function `fn` differentiates (`loss` when fn calls
+        `jax.value_and_grad(loss)`): what its VJP keeps, grouped by name, shape and dtype.
+      residual_args: residuals_of's positional arguments; default `args` and `kwargs` (right
+        when fn is `jax.grad(residuals_of)`), e.g. (state.params, batch) for a step(state, batch).
       name: the label in the report (default fn's __name__).
-    Returns:
-      a MemoryAnalysis (bytes per device; residuals None unless residuals_of was given).
-    Raises:
-      RuntimeError when residuals_of is given and this jax has no saved_residuals.
+    Raises RuntimeError when residuals_of is given and this jax has no saved_residuals.
 
     Example (backend-independent figures):
     >>> import jax, jax.numpy as jnp
@@ -234,31 +203,17 @@ def analyze(fn: Callable, /, *args, jit_options: Mapping[str, Any] | None = None
     verdict: compiled peak 0.00 GiB fits on every common GPU size (80 GiB)
     """
     label = name or getattr(fn, "__name__", None) or type(fn).__name__
-    compiled = _jitted(fn, jit_options).lower(*args, **kwargs).compile()
+    if hasattr(fn, "lower") and jit_options:  # already jitted
+        raise TypeError("analyze: jit_options is for a plain function; fn is already "
+                        "jitted, so its own jit options apply")
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn, **dict(jit_options or {}))
+    compiled = jitted.lower(*args, **kwargs).compile()
     result = MemoryAnalysis.of_compiled(compiled, label, _narrowest_float((args, kwargs)))
     if residuals_of is None:
         return result
-    return _with_residuals(result, residuals_of, residual_args, args, kwargs)
-
-
-def _jitted(fn: Callable, jit_options: Mapping[str, Any] | None):
-    """`fn` if it is already jitted (then jit_options must be None), else jax.jit(fn, ...)."""
-    if hasattr(fn, "lower"):
-        if jit_options:
-            raise TypeError("analyze: jit_options is for a plain function; fn is already "
-                            "jitted, so its own jit options apply")
-        return fn
-    return jax.jit(fn, **dict(jit_options or {}))
-
-
-def _with_residuals(result: MemoryAnalysis, residuals_of: Callable, residual_args, args,
-                    kwargs) -> MemoryAnalysis:
-    """`result` with what the VJP of `residuals_of` keeps (on residual_args, default fn's own
-    arguments), grouped by name, shape and dtype."""
+    of = residuals_of
     if residual_args is None:
         of, residual_args = functools.partial(residuals_of, **kwargs), args
-    else:
-        of = residuals_of
     listed = residual_list(of, *residual_args)
     if listed is None:  # pragma: no cover - a future jax that moved saved_residuals
         raise RuntimeError("analyze: this jax has no saved_residuals (jax.ad_checkpoint)")
@@ -275,11 +230,6 @@ def _narrowest_float(tree) -> str:
                 and np.dtype(dt).itemsize < best.itemsize:
             best = np.dtype(dt)
     return best.name
-
-
-def _precision_label(dtype_name: str) -> str:
-    """verdict_lines' precision: "fp32" (no CPU caveat) or the 16/8-bit dtype's name."""
-    return "fp32" if np.dtype(dtype_name).itemsize >= 4 else dtype_name
 
 
 def _device_count(compiled) -> int:

@@ -1,12 +1,5 @@
-"""What a compiled step sends between devices: its collectives read from the optimized HLO text.
-
-    find_collectives(text)   every collective reached from ENTRY: kind, group size, bytes each
-                             device sends per run, runs per step, async or not, compute between
-    comm_report(text)        per kind: ops, runs, bytes sent and received per device per step;
-                             the async count; what the figures could not pin down
-    collective_counts(text)  static ops per kind (jaxmem.memory.mesh's "collectives")
-    fsdp_volume(p, n)        FSDP's theoretical bytes per device per step: 3 p (n-1)/n
-    format_comm_table(r)     the markdown table of docs/distributed.md
+"""What a compiled step sends between devices: its collectives read from the optimized HLO text
+(`find_collectives`), summed per kind and step (`comm_report`, `format_comm_table`).
 
 Bytes follow the ring model, per device and per run, sent = received, for a group of n devices:
 
@@ -16,14 +9,8 @@ Bytes follow the ring model, per device and per run, sent = received, for a grou
     all-to-all of I                 I (n-1)/n     (keeps its own 1/n)
     collective-permute of I         I
 
-Shapes are the instructions' result shapes: a sync op's result; an all-gather-start's,
-reduce-scatter-start's or all-to-all-start's second tuple element (its outputs); an
-all-reduce-start's result; a collective-permute-start's first element (its operand); the op an
-async-start wraps. Compute between an async start and its done is any op other than parameter,
-constant, get-tuple-element, tuple, bitcast, copy-start / -done and collectives (sync ones too). n comes from `replica_groups` in its three printed forms: explicit
-{{0,1,...}}, iota [groups,n]<=[...], and mesh['a'=8,'b'=1] {'a'}; {} is every device of the
-module. A collective runs once per run of its computation: a while body runs `known_trip_count`
-times (XLA's backend_config; nested loops multiply) and a computation called from several places
+A collective runs once per run of its computation: a while body runs `known_trip_count` times
+(XLA's backend_config; nested loops multiply) and a computation called from several places
 (fusions, calls, loop bodies) adds up its callers. A while with no known trip count is counted
 once, and a conditional's branches as if each ran: the collectives under either are listed in
 `uncertain`. An async pair counts once, at its -start.
@@ -32,16 +19,19 @@ once, and a conditional's branches as if each ran: the collectives under either 
 from __future__ import annotations
 
 import dataclasses
+import graphlib
 import math
 import re
 
 from jaxmem.xla.hlo import attr, called, entry_name, module_devices, parse_hlo, shape_bytes, \
     tuple_elements
 
+GiB = 2**30
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 RING = {"all-gather": "O (n-1)/n", "reduce-scatter": "I (n-1)/n", "all-reduce": "2 I (n-1)/n",
         "all-to-all": "I (n-1)/n", "collective-permute": "I"}
-# Ops that are not compute when scheduled between an async start and its done.
+# Ops that are not compute when scheduled between an async start and its done (nor are
+# collectives, sync ones too).
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy-start",
          "copy-done"}
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
@@ -78,8 +68,9 @@ def kind_of(op: str) -> str | None:
 
 
 def group_size(attrs: str, devices: int) -> int:
-    """n of a collective from its `replica_groups` attribute (the first group's size; every
-    group of one op has the same size); `devices` where the groups are {} or not printed."""
+    """n of a collective: the first group's size (every group of one op has the same) in the three
+    printed forms of `replica_groups`: {{0,1,...}}, iota [groups,n]<=[...] and
+    mesh['a'=8,'b'=1] {'a'}; `devices` where the groups are {} or not printed."""
     m = _MESH.search(attrs)
     if m:
         sizes = {k.strip().strip("'\""): int(v) for k, v in
@@ -102,7 +93,8 @@ def ring_bytes(kind: str, data_bytes: int, n: int) -> float:
 
 
 def _data_bytes(kind: str, op: str, type_: str, n: int) -> int:
-    """The ring model's O / I of an instruction, from its result shape."""
+    """The ring model's O / I of an instruction, from its result shape (of the op an async-start
+    wraps); of a -start's tuple: a collective-permute's operand, the others' outputs."""
     if op.endswith("-start") and kind != "all-reduce":  # all-reduce-start: the outputs
         parts = tuple_elements(type_)  # permute: (operand, output, contexts); others: (ins, outs)
         type_ = parts[0] if kind == "collective-permute" else parts[1] if len(parts) > 1 \
@@ -123,55 +115,35 @@ def _wrapped(comps: dict, instr: dict) -> dict | None:
     return None
 
 
-def trip_count(attrs: str) -> int | None:
-    """A while's trip count from XLA's backend_config (`known_trip_count`), else None."""
-    m = _TRIP.search(attrs)
-    return int(m.group(1)) if m else None
-
-
-def _calls(comps: dict):
-    """(caller, callee, factor, caveat) for every call edge; async-starts of collectives are
-    leaves (their collective is counted at the start, not in the wrapped computation)."""
+def runs_per_step(comps: dict, entry: str) -> tuple[dict, dict]:
+    """{computation: runs per step} from ENTRY (1) down every call edge, and {computation: the
+    caveats (unknown loops, conditionals) on the paths to it}. Unreached computations: 0. An
+    async-start of a collective calls nothing: its collective is counted at the start."""
+    edges: dict[str, list] = {c: [] for c in comps}  # caller: [(callee, factor, caveat)]
     for cname, comp in comps.items():
         for iname, ins in comp["instrs"].items():
             if _wrapped(comps, ins) is not None:
                 continue
-            trips = trip_count(ins["attrs"]) if ins["op"] == "while" else 1
-            caveat = None
-            if ins["op"] == "while" and trips is None:
-                caveat = f"{iname} (while, no known trip count: counted once)"
+            trips, caveat = 1, None
+            if ins["op"] == "while":
+                trip = _TRIP.search(ins["attrs"])
+                trips = int(trip[1]) if trip else None
+                caveat = None if trip else f"{iname} (while, no known trip count: counted once)"
             elif ins["op"] == "conditional":
                 caveat = f"{iname} (conditional: every branch counted)"
             for key, callee in called(ins["attrs"]):
-                factor = 1  # a fusion, call, reduction or branch: once per run of the caller
-                if key == "body":
-                    factor = trips or 1
-                elif key == "condition":  # tested once more than the body runs
-                    factor = trips + 1 if trips else 1
+                # a body runs `trips` times and its condition is tested once more; a fusion,
+                # call, reduction or branch runs once per run of the caller
+                factor = {"body": trips or 1, "condition": trips + 1 if trips else 1}.get(key, 1)
                 if callee in comps:
-                    yield cname, callee, factor, caveat
-
-
-def runs_per_step(comps: dict, entry: str) -> tuple[dict, dict]:
-    """{computation: runs per step} from ENTRY (1) down every call edge, and {computation: the
-    caveats (unknown loops, conditionals) on the paths to it}. Unreached computations: 0."""
-    edges: dict[str, list] = {}
-    for caller, callee, factor, caveat in _calls(comps):
-        edges.setdefault(caller, []).append((callee, factor, caveat))
-    order, seen = [], set()
-
-    def visit(c):  # post-order; call graphs are DAGs a few levels deep
-        seen.add(c)
-        for callee, _, _ in edges.get(c, ()):
-            if callee not in seen:
-                visit(callee)
-        order.append(c)
-
-    visit(entry)
-    runs = dict.fromkeys(comps, 0)
-    runs[entry], caveats = 1, {c: set() for c in comps}
-    for c in reversed(order):  # callers before callees
-        for callee, factor, caveat in edges.get(c, ()):
+                    edges[cname].append((callee, factor, caveat))
+    graph = graphlib.TopologicalSorter({c: [e[0] for e in edges[c]] for c in comps})
+    runs, caveats = dict.fromkeys(comps, 0), {c: set() for c in comps}
+    runs[entry] = 1
+    for c in reversed(list(graph.static_order())):  # callers before callees
+        if not runs[c]:  # not reached from ENTRY
+            continue
+        for callee, factor, caveat in edges[c]:
             runs[callee] += runs[c] * factor
             caveats[callee] |= caveats[c] | ({caveat} if caveat else set())
     return runs, caveats
@@ -263,8 +235,8 @@ def comm_report(text: str, ops: bool = False) -> dict:
 
 
 def collective_counts(text: str) -> dict[str, int]:
-    """How many collective ops of each kind the module has (static: an op inside the layer scan
-    counts once; an async pair once)."""
+    """How many collective ops of each kind the module has (an op in the layer scan, and an
+    async pair, count once)."""
     found = find_collectives(text)
     return {k: sum(c.kind == k for c in found) for k in KINDS}
 
@@ -281,18 +253,17 @@ def format_comm_table(report: dict, param_bytes: int | None = None, group: int |
     """Markdown: one row per kind (ops, async, runs per step, GiB sent = received per device per
     step), the total, FSDP's theoretical volume for `param_bytes` on `group` devices when
     given, then the async line."""
-    gib = 2**30
     lines = ["| collective | ops (async) | runs per step | sent = received per device per step |",
              "|---|---|---|---|"]
     for k, r in report["by_kind"].items():
         lines.append(f"| {k} | {r['ops']} ({r['async_ops']}) | {r['runs']} | "
-                     f"{r['send_bytes'] / gib:.2f} GiB |")
-    lines.append(f"| **total** | | | **{report['send_bytes'] / gib:.2f} GiB** |")
+                     f"{r['send_bytes'] / GiB:.2f} GiB |")
+    lines.append(f"| **total** | | | **{report['send_bytes'] / GiB:.2f} GiB** |")
     if param_bytes is not None:
         n = group or report["devices"]
         theory = fsdp_volume(param_bytes, n)
-        lines.append(f"| FSDP theory: 3 x {param_bytes / gib:.2f} GiB params x ({n}-1)/{n} | | | "
-                     f"{theory / gib:.2f} GiB ({report['send_bytes'] / theory:.2f}x) |")
+        lines.append(f"| FSDP theory: 3 x {param_bytes / GiB:.2f} GiB params x ({n}-1)/{n} | | | "
+                     f"{theory / GiB:.2f} GiB ({report['send_bytes'] / theory:.2f}x) |")
     a = report["async"]
     lines += ["", f"async pairs: {a['pairs']}, {a['with_compute_between']} with compute "
                   f"scheduled between start and done, {a['forced_sync']} marked is_sync by XLA, "
@@ -304,11 +275,10 @@ def format_comm_table(report: dict, param_bytes: int | None = None, group: int |
 
 def comm_line(report: dict) -> str:
     """One line for jaxmem.memory's mesh report: bytes sent per device per step, by kind."""
-    gib = 2**30
-    kinds = ", ".join(f"{k} {r['send_bytes'] / gib:.2f}" for k, r in report["by_kind"].items()
+    kinds = ", ".join(f"{k} {r['send_bytes'] / GiB:.2f}" for k, r in report["by_kind"].items()
                       if r["ops"])
     a = report["async"]
     return (f"sent = received per device per step (ring model, loops counted): "
-            f"{report['send_bytes'] / gib:.2f} GiB ({kinds or 'no collectives'}); async pairs "
+            f"{report['send_bytes'] / GiB:.2f} GiB ({kinds or 'no collectives'}); async pairs "
             f"{a['pairs']}, {a['with_compute_between']} with compute between"
             + (f"; {len(report['uncertain'])} uncertain" if report["uncertain"] else ""))

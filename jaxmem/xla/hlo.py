@@ -1,18 +1,8 @@
 """Reading XLA's HLO module text: computations, instructions and shapes (any backend's format).
 
-    parse_hlo(text)       {computation: {"root", "instrs": {name: {type, op, operands, attrs}}}}
-    entry_name(text)      the ENTRY computation's name
-    attr(attrs, key)      one attribute's text ('calls=%f' -> '%f')
-    called(attrs)         [(attribute, computation)] of every computation an instruction calls
-    tuple_elements(type)  '(a, (b, c))' -> ['a', '(b, c)'] (top level only); an array: [type]
-    shape_bytes(type)     bytes of an array or tuple shape, layouts and memory spaces ignored
-    module_devices(text)  replica_count x num_partitions of the HloModule line
-    entry_argument_bytes(text)   (host, device) bytes of the entry computation's parameters
-
 Text parsing, so a module compiled for a GPU can be saved (`XLA_FLAGS=--xla_dump_to=DIR`,
 `*after_optimizations.txt`, or `compiled.as_text()`) and read on any machine. Instructions keep
 the text's order: in a scheduled module (`is_scheduled=true`) that is the execution order.
-experiments.fp8_diag.hlo and jaxmem.xla.collectives read HLO through this module.
 """
 
 from __future__ import annotations
@@ -32,31 +22,20 @@ _CALL_KEYS = ("calls", "to_apply", "body", "condition", "true_computation", "fal
               "branch_computations", "called_computations", "async_execution_thread_computation")
 
 
-def _split_call(rest: str) -> tuple[list[str], str]:
-    """'a, f32[2] %b), attrs...' -> (['a', 'b'], 'attrs...'): operand names and what follows."""
-    depth, i = 1, 0
-    while i < len(rest) and depth:
-        depth += {"(": 1, ")": -1}.get(rest[i], 0)
-        i += 1
-    inner, attrs = rest[:i - 1], rest[i:]
-    return [t.split()[-1].lstrip("%") for t in _top_level(inner)], attrs
-
-
-def _top_level(text: str) -> list[str]:
-    """The comma-separated items of `text` outside any brackets, stripped, empty ones dropped."""
-    out, depth, token = [], 0, ""
-    for ch in text + ",":
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        if ch == "," and depth == 0:
-            if token.strip():
-                out.append(token.strip())
-            token = ""
-        else:
-            token += ch
-    return out
+def _top_level(text: str) -> tuple[list[str], str]:
+    """The comma-separated items of `text` outside any brackets (stripped, empty ones dropped) up
+    to a bracket that closes one opened before `text`, and what follows that bracket:
+    'a, f32[2] %b), calls=%f' -> (['a', 'f32[2] %b'], ', calls=%f')."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch in "([{") - (ch in ")]}")
+        if depth < 0 or (ch == "," and depth == 0):
+            items.append(text[start:i].strip())
+            start = i + 1
+            if depth < 0:
+                return [t for t in items if t], text[i + 1:]
+    items.append(text[start:].strip())
+    return [t for t in items if t], ""
 
 
 def parse_hlo(text: str) -> dict:
@@ -76,7 +55,8 @@ def parse_hlo(text: str) -> dict:
         m = _INSTR.match(line)
         if m:
             name, type_, op, rest = m.groups()
-            operands, attrs = _split_call(rest)
+            items, attrs = _top_level(rest)  # 'a, f32[2] %b), attrs' -> operands a and b
+            operands = [t.split()[-1].lstrip("%") for t in items]
             current["instrs"][name] = {"type": type_, "op": op, "operands": operands,
                                        "attrs": attrs}
             if line.lstrip().startswith("ROOT"):
@@ -100,21 +80,15 @@ def attr(attrs: str, key: str) -> str | None:
 def called(attrs: str) -> list[tuple[str, str]]:
     """Every (attribute, computation name) an instruction's attrs call: a fusion's `calls`, a
     while's `body` and `condition`, a reduction's `to_apply`, a conditional's branches..."""
-    out = []
-    for key in _CALL_KEYS:
-        text = attr(attrs, key)
-        if text:
-            out += [(key, n.lstrip("%")) for n in re.findall(r"%?[\w.\-]+", text.strip("{}"))]
-    return out
+    return [(key, n.lstrip("%")) for key in _CALL_KEYS
+            for n in re.findall(r"%?[\w.\-]+", (attr(attrs, key) or "").strip("{}"))]
 
 
 def tuple_elements(type_: str) -> list[str]:
     """The top-level elements of a tuple shape ('(a, (b, c))' -> ['a', '(b, c)']); an array
     shape is its own single element."""
     type_ = type_.strip()
-    if not type_.startswith("("):
-        return [type_]
-    return _top_level(type_[1:-1])
+    return _top_level(type_[1:-1])[0] if type_.startswith("(") else [type_]
 
 
 def shape_bytes(type_: str) -> int:
@@ -123,11 +97,9 @@ def shape_bytes(type_: str) -> int:
     dtype raises ValueError."""
     total = 0
     for dtype, dims in _ARRAY.findall(re.sub(r"\{[^{}]*\}", "", type_)):
-        bits = _BITS.get(dtype)
+        bits = _BITS.get(dtype, {"f8": 8, "f4": 4}.get(dtype[:2]))  # f8e4m3fn, f4e2m1fn, ...
         if bits is None:
-            if not dtype.startswith("f8") and not dtype.startswith("f4"):
-                raise ValueError(f"unknown HLO element type {dtype!r} in {type_!r}")
-            bits = 8 if dtype.startswith("f8") else 4
+            raise ValueError(f"unknown HLO element type {dtype!r} in {type_!r}")
         n = math.prod(int(d.lstrip("<=")) for d in dims.split(",") if d.strip())
         total += n * bits
     return total // 8
@@ -135,13 +107,9 @@ def shape_bytes(type_: str) -> int:
 
 def module_devices(text: str) -> int:
     """replica_count x num_partitions of the module's HloModule line (1 where not printed)."""
-    head = text[:text.find("\n")] if "\n" in text else text
-    count = re.search(r"replica_count=(\d+)", head)
-    parts = re.search(r"num_partitions=(\d+)", head)
-    return int(count.group(1) if count else 1) * int(parts.group(1) if parts else 1)
-
-
-HOST_SPACE = "S(5)"  # XLA's memory-space annotation of (pinned) host memory in a layout
+    head = text.split("\n", 1)[0]
+    return math.prod(int(m[1]) for key in ("replica_count", "num_partitions")
+                     if (m := re.search(rf"{key}=(\d+)", head)))
 
 
 def entry_argument_bytes(text: str) -> tuple[int, int]:
@@ -154,11 +122,6 @@ def entry_argument_bytes(text: str) -> tuple[int, int]:
     start = head.find("entry_computation_layout={(")
     if start < 0:
         return 0, 0
-    host = device = 0
-    for param in _top_level(head[start + len("entry_computation_layout={("):].split(")->", 1)[0]):
-        n = shape_bytes(param)
-        if HOST_SPACE in param:
-            host += n
-        else:
-            device += n
-    return host, device
+    params = _top_level(head[start + len("entry_computation_layout={("):])[0]  # up to ')->'
+    host = sum(shape_bytes(p) for p in params if "S(5)" in p)  # S(5): XLA's host memory space
+    return host, sum(shape_bytes(p) for p in params) - host

@@ -2,9 +2,9 @@
 
 jax's `saved_residuals(f, *args)` traces `vjp(f, *args)` and names every value the backward will
 read, with where it came from: "from the argument params['lm_head']...", "named 'query' from ...",
-"output of dot_general from ...". That list is the ground truth the planner's formulas and the
-PyTorch comparison are checked against, so the counting (and which arguments are left out: the
-parameters live in memory anyway, they are not activation memory) is written once, here.
+"output of dot_general from ...". The planner's formulas and the PyTorch comparison are checked
+against that list, so it is counted once, here (arguments left out: the parameters are in memory
+anyway, they are not activation memory).
 
 jax 0.10 keeps the function private (`jax._src.ad_checkpoint`; `jax.ad_checkpoint` exports only
 the printer `print_saved_residuals`), so it is looked up in both places and `available()` says
@@ -66,9 +66,7 @@ def saved_residual_bytes(fn: Callable, *args,
 
     exclude_arguments: True drops every residual that is one of fn's arguments as passed in;
     a collection of argument names (e.g. `("params",)`) drops only those, so inputs such as
-    token ids still count; False keeps everything. Returns None where this jax has no
-    `saved_residuals`; raises RuntimeError if its descriptions are in a format this code does
-    not know (the exclusion would silently count the wrong thing).
+    token ids still count; False keeps everything. None and RuntimeError: as `residual_list`.
     """
     res = residual_list(fn, *args)
     if res is None:  # pragma: no cover - a future jax that moved it
@@ -82,7 +80,8 @@ def residual_list(fn: Callable, *args) -> list[tuple] | None:
     """jax's own list for the backward of `fn(*args)`: (abstract value, description) pairs.
 
     Returns None where this jax has no `saved_residuals`; raises RuntimeError if a description
-    is in a format this module does not know (jaxmem.memory.analyze groups them by it).
+    is in a format this module does not know (which residuals are arguments, and their names,
+    are read off it).
     """
     saved_residuals = _find()
     if saved_residuals is None:  # pragma: no cover - a future jax that moved it
@@ -99,13 +98,11 @@ def residual_list(fn: Callable, *args) -> list[tuple] | None:
 class Residual:
     """One group of the values jax saves for a backward: same name, shape and dtype.
 
-    name: where the values come from, read off jax's description: `named 'q'` (a
-        `checkpoint_name`), `dot_general at model.py:42 (attn)` (an op's output and its source
-        line), `argument params['w']` (an input of the differentiated function) or `constant`.
-    shape, dtype: of one value (a layer scan saves one stacked [L, ...] value).
-    count: how many values of the group are saved; bytes: count x size x itemsize.
-    argument: True for the differentiated function's own inputs; they are held in memory for
-        the call anyway (MemoryAnalysis.argument_bytes), so `residual_bytes` leaves them out.
+    name: `named 'q'` (a `checkpoint_name`), `dot_general at model.py:42 (attn)` (an op's output
+        and its source line), `argument params['w']` or `constant`. shape, dtype: of one value
+        (a layer scan saves one stacked [L, ...] value); bytes: count x size x itemsize.
+    argument: an input of the differentiated function, in memory for the call anyway
+        (MemoryAnalysis.argument_bytes), so `residual_bytes` leaves it out.
     """
 
     name: str
@@ -121,7 +118,7 @@ def group_residuals(listed) -> tuple[Residual, ...]:
     groups: dict[tuple, list] = {}
     for aval, desc in listed:
         shape, dtype = tuple(int(d) for d in aval.shape), np.dtype(aval.dtype)
-        key = (_residual_name(desc), shape, dtype.name, desc.startswith("from the argument"))
+        key = (_residual_name(desc), shape, dtype.name, desc.startswith(_ARGUMENT))
         g = groups.setdefault(key, [0, 0])
         g[0] += 1
         g[1] += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -135,16 +132,15 @@ _SOURCE = re.compile(r"(?P<path>[^\s:]+):(?P<line>\d+)(?::\d+)?(?P<rest>.*)")
 def _residual_name(desc: str) -> str:
     """A short name from jax's description ('output of dot_general from /a/b/m.py:42:8 (f)'
     -> 'dot_general at m.py:42 (f)'; "named 'q' from ..." -> "named 'q'")."""
-    if desc.startswith("from the argument"):
-        return "argument " + desc[len("from the argument"):].strip()
+    if desc.startswith(_ARGUMENT):
+        return "argument " + desc[len(_ARGUMENT):].strip()
     if desc.startswith("named "):
         return desc.split(" from ")[0]
     if desc.startswith("output of "):
         prim, _, src = desc[len("output of "):].partition(" from ")
         m = _SOURCE.match(src.strip())
-        if m:  # "(make_loss.<locals>.block)" -> "(block)": the innermost function
-            fn = m["rest"].strip().strip("()").rpartition(".")[2]
-            return f"{prim} at {os.path.basename(m['path'])}:{m['line']}" + (f" ({fn})" if fn
-                                                                            else "")
-        return prim
+        if not m:
+            return prim
+        fn = m["rest"].strip().strip("()").rpartition(".")[2]  # "(f.<locals>.block)": "block"
+        return f"{prim} at {os.path.basename(m['path'])}:{m['line']}" + (f" ({fn})" if fn else "")
     return "constant"

@@ -1,30 +1,20 @@
-"""The planner's verdict in words: does a peak fit the common accelerator sizes, with the
-headroom assumed (jaxmem.memory.analyze's `.verdict()` and `python -m jaxmem.memory`; the header
-and the `jaxmem.train` command of a plan: jaxmem.memory.report).
+"""The planner's verdict in words: does a peak fit the common GPU sizes (COMMON_GIB), with the
+headroom assumed (`MemoryAnalysis.verdict()`, `python -m jaxmem.memory`, jaxmem.memory.report).
 
-    usable_bytes(device_gib)                what a program may use on a device of that size:
-                                            the one budget rule of the verdict, `--fit`, and the
-                                            mesh planners (`fits`, `device_gib_for`: its test
-                                            and its inverse)
-    verdict_lines(peak_bytes, source, ...)  fits / does not fit on 12, 16, 24, 40, 80, 141 GiB
-
-Headroom. JAX's XLA client preallocates 75% of a GPU's memory at start-up
-(XLA_PYTHON_CLIENT_MEM_FRACTION, default .75), so a step whose peak fits in the device but not in
-75% of it still fails. `XLA_PYTHON_CLIENT_MEM_FRACTION=.95` (or XLA_PYTHON_CLIENT_PREALLOCATE=false,
-which allocates on demand) lets XLA use nearly all of it; the CUDA context itself (~0.5 GiB,
-assumed, not measured here) stays outside XLA's share. The verdict uses the fraction set in the
-environment, else .75.
+The budget rule, `usable_bytes` (XLA's preallocated share of the GPU, the CUDA context outside
+it), lives in jaxmem.perf beside the device counters, so the trainer applies it too; `fits` and
+`device_gib_for` are its test and its inverse.
 """
 
 from __future__ import annotations
 
-# the budget rule lives beside the device counters, so the trainer applies it too
-from jaxmem.perf import (CUDA_CONTEXT_GIB, DEFAULT_FRACTION, device_gib_for, usable_bytes,  # noqa: F401
+from jaxmem.perf import (CUDA_CONTEXT_GIB, GiB, device_gib_for, usable_bytes,  # noqa: F401
                          xla_fraction)
 
-GiB = 2**30
 # RTX 3060 / 4070 12, RTX 4060 Ti / 4080 16, RTX 4090 / L4 24, A100 40, A100 / H100 80, H200 141
 COMMON_GIB = (12, 16, 24, 40, 80, 141)
+
+
 def usable_gib(device_gib: float, fraction: float | None = None) -> float:
     """GiB XLA can give a program on a `device_gib` GPU: `usable_bytes` in GiB."""
     return usable_bytes(device_gib, fraction) / GiB
