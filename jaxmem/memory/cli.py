@@ -55,8 +55,7 @@ from jaxmem.config.flags import (PLANNER_ONLY, PLANNER_SECTIONS, add_run_flags, 
                                  positive_int)
 from jaxmem.config.run import RunConfig
 from jaxmem.model.precision import get_precision
-from jaxmem.memory import commands
-from jaxmem.memory.measure import run_worker
+from jaxmem.memory import commands, measure
 from jaxmem.memory.spec import StepSpec
 from jaxmem.train.run import build_step_config
 
@@ -154,7 +153,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.worker is not None:
-        print(json.dumps(run_worker(args.worker)))
+        print(json.dumps(measure.measure_here(StepSpec.from_json(args.worker))))
         return 0
     if args.target is not None:  # before anything initializes the backend
         if args.measure:
