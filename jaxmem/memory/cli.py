@@ -187,8 +187,9 @@ def _main(parser, args) -> int:
                              args.fit is not None):
         parser.error("--optimizer-in-backward plans one device and one configuration: drop "
                      "--mesh, --devices and --fit (--fit-seq works)")
+    cfg = RunConfig().replace(given_overrides(args))
     if args.fit_seq is not None:
-        return commands.fit_seq(parser, args, spec, mesh)
+        return commands.fit_seq(parser, args, cfg, spec, mesh)
     if args.fit is not None and mesh is not None:
         parser.error("--fit with --devices searches the meshes itself; drop --mesh")
     if args.fit is not None and args.devices is not None:
@@ -200,7 +201,6 @@ def _main(parser, args) -> int:
         return commands.fit_mesh_and_step(args, spec, global_batch, max_micro)
     if mesh is not None or args.devices is not None:
         return commands.mesh_breakdown(parser, args, spec, mesh)
-    cfg = RunConfig().replace(given_overrides(args))
     if args.fit is None:
         return commands.breakdown(parser, args, cfg, spec)
     return commands.fit(parser, args, cfg, spec, global_batch, max_micro)
