@@ -25,8 +25,8 @@ import json
 import sys
 
 from jaxmem import target
-from jaxmem.config.flags import (PLANNER_ONLY, PLANNER_SECTIONS, add_run_flags, given_overrides,
-                                 positive_int)
+from jaxmem.config.flags import (PLANNER_ONLY, PLANNER_SECTIONS, _number_type, add_run_flags,
+                                 given_overrides, positive_int)
 from jaxmem.config.run import RunConfig
 from jaxmem.model.precision import get_precision
 from jaxmem.memory import commands, measure
@@ -34,14 +34,7 @@ from jaxmem.memory.spec import StepSpec
 from jaxmem.train.run import build_step_config
 
 
-def positive_gib(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of GiB, got {text!r}")
-    return value
+positive_gib = _number_type(float, lambda v: 0 < v < float("inf"), "a positive number of GiB")
 
 
 def build_parser() -> argparse.ArgumentParser:
