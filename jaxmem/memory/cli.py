@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", choices=sorted(target.CARDS), metavar="GPU",
                    help="compile every figure with this GPU's own XLA compiler, without the GPU "
                         "(deviceless: no autotuning, workspaces or fragmentation; docs/memory.md): "
-                        + ", ".join(sorted(target.CARDS)) + ". Needs `pip install 'jaxmem[gpu-plan]'`")
+                        + ", ".join(sorted(target.CARDS))
+                        + ". Needs `pip install 'jaxmem[gpu-plan]'`")
     g = p.add_argument_group("planner and output")
     g.add_argument("--global-batch", type=positive_int,
                    help="sequences per optimizer step; sets --grad-accum = global / batch size")
