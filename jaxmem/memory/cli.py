@@ -4,44 +4,18 @@
         --batch-size 4 --seq-len 512 --grad-accum 2 [--measure] [--json]
     python -m jaxmem.memory --preset llama-3.2-1b --seq-len 2048 --fit 40 --global-batch 16
 
-Breakdown mode prints, for one configuration of the full train step (optimizer included, state
-donated), three views of its memory and the rule of thumb:
+One configuration: its full train step (optimizer included, state donated) analytic
+(jaxmem.memory.analytic), compiled ahead of time from abstract shapes with nothing allocated
+(XLA's memory_analysis(): peak = temp + argument + output - alias), measured with --measure
+(jaxmem.memory.measure) and by the rule of thumb; then the run's phases (jaxmem.memory.phases):
+the verdict, and `--fit`'s choice, are on the largest. `--fit`, `--fit --devices` and
+`--fit-seq` search (jaxmem.memory.search); `--mesh` / `--devices` print per device
+(jaxmem.memory.mesh). The modes are jaxmem.memory.commands; docs/memory.md and
+docs/distributed.md explain the numbers.
 
-    analytic      bytes per component and dtype from shapes alone (jaxmem.memory.analytic,
-                  docs/memory.md)
-    compiled      XLA's memory_analysis() of the step compiled ahead of time from abstract shapes
-                  (nothing allocated): temp, argument, output, alias, peak = temp+arg+out-alias
-    measured      with --measure, peak_bytes_in_use of the device after real steps, one
-                  subprocess per configuration (jaxmem.memory.measure; skipped with a note where
-                  the backend has no memory stats, as on CPU)
-    rule of thumb 4 / 2 / 1 bytes per parameter for fp32 / 16-bit / int8 weights, 16 B/param for
-                  mixed-precision Adam, "6x the fp32 weights" = 24 B/param; each with its ratio
-                  to the compiled (or measured) peak
-
-Then the run's phases (jaxmem.memory.phases): making the state, the step, evaluation (the fused
-loss on one [B, T] batch) and the end-of-run sample (`--max-new-tokens`), each with what the run
-holds outside its program; analytic, and compiled for the step and, with `--compile`, for the
-other three. The verdict is on the largest phase, and so is `--fit`'s choice.
-
-`--fit GIB --global-batch N` runs the planner instead (jaxmem.memory.search.plan): candidates from
-fastest to most frugal, the first whose *compiled* peak fits is printed with its breakdown, with
-every rejected candidate and why; exit 1 when nothing fits. GIB is the GPU's size; a candidate
-fits when its peak is within jaxmem.xla.verdict.usable_bytes(GIB), the verdict's own rule.
-
-`--mesh data=D,fsdp=F,tensor=T` (with `--devices N` on the CPU backend: N simulated devices)
-prints the per-device breakdown instead: the analytic model split by the sharding rules and the
-step compiled for the mesh, with its collectives (jaxmem.memory.mesh, docs/distributed.md).
-`--fit GIB --devices N` chooses the mesh instead of the step: the first mesh of N devices, from
-pure data parallel to all-fsdp to tensor=2, whose per-device compiled peak fits. For a LoRA /
-QLoRA run, or with `--global-batch`, it chooses the mesh, the micro-batch, the remat policy and
-the fused loss's chunk together (jaxmem.memory.search.plan_mesh; analytic-first as `--fit`).
-With `--offload-base host` the frozen block layers are counted in host memory, printed apart
-from the device bytes, with the device figure without offload beside it. `--analytic-only`
-skips the compile (a 70B step takes minutes to compile on a CPU).
-
-Bad input exits 2 with one line naming the flag. The hidden `--worker JSON` is the child side of
-`--measure` (jaxmem.memory.measure): it measures the StepSpec in the JSON and ignores every other
-flag.
+Bad input exits 2 with one line naming the flag; a search where nothing fits exits 1. The
+hidden `--worker JSON` is the child side of `--measure`: it measures the StepSpec in the JSON
+and ignores every other flag.
 """
 
 from __future__ import annotations
@@ -51,24 +25,16 @@ import json
 import sys
 
 from jaxmem import target
-from jaxmem.config.flags import (PLANNER_ONLY, PLANNER_SECTIONS, add_run_flags, given_overrides,
-                                 positive_int)
+from jaxmem.config.flags import (PLANNER_ONLY, PLANNER_SECTIONS, _number_type, add_run_flags,
+                                 given_overrides, positive_int)
 from jaxmem.config.run import RunConfig
 from jaxmem.model.precision import get_precision
-from jaxmem.memory import commands
-from jaxmem.memory.measure import run_worker
+from jaxmem.memory import commands, measure
 from jaxmem.memory.spec import StepSpec
 from jaxmem.train.run import build_step_config
 
 
-def positive_gib(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of GiB, got {text!r}")
-    return value
+positive_gib = _number_type(float, lambda v: 0 < v < float("inf"), "a positive number of GiB")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,43 +46,40 @@ def build_parser() -> argparse.ArgumentParser:
                     "same defaults; with --fit, --batch-size is the largest micro-batch tried "
                     "and --mu-dtype (when not given) tries fp32 then bf16.")
     add_run_flags(p, PLANNER_SECTIONS, only=PLANNER_ONLY)
-    p.add_argument("--devices", type=positive_int, default=None, metavar="N",
-                   help="compile for N devices (with --mesh: the per-device breakdown, "
-                        "jaxmem.memory.mesh): N --target GPUs, or on the CPU backend N simulated "
-                        "devices of this host")
-    p.add_argument("--hosts", type=positive_int, default=None, metavar="H",
-                   help="with --target: the --devices GPUs on H hosts (a multi-host job: "
-                        "collectives between hosts; per-device figures as on one host)")
-    p.add_argument("--target", default=None, choices=sorted(target.CARDS), metavar="GPU",
-                   help="compile every figure with this GPU's own XLA compiler, on this machine "
-                        "without the GPU (deviceless: no autotuning, workspaces or "
-                        "fragmentation; docs/memory.md): " + ", ".join(sorted(target.CARDS)) +
-                        ". Needs `pip install 'jaxmem[gpu-plan]'`")
+    p.add_argument("--devices", type=positive_int, metavar="N",
+                   help="compile for N devices (with --mesh: the per-device breakdown): N "
+                        "--target GPUs, or on the CPU backend N simulated devices of this host")
+    p.add_argument("--hosts", type=positive_int, metavar="H",
+                   help="with --target: the --devices GPUs on H hosts (collectives between "
+                        "hosts; per-device figures as on one host)")
+    p.add_argument("--target", choices=sorted(target.CARDS), metavar="GPU",
+                   help="compile every figure with this GPU's own XLA compiler, without the GPU "
+                        "(deviceless: no autotuning, workspaces or fragmentation; docs/memory.md): "
+                        + ", ".join(sorted(target.CARDS))
+                        + ". Needs `pip install 'jaxmem[gpu-plan]'`")
     g = p.add_argument_group("planner and output")
-    g.add_argument("--global-batch", type=positive_int, default=None,
+    g.add_argument("--global-batch", type=positive_int,
                    help="sequences per optimizer step; sets --grad-accum = global / batch size")
-    g.add_argument("--fit", type=positive_gib, default=None, metavar="GIB",
+    g.add_argument("--fit", type=positive_gib, metavar="GIB",
                    help="plan: the fastest configuration whose compiled peak fits a GPU of GIB "
                         "GiB (what XLA may use of it: XLA_PYTHON_CLIENT_MEM_FRACTION, default "
                         ".75, less ~0.5 GiB of CUDA context; the verdict's rule)")
-    g.add_argument("--fit-seq", type=positive_gib, default=None, metavar="GIB",
-                   help="plan: the longest --seq-len (multiples of 1024, up to the model's "
-                        "max positions) whose run fits a GPU of GIB GiB, batch and the rest "
-                        "as given (jaxmem.memory.search: doubling, then bisection on compiled "
-                        "peaks); with --devices / --mesh (e.g. --mesh context=8: the sequence "
-                        "split over 8 devices) the step's per-device compiled peak decides")
+    g.add_argument("--fit-seq", type=positive_gib, metavar="GIB",
+                   help="plan: the longest --seq-len (multiples of 1024, up to the model's max "
+                        "positions) whose run fits a GPU of GIB GiB, the rest as given; with "
+                        "--devices / --mesh (--mesh context=8: the sequence split over 8 "
+                        "devices) the step's per-device compiled peak decides")
     g.add_argument("--compile", action="store_true",
-                   help="also compile the run's other phases (making the state, evaluation, the "
-                        "end-of-run sample; the step is always compiled): the verdict and --fit "
-                        "then use their compiled peaks instead of the analytic ones")
+                   help="also compile the run's other phases (state, eval, end-of-run sample; "
+                        "the step always is): the verdict and --fit then use their compiled peaks")
     g.add_argument("--measure", action="store_true",
                    help="also run real steps in a subprocess and read the device's peak memory")
-    g.add_argument("--worker", default=None, metavar="JSON", help=argparse.SUPPRESS)
+    g.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
     g.add_argument("--analytic-only", action="store_true",
-                   help="with --mesh / --devices: print the analytic per-device figures only, "
-                        "without compiling the step (a CPU compile of a 70B step takes minutes)")
+                   help="with --mesh / --devices: the analytic per-device figures only, without "
+                        "compiling the step (a CPU compile of a 70B step takes minutes)")
     g.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    g.add_argument("--plot", default=None, metavar="PNG",
+    g.add_argument("--plot", metavar="PNG",
                    help="also draw the breakdown as stacked bars (one per configuration; with "
                         "--fit, every compiled candidate and the budget line); needs matplotlib")
     return p
@@ -154,7 +117,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.worker is not None:
-        print(json.dumps(run_worker(args.worker)))
+        print(json.dumps(measure.measure_here(StepSpec.from_json(args.worker))))
         return 0
     if args.target is not None:  # before anything initializes the backend
         if args.measure:
@@ -188,8 +151,9 @@ def _main(parser, args) -> int:
                              args.fit is not None):
         parser.error("--optimizer-in-backward plans one device and one configuration: drop "
                      "--mesh, --devices and --fit (--fit-seq works)")
+    cfg = RunConfig().replace(given_overrides(args))
     if args.fit_seq is not None:
-        return commands.fit_seq(parser, args, spec, mesh)
+        return commands.fit_seq(parser, args, cfg, spec, mesh)
     if args.fit is not None and mesh is not None:
         parser.error("--fit with --devices searches the meshes itself; drop --mesh")
     if args.fit is not None and args.devices is not None:
@@ -201,7 +165,6 @@ def _main(parser, args) -> int:
         return commands.fit_mesh_and_step(args, spec, global_batch, max_micro)
     if mesh is not None or args.devices is not None:
         return commands.mesh_breakdown(parser, args, spec, mesh)
-    cfg = RunConfig().replace(given_overrides(args))
     if args.fit is None:
         return commands.breakdown(parser, args, cfg, spec)
     return commands.fit(parser, args, cfg, spec, global_batch, max_micro)

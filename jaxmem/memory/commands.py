@@ -1,7 +1,7 @@
 """The modes of `python -m jaxmem.memory` (jaxmem.memory.cli parses and dispatches): one
 configuration's breakdown and verdict, the per-device breakdown on a mesh, and the searches
 (`--fit`, `--fit` over meshes, `--fit-seq`); each prints a table or JSON and returns the exit
-status."""
+status (1: nothing fits)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import json
 import sys
 
 from jaxmem import target
-from jaxmem.config.flags import given_overrides
-from jaxmem.config.run import RunConfig
 from jaxmem.memory.measure import measure_in_subprocess
 from jaxmem.memory.phases import SampleShape, format_phases, run_phases
 from jaxmem.memory.search import plan
@@ -25,22 +23,28 @@ def verdict(report: dict, fit: float | None = None) -> list[str]:
     """The verdict on the run's largest phase (jaxmem.memory.phases), and which one it is; with
     --fit its size is judged too (by `usable_bytes`, the rule the search used)."""
     ph = report["phases"]
-    others = ", ".join(f"{r['name']} {gib(r)}" for r in ph["phases"])
+    others = ", ".join(
+        f"{r['name']} {r['analytic_bytes'] / GiB:.2f}a" if r["compiled_bytes"] is None
+        else f"{r['name']} {r['compiled_bytes'] / GiB:.2f}" for r in ph["phases"])
     sizes = COMMON_GIB if fit is None else tuple(sorted({*COMMON_GIB, fit}))
     return verdict_lines(ph["peak_bytes"], ph["peak_source"], report["backend"],
                          report["precision"], sizes) + [
         f"  the run's largest phase: {ph['peak_phase']} (GiB: {others}; a = analytic)"]
 
 
-def gib(row) -> str:
-    n = row["compiled_bytes"] if row["compiled_bytes"] is not None else row["analytic_bytes"]
-    return f"{n / GiB:.2f}" + ("" if row["compiled_bytes"] is not None else "a")
+def phases(args, cfg, spec, compiled: dict, measured: dict | None = None, cache=None) -> dict:
+    """The run's phases (jaxmem.memory.phases), the step's compiled (and measured) peak given."""
+    return run_phases(spec, SampleShape.of(cfg), args.compile, compiled,
+                      (measured or {}).get("peak_bytes"), cache)
 
 
-def phases(args, cfg, spec, report, cache=None) -> dict:
-    measured = (report.get("measured") or {}).get("peak_bytes")
-    return run_phases(spec, SampleShape.of(cfg), compile=args.compile,
-                      step_compiled=report["compiled"], step_measured=measured, cache=cache)
+def progress(args, line):
+    """A search's log: `line(entry)` on stderr as each candidate is decided; None with --json."""
+    return None if args.json else (lambda e: print(line(e), file=sys.stderr, flush=True))
+
+
+def without(entry: dict, *keys: str) -> dict:
+    return {k: v for k, v in entry.items() if k not in keys}
 
 
 def plot(parser, path, reports, labels, budget=None) -> None:
@@ -61,40 +65,57 @@ def plot(parser, path, reports, labels, budget=None) -> None:
 
 def fit_mesh_and_step(args, spec, global_batch: int, max_micro: int | None) -> int:
     """`--fit GIB --devices N` with a frozen base or --global-batch: the first mesh x
-    micro-batch x remat x loss chunk whose per-device peak fits (search.plan_mesh); exit 1 when
-    nothing does."""
+    micro-batch x remat x loss chunk whose per-device peak fits (search.plan_mesh)."""
     from jaxmem.memory.analytic import analytic_breakdown
     from jaxmem.memory.compiled import compile_step
     from jaxmem.memory.search import mesh_candidates, plan_mesh
     whole = spec.replace(batch_size=global_batch, grad_accum=1)
-    log = None if args.json else (lambda t: print(
-        f"  mesh {t['mesh']} micro {t['batch_size']} remat {t['remat']} loss chunk "
-        f"{t['loss_chunk'] or 'auto'}: {t['reason']}", file=sys.stderr, flush=True))
     here = target.device_count() > 1 and not args.analytic_only
     result = plan_mesh(spec, mesh_candidates(whole, args.devices), global_batch,
                        usable_bytes(args.fit), analytic_fn=analytic_breakdown,
-                       compile_fn=compile_step if here else None,
-                       max_micro=max_micro, log=log)
-    tried = [{k: v for k, v in t.items() if k != "compiled"} for t in result["tried"]]
-    out = {"budget_gib": args.fit, "usable_bytes": usable_bytes(args.fit), "devices": args.devices,
-           "global_batch": global_batch, "tried": tried, "chosen": result["chosen"] and tried[-1]}
+                       compile_fn=compile_step if here else None, max_micro=max_micro,
+                       log=progress(args, lambda t: f"  mesh {t['mesh']} micro {t['batch_size']} "
+                                    f"remat {t['remat']} loss chunk {t['loss_chunk'] or 'auto'}: "
+                                    f"{t['reason']}"))
+    tried, c = [without(t, "compiled") for t in result["tried"]], result["chosen"]
     if args.json:
-        print(json.dumps(out, indent=2))
-    elif result["chosen"]:
-        c = result["chosen"]
+        print(json.dumps({"budget_gib": args.fit, "usable_bytes": usable_bytes(args.fit),
+                          "devices": args.devices, "global_batch": global_batch,
+                          "tried": tried, "chosen": c and tried[-1]}, indent=2))
+    elif c:
         host = f", {c['host_bytes'] / GiB:.3f} GiB on the host" if c["host_bytes"] else ""
         print(f"chosen: mesh {c['mesh']}, micro-batch {c['batch_size']} x grad-accum "
               f"{c['grad_accum']}, remat {c['remat']}, loss chunk {c['loss_chunk'] or 'auto'}: "
               f"{c['reason']}{host}")
-    if result["chosen"] is None:
+    if c is None:
         print(f"error: no mesh, micro-batch, remat or loss chunk of {args.devices} devices fits "
               f"global batch {global_batch} in {args.fit:g} GiB per device "
-              f"({len(result['tried'])} tried)", file=sys.stderr)
-        return 1
-    return 0
+              f"({len(tried)} tried)", file=sys.stderr)
+    return 0 if c else 1
 
 
-def fit_seq(parser, args, spec, mesh_text) -> int:
+def fit_mesh(args, spec) -> int:
+    """`--fit GIB --devices N`: the first mesh whose per-device peak fits (search.fit_mesh)."""
+    from jaxmem.memory.compiled import compile_step
+    from jaxmem.memory.search import fit_mesh as search_fit_mesh, mesh_candidates
+    result = search_fit_mesh(spec, mesh_candidates(spec, target.device_count()),
+                             usable_bytes(args.fit), compile_step,
+                             log=progress(args, lambda t: f"  mesh {t['mesh']}: {t['reason']}"))
+    tried = [{"mesh": t["mesh"], "peak_bytes": t["peak_bytes"], "fits": t["fits"],
+              "reason": t["reason"], "collectives": (t.get("compiled") or {}).get("collectives")}
+             for t in result["tried"]]
+    if args.json:
+        print(json.dumps({"chosen": tried[-1] if result["chosen"] else None, "tried": tried},
+                         indent=2))
+    elif result["chosen"]:
+        print(f"chosen mesh: {result['chosen']['mesh']}")
+    if result["chosen"] is None:
+        print(f"error: no mesh of {args.devices} devices fits this step in {args.fit:g} GiB "
+              f"per device", file=sys.stderr)
+    return 0 if result["chosen"] else 1
+
+
+def fit_seq(parser, args, cfg, spec, mesh_text) -> int:
     """`--fit-seq GIB`: the longest sequence that fits (search.fit_seq); on a mesh the step's
     per-device compiled peak decides, on one device the run's largest phase."""
     from jaxmem.memory.compiled import compile_step
@@ -102,78 +123,45 @@ def fit_seq(parser, args, spec, mesh_text) -> int:
     from jaxmem.memory.search import fit_seq as search_fit_seq
     if args.fit is not None:
         parser.error("--fit-seq searches the sequence length, --fit the batch: drop one")
-    log = None if args.json else (lambda e: print(f"  {e['seq_len']:,} tokens: {e['reason']}",
-                                                  file=sys.stderr, flush=True))
+    log = progress(args, lambda e: f"  {e['seq_len']:,} tokens: {e['reason']}")
     budget = usable_bytes(args.fit_seq)
     if mesh_text is not None or (args.devices or 1) > 1:  # per device (context=N...)
         try:
             mesh = resolve(spec, mesh_text)
         except ValueError as e:  # MeshError names --mesh
             parser.error(str(e))
-        where = f"step per device ({mesh})"
         result = search_fit_seq(spec, budget, lambda s, step: {
-            "peak_bytes": step["peak_bytes"], "peak_phase": where},
+            "peak_bytes": step["peak_bytes"], "peak_phase": f"step per device ({mesh})"},
             compile_fn=compile_step, log=log, mesh=mesh)
         result["mesh"] = str(mesh)
     else:
-        sample, cache = SampleShape.of(RunConfig().replace(given_overrides(args))), {}
+        sample, cache = SampleShape.of(cfg), {}
 
         def run(s, step):
             for k in [k for k in cache if k[0] == "eval"]:  # eval depends on T: not reused
                 del cache[k]
             return run_phases(s, sample, args.compile, step, cache=cache)
         result = search_fit_seq(spec, budget, run, log=log)
-    result["tried"] = [{k: v for k, v in t.items() if k not in ("compiled", "phases")}
-                       for t in result["tried"]]
-    result["chosen"] = result["chosen"] and {k: v for k, v in result["chosen"].items()
-                                             if k not in ("compiled", "phases")}
     result.pop("spec")
+    result["tried"] = [without(t, "compiled", "phases") for t in result["tried"]]
+    c = result["chosen"] = result["chosen"] and without(result["chosen"], "compiled", "phases")
     if args.json:
         print(json.dumps({"budget_gib": args.fit_seq, "usable_bytes": budget, **result}, indent=2))
-    else:
-        print("\n".join(format_fit_seq(result, args.fit_seq)))
-    return 0 if result["chosen"] else 1
-
-
-def format_fit_seq(result: dict, budget_gib: float) -> list[str]:
-    """The lines `--fit-seq` prints."""
-    lines = [f"longest sequence for a {budget_gib:g} GiB GPU (multiples of {result['granule']} "
-             f"tokens; the run's largest phase decides):"]
+        return 0 if c else 1
+    print(f"longest sequence for a {args.fit_seq:g} GiB GPU (multiples of {result['granule']} "
+          f"tokens; the run's largest phase decides):")
     for e in sorted(result["tried"], key=lambda e: e["seq_len"]):
         host = f", host {e['host_bytes'] / GiB:.2f} GiB" if e.get("host_bytes") else ""
-        lines.append(f"  {e['seq_len']:>9,} tokens: {e['reason']}{host}")
-    c = result["chosen"]
+        print(f"  {e['seq_len']:>9,} tokens: {e['reason']}{host}")
     if c is None:
-        return lines + [f"nothing fits: not even {result['granule']} tokens"]
-    lines.append(f"chosen: --seq-len {c['seq_len']} ({c.get('peak_phase', 'step')} "
-                 f"{c['run_peak_bytes'] / GiB:.2f} GiB)")
-    if result["limit"] == "max_position_embeddings":
-        lines.append(f"  limited by the model's max_position_embeddings "
-                     f"({result['max_position_embeddings']:,}), not by memory: "
-                     f"--max-position-embeddings N searches further")
-    return lines
-
-
-def fit_mesh(args, spec) -> int:
-    """`--fit GIB --devices N`: the first mesh whose per-device peak fits, else exit 1."""
-    from jaxmem.memory.compiled import compile_step
-    from jaxmem.memory.search import fit_mesh as search_fit_mesh, mesh_candidates
-    result = search_fit_mesh(
-        spec, mesh_candidates(spec, target.device_count()), usable_bytes(args.fit),
-        compile_step, log=None if args.json else (
-            lambda t: print(f"  mesh {t['mesh']}: {t['reason']}", file=sys.stderr, flush=True)))
-    tried = [{"mesh": t["mesh"], "peak_bytes": t["peak_bytes"], "fits": t["fits"],
-              "reason": t["reason"], "collectives": (t.get("compiled") or {}).get("collectives")}
-             for t in result["tried"]]
-    out = {"chosen": tried[-1] if result["chosen"] else None, "tried": tried}
-    if args.json:
-        print(json.dumps(out, indent=2))
-    elif result["chosen"]:
-        print(f"chosen mesh: {result['chosen']['mesh']}")
-    if result["chosen"] is None:
-        print(f"error: no mesh of {args.devices} devices fits this step in {args.fit:g} GiB "
-              f"per device", file=sys.stderr)
+        print(f"nothing fits: not even {result['granule']} tokens")
         return 1
+    print(f"chosen: --seq-len {c['seq_len']} ({c.get('peak_phase', 'step')} "
+          f"{c['run_peak_bytes'] / GiB:.2f} GiB)")
+    if result["limit"] == "max_position_embeddings":
+        print(f"  limited by the model's max_position_embeddings "
+              f"({result['max_position_embeddings']:,}), not by memory: "
+              f"--max-position-embeddings N searches further")
     return 0
 
 
@@ -188,19 +176,24 @@ def mesh_breakdown(parser, args, spec, mesh) -> int:
     return 0
 
 
+def print_report(cfg, spec, report: dict, unit: str | None = None) -> None:
+    """A report's table: the header, the step's breakdown, the run's phases and the verdict."""
+    print(header_line(cfg, spec, report["params"]) + "\n")
+    print(format_report(report, unit))
+    print("\n" + format_phases(report["phases"], unit or (
+        "GiB" if report["compiled"]["peak_bytes"] >= GiB else "MiB")))
+    print("\n" + "\n".join(report["verdict"]))
+
+
 def breakdown(parser, args, cfg, spec) -> int:
     """One configuration: its step's breakdown, the run's phases and the verdict."""
     report = step_report(spec, measured=measure_in_subprocess(spec) if args.measure else None)
-    report["phases"] = phases(args, cfg, spec, report)
+    report["phases"] = phases(args, cfg, spec, report["compiled"], report["measured"])
     report["verdict"] = verdict(report)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(header_line(cfg, spec, report["params"]) + "\n")
-        print(format_report(report))
-        print("\n" + format_phases(report["phases"],
-                                   "GiB" if report["compiled"]["peak_bytes"] >= GiB else "MiB"))
-        print("\n" + "\n".join(report["verdict"]))
+        print_report(cfg, spec, report)
     plot(parser, args.plot, [report], [f"{spec.remat}, micro {spec.batch_size}"])
     return 0
 
@@ -208,73 +201,48 @@ def breakdown(parser, args, cfg, spec) -> int:
 def fit(parser, args, cfg, spec, global_batch: int, max_micro: int | None) -> int:
     """`--fit GIB`: the planner's candidates and its choice (search.plan), else exit 1."""
     # progress while compiling, only on a terminal: the list itself is printed once, below
-    log = None if args.json or not sys.stderr.isatty() else (
-        lambda t: print(f"  tried micro {t['batch_size']} remat {t['remat']} mu {t['mu_dtype']}: "
-                        f"{t['reason']}", file=sys.stderr, flush=True))
+    log = progress(args, lambda t: f"  tried micro {t['batch_size']} remat {t['remat']} mu "
+                   f"{t['mu_dtype']}: {t['reason']}") if sys.stderr.isatty() else None
     cache = {}
     result = plan(spec, global_batch, usable_bytes(args.fit),
                   mu_dtypes=(spec.mu_dtype,) if spec.mu_dtype else ("fp32", "bf16"),
                   max_micro=max_micro, log=log,
-                  phases_fn=lambda c, compiled: run_phases(c, SampleShape.of(cfg), args.compile,
-                                                           compiled, cache=cache))
-    out = plan_output(args, cfg, result, global_batch, cache)
+                  phases_fn=lambda c, compiled: phases(args, cfg, c, compiled, cache=cache))
+    chosen, out = result["spec"], {
+        "budget_gib": args.fit, "usable_bytes": usable_bytes(args.fit),
+        "global_batch": global_batch, "tried": [without(t, "compiled") for t in result["tried"]],
+        "chosen": None}
+    if chosen is not None:
+        measured = measure_in_subprocess(chosen) if args.measure else None
+        r = out["chosen"] = step_report(chosen, result["chosen"]["compiled"], measured)
+        r["phases"] = (result["chosen"]["phases"] if measured is None else
+                       phases(args, cfg, chosen, r["compiled"], measured, cache))
+        r["verdict"] = verdict(r, args.fit)
+        out["train_command"] = train_command(cfg.replace({
+            "data.batch_size": chosen.batch_size, "data.grad_accum": chosen.grad_accum,
+            "remat.policy": str(chosen.remat), "optim.mu_dtype": chosen.mu_dtype}))
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        print_plan(args, cfg, result, out)
-    if args.plot:
-        plot_candidates(parser, args, spec, result)
-    if result["spec"] is None:
+        print(format_plan(result, args.fit))
+        print(f"  (a {args.fit:g} GiB GPU: {usable_bytes(args.fit) / GiB:.3f} GiB usable, "
+              f"jaxmem.xla.verdict.usable_bytes)")
+        if chosen is not None:
+            print(f"\nchosen: micro-batch {chosen.batch_size} x grad-accum {chosen.grad_accum}, "
+                  f"remat {chosen.remat}, mu {chosen.mu_dtype}; train it with:\n"
+                  f"  {out['train_command']}\n")
+            print_report(cfg, chosen, out["chosen"], "GiB")
+    if args.plot:  # every compiled candidate's breakdown as a bar, with the budget line
+        done = [t for t in result["tried"] if t.get("compiled")]
+        specs = [spec.replace(batch_size=t["batch_size"], grad_accum=t["grad_accum"],
+                              remat=RematPolicy.parse(t["remat"]), mu_dtype=t["mu_dtype"])
+                 for t in done]
+        plot(parser, args.plot, [step_report(s, t["compiled"]) for s, t in zip(specs, done)],
+             [f"micro {t['batch_size']} x{t['grad_accum']}\n{t['remat'][:24]}, mu {t['mu_dtype']}"
+              for t in done], budget=usable_bytes(args.fit) / GiB)
+    if chosen is None:
         print(f"error: nothing fits in {args.fit:g} GiB for global batch {global_batch} x "
               f"{spec.seq_len} tokens ({len(result['tried'])} candidates tried; smallest "
               f"peak above); try a smaller --seq-len or --global-batch, or another --precision",
               file=sys.stderr)
-        return 1
-    return 0
-
-
-def plan_output(args, cfg, result, global_batch: int, cache) -> dict:
-    """--fit's JSON: the budget, the candidates tried, the chosen one's report and command."""
-    chosen = result["spec"]
-    out = {"budget_gib": args.fit, "usable_bytes": usable_bytes(args.fit),
-           "global_batch": global_batch, "tried": [
-        {k: v for k, v in t.items() if k != "compiled"} for t in result["tried"]], "chosen": None}
-    if chosen is None:
-        return out
-    measured = measure_in_subprocess(chosen) if args.measure else None
-    out["chosen"] = step_report(chosen, compiled=result["chosen"]["compiled"], measured=measured)
-    out["chosen"]["phases"] = (result["chosen"]["phases"] if measured is None else
-                               phases(args, cfg, chosen, out["chosen"], cache))
-    out["chosen"]["verdict"] = verdict(out["chosen"], args.fit)
-    out["train_command"] = train_command(cfg.replace({
-        "data.batch_size": chosen.batch_size, "data.grad_accum": chosen.grad_accum,
-        "remat.policy": str(chosen.remat), "optim.mu_dtype": chosen.mu_dtype}))
-    return out
-
-
-def print_plan(args, cfg, result, out) -> None:
-    """--fit's table: the candidates, the budget, and the chosen configuration's breakdown."""
-    chosen = result["spec"]
-    print(format_plan(result, args.fit))
-    print(f"  (a {args.fit:g} GiB GPU: {usable_bytes(args.fit) / GiB:.3f} GiB usable, "
-          f"jaxmem.xla.verdict.usable_bytes)")
-    if chosen is None:
-        return
-    print(f"\nchosen: micro-batch {chosen.batch_size} x grad-accum {chosen.grad_accum}, "
-          f"remat {chosen.remat}, mu {chosen.mu_dtype}; train it with:\n"
-          f"  {out['train_command']}\n")
-    print(header_line(cfg, chosen, out["chosen"]["params"]) + "\n")
-    print(format_report(out["chosen"], unit="GiB"))
-    print("\n" + format_phases(out["chosen"]["phases"]))
-    print("\n" + "\n".join(out["chosen"]["verdict"]))
-
-
-def plot_candidates(parser, args, spec, result) -> None:
-    """--fit --plot: every compiled candidate's breakdown as a bar, with the budget line."""
-    compiled = [(spec.replace(batch_size=t["batch_size"], grad_accum=t["grad_accum"],
-                              remat=RematPolicy.parse(t["remat"]), mu_dtype=t["mu_dtype"]), t)
-                for t in result["tried"] if t.get("compiled")]
-    labels = [f"micro {t['batch_size']} x{t['grad_accum']}\n{t['remat'][:24]}, mu {t['mu_dtype']}"
-              for _, t in compiled]
-    plot(parser, args.plot, [step_report(c, compiled=t["compiled"]) for c, t in compiled],
-          labels, budget=usable_bytes(args.fit) / GiB)
+    return 0 if chosen is not None else 1

@@ -1,19 +1,12 @@
-"""Measured peak memory: real train steps of one configuration, each in its own process.
+"""Measured peak memory: real train steps of one configuration (`measure_here`), each in its
+own process (`measure_in_subprocess` starts it), since a device's peak_bytes_in_use never goes
+down: a second configuration in the same process would report the larger of the two.
 
-    measure_available()            None where the device reports peak memory, else why not
-    measure_in_subprocess(spec)    parent side: run the worker on `spec`, return its JSON
-    measure_here(spec)             child side: allocate, run real steps, read peak_bytes_in_use
-
-A fresh process per configuration because a device's peak_bytes_in_use never goes down: a second
-configuration in the same process would report the larger of the two.
-
-The worker protocol is one JSON object each way:
-
-    python -m jaxmem.memory --worker '<StepSpec.to_json()>'   ->   one JSON line on stdout
-
-The parent serializes the exact StepSpec it wants measured (the one the planner chose, say), so
-the child never re-parses a command line: an argv rewritten by the parent could not know what
-argparse would make of an abbreviated flag (`--fi 40` is `--fit 40`).
+The worker protocol is one JSON object each way: `python -m jaxmem.memory --worker
+'<StepSpec.to_json()>'` prints one JSON line. The parent sends the exact StepSpec it wants
+measured (the one the planner chose, say), so the child never re-parses a command line: an argv
+rewritten by the parent could not know what argparse would make of an abbreviated flag (`--fi
+40` is `--fit 40`).
 """
 
 from __future__ import annotations
@@ -37,18 +30,12 @@ def measure_available() -> str | None:
     """None if the device reports peak memory; otherwise why it cannot be measured here."""
     device = jax.devices()[0]
     try:
-        stats = device.memory_stats()
+        stats = device.memory_stats() or {}
     except Exception:  # some runtimes raise instead of returning None
-        stats = None
-    if not stats or "peak_bytes_in_use" not in stats:
-        return (f"not measured: the {device.platform} backend reports no memory stats "
-                f"(peak_bytes_in_use needs a GPU)")
-    return None
-
-
-def worker_command(spec: StepSpec) -> list[str]:
-    """The child's command line for `spec`."""
-    return [sys.executable, "-m", "jaxmem.memory", "--worker", spec.to_json()]
+        stats = {}
+    return None if "peak_bytes_in_use" in stats else (
+        f"not measured: the {device.platform} backend reports no memory stats "
+        f"(peak_bytes_in_use needs a GPU)")
 
 
 def measure_in_subprocess(spec: StepSpec, timeout: float = 1800) -> dict:
@@ -60,8 +47,8 @@ def measure_in_subprocess(spec: StepSpec, timeout: float = 1800) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     try:
-        p = subprocess.run(worker_command(spec), capture_output=True, text=True, env=env,
-                           timeout=timeout)
+        p = subprocess.run([sys.executable, "-m", "jaxmem.memory", "--worker", spec.to_json()],
+                           capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"peak_bytes": None, "note": f"measurement timed out after {timeout:.0f} s"}
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
@@ -85,8 +72,3 @@ def measure_here(spec: StepSpec, steps: int = 3) -> dict:
     stats = jax.devices()[0].memory_stats() or {}
     return {"peak_bytes": int(stats["peak_bytes_in_use"]), "steps": steps,
             "note": f"peak_bytes_in_use after {steps} steps, own process"}
-
-
-def run_worker(spec_json: str) -> dict:
-    """The child's whole job: rebuild the spec from the parent's JSON and measure it."""
-    return measure_here(StepSpec.from_json(spec_json))

@@ -1,16 +1,6 @@
-"""The memory reports of one configuration: a dict for `--json`, and the tables people read.
-
-    step_report(spec)      analytic, compiled, measured and rule-of-thumb numbers of one train
-                           step, each rule of thumb with its ratio to the compiled (or measured)
-                           peak
-    format_report(r)       a table of a `step_report` or a `grad_step_report` dict
-    format_plan(result)    the planner's candidates, tried in order, and why each was rejected
-    header_line(cfg, spec, params)   what was measured: precision, remat, optimizer, batch
-    train_command(cfg)     `python -m jaxmem.train ...` with the flags of cfg
-
-Only formatting and assembly live here; every number comes from jaxmem.memory.analytic,
-.compiled and .measure.
-"""
+"""The memory reports of one configuration: a dict for `--json` (`step_report`), the tables
+people read, and the `python -m jaxmem.train` command of a plan. Only formatting and assembly
+live here; every number comes from jaxmem.memory.analytic, .compiled and .measure."""
 
 from __future__ import annotations
 
@@ -25,20 +15,10 @@ from jaxmem.memory.compiled import compile_step
 from jaxmem.memory.spec import StepSpec
 
 
-def _unit(r: dict, unit: str | None) -> tuple[str, int]:
-    """GiB (as --fit and the verdict use) unless the step's peak is under 1 GiB (tiny models)."""
-    if unit is None:
-        unit = "GiB" if r["compiled"]["peak_bytes"] >= 2**30 else "MiB"
-    return unit, 2**30 if unit == "GiB" else 2**20
-
-
-def _fmt(n: float, unit: str, div: int) -> str:
-    return f"{n / div:,.{3 if unit == 'GiB' else 1}f} {unit}"
-
-
 def step_report(spec: StepSpec, compiled: dict | None = None,
                 measured: dict | None = None) -> dict:
-    """Analytic, compiled, measured and rule-of-thumb numbers for one configuration.
+    """Analytic, compiled, measured and rule-of-thumb numbers for one configuration, each rule
+    of thumb with its ratio to the measured peak, else the compiled one.
 
     compiled: `compile_step(spec)`'s result when the caller has it (the planner does);
     measured: `measure_in_subprocess(spec)`'s, or None (not measured).
@@ -50,21 +30,12 @@ def step_report(spec: StepSpec, compiled: dict | None = None,
         ref_name, ref = "measured", measured["peak_bytes"]
     c = spec.model
     return {
-        "backend": target.platform(),
-        "compiler": target.compiler(),
-        "jax_version": jax.__version__,
-        "precision": spec.precision.name,
-        "remat": str(spec.remat),
-        "batch_size": spec.batch_size,
-        "seq_len": spec.seq_len,
-        "grad_accum": spec.grad_accum,
-        "global_batch": spec.batch_size * spec.grad_accum,
-        "mu_dtype": spec.mu_dtype,
-        "num_layers": c.num_layers,
-        "hidden_size": c.hidden_size,
-        "vocab_size": c.vocab_size,
-        "params": analytic["params"],
-        "analytic": analytic,
+        "backend": target.platform(), "compiler": target.compiler(),
+        "jax_version": jax.__version__, "precision": spec.precision.name,
+        "remat": str(spec.remat), "batch_size": spec.batch_size, "seq_len": spec.seq_len,
+        "grad_accum": spec.grad_accum, "global_batch": spec.batch_size * spec.grad_accum,
+        "mu_dtype": spec.mu_dtype, "num_layers": c.num_layers, "hidden_size": c.hidden_size,
+        "vocab_size": c.vocab_size, "params": analytic["params"], "analytic": analytic,
         "compiled": {k: int(v) for k, v in compiled.items() if k.endswith("_bytes")},
         "flops": compiled.get("flops", float("nan")),
         "analytic_over_compiled": analytic["total_bytes"] / compiled["peak_bytes"],
@@ -77,11 +48,13 @@ def step_report(spec: StepSpec, compiled: dict | None = None,
 def format_report(r: dict, unit: str | None = None) -> str:
     """A readable table; works for both `step_report` and `grad_step_report` dicts.
 
-    unit: "GiB" or "MiB" (default: GiB, or MiB for a step whose compiled peak is under 1 GiB).
+    unit: "GiB" or "MiB" (default: GiB, as --fit and the verdict use, or MiB for a step whose
+    compiled peak is under 1 GiB: tiny models).
     """
     c = r["compiled"]
-    unit, div = _unit(r, unit)
-    _mb = lambda n: _fmt(n, unit, div)  # noqa: E731
+    unit = unit or ("GiB" if c["peak_bytes"] >= 2**30 else "MiB")
+    div, digits = (2**30, 3) if unit == "GiB" else (2**20, 1)
+    _mb = lambda n: f"{n / div:,.{digits}f} {unit}"  # noqa: E731
     rows = [("compiled by", r.get("compiler") or f"{r['backend']} (jax {r['jax_version']})")]
     if "precision" in r:
         rows += [("precision", r["precision"]), ("mu dtype", r["mu_dtype"] or "param dtype")]
@@ -125,32 +98,27 @@ def format_plan(result: dict, budget_gib: float) -> str:
              f"(micro-batch desc, then remat none > dots_no_batch > names > full > offload, "
              f"then mu fp32 > bf16)"]
     for t in result["tried"]:
-        mark = "FITS " if t["fits"] else "no   "
-        lines.append(f"  {mark} micro {t['batch_size']:>4} x accum {t['grad_accum']:>3}  "
-                     f"remat {t['remat']:<40} mu {str(t['mu_dtype']):<5} {t['reason']}")
+        lines.append(f"  {'FITS ' if t['fits'] else 'no   '} micro {t['batch_size']:>4} x accum "
+                     f"{t['grad_accum']:>3}  remat {t['remat']:<40} mu {str(t['mu_dtype']):<5} "
+                     f"{t['reason']}")
     return "\n".join(lines)
 
 
-def header_line(cfg: RunConfig, spec, params: int) -> str:
+def header_line(cfg: RunConfig, spec: StepSpec, params: int) -> str:
     """Two lines: model and params, precision, remat; optimizer and batch."""
-    mu = spec.mu_dtype or "param dtype"
-    opt = getattr(spec, "optimizer", None) or "adamw"
     return (f"jaxmem.memory: {cfg.model.preset} ({params:,} params), precision "
-            f"{spec.precision.name}, remat {spec.remat}\n  optimizer {opt} (mu {mu}), batch "
-            f"{spec.batch_size} x {spec.seq_len} tokens, grad accum {spec.grad_accum} (global "
-            f"batch {spec.batch_size * spec.grad_accum})")
+            f"{spec.precision.name}, remat {spec.remat}\n  optimizer {spec.optimizer} (mu "
+            f"{spec.mu_dtype or 'param dtype'}), batch {spec.batch_size} x {spec.seq_len} tokens, "
+            f"grad accum {spec.grad_accum} (global batch {spec.batch_size * spec.grad_accum})")
 
 
 def train_command(cfg: RunConfig) -> str:
     """`python -m jaxmem.train` with a flag for every field of `cfg` that differs from the
     default (run-directory fields aside)."""
-    args = ["python", "-m", "jaxmem.train"]
-    base = RunConfig()
+    args, base = ["python", "-m", "jaxmem.train"], RunConfig()
     for path in all_paths():
-        md = field_metadata(path)
-        value = cfg.get(path)
-        if not md["cli"] or path.startswith("run.") or value == base.get(path):
-            continue
-        flag = flag_names(path)[0]
-        args += [flag] if md["store_true"] else [flag, str(value)]
+        md, value = field_metadata(path), cfg.get(path)
+        if md["cli"] and not path.startswith("run.") and value != base.get(path):
+            flag = flag_names(path)[0]
+            args += [flag] if md["store_true"] else [flag, str(value)]
     return shlex.join(args)
