@@ -41,8 +41,7 @@ def compiled_stats(compiled) -> tuple[dict, float]:
 
 
 def argument_bytes(spec: StepSpec) -> int:
-    """Exact bytes of the step's arguments (jaxmem.memory.counted); a lower bound of the
-    compiled peak."""
+    """Exact bytes of the step's arguments (counted): a lower bound of the compiled peak."""
     return sum(c.bytes for c in count_state(spec))
 
 
@@ -84,12 +83,10 @@ _LOWER = {"step": _lower_step, "sample": _lower_sample,
 
 def compile_phase(name: str, spec: StepSpec, mesh: MeshSpec | None = None, sample=None,
                   keep_hlo: bool = False) -> dict:
-    """XLA's memory numbers (and "flops") of the program of phase `name` for a placement
-    (`mesh` None: one device; a mesh: per device; eval, sample and import are one-device
-    programs of the run). sample: the run's SampleShape (jaxmem.memory.phases) for "sample".
-    The step also gives "collectives" (static ops per kind), "communication" (bytes per device
-    per step, jaxmem.xla.collectives.comm_report) and its arguments in host memory apart
-    (`host_split`); keep_hlo: the optimized HLO text ("hlo")."""
+    """XLA's memory numbers (and "flops") of phase `name`'s program for a placement (`mesh`: per
+    device; eval, sample and import on one device); sample: the run's SampleShape. The step also
+    gives "collectives", "communication" (jaxmem.xla.collectives.comm_report) and its host
+    arguments apart (`host_split`); keep_hlo: the optimized HLO text ("hlo")."""
     if name == "import":
         return _compile_import(spec)
     if mesh is not None and name in ("sample", "eval"):
@@ -148,9 +145,8 @@ def sample_params(spec: StepSpec):
     """The params the end-of-run sample is given (jaxmem.train.loop), as ShapeDtypeStructs: the
     state's; for LoRA / QLoRA the base as the step holds it, each target wrapped with its
     adapters."""
-    params = abstract_state(spec).params
     return jax.eval_shape(lambda f, a: spec.trainable.model_params(a, f, None)[0],
-                          abstract_frozen(spec), params)
+                          abstract_frozen(spec), abstract_state(spec).params)
 
 
 def _compile_import(spec: StepSpec) -> dict:

@@ -1,16 +1,11 @@
 """What a train step holds that is an argument or output of a program, counted, not derived.
 
-    kinds = count_state(spec, sizes)      the train state, the frozen base and the batch, each
-                                          leaf's bytes on one device of a mesh of axis `sizes`
-
-Every figure is read off the program's own abstract values (the state program's `eval_shape`:
-the optimizer's own `init`, 8-bit codes and scales, fp32 moments, loss scale, counters; the
-frozen base's packed NF4 / int8 codes and scales; the batch), each leaf split as the placement
-splits it (jaxmem.parallel.rules), so one device's bytes are exactly its shard: the compiled
-program's argument bytes per device (tests/test_counted.py). What no argument holds (gradients,
-the accumulator, the compute copy, one gathered layer) is counted on the tree it is shaped
-like; only the saved activations and the transients are a formula (jaxmem.memory.activations).
-Code never matches a component's label: `kind` and `where` say what it is.
+Every figure is read off the program's own abstract values (the state program's `eval_shape`,
+the frozen base's packed codes and scales, the batch), each leaf split as the placement splits
+it (jaxmem.parallel.rules): one device's bytes are exactly the compiled program's argument bytes
+per device (tests/test_counted.py). What no argument holds (gradients, the accumulator, the
+compute copy, one gathered layer) is counted on the tree it is shaped like. Code never matches
+a component's label: `kind` and `where` say what it is.
 """
 
 from __future__ import annotations
@@ -187,28 +182,24 @@ def count_state(spec: StepSpec, sizes: dict[str, int] | None = None) -> list[Com
     return out
 
 
-def _frozen(spec: StepSpec, sizes):
-    """A LoRA step's frozen base on one device: (its stacked layers' (path, leaf, bytes), the
-    rest's, whether the layers live on the host); once per base, mesh and --offload-base."""
-    return _frozen_split(spec.trainable, spec.model, spec.precision.compute_dtype,
-                         spec.offload_base, tuple(sizes.items()))
-
-
 @functools.lru_cache(maxsize=32)
-def _frozen_split(trainable, model, dtype, offload_base, sizes):
-    base, sizes = _abstract_frozen(trainable, model, dtype), dict(sizes)
+def _frozen(spec: StepSpec, sizes: tuple):
+    """A LoRA step's frozen base on one device of a mesh of axis sizes `dict(sizes)`: its stacked
+    layers' (path, leaf, bytes), the rest's, whether the layers live on the host (cached: an
+    analytic breakdown asks three times)."""
+    base, sizes = abstract_frozen(spec), dict(sizes)
     leaves = [] if base is None else _leaves(base, sizes, (
         rules.base_specs(base, sizes) if math.prod(sizes.values()) > 1
         else jax.tree.map(lambda _: P(), base)))
     return (tuple(x for x in leaves if in_layers(x[0])),
             tuple(x for x in leaves if not in_layers(x[0])),
-            Placement(None, offload_base).base_on_host)
+            Placement(None, spec.offload_base).base_on_host)
 
 
 def count_frozen(spec: StepSpec, sizes: dict[str, int]) -> list[Component]:
     """A LoRA step's frozen base on one device: its stacked layers (on the host with
     --offload-base host) and the rest (embedding, head, final norm: always on the device)."""
-    layers, rest, host = _frozen(spec, sizes)
+    layers, rest, host = _frozen(spec, tuple(sizes.items()))
     q = spec.trainable
     kind = getattr(q, "quantize", "none") + ("+dq" if getattr(q, "double_quant", False) else "")
     return (_group(Kind.FROZEN, f"frozen layers {kind}" + (" (host)" if host else ""), layers,
@@ -225,7 +216,7 @@ def layer_in_flight(spec: StepSpec, sizes: dict[str, int]) -> list[Component]:
     fsdp = sizes.get("fsdp", 1) * sizes.get("context", 1)
     L, t = spec.model.num_layers, sizes.get("tensor", 1)
     out = []
-    frozen, _, host = _frozen(spec, sizes)
+    frozen, _, host = _frozen(spec, tuple(sizes.items()))
     if frozen and host:
         out.append(Component(Kind.LAYER, "frozen layer copied from the host",
                              sum(b for _, _, b in frozen) // L, _dtypes(frozen), Phase.BACKWARD))
@@ -246,7 +237,7 @@ def head_gathered(spec: StepSpec, sizes: dict[str, int]) -> int:
     where the rules keep it whole or nothing is frozen)."""
     if math.prod(sizes.values()) == 1:
         return 0
-    for p, x, b in _frozen(spec, sizes)[1]:
+    for p, x, b in _frozen(spec, tuple(sizes.items()))[1]:
         role = param_role(p)
         head = role == "lm_head" or (role == "embedding" and spec.model.tie_embeddings)
         if head and b < nbytes(x):

@@ -6,13 +6,10 @@
                                           compiled peak, and the largest: the run's peak
 
 A run (jaxmem.train.loop) runs these programs one at a time (docs/memory.md's table): import (a
-LoRA base put on the device, each quantized projection one layer at a time into its stacked
-result: the base so far counted whole, an upper bound; an `--init-from` checkpoint and a
-seed's init alike, a 16-bit checkpoint's layer half the fp32 one counted), state, step, eval
-(the fused loss on one [B, T] batch, the whole train state held) and the end-of-run sample (the
-params cast to the sampling dtype, a LoRA base as stored). Each phase's total is its program's
-peak plus what the run holds outside it; the step is always compiled, the others with
-`compile=True` (`--compile`). Saving a checkpoint runs on the host copy of the state.
+LoRA base, each quantized projection one layer at a time into its stacked result: the base so
+far counted whole, an upper bound; a 16-bit checkpoint's layer half the fp32 one counted),
+state, step, eval and the end-of-run sample. Each phase's total is its program's peak plus what
+the run holds outside it; the step is always compiled, the others with `compile=True`.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ import jax.numpy as jnp
 
 from jaxmem.memory.activations import FP32, layer_residuals, outside_residuals
 from jaxmem.memory.analytic import analytic_breakdown
-from jaxmem.memory.compiled import compile_phase
+from jaxmem.memory.compiled import compile_phase, sample_params
 from jaxmem.memory.counted import (Kind, Where, abstract_frozen, abstract_state, compute_copy,
                                    count_frozen, count_state, largest_param_leaf, tree_bytes)
 from jaxmem.memory.spec import StepSpec
@@ -43,9 +40,7 @@ PROMPT_TOKENS = 64
 
 @dataclass(frozen=True)
 class SampleShape:
-    """The end-of-run sample: `max_new_tokens` after a prompt of `prompt_tokens` (0: no sample).
-
-    total: positions of its token buffer, capped by the model's (jaxmem.decode.sampling).
+    """The end-of-run sample: `max_new_tokens` after a prompt of `prompt_tokens` (0: no sample);
     dtype: the run's sampling dtype flag (None: jaxmem.decode.stopping.sample_dtype's default).
     """
 
@@ -66,7 +61,7 @@ class SampleShape:
         from jaxmem.decode.stopping import sample_dtype
         return sample_dtype(self.dtype, run_dtype)
 
-    def total(self, limit: int) -> int:
+    def total(self, limit: int) -> int:  # positions of its token buffer, capped by the model's
         n = self.n_prompt(limit)
         return n + min(self.max_new_tokens, limit - n)
 
@@ -128,25 +123,16 @@ def analytic_phases(spec: StepSpec, sample: SampleShape | None = None) -> dict:
                  "what": f"evaluation, batch {B} x {T}, fused loss (with the whole state)"},
     })
     if sample is not None and sample.max_new_tokens > 0:
+        # the params the sampler is given (sample_params) in its dtype: every floating leaf not
+        # a norm nor stored in it cast, and a quantized base's largest projection dequantized
+        params, sd = sample_params(spec), jnp.dtype(sample.compute_dtype(p.compute_dtype))
+        cast = sum(int(x.size) * sd.itemsize for q, x in jax.tree_util.tree_leaves_with_path(params)
+                   if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype) != sd
+                   and param_role(q) != "norm") + _largest_quantized(params) * sd.itemsize
         total = sample.total(c.max_position_embeddings)
-        cast = _sample_cast(spec, sample.compute_dtype(p.compute_dtype))
         out["sample"] = {"total": state + cast + _forward_working_set(spec, 1, total, "full"),
                          "what": f"end-of-run sample, 1 x {total} tokens (with the whole state)"}
     return out
-
-
-def _sample_cast(spec: StepSpec, dtype) -> int:
-    """What the sampler makes of the params it is given (jaxmem.memory.compiled.sample_params,
-    counted) in `dtype`: every floating leaf that is not a norm and not stored in `dtype` cast,
-    and a quantized base's largest projection dequantized (one at a time)."""
-    from jaxmem.memory.compiled import sample_params  # noqa: PLC0415
-    params = sample_params(spec)
-    sd = jnp.dtype(dtype)
-    cast = sum(int(x.size) * sd.itemsize for path, x in jax.tree_util.tree_leaves_with_path(params)
-               if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype) != sd
-               and param_role(path) != "norm")
-    # a forward dequantizes one projection at a time (the largest bounds it)
-    return cast + _largest_quantized(params) * sd.itemsize
 
 
 def run_phases(spec: StepSpec, sample: SampleShape | None = None, compile: bool = False,

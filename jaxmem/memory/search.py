@@ -3,16 +3,13 @@
     search(candidates, decide)   try what a generator proposes, in its order, and tell it each
                                  result; {"chosen", "spec", "tried", "compiles"}
 
-`plan` (--fit: micro-batch x remat x mu dtype), `plan_mesh` (--fit --devices: mesh x
-micro-batch x remat x loss chunk), `fit_mesh` (--fit --devices, a full fine-tune: meshes) and
-`fit_seq` (--fit-seq: T doubled, or halved, then bisected) are its generators (docs/memory.md).
-Each candidate is decided the cheapest sound way (`Decider`): its exact argument bytes over the
-budget, its analytic peak x the lowest compiled/analytic ratio measured (ANALYTIC_BAND) over it,
-or a floor over it (a smaller mu dtype: its fp32 sibling's compiled peak less 3 x the moments
-it saves: the argument, the donated output and the update's new moment) rule it out; any other
-is compiled and its run's largest phase decides. A wrong rule-out could only cost speed, never
-the budget: the chosen candidate is always compiled (or, for --analytic-only, said to be
-analytic). The budget is jaxmem.xla.verdict.usable_bytes(GIB), the verdict's own rule.
+`plan` (--fit), `plan_mesh` and `fit_mesh` (--fit --devices) and `fit_seq` (--fit-seq) search
+their own generator's candidates (docs/memory.md). Each is decided the cheapest sound way
+(`Decider`): its exact argument bytes, its analytic peak x the lowest compiled/analytic ratio
+measured (ANALYTIC_BAND) or a floor (a smaller mu dtype: its fp32 sibling's compiled peak less 3
+x the moments it saves: the argument, the donated output and the update's new moment) over the
+budget rule it out; any other is compiled and its run's largest phase decides. The chosen
+candidate is always compiled (or said to be analytic): a wrong rule-out costs only speed.
 """
 
 from __future__ import annotations
@@ -187,17 +184,11 @@ def by_length(spec: StepSpec, granule: int = GRANULE, mesh: MeshSpec | None = No
 
 @dataclass
 class Decider:
-    """How a candidate is decided (see the module docstring).
-
-    compile_fn(spec, mesh) -> the step's compiled dict ("peak_bytes"), None where it is not
-        compiled here (the analytic peak then decides, and the entry says so), or raises (a
-        compile error rejects the candidate, with its message);
-    analytic_fn(spec, mesh) -> jaxmem.memory.analytic.analytic_breakdown's dict;
-    phases_fn(spec, compiled) -> jaxmem.memory.phases.run_phases' dict: the run's largest phase
-        decides instead of the step alone (one device only);
-    analytic_first: rule out by the arguments, the analytic peak x band[0] and a floor before
-        compiling (False: compile every candidate, as `fit_mesh` does to show each mesh's peak).
-    """
+    """How a candidate is decided (see the module docstring). compile_fn(spec, mesh): the
+    step's compiled dict, None where not compiled here (the analytic peak decides) or raises (a
+    compile error rejects it); analytic_fn(spec, mesh): analytic_breakdown's dict;
+    phases_fn(spec, compiled): run_phases' dict (the run's largest phase decides);
+    analytic_first False: compile every candidate (`fit_mesh` shows each mesh's peak)."""
 
     budget: int
     compile_fn: object

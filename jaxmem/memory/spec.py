@@ -99,11 +99,11 @@ class StepSpec:
         if self.attention:
             return self.attention
         from jaxmem.model.attention import attention_path
-        c = self.model
-        q = (self.batch_size, self.seq_len, c.num_heads, c.resolved_head_dim)  # [B, T, N, H]
-        kv = (self.batch_size, self.seq_len, c.num_kv_heads, c.resolved_head_dim)  # [B, S, K, H]
-        # causal-only: the step passes no padding mask (StepConfig.attention_padding=False)
-        return attention_path(q, kv, self.precision.compute_dtype, causal_only=True).path
+        c, B, T = self.model, self.batch_size, self.seq_len
+        # q [B, T, N, H], kv [B, S, K, H]; causal-only: the step passes no padding mask
+        return attention_path((B, T, c.num_heads, c.resolved_head_dim),
+                              (B, T, c.num_kv_heads, c.resolved_head_dim),
+                              self.precision.compute_dtype, causal_only=True).path
 
     def to_json(self) -> str:
         """The spec as one JSON object of its parts (precision and remat by name)."""
