@@ -37,8 +37,7 @@ def mesh_report(spec: StepSpec, mesh_text: str | None, compile: bool = True) -> 
 
 def format_mesh_report(r: dict) -> str:
     a, c = r["analytic"], r["compiled"]
-    unit = "GiB" if a["total_bytes"] >= 2**30 else "MiB"
-    mib = 2**30 if unit == "GiB" else 2**20
+    unit, mib = ("GiB", 2**30) if a["total_bytes"] >= 2**30 else ("MiB", 2**20)
     lines = [f"compiled by: {r['compiler']}",
              f"per device: mesh {r['mesh']} ({r['devices']} {r['backend']} devices), local batch "
              f"{a['local_batch']}, {100 * a['param_fraction']:.1f}% of the trained params on "
