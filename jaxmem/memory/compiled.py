@@ -1,23 +1,15 @@
 """What XLA plans for the programs of a run: compiled ahead of time from abstract shapes for a
 placement (one device, or one device of a mesh), nothing allocated.
 
-    compile_phase(name, spec, mesh)   the one function that compiles: "step" (the full train
-                                      step, optimizer included, state donated), "state" (making
-                                      the train state), "eval" (the fused loss on one [B, T]
-                                      batch), "sample" (the end-of-run sampler), "import" (a
-                                      QLoRA base quantized layer by layer); XLA's memory
-                                      numbers and FLOPs, per device on a mesh
-    compile_step(spec, mesh)          compile_phase("step", ...): also the HLO's collectives,
-                                      bytes each device sends per step, and the arguments in
-                                      host memory apart from the device peak
-    argument_bytes(spec)              exact bytes of the step's arguments (jaxmem.memory.counted)
-    grad_step_report(...)             the gradient of the train step's loss alone (fp32), for
-                                      the remat measurements (docs/remat.md)
+    compile_phase(name, spec, mesh)   the one function that compiles a program of the run:
+                                      "step" (optimizer included, state donated), "state",
+                                      "eval", "sample", "import"; XLA's memory numbers and FLOPs
+    compile_step(spec, mesh)          the step, with its collectives and host arguments
+    grad_step_report(...)             value_and_grad of the loss alone (fp32; docs/remat.md)
 
-Each compiles the code that runs: the placement's own programs (jaxmem.train.placement:
-`train_step`, `state_creation`, `eval_fn`; jaxmem.decode.sampling.lower_sample;
-jaxmem.peft.base.import_programs) on the arguments the run passes, as abstract values, so a
-number here is a number of the real program, not of a look-alike.
+Each compiles the placement's own programs (jaxmem.train.placement, jaxmem.decode.sampling,
+jaxmem.peft.base.import_programs) on the arguments the run passes, as abstract values: a number
+here is a number of the real program, not of a look-alike.
 """
 
 from __future__ import annotations
@@ -42,31 +34,25 @@ from jaxmem.train.placement import Placement
 
 
 def compiled_stats(compiled) -> tuple[dict, float]:
-    """(XLA's memory numbers as a plain dict, FLOPs) for a compiled executable.
-
-    peak = temp + argument + output - alias: what the executable needs at once, with donated
-    (aliased) outputs written over their inputs. The figures are `MemoryAnalysis.of_compiled`'s
-    (jaxmem.xla.analysis), the ones `jaxmem.memory.analyze` gives for any function.
-    """
+    """(XLA's memory numbers as a plain dict, FLOPs) for a compiled executable: peak = temp +
+    argument + output - alias (jaxmem.xla.analysis.MemoryAnalysis, as `analyze` gives them)."""
     analysis = MemoryAnalysis.of_compiled(compiled)
     return analysis.stats(), analysis.flops
 
 
 def argument_bytes(spec: StepSpec) -> int:
-    """Exact bytes of the step's arguments (jaxmem.memory.counted); a lower bound of the
-    compiled peak."""
+    """Exact bytes of the step's arguments (counted): a lower bound of the compiled peak."""
     return sum(c.bytes for c in count_state(spec))
 
 
 def placement(spec: StepSpec, mesh: MeshSpec | None) -> Placement:
     """The run's placement for `mesh` (None: one device) over this host's devices."""
-    if mesh is None:
-        return Placement(None, spec.offload_base)
-    return Placement.on(run_mesh(str(mesh), spec.model, spec.batch_size, seq_len=spec.seq_len),
-                        spec.offload_base)
+    return Placement.on(None if mesh is None else run_mesh(
+        str(mesh), spec.model, spec.batch_size, seq_len=spec.seq_len), spec.offload_base)
 
 
 def _lower_step(spec, par, sample):
+    """The train step on the run's abstract arguments, sharded as the placement puts them."""
     step_cfg = spec.step
     state, batch = abstract_state(spec), abstract_step_batch(spec)
     if par.mesh is not None:
@@ -76,15 +62,6 @@ def _lower_step(spec, par, sample):
     base = par.abstract_base(step_cfg, abstract_frozen(spec))
     return par.train_step(step_cfg, state).lower(state, batch,
                                                  *spec.trainable.step_args(base))
-
-
-def _lower_state(spec, par, sample):
-    return par.state_creation(*spec.step_config(), seed=0).lower()
-
-
-def _lower_eval(spec, par, sample):
-    batch = abstract_batch(spec.batch_size, spec.seq_len)
-    return par.eval_fn(spec.step).lower(abstract_state(spec).params, batch, abstract_frozen(spec))
 
 
 def _lower_sample(spec, par, sample):
@@ -97,18 +74,19 @@ def _lower_sample(spec, par, sample):
                         top_k=min(sample.top_k, spec.model.vocab_size))
 
 
-_LOWER = {"step": _lower_step, "state": _lower_state, "eval": _lower_eval,
-          "sample": _lower_sample}
+_LOWER = {"step": _lower_step, "sample": _lower_sample,
+          "state": lambda spec, par, _: par.state_creation(*spec.step_config(), seed=0).lower(),
+          "eval": lambda spec, par, _: par.eval_fn(spec.step).lower(
+              abstract_state(spec).params, abstract_batch(spec.batch_size, spec.seq_len),
+              abstract_frozen(spec))}
 
 
 def compile_phase(name: str, spec: StepSpec, mesh: MeshSpec | None = None, sample=None,
                   keep_hlo: bool = False) -> dict:
-    """XLA's memory numbers (and "flops") of the program of phase `name` for a placement
-    (`mesh` None: one device; a mesh: per device; eval, sample and import are one-device
-    programs of the run). sample: the run's SampleShape (jaxmem.memory.phases) for "sample".
-    The step also gives "collectives" (static ops per kind), "communication" (bytes per device
-    per step, jaxmem.xla.collectives.comm_report) and its arguments in host memory apart
-    (`host_split`); keep_hlo: the optimized HLO text ("hlo")."""
+    """XLA's memory numbers (and "flops") of phase `name`'s program for a placement (`mesh`: per
+    device; eval, sample and import on one device); sample: the run's SampleShape. The step also
+    gives "collectives", "communication" (jaxmem.xla.collectives.comm_report) and its host
+    arguments apart (`host_split`); keep_hlo: the optimized HLO text ("hlo")."""
     if name == "import":
         return _compile_import(spec)
     if mesh is not None and name in ("sample", "eval"):
@@ -143,10 +121,8 @@ def host_split(compiled, stats: dict, hlo_text: str) -> dict:
 
 def grad_step_report(config: ModelConfig, remat: RematPolicy | str, batch_size: int,
                      seq_len: int) -> dict:
-    """Compile value_and_grad of the train step's loss (fp32) ahead of time: memory and FLOPs.
-
-    The loss is the step's: `token_loss` (causal-only attention) divided by the token count.
-    """
+    """Compile value_and_grad of the train step's loss (fp32: `token_loss` over the token count)
+    ahead of time: memory and FLOPs."""
     remat = RematPolicy.parse(remat)
     model = Llama(config, remat)
     params = abstract_params(config)
@@ -158,41 +134,27 @@ def grad_step_report(config: ModelConfig, remat: RematPolicy | str, batch_size: 
     compiled = jax.jit(jax.value_and_grad(loss)).lower(
         params, abstract_batch(batch_size, seq_len)).compile()
     stats, flops = compiled_stats(compiled)
-    return {
-        "backend": target.platform(),
-        "compiler": target.compiler(),
-        "jax_version": jax.__version__,
-        "remat": str(remat),
-        "batch_size": batch_size,
-        "seq_len": seq_len,
-        "num_layers": config.num_layers,
-        "hidden_size": config.hidden_size,
-        "params": count_params(params),
-        "compiled": stats,
-        "flops": flops,
-    }
+    return {"backend": target.platform(), "compiler": target.compiler(),
+            "jax_version": jax.__version__, "remat": str(remat), "batch_size": batch_size,
+            "seq_len": seq_len, "num_layers": config.num_layers,
+            "hidden_size": config.hidden_size, "params": count_params(params),
+            "compiled": stats, "flops": flops}
 
 
 def sample_params(spec: StepSpec):
-    """The params the end-of-run sample is given, as ShapeDtypeStructs: the state's params; for
-    LoRA / QLoRA what the run passes (jaxmem.train.loop): `peft.full_params(frozen base,
-    adapters)`, the quantized base (as the step holds it) with each target wrapped with its
-    adapters as stored."""
-    params = abstract_state(spec).params
+    """The params the end-of-run sample is given (jaxmem.train.loop), as ShapeDtypeStructs: the
+    state's; for LoRA / QLoRA the base as the step holds it, each target wrapped with its
+    adapters."""
     return jax.eval_shape(lambda f, a: spec.trainable.model_params(a, f, None)[0],
-                          abstract_frozen(spec), params)
+                          abstract_frozen(spec), abstract_state(spec).params)
 
 
 def _compile_import(spec: StepSpec) -> dict:
-    """XLA's memory numbers of a LoRA run's import of its frozen base, from the programs the
-    one-device import runs (jaxmem.peft.base.import_programs: per projection, one layer
-    quantized into the donated stacked result; the layer read in fp32, a seed's init; a 16-bit
-    checkpoint's layer is half of it).
-
-    Returns {"peak_bytes": the largest over the projections of (program peak - its stacked
-    result's bytes): what the import needs beyond the finished base, "roles": {role: the
-    program's stats}}; peak_bytes 0 for a base that is not quantized (its leaves are only put).
-    """
+    """XLA's memory numbers of a LoRA run's import of its frozen base (the one-device import's
+    programs, jaxmem.peft.base.import_programs: per projection, one fp32 layer quantized into
+    the donated stacked result): {"peak_bytes": the largest (program peak - its stacked
+    result's bytes), what the import needs beyond the finished base (0 where nothing is
+    quantized), "roles": {role: the program's stats}}."""
     from jaxmem.peft.base import import_programs
     roles, extra = {}, 0
     for prog in import_programs(spec.model, spec.trainable):

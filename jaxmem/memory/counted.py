@@ -1,24 +1,11 @@
 """What a train step holds that is an argument or output of a program, counted, not derived.
 
-    kinds = count_state(spec, sizes)      the train state, the frozen base and the batch, each
-                                          leaf's bytes on one device of a mesh of axis `sizes`
-    Component(kind, label, bytes, ...)    one row of a breakdown: a typed `Kind`, where it lives
-
-Every figure here is read off the program's own abstract values: `jax.eval_shape` of the program
-that makes the train state (jaxmem.train.run.abstract_train_state: the optimizer's own `init`,
-8-bit codes and block scales, fp32 moments of the leaves that keep them, the loss scale and
-counters), the frozen base's abstract form (packed NF4 nibbles or int8 codes with their scales,
-jaxmem.peft.base.abstract_base) and the step's batch. Each leaf is split as the placement splits
-it (jaxmem.parallel.rules: `leaf_spec` for the state, `base_specs` for the base, the batch over
-data x fsdp and context), so one device's bytes are exactly its shard: the compiled program's
-argument bytes per device (tests/test_counted.py). With `--offload-base host` the base's
-stacked layers live in pinned host memory (`Where.HOST`).
-
-What no argument holds (gradients, the accumulator, the compute copy, one gathered layer, the
-optimizer's update) is shaped like a counted tree, and counted on that tree here too. Only the
-saved activations and the transient working sets are a formula (jaxmem.memory.activations).
-
-Code never matches a component's label: `kind` and `where` say what it is.
+Every figure is read off the program's own abstract values (the state program's `eval_shape`,
+the frozen base's packed codes and scales, the batch), each leaf split as the placement splits
+it (jaxmem.parallel.rules): one device's bytes are exactly the compiled program's argument bytes
+per device (tests/test_counted.py). What no argument holds (gradients, the accumulator, the
+compute copy, one gathered layer) is counted on the tree it is shaped like. Code never matches
+a component's label: `kind` and `where` say what it is.
 """
 
 from __future__ import annotations
@@ -108,10 +95,6 @@ def shards(spec: P, sizes: dict[str, int]) -> int:
     return math.prod(sizes.get(a, 1) for a in axes)
 
 
-def _devices(sizes: dict[str, int]) -> int:
-    return math.prod(sizes.values()) if sizes else 1
-
-
 def local_bytes(tree, sizes: dict[str, int], specs=None) -> int:
     """One device's bytes of `tree` (abstract) split by `specs` (default: rules.leaf_spec)."""
     return sum(b for _, _, b in _leaves(tree, sizes, specs))
@@ -121,7 +104,7 @@ def _leaves(tree, sizes, specs=None):
     """(path, leaf, bytes on one device) of every leaf of `tree`."""
     flat = jax.tree_util.tree_leaves_with_path(tree)
     if specs is None:
-        many = _devices(sizes) > 1
+        many = math.prod(sizes.values()) > 1
         return [(p, x, nbytes(x) // (shards(rules.leaf_spec(p, tuple(x.shape), sizes), sizes)
                                      if many else 1)) for p, x in flat]
     spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda s: isinstance(s, P))
@@ -138,16 +121,16 @@ def _group(kind: Kind, label: str, leaves, **kw) -> list[Component]:
 
 
 def abstract_state(spec: StepSpec):
-    """The train state as ShapeDtypeStructs: `jax.eval_shape` of the program that makes it
-    (once per StepConfig: the batch shape does not change it)."""
-    return _abstract_state(spec.step)
+    """The train state as ShapeDtypeStructs: `jax.eval_shape` of the program that makes it, on
+    the spec's StepConfig and loss scale (once per StepConfig: the batch does not change it)."""
+    step, loss_scale = spec.step_config()
+    if step not in _STATES:
+        from jaxmem.train.run import abstract_train_state
+        _STATES[step] = abstract_train_state(step, loss_scale)
+    return _STATES[step]
 
 
-@functools.lru_cache(maxsize=32)
-def _abstract_state(step):
-    from jaxmem.train.optim import parse_loss_scale
-    from jaxmem.train.run import abstract_train_state
-    return abstract_train_state(step, parse_loss_scale(step.precision.loss_scale))
+_STATES: dict = {}  # StepConfig -> its abstract train state
 
 
 def abstract_frozen(spec: StepSpec):
@@ -168,8 +151,7 @@ def abstract_step_batch(spec: StepSpec):
 
 
 def _optimizer_label(path, leaf) -> str:
-    """What an optimizer-state leaf is: a field of a Quantized node (codes / scale), a counter,
-    or a moment (by dtype)."""
+    """What an optimizer-state leaf is: a field of a Quantized node, a counter or a moment."""
     last = path[-1] if path else None
     if isinstance(last, jax.tree_util.GetAttrKey) and last.name in ("codes", "scale"):
         return "optimizer: 8-bit moment " + ("codes" if last.name == "codes" else "block scales")
@@ -180,22 +162,18 @@ def _optimizer_label(path, leaf) -> str:
 
 def count_state(spec: StepSpec, sizes: dict[str, int] | None = None) -> list[Component]:
     """The step's arguments on one device of a mesh of axis `sizes` ({} or None: one device):
-    the train state by field (the optimizer's leaves by what they are), the frozen base (its
-    stacked layers on the host with --offload-base host) and the batch. Exact: see the module
-    docstring."""
+    the train state by field (the optimizer's leaves by what they are), the frozen base and the
+    batch."""
     sizes = sizes or {}
-    state = abstract_state(spec)
-    leaves = _leaves(state, sizes)
-    field = lambda p: key_name(p[0])  # noqa: E731  (a TrainState attribute)
-    what = spec.trainable.params_name
-    out = _group(Kind.PARAMS, f"{what} (master)", [x for x in leaves if field(x[0]) == "params"])
-    opt = [x for x in leaves if field(x[0]) == "opt_state"]
+    fields = {}  # TrainState attribute -> its leaves
+    for x in _leaves(abstract_state(spec), sizes):
+        fields.setdefault(key_name(x[0][0]), []).append(x)
+    opt = fields.pop("opt_state", [])
+    out = _group(Kind.PARAMS, f"{spec.trainable.params_name} (master)", fields.pop("params", []))
     for label in sorted({_optimizer_label(p, x) for p, x, _ in opt}):
-        out += _group(Kind.OPTIMIZER, label, [x for x in opt if _optimizer_label(x[0], x[1])
-                                              == label])
-    out += _group(Kind.LOSS_SCALE, "loss scale", [x for x in leaves if field(x[0]) == "loss_scale"])
-    out += _group(Kind.COUNTERS, "counters and rng", [
-        x for x in leaves if field(x[0]) not in ("params", "opt_state", "loss_scale")])
+        out += _group(Kind.OPTIMIZER, label, [y for y in opt if _optimizer_label(*y[:2]) == label])
+    out += _group(Kind.LOSS_SCALE, "loss scale", fields.pop("loss_scale", []))
+    out += _group(Kind.COUNTERS, "counters and rng", [y for v in fields.values() for y in v])
     out += count_frozen(spec, sizes)
     batch = abstract_step_batch(spec)
     bspec = P(None, ("data", "fsdp"), "context")
@@ -204,27 +182,29 @@ def count_state(spec: StepSpec, sizes: dict[str, int] | None = None) -> list[Com
     return out
 
 
-def _frozen_leaves(spec: StepSpec, sizes):
-    base = abstract_frozen(spec)
-    if base is None:
-        return []
-    specs = (rules.base_specs(base, sizes) if _devices(sizes) > 1
-             else jax.tree.map(lambda _: P(), base))
-    return _leaves(base, sizes, specs)
+@functools.lru_cache(maxsize=32)
+def _frozen(spec: StepSpec, sizes: tuple):
+    """A LoRA step's frozen base on one device of a mesh of axis sizes `dict(sizes)`: its stacked
+    layers' (path, leaf, bytes), the rest's, whether the layers live on the host (cached: an
+    analytic breakdown asks three times)."""
+    base, sizes = abstract_frozen(spec), dict(sizes)
+    leaves = [] if base is None else _leaves(base, sizes, (
+        rules.base_specs(base, sizes) if math.prod(sizes.values()) > 1
+        else jax.tree.map(lambda _: P(), base)))
+    return (tuple(x for x in leaves if in_layers(x[0])),
+            tuple(x for x in leaves if not in_layers(x[0])),
+            Placement(None, spec.offload_base).base_on_host)
 
 
 def count_frozen(spec: StepSpec, sizes: dict[str, int]) -> list[Component]:
     """A LoRA step's frozen base on one device: its stacked layers (on the host with
     --offload-base host) and the rest (embedding, head, final norm: always on the device)."""
-    leaves = _frozen_leaves(spec, sizes)
-    host = Placement(None, spec.offload_base).base_on_host
+    layers, rest, host = _frozen(spec, tuple(sizes.items()))
     q = spec.trainable
     kind = getattr(q, "quantize", "none") + ("+dq" if getattr(q, "double_quant", False) else "")
-    return (_group(Kind.FROZEN, f"frozen layers {kind}" + (" (host)" if host else ""),
-                   [x for x in leaves if in_layers(x[0])],
+    return (_group(Kind.FROZEN, f"frozen layers {kind}" + (" (host)" if host else ""), layers,
                    where=Where.HOST if host else Where.DEVICE)
-            + _group(Kind.FROZEN, "frozen embed, head, final norm",
-                     [x for x in leaves if not in_layers(x[0])]))
+            + _group(Kind.FROZEN, "frozen embed, head, final norm", rest))
 
 
 def layer_in_flight(spec: StepSpec, sizes: dict[str, int]) -> list[Component]:
@@ -236,8 +216,8 @@ def layer_in_flight(spec: StepSpec, sizes: dict[str, int]) -> list[Component]:
     fsdp = sizes.get("fsdp", 1) * sizes.get("context", 1)
     L, t = spec.model.num_layers, sizes.get("tensor", 1)
     out = []
-    frozen = [x for x in _frozen_leaves(spec, sizes) if in_layers(x[0])]
-    if frozen and Placement(None, spec.offload_base).base_on_host:
+    frozen, _, host = _frozen(spec, tuple(sizes.items()))
+    if frozen and host:
         out.append(Component(Kind.LAYER, "frozen layer copied from the host",
                              sum(b for _, _, b in frozen) // L, _dtypes(frozen), Phase.BACKWARD))
     if fsdp > 1 and frozen:
@@ -246,9 +226,7 @@ def layer_in_flight(spec: StepSpec, sizes: dict[str, int]) -> list[Component]:
                              _dtypes(frozen), Phase.BACKWARD))
     if fsdp > 1 and abstract_frozen(spec) is None:
         cd = jnp.dtype(spec.precision.compute_dtype)
-        params = abstract_state(spec).params
-        stacked = sum(int(x.size) for p, x in jax.tree_util.tree_leaves_with_path(params)
-                      if in_layers(p))
+        stacked = sum(int(x.size) for p, x, _ in trained_leaves(spec, {}) if in_layers(p))
         out.append(Component(Kind.LAYER, "one layer's gathered weights (fsdp)",
                              stacked // L * cd.itemsize // t, cd.name, Phase.BACKWARD))
     return out
@@ -257,16 +235,13 @@ def layer_in_flight(spec: StepSpec, sizes: dict[str, int]) -> list[Component]:
 def head_gathered(spec: StepSpec, sizes: dict[str, int]) -> int:
     """Bytes of a frozen LM head (or tied embedding) gathered whole over fsdp for the loss (0
     where the rules keep it whole or nothing is frozen)."""
-    if _devices(sizes) == 1:
+    if math.prod(sizes.values()) == 1:
         return 0
-    t = sizes.get("tensor", 1)
-    for p, x, b in _frozen_leaves(spec, sizes):
-        if in_layers(p):
-            continue
+    for p, x, b in _frozen(spec, tuple(sizes.items()))[1]:
         role = param_role(p)
         head = role == "lm_head" or (role == "embedding" and spec.model.tie_embeddings)
         if head and b < nbytes(x):
-            return nbytes(x) // t
+            return nbytes(x) // sizes.get("tensor", 1)
     return 0
 
 
@@ -275,16 +250,19 @@ def trained_leaves(spec: StepSpec, sizes: dict[str, int]):
     return _leaves(abstract_state(spec).params, sizes)
 
 
+def _part(spec: StepSpec, leaves, part: bool) -> int:
+    """Bytes of `leaves`: all of them, or (part) the largest in-backward part: one layer of the
+    stacked leaves or one other leaf."""
+    if not part:
+        return sum(b for _, _, b in leaves)
+    layer = sum(b for p, _, b in leaves if in_layers(p)) // spec.model.num_layers
+    return max([layer] + [b for p, _, b in leaves if not in_layers(p)])
+
+
 def gradient_part(spec: StepSpec, sizes: dict[str, int]) -> int:
     """Bytes of the gradients live at once, in the params' dtype: all of them, or with
-    --optimizer-in-backward (jaxmem.train.inbackward) one part, the largest: one layer of the
-    stacked leaves or one other leaf."""
-    leaves = trained_leaves(spec, sizes)
-    if not spec.in_backward:
-        return sum(b for _, _, b in leaves)
-    L = spec.model.num_layers
-    layer = sum(b for p, _, b in leaves if in_layers(p)) // L
-    return max([layer] + [b for p, _, b in leaves if not in_layers(p)])
+    --optimizer-in-backward (jaxmem.train.inbackward) one part, the largest."""
+    return _part(spec, trained_leaves(spec, sizes), spec.in_backward)
 
 
 def compute_copy(spec: StepSpec, sizes: dict[str, int], part: bool = False) -> int:
@@ -296,14 +274,10 @@ def compute_copy(spec: StepSpec, sizes: dict[str, int], part: bool = False) -> i
     if cd == pd:
         return 0
     tied = spec.model.tie_embeddings
-    leaves = [(q, x, b) for q, x, b in trained_leaves(spec, sizes)
-              if param_role(q) != "norm" and (tied or param_role(q) != "embedding")]
-    scale = lambda b: b // pd.itemsize * cd.itemsize  # noqa: E731
-    if not part:
-        return sum(scale(b) for _, _, b in leaves)
-    L = spec.model.num_layers
-    layer = sum(scale(b) for q, _, b in leaves if in_layers(q)) // L
-    return max([layer] + [scale(b) for q, _, b in leaves if not in_layers(q)])
+    return _part(spec, [(q, x, b // pd.itemsize * cd.itemsize)
+                        for q, x, b in trained_leaves(spec, sizes)
+                        if param_role(q) != "norm" and (tied or param_role(q) != "embedding")],
+                 part)
 
 
 def params_fraction(spec: StepSpec, sizes: dict[str, int]) -> float:

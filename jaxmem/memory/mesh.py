@@ -1,13 +1,7 @@
-"""Per-device memory of a train step on a mesh: the analytic breakdown on one device of it
-(jaxmem.memory.analytic, counted under the sharding rules) and XLA's own numbers.
-
-    mesh_report(spec, "fsdp=8")           both, for `python -m jaxmem.memory --mesh`
-                                          (jaxmem.memory.compiled.compile_step on the mesh:
-                                          memory_analysis() is per device)
-"""
+"""Per-device memory of a train step on a mesh (`python -m jaxmem.memory --mesh`): the analytic
+breakdown on one device of it and XLA's own numbers (memory_analysis() is per device)."""
 
 from __future__ import annotations
-
 
 from jaxmem import target
 from jaxmem.memory.analytic import analytic_breakdown
@@ -34,29 +28,30 @@ def mesh_report(spec: StepSpec, mesh_text: str | None, compile: bool = True) -> 
     compiled = (compile_step(spec, mesh if target.device_count() > 1 else None)
                 if compile else None)
     out = {"mesh": str(mesh), "devices": target.device_count(), "backend": target.platform(),
-           "compiler": target.compiler(),
-           "analytic": analytic, "compiled": compiled}
+           "compiler": target.compiler(), "analytic": analytic, "compiled": compiled}
     if placement(spec, None).base_on_host:
-        on_device = spec.replace(offload_base="none")
-        out["analytic_without_offload"] = analytic_breakdown(on_device, mesh)["total_bytes"]
+        out["analytic_without_offload"] = analytic_breakdown(
+            spec.replace(offload_base="none"), mesh)["total_bytes"]
     return out
 
 
 def format_mesh_report(r: dict) -> str:
     a, c = r["analytic"], r["compiled"]
-    unit = "GiB" if a["total_bytes"] >= 2**30 else "MiB"
-    mib = 2**30 if unit == "GiB" else 2**20
-    what = "trained params"
+    unit, mib = ("GiB", 2**30) if a["total_bytes"] >= 2**30 else ("MiB", 2**20)
     lines = [f"compiled by: {r['compiler']}",
              f"per device: mesh {r['mesh']} ({r['devices']} {r['backend']} devices), local batch "
-             f"{a['local_batch']}, {100 * a['param_fraction']:.1f}% of the {what} on each device",
-             "", f"{'analytic component':56s} {unit:>10s}  phase"]
+             f"{a['local_batch']}, {100 * a['param_fraction']:.1f}% of the trained params on "
+             "each device", "", f"{'analytic component':56s} {unit:>10s}  phase"]
     for comp in a["components"]:
         mark = "" if comp["in_peak"] else "  (not in peak)"
         lines.append(f"{comp['name']:56s} {comp['bytes'] / mib:10.2f}  {comp['phase']}{mark}")
     peak = f"analytic peak ({a['peak_phase']}), device"
     lines += [f"{peak:56s} {a['total_bytes'] / mib:10.2f}"]
-    lines += format_host_lines(r, mib)
+    if a.get("host_bytes"):
+        lines += [f"{'analytic, host memory (pinned), per device':56s} "
+                  f"{a['host_bytes'] / mib:10.2f}",
+                  f"{'analytic peak without --offload-base host':56s} "
+                  f"{r['analytic_without_offload'] / mib:10.2f}  ({unit}, device)"]
     if c is None:
         return "\n".join(lines + ["", "compiled: not compiled (--analytic-only)"])
     lines += ["", "compiled (memory_analysis, per device): " + ", ".join(
@@ -67,7 +62,17 @@ def format_mesh_report(r: dict) -> str:
               "collectives in the step's HLO: " + ", ".join(
                   f"{k} {v}" for k, v in c["collectives"].items()),
               comm_line(c["communication"])]
-    return "\n".join(lines + format_compiled_host(c, mib, "analytic_without_offload" in r))
+    # the compiled program's arguments marked with the host memory space in the entry layout
+    # (memory_analysis() on XLA:CPU counts them as device arguments: jaxmem.xla.hlo)
+    host = c.get("host_argument_bytes", 0)
+    if host:
+        lines.append(f"compiled arguments in host memory ({c['host_source']}): "
+                     f"{host / mib:.2f} {unit}; device peak: {c['device_peak_bytes'] / mib:.2f} "
+                     f"{unit}")
+    elif "analytic_without_offload" in r:  # --offload-base host asked for, nothing on the host
+        lines.append("note: the compiled step has no argument in host memory: its figures are "
+                     "those of the base on the device (this build does not offload it)")
+    return "\n".join(lines)
 
 
 def compare_line(r: dict) -> str:
@@ -80,29 +85,3 @@ def compare_line(r: dict) -> str:
         analytic, what = r["analytic_without_offload"], " (both without offload)"
     return (f"analytic / compiled peak: "
             f"{analytic / c.get('device_peak_bytes', c['peak_bytes']):.3f}{what}")
-
-
-def format_host_lines(r: dict, div: int) -> list[str]:
-    """The host lines of a per-device report (jaxmem.memory.mesh.mesh_report)."""
-    a = r["analytic"]
-    if not a.get("host_bytes"):
-        return []
-    unit = "MiB" if div == 2**20 else "GiB"
-    return [f"{'analytic, host memory (pinned), per device':56s} {a['host_bytes'] / div:10.2f}",
-            f"{'analytic peak without --offload-base host':56s} "
-            f"{r['analytic_without_offload'] / div:10.2f}  ({unit}, device)"]
-
-
-def format_compiled_host(c: dict, div: int, offload: bool = False) -> list[str]:
-    """What the compiled program puts in host memory: its arguments marked with the host
-    memory space in the entry layout (memory_analysis() on XLA:CPU counts them as device
-    arguments; see jaxmem.xla.hlo.entry_argument_bytes). offload: --offload-base host was asked
-    for; a program
-    with no argument on the host is then said not to offload."""
-    host = c.get("host_argument_bytes", 0)
-    if not host:
-        return ["note: the compiled step has no argument in host memory: its figures are those of "
-                "the base on the device (this build does not offload it)"] if offload else []
-    unit = "MiB" if div == 2**20 else "GiB"
-    return [f"compiled arguments in host memory ({c['host_source']}): {host / div:.2f} {unit}; "
-            f"device peak: {c['device_peak_bytes'] / div:.2f} {unit}"]

@@ -5,31 +5,11 @@
     run_phases(spec, sample, ...)         each phase with its analytic and (compile=True)
                                           compiled peak, and the largest: the run's peak
 
-A run (jaxmem.train.loop) goes through these programs, one at a time, and the device must hold
-the largest of them:
-
-    import  LoRA / QLoRA: the frozen base put on the device, each quantized projection one
-            layer at a time into its stacked result (jaxmem.peft.base.quantize_on_device):
-            the base made so far (counted whole: an upper bound), one projection's stacked
-            result, one layer's fp32 weight and the quantizer's temporaries. Shown for every
-            LoRA run, from the preset's shapes: an `--init-from` checkpoint and a seed's init
-            are imported alike (a 16-bit checkpoint's layer is half the fp32 one counted)
-    state   making the train state (or restoring it): the program's output is the state
-    step    the train step: the state and batch are its (donated) arguments
-    eval    the eval function on one [B, T] batch (the fused LM-head loss, never [B, T, V]
-            logits); the loop still holds the whole train state, so the optimizer state and
-            counters are live outside the program
-    sample  the end-of-run sample (jaxmem.decode.sampling) over [1, prompt + new tokens]:
-            the params cast to the sampling dtype (jaxmem.decode.stopping.sample_dtype; a new
-            copy unless the dtype is the params'), with the whole train state still live. A
-            LoRA / QLoRA run samples with its frozen base as stored (int8 / NF4 projections,
-            dequantized one layer at a time inside the sampler) and its adapters
-
-Each phase's total is what its program needs (XLA's compiled peak: temp + arguments + output -
-aliases) plus what the run holds outside it. The step is always compiled (jaxmem.memory.compiled);
-the others with `compile=True` (`python -m jaxmem.memory --compile`), else their analytic
-numbers stand in. Saving a checkpoint is left out: it runs on the host copy of the state
-(another branch makes it asynchronous).
+A run (jaxmem.train.loop) runs these programs one at a time (docs/memory.md's table): import (a
+LoRA base, each quantized projection one layer at a time into its stacked result: the base so
+far counted whole, an upper bound; a 16-bit checkpoint's layer half the fp32 one counted),
+state, step, eval and the end-of-run sample. Each phase's total is its program's peak plus what
+the run holds outside it; the step is always compiled, the others with `compile=True`.
 """
 
 from __future__ import annotations
@@ -42,7 +22,7 @@ import jax.numpy as jnp
 
 from jaxmem.memory.activations import FP32, layer_residuals, outside_residuals
 from jaxmem.memory.analytic import analytic_breakdown
-from jaxmem.memory.compiled import compile_phase
+from jaxmem.memory.compiled import compile_phase, sample_params
 from jaxmem.memory.counted import (Kind, Where, abstract_frozen, abstract_state, compute_copy,
                                    count_frozen, count_state, largest_param_leaf, tree_bytes)
 from jaxmem.memory.spec import StepSpec
@@ -60,9 +40,7 @@ PROMPT_TOKENS = 64
 
 @dataclass(frozen=True)
 class SampleShape:
-    """The end-of-run sample: `max_new_tokens` after a prompt of `prompt_tokens` (0: no sample).
-
-    total: positions of its token buffer, capped by the model's (jaxmem.decode.sampling).
+    """The end-of-run sample: `max_new_tokens` after a prompt of `prompt_tokens` (0: no sample);
     dtype: the run's sampling dtype flag (None: jaxmem.decode.stopping.sample_dtype's default).
     """
 
@@ -83,16 +61,12 @@ class SampleShape:
         from jaxmem.decode.stopping import sample_dtype
         return sample_dtype(self.dtype, run_dtype)
 
-    def total(self, limit: int) -> int:
-        n = min(self.prompt_tokens, limit - 1)
+    def total(self, limit: int) -> int:  # positions of its token buffer, capped by the model's
+        n = self.n_prompt(limit)
         return n + min(self.max_new_tokens, limit - n)
 
     def n_prompt(self, limit: int) -> int:
         return min(self.prompt_tokens, limit - 1)
-
-
-def _b(dtype) -> int:
-    return jnp.dtype(dtype).itemsize
 
 
 def _forward_working_set(spec: StepSpec, B: int, T: int, logits: str) -> int:
@@ -101,7 +75,7 @@ def _forward_working_set(spec: StepSpec, B: int, T: int, logits: str) -> int:
     chunk, and the head: the fused loss's one chunk of logits (eval) or all [B, T, V] logits
     (today's sampler)."""
     c, p = spec.model, spec.precision
-    cb = _b(p.compute_dtype)
+    cb = jnp.dtype(p.compute_dtype).itemsize
     D, V, N = c.hidden_size, c.vocab_size, c.num_heads
     layer = sum(b for _, b, _ in layer_residuals(c, B, T, p.compute_dtype, RematPolicy("none"),
                                                  "xla"))
@@ -116,38 +90,31 @@ def _forward_working_set(spec: StepSpec, B: int, T: int, logits: str) -> int:
     return stream + max(layer + attn, head)
 
 
-def _quantized(tree) -> list:
-    """The QuantizedWeight nodes of an abstract tree (a QLoRA base, or params holding one)."""
-    return [q for q in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(
-        x, QuantizedWeight)) if isinstance(q, QuantizedWeight)]
+def _largest_quantized(tree) -> int:
+    """Elements of the largest QuantizedWeight of an abstract tree (0: none)."""
+    return max((math.prod(q.shape) for q in jax.tree_util.tree_leaves(
+        tree, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+        if isinstance(q, QuantizedWeight)), default=0)
 
 
 def analytic_phases(spec: StepSpec, sample: SampleShape | None = None) -> dict:
-    """{phase: {"total": bytes, "what": text}} without compiling: what the device holds in each.
-
-    state: the state's and the frozen base's counted bytes (jaxmem.memory.counted) plus one
-    trained params leaf in fp32 (made whole, then cast); step: jaxmem.memory.analytic's peak;
-    eval: the state, the batch, the compute copy of the params (amp) and a forward's working
-    set; sample: the state, the sampler's params cast to its dtype (counted on the params it is
-    given) and its forward over [1, total]; import (a frozen base): the base and, where it is
-    quantized, its largest projection three times in fp32 (the weight read, its blocks, their
-    normalized values).
-    """
+    """{phase: {"total": bytes, "what": text}} without compiling: what the device holds in each
+    (import: the base and, where quantized, its largest projection three times in fp32: the
+    weight read, its blocks, their normalized values)."""
     a = analytic_breakdown(spec)
     c, p = spec.model, spec.precision
-    held = [x for x in count_state(spec) if x.where is Where.DEVICE and x.kind is not Kind.BATCH]
-    state = sum(x.bytes for x in held)
-    leaf = largest_param_leaf(spec) * FP32
+    state = sum(x.bytes for x in count_state(spec)
+                if x.where is Where.DEVICE and x.kind is not Kind.BATCH)
     B, T = spec.batch_size, spec.seq_len
     out = {}
     base = abstract_frozen(spec)
     if base is not None:  # LoRA / QLoRA: the frozen base is imported before the state is made
-        quantized = _quantized(base)
-        work = 3 * max((math.prod(q.shape) for q in quantized), default=0) * FP32
-        out["import"] = {"total": tree_bytes(base) + work, "what": "importing the frozen base: " + (
-            "quantized one layer at a time" if quantized else "put as stored")}
+        largest = _largest_quantized(base)
+        out["import"] = {"total": tree_bytes(base) + 3 * largest * FP32,
+                         "what": "importing the frozen base: " + (
+                             "quantized one layer at a time" if largest else "put as stored")}
     out.update({
-        "state": {"total": state + leaf,
+        "state": {"total": state + largest_param_leaf(spec) * FP32,
                   "what": "making the train state: its bytes + one fp32 params leaf"},
         "step": {"total": a["total_bytes"],
                  "what": f"one train step ({a['peak_phase']} phase at the peak)"},
@@ -156,38 +123,16 @@ def analytic_phases(spec: StepSpec, sample: SampleShape | None = None) -> dict:
                  "what": f"evaluation, batch {B} x {T}, fused loss (with the whole state)"},
     })
     if sample is not None and sample.max_new_tokens > 0:
+        # the params the sampler is given (sample_params) in its dtype: every floating leaf not
+        # a norm nor stored in it cast, and a quantized base's largest projection dequantized
+        params, sd = sample_params(spec), jnp.dtype(sample.compute_dtype(p.compute_dtype))
+        cast = sum(int(x.size) * sd.itemsize for q, x in jax.tree_util.tree_leaves_with_path(params)
+                   if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype) != sd
+                   and param_role(q) != "norm") + _largest_quantized(params) * sd.itemsize
         total = sample.total(c.max_position_embeddings)
-        cast = _sample_cast(spec, sample.compute_dtype(p.compute_dtype))
         out["sample"] = {"total": state + cast + _forward_working_set(spec, 1, total, "full"),
                          "what": f"end-of-run sample, 1 x {total} tokens (with the whole state)"}
     return out
-
-
-def _sample_cast(spec: StepSpec, dtype) -> int:
-    """What the sampler makes of the params it is given (jaxmem.memory.compiled.sample_params,
-    counted) in `dtype`: every floating leaf that is not a norm and not stored in `dtype` cast,
-    and a quantized base's largest projection dequantized (one at a time)."""
-    from jaxmem.memory.compiled import sample_params  # noqa: PLC0415
-    params = sample_params(spec)
-    sd = jnp.dtype(dtype)
-    cast = sum(int(x.size) * sd.itemsize for path, x in jax.tree_util.tree_leaves_with_path(params)
-               if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype) != sd
-               and param_role(path) != "norm")
-    # a forward dequantizes one projection at a time (the largest bounds it)
-    return cast + max((math.prod(q.shape) for q in _quantized(params)), default=0) * sd.itemsize
-
-
-def _held_outside(spec: StepSpec) -> dict:
-    """Bytes the run holds outside each phase's program (the train state's parts that are not
-    the program's arguments; LoRA's frozen base where it is not one, its layers on the host
-    with --offload-base host)."""
-    state = abstract_state(spec)
-    state_bytes, param_bytes = tree_bytes(state), tree_bytes(state.params)
-    frozen = sum(x.bytes for x in count_frozen(spec, {}) if x.where is Where.DEVICE)
-    # the sampler takes the params as stored and casts them inside its program (a temporary):
-    # its arguments are the state's own params (LoRA: the frozen base and the adapters)
-    return {"import": frozen, "state": frozen, "step": 0, "eval": state_bytes - param_bytes,
-            "sample": state_bytes - param_bytes}
 
 
 def run_phases(spec: StepSpec, sample: SampleShape | None = None, compile: bool = False,
@@ -200,16 +145,17 @@ def run_phases(spec: StepSpec, sample: SampleShape | None = None, compile: bool 
     step_measured: the step's measured peak (--measure on a GPU), which then stands for it.
     cache: a dict kept across calls that vary only the micro-batch, remat and accumulation (the
     planner's candidates): import once, state and sample once per mu dtype, eval per micro-batch.
-    Returns {"phases": [{name, what, analytic_bytes, compiled_bytes, outside_bytes,
-    program_compiled}], "peak_bytes", "peak_phase", "peak_source"}.
     """
     analytic = analytic_phases(spec, sample)
-    outside = _held_outside(spec) if compile else {}
+    outside = {}
+    if compile:  # what the run holds outside each program: the state's parts not its arguments
+        state = abstract_state(spec)
+        held = tree_bytes(state) - tree_bytes(state.params)
+        frozen = sum(x.bytes for x in count_frozen(spec, {}) if x.where is Where.DEVICE)
+        # the sampler takes the params as stored and casts them inside its program
+        outside = {"import": frozen, "state": frozen, "step": 0, "eval": held, "sample": held}
     rows = []
-    for name in PHASES:
-        if name not in analytic:
-            continue
-        a = analytic[name]
+    for name in (n for n in PHASES if n in analytic):
         compiled, program, source = None, None, "analytic"
         if name == "step" and step_compiled is not None:
             compiled, source = int(step_compiled.get("device_peak_bytes",
@@ -223,13 +169,14 @@ def run_phases(spec: StepSpec, sample: SampleShape | None = None, compile: bool 
             compiled, source = program["peak_bytes"] + outside[name], "compiled"
         if name == "step" and step_measured:
             compiled, source = int(step_measured), "measured"
-        rows.append({"name": name, "what": a["what"], "analytic_bytes": int(a["total"]),
+        rows.append({"name": name, "what": analytic[name]["what"],
+                     "analytic_bytes": int(analytic[name]["total"]),
                      "compiled_bytes": compiled, "source": source,
                      "outside_bytes": outside.get(name), "program": program})
-    best = max(rows, key=lambda r: r["compiled_bytes"] if r["compiled_bytes"] is not None
-               else r["analytic_bytes"])
-    peak = best["compiled_bytes"] if best["compiled_bytes"] is not None else best["analytic_bytes"]
-    return {"phases": rows, "peak_bytes": int(peak), "peak_phase": best["name"],
+    size = lambda r: (r["analytic_bytes"] if r["compiled_bytes"] is None  # noqa: E731
+                      else r["compiled_bytes"])
+    best = max(rows, key=size)
+    return {"phases": rows, "peak_bytes": int(size(best)), "peak_phase": best["name"],
             "peak_source": best["source"]}
 
 

@@ -3,25 +3,13 @@
     search(candidates, decide)   try what a generator proposes, in its order, and tell it each
                                  result; {"chosen", "spec", "tried", "compiles"}
 
-The generators are the searches of `python -m jaxmem.memory`:
-
-    by_speed(base, global_batch)      --fit: micro-batch (largest first) x remat (least
-                                      recompute first) x Adam's mu dtype (fp32 first)
-    by_mesh(base, meshes, global_batch)   --fit --devices: mesh (least communication first) x
-                                      micro-batch x remat x the fused loss's chunk
-    meshes_only(spec, meshes)         --fit --devices for a full fine-tune at its micro-batch
-    by_length(spec)                   --fit-seq: T doubled while it fits (halved until it does),
-                                      then bisected to the granule (1024 tokens)
-
-Each candidate is decided the cheapest sound way (`Decider`): its exact argument bytes
-(jaxmem.memory.counted) over the budget cannot fit; nor can one whose analytic peak times the
-lowest compiled/analytic ratio measured (ANALYTIC_BAND) is over it; nor a smaller mu dtype whose
-fp32 sibling's compiled peak, less three times the moments it saves (the argument, the donated
-output and the update's new moment), is still over it. Every other candidate is compiled for its
-placement and its run's largest phase decides. A wrong rule-out could only cost speed, never the
-budget: the chosen candidate is always compiled (or, for --analytic-only, said to be analytic).
-The budget is what the device may give the run, as `--fit GIB` passes it:
-jaxmem.xla.verdict.usable_bytes(GIB), the verdict's own rule.
+`plan` (--fit), `plan_mesh` and `fit_mesh` (--fit --devices) and `fit_seq` (--fit-seq) search
+their own generator's candidates (docs/memory.md). Each is decided the cheapest sound way
+(`Decider`): its exact argument bytes, its analytic peak x the lowest compiled/analytic ratio
+measured (ANALYTIC_BAND) or a floor (a smaller mu dtype: its fp32 sibling's compiled peak less 3
+x the moments it saves: the argument, the donated output and the update's new moment) over the
+budget rule it out; any other is compiled and its run's largest phase decides. The chosen
+candidate is always compiled (or said to be analytic): a wrong rule-out costs only speed.
 """
 
 from __future__ import annotations
@@ -57,22 +45,20 @@ def search(candidates, decide, log=None) -> dict:
     """Decide what `candidates` (a generator of Candidate, sent each decided entry) proposes;
     the chosen one is the last that fit (a generator that wants the first stops there).
     log(entry): called with each entry as it is decided (progress)."""
-    tried, chosen, compiles = [], None, 0
+    tried, chosen, entry = [], None, None
     try:
-        cand = next(candidates)
         while True:
+            cand = candidates.send(entry)  # (the first send(None) starts the generator)
             entry = decide(cand)
             if log:
                 log(entry)
-            compiles += entry["decided_by"] == "compiled"
             tried.append(entry)
             if entry["fits"]:
                 chosen = (entry, cand.spec)
-            cand = candidates.send(entry)
     except StopIteration:
         pass
     return {"chosen": chosen and chosen[0], "spec": chosen and chosen[1], "tried": tried,
-            "compiles": compiles}
+            "compiles": sum(e["decided_by"] == "compiled" for e in tried)}
 
 
 def _first_fit(cands):  # a generator that stops at the first candidate that fits
@@ -93,27 +79,25 @@ def remat_candidates() -> list[str]:
     return out
 
 
-def _micros(global_batch: int, max_micro: int | None, shards: int = 1) -> list[int]:
-    return [b for b in range(global_batch, 0, -1) if global_batch % b == 0 and b % shards == 0
-            and (max_micro is None or b <= max_micro)]
-
-
-def has_first_moment(spec: StepSpec) -> bool:
-    """Whether the optimizer's state holds a first moment whose dtype --mu-dtype sets: its
-    abstract state changes with it (AdamW and Lion do; adamw8bit's codes and adafactor do not)."""
-    return (_moment_bytes(spec.replace(mu_dtype="fp32"))
-            != _moment_bytes(spec.replace(mu_dtype="bf16")))
+def _grid(base: StepSpec, global_batch: int, max_micro: int | None, shards: int, field: str,
+          values) -> list[StepSpec]:
+    """`base` at each micro-batch (largest first; `shards` divides it) x remat (least recompute
+    first) x each of values(micro-batch) for `field`, the global batch kept by accumulation."""
+    return [base.replace(batch_size=b, grad_accum=global_batch // b, remat=RematPolicy.parse(r),
+                         **{field: v})
+            for b in range(global_batch, 0, -1) if global_batch % b == 0 and b % shards == 0
+            and (max_micro is None or b <= max_micro)
+            for r in remat_candidates() for v in values(b)]
 
 
 def candidates(base: StepSpec, global_batch: int, mu_dtypes=("fp32", "bf16"),
                max_micro: int | None = None) -> list[StepSpec]:
-    """Every configuration `by_speed` proposes, fastest first (micro-batch, remat, mu dtype)."""
-    if not has_first_moment(base):
+    """Every configuration `plan` tries, fastest first (micro-batch, remat, mu dtype); one mu
+    dtype where the optimizer's state holds no first moment whose dtype --mu-dtype sets
+    (adamw8bit's codes and adafactor's)."""
+    if _moment_bytes(base.replace(mu_dtype="fp32")) == _moment_bytes(base.replace(mu_dtype="bf16")):
         mu_dtypes = (base.mu_dtype,)
-    return [base.replace(batch_size=b, grad_accum=global_batch // b, remat=RematPolicy.parse(r),
-                         mu_dtype=m)
-            for b in _micros(global_batch, max_micro) for r in remat_candidates()
-            for m in mu_dtypes]
+    return _grid(base, global_batch, max_micro, 1, "mu_dtype", lambda b: mu_dtypes)
 
 
 def by_speed(base: StepSpec, global_batch: int, mu_dtypes=("fp32", "bf16"),
@@ -144,12 +128,9 @@ def mesh_candidates(spec: StepSpec, devices: int) -> list[MeshSpec]:
     """Meshes for `devices`, from the least communication to the least memory per device:
     pure data parallel, then more and more of the devices on fsdp, then tensor=2 with fsdp.
     Only meshes the model and batch can be split by (MeshSpec.check) are listed."""
-    divisors = [d for d in range(devices, 0, -1) if devices % d == 0]
-    out = [MeshSpec(d, devices // d, 1) for d in divisors]
-    if devices % 2 == 0:
-        out += [MeshSpec(1, devices // 2, 2)]
+    out = [MeshSpec(d, devices // d, 1) for d in range(devices, 0, -1) if devices % d == 0]
     ok = []
-    for m in out:
+    for m in out + ([MeshSpec(1, devices // 2, 2)] if devices % 2 == 0 else []):
         try:
             m.check(spec.model, spec.batch_size)
         except ValueError:
@@ -161,30 +142,19 @@ def mesh_candidates(spec: StepSpec, devices: int) -> list[MeshSpec]:
 def mesh_candidates_for(base: StepSpec, meshes, global_batch: int,
                         max_micro: int | None = None) -> list[tuple[MeshSpec, StepSpec]]:
     """(mesh, spec) for every mesh x micro-batch x remat x loss chunk, in the order tried: the
-    meshes as given, micro-batch (largest first; only those data x fsdp divides), remat (fewest
-    recomputed FLOPs first), the fused loss's chunk: the automatic one (<= 256 MiB of fp32
-    logits at the local batch), then a quarter of it. The step's other settings stay as given."""
+    meshes as given, micro-batch (largest first; only those data x fsdp divides), remat, the
+    fused loss's chunk: the automatic one (<= 256 MiB of fp32 logits at the local batch), then a
+    quarter of it. The step's other settings stay as given."""
     from jaxmem.loss.chunked import resolve_loss_chunk
-    out = []
-    for mesh in meshes:
-        for b in _micros(global_batch, max_micro, mesh.batch_shards):
-            auto = resolve_loss_chunk(base.loss_chunk, b // mesh.batch_shards, base.seq_len,
-                                      base.model)
-            chunks = [base.loss_chunk] + ([max(1, auto // 4)] if base.loss_chunk is None
-                                          and auto > 1 else [])
-            out += [(mesh, base.replace(batch_size=b, grad_accum=global_batch // b,
-                                        remat=RematPolicy.parse(r), loss_chunk=chunk))
-                    for r in remat_candidates() for chunk in chunks]
-    return out
 
-
-def by_mesh(base: StepSpec, meshes, global_batch: int, max_micro: int | None = None):
-    return _first_fit(Candidate(s, m) for m, s in mesh_candidates_for(base, meshes, global_batch,
-                                                                       max_micro))
-
-
-def meshes_only(spec: StepSpec, meshes):
-    return _first_fit(Candidate(spec, m) for m in meshes)
+    def chunks(mesh, b):
+        auto = resolve_loss_chunk(base.loss_chunk, b // mesh.batch_shards, base.seq_len,
+                                  base.model)
+        return [base.loss_chunk] + ([max(1, auto // 4)] if base.loss_chunk is None and auto > 1
+                                    else [])
+    return [(mesh, s) for mesh in meshes
+            for s in _grid(base, global_batch, max_micro, mesh.batch_shards, "loss_chunk",
+                           lambda b: chunks(mesh, b))]
 
 
 def _round(t: int, granule: int) -> int:
@@ -214,17 +184,11 @@ def by_length(spec: StepSpec, granule: int = GRANULE, mesh: MeshSpec | None = No
 
 @dataclass
 class Decider:
-    """How a candidate is decided (see the module docstring).
-
-    compile_fn(spec, mesh) -> the step's compiled dict ("peak_bytes"), None where it is not
-        compiled here (the analytic peak then decides, and the entry says so), or raises (a
-        compile error rejects the candidate, with its message);
-    analytic_fn(spec, mesh) -> jaxmem.memory.analytic.analytic_breakdown's dict;
-    phases_fn(spec, compiled) -> jaxmem.memory.phases.run_phases' dict: the run's largest phase
-        decides instead of the step alone (one device only);
-    analytic_first: rule out by the arguments, the analytic peak x band[0] and a floor before
-        compiling (False: compile every candidate, as `fit_mesh` does to show each mesh's peak).
-    """
+    """How a candidate is decided (see the module docstring). compile_fn(spec, mesh): the
+    step's compiled dict, None where not compiled here (the analytic peak decides) or raises (a
+    compile error rejects it); analytic_fn(spec, mesh): analytic_breakdown's dict;
+    phases_fn(spec, compiled): run_phases' dict (the run's largest phase decides);
+    analytic_first False: compile every candidate (`fit_mesh` shows each mesh's peak)."""
 
     budget: int
     compile_fn: object
@@ -240,35 +204,35 @@ class Decider:
                  "loss_chunk": s.loss_chunk, "seq_len": s.seq_len, "analytic_bytes": None,
                  "host_bytes": 0}
         budget = f"budget {self.budget / GiB:.3f} GiB"
-        sizes = {} if mesh is None else dict(zip(AXES, mesh.sizes))
-        args = (sum(c.bytes for c in count_state(s, sizes) if c.where is Where.DEVICE)
-                if self.analytic_first else 0)
-        a = self.analytic_fn(s, mesh) if (self.analytic_first and self.analytic_fn) else None
-        if a is not None:
-            entry.update(analytic_bytes=int(a["total_bytes"]), host_bytes=int(a["host_bytes"]))
-        if self.analytic_first and args > self.budget:
-            return {**entry, "fits": False, "peak_bytes": None, "decided_by": "arguments",
-                    "reason": f"arguments alone {args / GiB:.3f} GiB > {budget} (not compiled)"}
-        if a is not None and a["total_bytes"] * self.band[0] > self.budget:
-            return {**entry, "fits": False, "peak_bytes": None, "decided_by": "analytic",
-                    "reason": f"analytic {a['total_bytes'] / GiB:.3f} GiB x {self.band[0]} "
-                              f"(lowest compiled/analytic measured) > {budget} (not compiled)"}
-        if self.analytic_first and cand.floor is not None and cand.floor > self.budget:
-            return {**entry, "fits": False, "peak_bytes": None, "decided_by": "floor",
-                    "reason": f"at least {cand.floor / GiB:.3f} GiB ({cand.why_floor}) > "
-                              f"{budget} (not compiled)"}
+        no = lambda by, why: {**entry, "fits": False, "peak_bytes": None,  # noqa: E731
+                              "decided_by": by, "reason": why}
+        a = None
+        if self.analytic_first:
+            sizes = {} if mesh is None else dict(zip(AXES, mesh.sizes))
+            args = sum(c.bytes for c in count_state(s, sizes) if c.where is Where.DEVICE)
+            a = self.analytic_fn(s, mesh) if self.analytic_fn else None
+            if a is not None:
+                entry.update(analytic_bytes=int(a["total_bytes"]), host_bytes=int(a["host_bytes"]))
+            if args > self.budget:
+                return no("arguments", f"arguments alone {args / GiB:.3f} GiB > {budget} (not "
+                                       "compiled)")
+            if a is not None and a["total_bytes"] * self.band[0] > self.budget:
+                return no("analytic", f"analytic {a['total_bytes'] / GiB:.3f} GiB x "
+                          f"{self.band[0]} (lowest compiled/analytic measured) > {budget} (not "
+                          "compiled)")
+            if cand.floor is not None and cand.floor > self.budget:
+                return no("floor", f"at least {cand.floor / GiB:.3f} GiB ({cand.why_floor}) > "
+                                   f"{budget} (not compiled)")
         try:
             compiled = self.compile_fn(s, mesh)
         except Exception as e:  # noqa: BLE001  (a compile error rejects the candidate)
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            return {**entry, "fits": False, "peak_bytes": None, "decided_by": "compiled",
-                    "reason": f"compile error: {msg[:200]}"}
+            return no("compiled", f"compile error: {msg[:200]}")
         if compiled is None:  # not compiled here: the analytic figure decides
             a = a or self.analytic_fn(s, mesh)
             peak = int(a["total_bytes"])
             entry.update(analytic_bytes=peak, host_bytes=int(a["host_bytes"]),
-                         decided_by="analytic",
-                         peak_bytes=peak, run_peak_bytes=peak)
+                         decided_by="analytic", peak_bytes=peak, run_peak_bytes=peak)
             what = "analytic (not compiled here)"
         else:
             # the device's peak: arguments in pinned host memory are not on the device
@@ -307,7 +271,8 @@ def plan_mesh(base: StepSpec, meshes, global_batch: int, budget_bytes: int, anal
     """--fit --devices: the first (mesh, micro-batch, remat, loss chunk) whose per-device peak
     fits; compile_fn None (--analytic-only): the analytic peak decides."""
     decide = Decider(budget_bytes, compile_fn or (lambda s, m: None), analytic_fn, band=band)
-    return search(by_mesh(base, meshes, global_batch, max_micro), decide, log)
+    return search(_first_fit(Candidate(s, m) for m, s in mesh_candidates_for(
+        base, meshes, global_batch, max_micro)), decide, log)
 
 
 def fit_seq(spec: StepSpec, budget_bytes: int, phases_fn, granule: int = GRANULE,
@@ -338,5 +303,5 @@ def fit_seq(spec: StepSpec, budget_bytes: int, phases_fn, granule: int = GRANULE
 def fit_mesh(spec: StepSpec, meshes, budget_bytes: int, compile_fn, log=None) -> dict:
     """--fit --devices for a full fine-tune: the first mesh whose per-device compiled peak
     fits, the step itself (batch, remat, precision) as given."""
-    return search(meshes_only(spec, meshes), Decider(budget_bytes, compile_fn,
-                                                     analytic_first=False), log)
+    return search(_first_fit(Candidate(spec, m) for m in meshes),
+                  Decider(budget_bytes, compile_fn, analytic_first=False), log)

@@ -1,19 +1,14 @@
-"""StepSpec: one train step as the planner plans it, described once.
-
-It composes what the run itself is built from, with no field copied: the StepConfig
-(jaxmem.train.step: model, precision, remat, the optimizer's config, accumulation, what trains,
-the loss chunk; made by jaxmem.train.run.make_step_config, the function a run's is made by), the
-batch shape, and the placement's one choice a step's memory depends on beyond them (where a
-LoRA base lives). The analytic model reads it, the compiler builds the step from it, the search
-varies it (`replace`), and the `--measure` worker receives it as JSON (`to_json` /
-`from_json`) so that the child measures exactly the configuration the parent chose.
+"""StepSpec: one train step as the planner plans it, described once: the StepConfig and loss
+scale a run is built from (jaxmem.train.run.make_step_config), the batch shape and where a LoRA
+base lives. The analytic model reads it, the compiler builds the step from it, the search varies
+it (`replace`) and the `--measure` worker receives it as JSON (`to_json` / `from_json`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jaxmem.config.model import ModelConfig
 from jaxmem.config.run import OptimConfig, PeftSection, RunConfig
@@ -22,7 +17,6 @@ from jaxmem.model.remat import RematPolicy
 from jaxmem.optim import LossScale
 from jaxmem.peft.lora import trainable_of
 from jaxmem.peft.trainable import FullFineTune, Trainable
-from jaxmem.train.optim import parse_loss_scale
 from jaxmem.train.run import make_step_config
 from jaxmem.train.step import StepConfig
 
@@ -30,18 +24,16 @@ GiB = 2**30
 
 # the StepConfig's fields and the optimizer config's that the planner varies by name
 _STEP = ("model", "precision", "remat", "grad_accum", "trainable", "loss_chunk")
-_OPTIM = {"optimizer": "optimizer", "mu_dtype": "mu_dtype", "in_backward": "in_backward"}
+_OPTIM = ("optimizer", "mu_dtype", "in_backward")
 
 
 @dataclass(frozen=True)
 class StepSpec:
-    """One train step: `step` (the StepConfig the run builds), the micro-batch B (sequences per
-    forward/backward) x `seq_len`, `offload_base` ("host": a LoRA run's frozen block layers in
-    pinned host memory, jaxmem.train.placement) and `attention` ("xla" or "cudnn"; None: the path
-    jaxmem.model.attention.attention_path picks for these shapes).
-
-    The step's parts read through it (`spec.model`, `spec.remat`, `spec.mu_dtype`, ...) are the
-    StepConfig's own; `replace` makes a new spec through make_step_config, validated.
+    """One train step: `step` (the StepConfig the run builds), the micro-batch B x `seq_len`,
+    `offload_base` ("host": a LoRA run's frozen block layers in pinned host memory) and
+    `attention` ("xla" or "cudnn"; None: jaxmem.model.attention.attention_path's pick).
+    `spec.model`, `spec.mu_dtype`, ... read the StepConfig's own parts; `replace` makes a new spec
+    through make_step_config, validated. `loss_scale`: make_step_config's (not compared).
     """
 
     step: StepConfig
@@ -49,6 +41,7 @@ class StepSpec:
     seq_len: int
     offload_base: str = "none"
     attention: str | None = None
+    loss_scale: LossScale | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         # the peft fields checked as a run's are (--offload-base host needs LoRA / QLoRA)
@@ -66,10 +59,10 @@ class StepSpec:
         optim = dataclasses.replace(OptimConfig(), optimizer=optimizer, mu_dtype=mu_dtype,
                                     in_backward=in_backward, **({"clip": 0.0} if in_backward
                                                                 else {}))
-        step, _ = make_step_config(model, precision, remat, optim, seq_len,
-                                   grad_accum=grad_accum, trainable=trainable,
-                                   loss_chunk=loss_chunk)
-        return cls(step, batch_size, seq_len, offload_base, attention)
+        step, loss_scale = make_step_config(model, precision, remat, optim, seq_len,
+                                            grad_accum=grad_accum, trainable=trainable,
+                                            loss_chunk=loss_chunk)
+        return cls(step, batch_size, seq_len, offload_base, attention, loss_scale)
 
     @classmethod
     def from_run_config(cls, cfg: RunConfig, attention: str | None = None) -> "StepSpec":
@@ -84,7 +77,7 @@ class StepSpec:
         if name in _STEP:
             return getattr(self.step, name)
         if name in _OPTIM:
-            return getattr(self.step.optim, _OPTIM[name])
+            return getattr(self.step.optim, name)
         raise AttributeError(f"StepSpec has no attribute {name!r}")
 
     def replace(self, **changes) -> "StepSpec":
@@ -97,25 +90,23 @@ class StepSpec:
         return StepSpec.of(**{**parts, **changes})
 
     def step_config(self) -> tuple[StepConfig, LossScale]:
-        """(StepConfig, initial loss scale: the precision mode's own)."""
-        return self.step, parse_loss_scale(self.precision.loss_scale)
+        """(StepConfig, initial loss scale: make_step_config's, the precision mode's own)."""
+        return self.step, self.loss_scale
 
     @property
     def attention_path(self) -> str:
-        """The path the step's attention takes (jaxmem.model.attention decides: cuDNN accepts
-        it)."""
+        """The path the step's attention takes (jaxmem.model.attention decides)."""
         if self.attention:
             return self.attention
         from jaxmem.model.attention import attention_path
-        c = self.model
-        q = (self.batch_size, self.seq_len, c.num_heads, c.resolved_head_dim)  # [B, T, N, H]
-        kv = (self.batch_size, self.seq_len, c.num_kv_heads, c.resolved_head_dim)  # [B, S, K, H]
-        # causal-only: the step passes no padding mask (StepConfig.attention_padding=False)
-        return attention_path(q, kv, self.precision.compute_dtype, causal_only=True).path
+        c, B, T = self.model, self.batch_size, self.seq_len
+        # q [B, T, N, H], kv [B, S, K, H]; causal-only: the step passes no padding mask
+        return attention_path((B, T, c.num_heads, c.resolved_head_dim),
+                              (B, T, c.num_kv_heads, c.resolved_head_dim),
+                              self.precision.compute_dtype, causal_only=True).path
 
     def to_json(self) -> str:
-        """The spec as one JSON object of its parts: the model config, the precision and remat
-        by name, the optimizer config, what trains (its flags), the batch shape."""
+        """The spec as one JSON object of its parts (precision and remat by name)."""
         s = self.step
         return json.dumps({
             "model": dataclasses.asdict(s.model), "precision": s.precision.name,
@@ -130,8 +121,11 @@ class StepSpec:
         """Inverse of `to_json`."""
         d = json.loads(text)
         peft = PeftSection(**{k.partition(".")[2]: v for k, v in d["trainable"].items()})
-        step, _ = make_step_config(
+        step, loss_scale = make_step_config(
             ModelConfig(**d["model"]), get_precision(d["precision"]),
             RematPolicy.parse(d["remat"]), OptimConfig(**d["optim"]), d["seq_len"],
-            grad_accum=d["grad_accum"], trainable=trainable_of(peft), loss_chunk=d["loss_chunk"])
-        return cls(step, d["batch_size"], d["seq_len"], d["offload_base"], d["attention"])
+            grad_accum=d["grad_accum"], trainable=trainable_of(peft),
+            loss_chunk=d["loss_chunk"])
+        return cls(step, d["batch_size"], d["seq_len"], d["offload_base"], d["attention"],
+                   loss_scale)
+

@@ -6,15 +6,12 @@
                                          custom VJP frees them after each use; XLA may overlap
                                          the seven of a layer, so a layer is the bound)
     adapter_backward_transient(c, spec, B, T, dtype)
-                                         what the adapters' backward adds to a layer's
-                                         backward: [B, T, Out] buffers per target (see there)
+                                         the adapters' output gradients in a layer's backward
 
-With LoRA the gradients, Adam's moments, the master copy and the update buffer are the adapters'
-alone; the base is an argument of the step that is never differentiated, stored once in its
-final dtype (so amp modes keep no extra compute copy of it). Activations saved for the backward
-are those of full fine-tuning: dx through every frozen projection needs the same inputs (plus
-x A per adapter; equal to jax's saved residuals, tests/test_peft_memory.py). What a LoRA step has
-beyond full fine-tuning's backward is transient: the adapters' output gradients.
+The gradients, moments, master copy and update are the adapters' alone; the base is an argument
+never differentiated, stored once in its final dtype (no amp compute copy of it). The saved
+activations are full fine-tuning's plus x A per adapter (equal to jax's saved residuals,
+tests/test_peft_memory.py); the rest is transient (docs/finetune.md).
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ import math
 import jax.numpy as jnp
 
 from jaxmem.config.model import ModelConfig
-from jaxmem.config.lora import TARGETS
 from jaxmem.peft.base import weight_axes
 
 
@@ -54,25 +50,17 @@ def dequant_transient(c: ModelConfig, spec: "LoraSpec", dtype) -> int:
 def adapter_backward_transient(c: ModelConfig, spec: "LoraSpec", B: int, T: int, dtype) -> int:
     """Bytes the adapters' backward adds to one layer's backward: per target, [B, T, Out] twice.
 
-    A LoRA step keeps exactly full fine-tuning's residuals plus x A (jax's saved_residuals agrees
-    to the byte on the test toy), but its backward is not full fine-tuning's: dy feeds dx = dy W^T
-    and, per adapter, the scaled gradient s dy feeds dB = (x A)^T (s dy) and d(x A) = (s dy) B^T.
-    XLA materializes s dy [B, T, Out] (measured: with alpha == rank, s == 1, the multiply is
-    dropped and one [B, T, F] per MLP target goes away) and one more [B, T, Out] buffer per target
-    (not traced to its op; likely a relayout for dB's dot, which contracts over B*T), and
-    keeps them live through the layer's backward next to the recomputed activations. Measured on
-    the toy of tests/test_peft_memory.py (CPU, fp32, remat none, r 8, alpha 16): the LoRA step's
-    compiled temp grows 7.5 MB per extra 256 tokens where full fine-tuning's grows 4.2 MB, with
-    the [B, T, F] targets gate and up adding 2 x [B, T, F] each (targets one at a time; down
-    adds about 3 x [B, T, F], its input being F wide, attention targets less than one [B, T, D]).
-    2 x Out per target is the simple fit: with it the toy's LoRA analytic / compiled ratio (0.84;
-    0.86, 0.90, 0.89 at 2x the batch, the layers, the sequence) tracks full fine-tuning's (0.84;
-    0.81, 0.91, 0.86), where it was 0.66 without it.
+    Per adapter the scaled gradient s dy feeds dB = (x A)^T (s dy) and d(x A) = (s dy) B^T: XLA
+    materializes s dy [B, T, Out] (with alpha == rank, s == 1, the multiply is dropped) and one
+    more [B, T, Out] buffer per target (not traced to its op; likely a relayout for dB's dot),
+    live through the layer's backward. Measured on the toy of tests/test_peft_memory.py (CPU,
+    fp32, remat none, r 8, alpha 16): targets one at a time, gate and up add 2 x [B, T, F] each,
+    down about 3 x [B, T, F], attention targets less than one [B, T, D]. 2 x Out per target is
+    the simple fit: with it the toy's LoRA analytic / compiled ratio (0.84; 0.86, 0.90, 0.89 at
+    2x the batch, the layers, the sequence) tracks full fine-tuning's (0.84; 0.81, 0.91, 0.86),
+    where it was 0.66 without it (docs/finetune.md).
     """
     io = _in_out(c)
     per_target = 2 if spec.scale != 1 else 1
     return per_target * sum(B * T * io[t][1] for t in spec.targets) * jnp.dtype(dtype).itemsize
 
-
-def targets_text(spec: "LoraSpec") -> str:
-    return ",".join(TARGETS[t][1] for t in spec.targets)
