@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jaxmem import target
 from jaxmem.config.model import ModelConfig
 from jaxmem.memory.spec import StepSpec
+from jaxmem.model.attention import query_chunk
 from jaxmem.model.tiled import mlp_tile, tiles_under
 from jaxmem.model.remat import RematPolicy
 
@@ -122,25 +124,51 @@ def mlp_tiled(spec: StepSpec) -> int:
     return tile if tile < spec.seq_len else 0
 
 
-# [B, T, F] buffers the MLP's backward holds besides the 3 recomputed activations (gate, up,
-# their product): d(product), d(gate), d(up) and the SwiGLU backward's sigmoid / silu products
-# (jaxmem.model.lean), read off XLA's buffer assignment on the CPU (docs/memory.md).
-MLP_BACKWARD_BUFFERS = 6
+def mlp_backward_buffers() -> int:
+    """[B, T, F] buffers the MLP's backward holds besides its 3 recomputed activations (gate, up,
+    their product), read off each compiler's buffer report (docs/memory.md): XLA:CPU 6 (d of
+    the product, gate and up, and the SwiGLU backward's sigmoid / silu products,
+    jaxmem.model.lean); a GPU 3 (the elementwise products fuse into the kernel that writes
+    d(gate) and d(up) from d(product))."""
+    return 3 if target.fuses_elementwise() else 6
 
 
 def mlp_backward(spec: StepSpec) -> int:
-    """Bytes of the MLP backward's working set beyond the recomputed residuals: 6 [B, T, F]
-    (tiled: 9 [B, Tc, F], the tile's recomputed activations included, and the 3 full-length
-    ones are not materialized, so they are taken back out of the recomputed set)."""
+    """Bytes of the MLP backward's working set beyond the recomputed residuals:
+    mlp_backward_buffers() [B, T, F] (tiled: 3 more [B, Tc, F], the tile's recomputed
+    activations, and the 3 full-length ones are not materialized, so they are taken back out of
+    the recomputed set). XLA:CPU's report shows none where gate and up are saved; a GPU's
+    holds them there too."""
     c, B, T = spec.model, spec.batch_size, spec.seq_len
     F, cb = c.intermediate_size, _nbytes(spec.precision.compute_dtype)
     r = spec.remat
     recomputed = not r.saves_dots and not {"mlp_gate", "mlp_up"} <= {*r.kept_tags,
                                                                       *r.offloaded_tags}
+    buffers = mlp_backward_buffers()
     if not recomputed:  # gate and up saved or offloaded (none, dots*, the default offload)
-        return 0
+        return buffers * B * T * F * cb if target.fuses_elementwise() else 0
     tile = mlp_tiled(spec)
     if tile:
         # tiled only where no policy saves an MLP tag: the 3 are in the recomputed set
-        return (3 + MLP_BACKWARD_BUFFERS) * B * tile * F * cb - 3 * B * T * F * cb
-    return MLP_BACKWARD_BUFFERS * B * T * F * cb
+        return (3 + buffers) * B * tile * F * cb - 3 * B * T * F * cb
+    return buffers * B * T * F * cb
+
+
+def attention_backward(c: ModelConfig, B: int, T: int, compute_dtype) -> int:
+    """Bytes XLA attention's backward holds for one query chunk (jaxmem.model.attention), per
+    [B, N, Tq, T] element, read off each compiler's buffer report (docs/memory.md): XLA:CPU
+    keeps the recomputed probabilities, two gradients of them and a compute-dtype copy (4
+    buffers in fp32); a GPU three fp32 buffers, the compute-dtype copy where it is a cast, and
+    the causal mask it broadcasts over the heads (one byte)."""
+    cb = _nbytes(compute_dtype)
+    per = 3 * FP32 + ((cb if cb < FP32 else 0) + 1 if target.fuses_elementwise() else cb)
+    N = c.num_heads
+    return B * N * query_chunk((B, T, N), T) * T * per
+
+
+def attention_half(c: ModelConfig, B: int, T: int, compute_dtype) -> int:
+    """Bytes of what attention's backward reads of one block's activations: the attention
+    norm's input and output, q, k, v and the context."""
+    tags = tag_shapes(c, B, T)
+    names = ("block_input", "attn_norm", "query", "key", "value", "attn_context")
+    return sum(tags[t] for t in names) * _nbytes(compute_dtype)

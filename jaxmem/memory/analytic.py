@@ -1,11 +1,6 @@
 """The analytic memory model: bytes per component and dtype of one train step, on one device of a
 mesh (one device is a mesh of one), without compiling.
 
-    analytic_breakdown(spec, mesh)   bytes per component and dtype, and the modelled peak
-    layer_residuals(...)       what one decoder block keeps for its backward, per remat policy
-    outside_residuals(...)     what is kept outside the layer stack (RoPE, final norm, loss)
-    rule_of_thumb(params)      the bytes-per-parameter numbers people quote
-
 Everything that is an argument of a program, or shaped like one (the state, the frozen base, the
 batch, gradients, accumulator, compute copy, a gathered layer, the update's working set), is
 counted leaf by leaf on the program's abstract values under the placement's shardings
@@ -21,25 +16,17 @@ The model of the peak (what is live when the backward starts):
          + compute copy of the params (amp modes: saved by the loss for the backward)
          + activations saved for the backward under the remat policy (per layer x L, plus the
            few outside the layer stack)
-         + the largest transient: the logits group (logits, exp(logits - max), dlogits, all
-           [B, T, V] fp32; with the fused loss, jaxmem.loss.chunked, those of one chunk) or
-           one layer's backward (its recomputed activations plus, on the XLA attention path, the
-           recomputed probabilities of one query chunk and their gradients; with LoRA also a
-           quantized layer's dequantized weights and the adapters' [B, T, Out] gradient buffers,
-           jaxmem.peft.memory), whichever is larger
+         + the largest transient: the logits group (the loss's [B, T, V] fp32 buffers, or one
+           chunk's with the fused loss) or one layer's backward (what it recomputes, the MLP
+           backward's buffers, XLA attention's buffers of one query chunk; with LoRA also a
+           quantized layer's dequantized weights and the adapters' gradient buffers), whichever
+           is larger. Where the target compiles for a GPU (target.fuses_elementwise) three of
+           these take the GPU compiler's form, read off its buffer reports (docs/memory.md).
 
-or, if larger, what is live during the optimizer update: state + batch + gradients + one
-params-sized update buffer (activations are freed by then; at full size with remat this phase
-sets the peak: 5 x 4 B/param in fp32); adamw8bit updates in place (AdamW8bitInPlace): only
-its small leaves and one piece of a large one (update_8bit_working_set).
-
-With `--offload-base host` (LoRA) the frozen block layers are in host memory (`Where.HOST`,
-`host_bytes`), in no device phase, and one layer's copy joins the backward phase
-(jaxmem.memory.counted.layer_in_flight).
-
-One layer's backward includes, where the policy recomputes the MLP, its backward's working set
-(mlp_backward): the lean SwiGLU keeps fewer residuals than its backward allocates. Sizes are in
-bytes. Axis letters follow docs/architecture.md.
+or, if larger, what is live during the optimizer update (state, batch, gradients and the
+optimizer's working set: RunOptimizer.working_set). Host-resident parts (`--offload-base host`)
+are in no device phase; one layer's copy joins the backward (counted.layer_in_flight). Sizes in
+bytes; axis letters as in docs/architecture.md; the whole model is in docs/memory.md.
 """
 
 from __future__ import annotations
@@ -49,13 +36,12 @@ import math
 import jax.numpy as jnp
 
 from jaxmem import target
-from jaxmem.memory.activations import (FP32, _dname, _nbytes, layer_residuals, mlp_backward,
-                                       outside_residuals)
+from jaxmem.memory.activations import (FP32, _dname, _nbytes, attention_backward, attention_half,
+                                       layer_residuals, mlp_backward, outside_residuals)
 from jaxmem.memory.counted import (Component, Kind, Phase, Where, abstract_state, compute_copy,
                                    count_state, gradient_part, head_gathered, layer_in_flight,
                                    local_bytes, params_fraction)
 from jaxmem.memory.spec import StepSpec
-from jaxmem.model.attention import query_chunk
 from jaxmem.model.remat import RematPolicy
 from jaxmem.loss.chunked import resolve_loss_chunk, vocab_chunk
 from jaxmem.parallel.mesh import AXES, MeshSpec
@@ -99,7 +85,7 @@ def analytic_breakdown(spec: StepSpec, mesh: MeshSpec | None = None) -> dict:
     loss_chunk = resolve_loss_chunk(local.loss_chunk, B, T, c)
     outside = outside_residuals(c, B, T, p.compute_dtype, local.remat, attention, loss_chunk)
     saved = c.num_layers * _sum(per_layer) + _sum(outside)
-    logits_group = _logits_group(c, B, T, loss_chunk)
+    logits_group = _logits_group(c, B, T, loss_chunk, p.compute_dtype)
     layer_bwd = _layer_backward(local, attention, per_layer)
     if logits_group >= layer_bwd:
         label = "fused loss: one chunk's logits group" if loss_chunk else "logits + dlogits [B,T,V]"
@@ -121,7 +107,7 @@ def analytic_breakdown(spec: StepSpec, mesh: MeshSpec | None = None) -> dict:
     trained_bytes = sum(x.bytes for x in trained if x.kind is Kind.PARAMS)
     copy = compute_copy(spec, sizes, spec.in_backward)
     grads, grad_dtype = part, pd.name
-    if copy and target.platform() != "cpu":
+    if copy and target.fuses_elementwise():
         # a GPU's compiler keeps the gradients of the cast params in the compute dtype and fuses
         # their cast to the params' dtype into the update: the 1B amp-bf16 step (remat full,
         # 1x2048, H100 compiler) holds the bf16 weight copies in its 5.14 GiB temp but no fp32
@@ -181,27 +167,37 @@ def _saved_per_layer(spec: StepSpec, attention: str) -> list:
             + spec.trainable.activations(c, B, T, cd, spec.remat)[0])
 
 
-def _logits_group(c, B: int, T: int, loss_chunk: int | None) -> int:
-    """Logits and dlogits [B, T, V] fp32 (exp(..) is saved); fused: one chunk's three."""
+def _logits_group(c, B: int, T: int, loss_chunk: int | None, compute_dtype) -> int:
+    """Logits and dlogits [B, T, V] fp32 (exp(..) is saved); fused (jaxmem.loss.chunked): one
+    chunk's [B, Tc, V] or one vocabulary slice's [B, T, Vc], three fp32 buffers on XLA:CPU; a
+    GPU's compiler fuses them into one and holds the head's slice [Vc, D] in the compute dtype
+    (the 1B QLoRA step's buffer report, H100 compiler: f32[523,128256], bf16[32064,2048])."""
     V = c.vocab_size
     if not loss_chunk:
         return 2 * B * T * V * FP32
     vc = vocab_chunk(V, B * T) or V
-    return 3 * max(B * loss_chunk * V, B * T * vc if vc < V else 0) * FP32
+    group = max(B * loss_chunk * V, B * T * vc if vc < V else 0) * FP32
+    if not target.fuses_elementwise():
+        return 3 * group
+    return group + (vc * c.hidden_size * _nbytes(compute_dtype) if vc < V else 0)
 
 
 def _layer_backward(spec: StepSpec, attention: str, per_layer: list) -> int:
-    """One block's backward: what it recomputes, XLA attention's probabilities of a query chunk,
-    the MLP backward's working set; LoRA: dequantized weights, the adapters' gradients."""
+    """One block's backward: what it recomputes, the MLP backward's working set, XLA attention's
+    buffers of a query chunk; LoRA: dequantized weights, the adapters' gradients. On XLA:CPU all
+    of it is live together; a GPU's compiler frees the MLP's activations before attention's
+    backward starts (its buffer report), so there the larger of the two halves counts."""
     c, p = spec.model, spec.precision
-    B, T, N = spec.batch_size, spec.seq_len, c.num_heads
-    full_layer = _sum(layer_residuals(c, B, T, p.compute_dtype, RematPolicy("none"), attention))
-    layer_bwd = full_layer - _sum(per_layer)
-    if attention == "xla":  # the probabilities of one query chunk (jaxmem.model.attention)
-        cb = _nbytes(p.compute_dtype)
-        layer_bwd += B * N * query_chunk((B, T, N), T) * T * (3 * FP32 + cb)
-    layer_bwd += mlp_backward(spec)
-    return layer_bwd + spec.trainable.activations(c, B, T, p.compute_dtype, spec.remat)[1]
+    B, T, cd = spec.batch_size, spec.seq_len, p.compute_dtype
+    full_layer = _sum(layer_residuals(c, B, T, cd, RematPolicy("none"), attention))
+    recomputed = full_layer - _sum(per_layer)
+    probs = attention_backward(c, B, T, cd) if attention == "xla" else 0
+    mlp = recomputed + mlp_backward(spec)
+    if target.fuses_elementwise():
+        layer_bwd = max(mlp, probs + min(recomputed, attention_half(c, B, T, cd)))
+    else:
+        layer_bwd = mlp + probs
+    return layer_bwd + spec.trainable.activations(c, B, T, cd, spec.remat)[1]
 
 
 def rule_of_thumb(num_params: int) -> dict[str, int]:

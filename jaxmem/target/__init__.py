@@ -85,6 +85,14 @@ def platform() -> str:
     return jax.default_backend()
 
 
+def fuses_elementwise() -> bool:
+    """Whether the compiler the programs are built for fuses elementwise work into its kernels
+    and its consumers' donated buffers (XLA's GPU compiler; not XLA:CPU, which materializes
+    more intermediates). The planner's formula and the skipped-step guard read each compiler's
+    buffer reports by this (docs/memory.md)."""
+    return platform() != "cpu"
+
+
 def devices() -> list:
     """The devices a mesh is built from: the target's inside `compiling_for`, else jax.devices()."""
     t = _ACTIVE.get()

@@ -153,7 +153,7 @@ class RunOptimizer:
         8-bit update: a leaf of more than optim.CHUNK elements in row pieces, one piece's
         working set at a time; the smaller leaves updated whole and live together."""
         if self.in_place is None:
-            if target.platform() != "cpu":  # a GPU fuses the update into its donated buffers
+            if target.fuses_elementwise():  # a GPU fuses the update into its donated buffers
                 return 0
             if self.stochastic_rounding:
                 params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), params)
