@@ -17,6 +17,7 @@ from jaxmem.model.remat import RematPolicy
 
 FP32 = 4
 
+
 def _nbytes(dtype) -> int:
     return jnp.dtype(dtype).itemsize
 
@@ -31,7 +32,8 @@ def tag_shapes(c: ModelConfig, B: int, T: int) -> dict[str, int]:
     """Elements of each tagged activation of one block (jaxmem.model.remat.TAGS)."""
     D, F, N, K, H = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
                      c.resolved_head_dim)
-    return {"block_input": B * T * D, "attn_norm": B * T * D, "query": B * T * N * H, "key": B * T * K * H,
+    return {"block_input": B * T * D, "attn_norm": B * T * D, "query": B * T * N * H,
+            "key": B * T * K * H,
             "value": B * T * K * H, "attn_context": B * T * N * H, "attn_out": B * T * D,
             "mlp_norm": B * T * D, "mlp_gate": B * T * F, "mlp_up": B * T * F,
             "mlp_hidden": B * T * F, "mlp_out": B * T * D}
