@@ -18,7 +18,7 @@ import dataclasses
 from jaxmem.config.run import RunConfig, field_metadata, flag_names
 
 
-def _number_type(convert, ok, expected):
+def number_type(convert, ok, expected):
     """An argparse `type=`: converts, checks, and names what it expected in the error."""
     def parse(text):
         try:
@@ -31,10 +31,10 @@ def _number_type(convert, ok, expected):
     return parse
 
 
-positive_int = _number_type(int, lambda v: v > 0, "a positive integer")
-nonneg_int = _number_type(int, lambda v: v >= 0, "an integer >= 0")
-nonneg_float = _number_type(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
-positive_float = _number_type(float, lambda v: 0 < v < float("inf"), "a finite number > 0")
+positive_int = number_type(int, lambda v: v > 0, "a positive integer")
+nonneg_int = number_type(int, lambda v: v >= 0, "an integer >= 0")
+nonneg_float = number_type(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+positive_float = number_type(float, lambda v: 0 < v < float("inf"), "a finite number > 0")
 TYPES = {"positive_int": positive_int, "nonneg_int": nonneg_int, "nonneg_float": nonneg_float,
          "positive_float": positive_float}
 

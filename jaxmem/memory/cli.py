@@ -25,7 +25,7 @@ import json
 import sys
 
 from jaxmem import target
-from jaxmem.config.flags import (PLANNER_ONLY, PLANNER_SECTIONS, _number_type, add_run_flags,
+from jaxmem.config.flags import (PLANNER_ONLY, PLANNER_SECTIONS, number_type, add_run_flags,
                                  given_overrides, positive_int)
 from jaxmem.config.run import RunConfig
 from jaxmem.model.precision import get_precision
@@ -34,7 +34,7 @@ from jaxmem.memory.spec import StepSpec
 from jaxmem.train.run import build_step_config
 
 
-positive_gib = _number_type(float, lambda v: 0 < v < float("inf"), "a positive number of GiB")
+positive_gib = number_type(float, lambda v: 0 < v < float("inf"), "a positive number of GiB")
 
 
 def build_parser() -> argparse.ArgumentParser:
