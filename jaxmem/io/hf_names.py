@@ -94,6 +94,10 @@ def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
         shape, in_ndim = proj_shapes[name]
         specs.append(TensorSpec(("layers", parent, name), f"{layer}{parent}.{name}.weight",
                                 shape, True, in_ndim))
+    if c.qk_norm:  # Qwen3: RMSNorm scales [H] on q and k
+        for norm in ("q_norm", "k_norm"):
+            specs.append(TensorSpec(("layers", "self_attn", norm, "scale"),
+                                    f"{layer}self_attn.{norm}.weight", (H,), True))
     specs.append(TensorSpec(("norm", "scale"), "model.norm.weight", (D,), False))
     if not c.tie_embeddings:
         specs.append(TensorSpec(("lm_head",), "lm_head.weight", (D, V), False, in_ndim=1))

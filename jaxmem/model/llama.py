@@ -57,6 +57,9 @@ class Attention(nn.Module):
         q = proj("q_proj", "BTD,DNH->BTNH", (D, N, H), D)(x)  # [B, T, N, H]
         k = proj("k_proj", "BTD,DKH->BTKH", (D, K, H), D)(x)  # [B, T, K, H]
         v = proj("v_proj", "BTD,DKH->BTKH", (D, K, H), D)(x)  # [B, T, K, H]
+        if c.qk_norm:  # over the head dim, shared by the heads, before RoPE (Qwen3)
+            q = RMSNorm(c.rms_norm_eps, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, name="k_norm")(k)
         q = checkpoint_name(apply_rope(q, cos, sin), "query")
         k = checkpoint_name(apply_rope(k, cos, sin), "key")
         v = checkpoint_name(v, "value")
