@@ -32,8 +32,9 @@ COMMON = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_la
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
               rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=0, eos_token_id=1,
               pad_token_id=2)
-# family: (config class, model class, kwargs): head_dim 16 != 48 / 4 on both
+# family: (config class, model class, kwargs): head_dim 16 != 48 / 4 where the family has one
 FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=16, sliding_window=None)),
 }
@@ -81,9 +82,15 @@ def terms(config) -> int:
 def test_logits_equal_transformers(checkpoints, family):
     config, params = load_hf(checkpoints / family)
     assert config.family == family and config.qk_norm == (family == "qwen3")
-    assert config.resolved_head_dim * config.num_heads != config.hidden_size
+    assert config.qkv_bias == (family == "qwen2")
     ref = torch_logits(checkpoints / family, ids())
     assert_reordered_fp32(jax_logits(config, params, ids()), ref, terms=terms(config))
+    if family == "qwen2":  # the biases are not zero, and without them the logits differ
+        assert np.abs(params["layers"]["self_attn"]["k_bias"]).min() > 0.5
+        plain = {**params, "layers": {**params["layers"], "self_attn": {
+            k: v for k, v in params["layers"]["self_attn"].items() if not k.endswith("_bias")}}}
+        off = jax_logits(config.replace(qkv_bias=False), plain, ids())
+        assert np.abs(off - ref).max() > 10 * largest_allowed(ref, terms(config))
     if family == "qwen3":  # negative control: the same weights without the QK-norm
         plain = {**params, "layers": {**params["layers"], "self_attn": {
             k: v for k, v in params["layers"]["self_attn"].items() if not k.endswith("_norm")}}}
@@ -126,9 +133,10 @@ def test_jaxmem_written_checkpoint_loads_in_transformers(tmp_path, family):
     from jaxmem.io.hf_export import save_hf
 
     config = ModelConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
-                         max_position_embeddings=256, family=family,
-                         qk_norm=family == "qwen3", tie_embeddings=family == "qwen3")
+                         num_heads=4, num_kv_heads=2, rms_norm_eps=1e-6,
+                         head_dim=None if family == "qwen2" else 16,
+                         max_position_embeddings=256, family=family, qk_norm=family == "qwen3",
+                         qkv_bias=family == "qwen2", tie_embeddings=family == "qwen3")
     params = random_params(config, seed=3)
     save_hf(tmp_path / "hf", config, params)
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -145,6 +153,7 @@ REFUSED = [  # (transformers config class, kwargs, the key the refusal names)
     ("MixtralConfig", dict(num_local_experts=4), "num_local_experts"),
     ("MistralConfig", dict(sliding_window=64), "sliding_window"),
     ("Qwen3Config", dict(use_sliding_window=True, sliding_window=64), "use_sliding_window"),
+    ("Qwen2Config", dict(use_sliding_window=True, sliding_window=64), "use_sliding_window"),
 ]
 
 
@@ -180,9 +189,13 @@ def test_train_init_from_a_moe_checkpoint_exits_2_with_one_line(tmp_path, capsys
     assert not (tmp_path / "run").exists()
 
 
-# Published parameter counts (the model cards; billions, as printed there): total and without
-# the embedding and the LM head.
+# Published parameter counts, in billions as printed: Qwen3's model cards (total, and without
+# the embedding and the LM head); the Hub's model size of the safetensors for Qwen2.5 and
+# Mistral (Qwen2.5's cards truncate, and print 32.5B for a 32.76B checkpoint).
 PUBLISHED = {
+    "qwen2.5-0.5b": ("0.494", None), "qwen2.5-1.5b": ("1.54", None), "qwen2.5-3b": ("3.09", None),
+    "qwen2.5-7b": ("7.62", None), "qwen2.5-14b": ("14.8", None), "qwen2.5-32b": ("32.8", None),
+    "qwen2.5-72b": ("72.7", None),
     "qwen3-0.6b": ("0.6", "0.44"), "qwen3-1.7b": ("1.7", "1.4"), "qwen3-4b": ("4.0", "3.6"),
     "qwen3-8b": ("8.2", "6.95"), "qwen3-14b": ("14.8", "13.2"), "qwen3-32b": ("32.8", "31.2"),
     "mistral-7b-v0.3": ("7.25", None), "mistral-nemo-12b": ("12.2", None),

@@ -71,4 +71,4 @@ def get(name: str) -> Family:
     return FAMILIES[name]
 
 
-from jaxmem.families import llama, mistral, qwen3  # noqa: E402,F401  (they register themselves)
+from jaxmem.families import llama, mistral, qwen2, qwen3  # noqa: E402,F401  (they register themselves)
