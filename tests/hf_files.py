@@ -54,7 +54,7 @@ def peft_model_of_run(hf_dir, run_dir, out_dir):
     from jaxmem.export.cli import main as export_main
 
     assert export_main(["--run", str(run_dir), "--out", str(out_dir), "--adapters-only"]) == 0
-    base = transformers.LlamaForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     return peft.PeftModel.from_pretrained(base, str(out_dir)).eval()
 
 

@@ -69,6 +69,11 @@ class ModelSection:
                                                  cli=False)
     rope_original_max_position_embeddings: int | None = option(
         None, "override the preset's rope_original_max_position_embeddings", cli=False)
+    # The family and its variation points (jaxmem.families): from the preset, or a checkpoint's
+    # config.json by --init-from.
+    family: str | None = option(None, "override the preset's model family", cli=False)
+    qk_norm: bool | None = option(None, "override the preset's qk_norm", cli=False)
+    qkv_bias: bool | None = option(None, "override the preset's qkv_bias", cli=False)
 
     def config(self) -> ModelConfig:
         """The preset with the overrides applied (validated by ModelConfig)."""
