@@ -15,36 +15,14 @@ config.json and refuses, naming the key, a mixture of experts and a multimodal c
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Callable
 
-from jaxmem.config.model import ConfigError, ModelConfig
-
-
-@dataclass(frozen=True)
-class Family:
-    name: str
-    architecture: str
-    fields: Callable[[dict], dict]
-    hf_keys: Callable[[ModelConfig], dict]
-
-
-FAMILIES: dict[str, Family] = {}
+from jaxmem.config.model import ConfigError
+from jaxmem.families import llama, mistral, qwen2, qwen3  # noqa: F401  (they register themselves)
+from jaxmem.families.base import FAMILIES, Family, refuse, register  # noqa: F401
 
 # keys whose presence makes a config.json something jaxmem does not build
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 _MULTIMODAL_KEYS = ("vision_config", "audio_config")
-
-
-def register(family: Family) -> Family:
-    FAMILIES[family.name] = family
-    return family
-
-
-def refuse(d: dict, key: str, ok, what: str) -> None:
-    """ConfigError naming `key` when config.json sets it to a value `ok` rejects."""
-    if key in d and d[key] is not None and not ok(d[key]):
-        raise ConfigError(f"config.json: {key}={json.dumps(d[key])} is not supported ({what})")
 
 
 def for_hf(d: dict) -> Family:
@@ -69,6 +47,3 @@ def get(name: str) -> Family:
     if name not in FAMILIES:
         raise ConfigError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}")
     return FAMILIES[name]
-
-
-from jaxmem.families import llama, mistral, qwen2, qwen3  # noqa: E402,F401  (they register themselves)

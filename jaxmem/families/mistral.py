@@ -1,7 +1,7 @@
 """Mistral 7B v0.3 and Nemo 12B: the shared decoder with an explicit head dim (Nemo). Their
 config.json sets no sliding window; one that does (Mistral 7B v0.1) is refused for now."""
 
-from jaxmem.families import Family, refuse, register
+from jaxmem.families.base import Family, refuse, register
 
 
 def _fields(d: dict) -> dict:

@@ -2,7 +2,7 @@
 head dim, tied embeddings in the small sizes. Its checkpoints name the sliding window but leave
 it off (`use_sliding_window: false`); one that turns it on is refused."""
 
-from jaxmem.families import Family, refuse, register
+from jaxmem.families.base import Family, refuse, register
 
 
 def _fields(d: dict) -> dict:
