@@ -10,8 +10,9 @@ Qwen3, Mistral): the config mapping and reading the weights.
     hf_tokenizer(dir)                     tokenizer.json with the checkpoint's BOS/EOS ids
 
 numpy + safetensors + ml_dtypes only (no torch). The two config mappings are the one reviewed
-place where jaxmem's ModelConfig meets a transformers config (each family adds its keys) (levanter's from_hf_config /
-to_hf_config): import and export use nothing else, and tests/test_hf.py round-trips both.
+place where jaxmem's ModelConfig meets a transformers config (each family adds its keys;
+levanter's from_hf_config / to_hf_config): import and export use nothing else, and
+tests/test_hf.py round-trips both.
 
 config.json comes in two spellings. transformers <= 4 wrote `rope_theta`, `rope_scaling`
 ({"rope_type" or "type": "llama3", "factor": ...} or null) and `torch_dtype`; transformers 5
