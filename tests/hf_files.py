@@ -58,6 +58,18 @@ def peft_model_of_run(hf_dir, run_dir, out_dir):
     return peft.PeftModel.from_pretrained(base, str(out_dir)).eval()
 
 
+def run_eval_losses(run) -> tuple[float, float]:
+    """lora_eval_losses of a LoRA run on its own eval batches (its corpus, tokenizer, shape)."""
+    from jaxmem.data import eval_batches, load_corpus  # noqa: PLC0415
+
+    cfg = run.config
+    _, ev, _ = load_corpus(cfg.data.data, run.tokenizer, run.step_config.model.vocab_size,
+                           seq_len=cfg.data.seq_len)
+    batches = eval_batches(ev, cfg.data.batch_size, cfg.data.seq_len, cfg.run.eval_batches,
+                           pad_id=run.tokenizer.pad_id)
+    return lora_eval_losses(run, batches)
+
+
 def lora_eval_losses(run, batches) -> tuple[float, float]:
     """(mean eval loss with every lora_b zeroed, i.e. the frozen base alone; with the trained
     adapters) of a loaded LoRA run on `batches`, through the run's own eval function."""

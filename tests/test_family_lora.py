@@ -18,7 +18,7 @@ from jaxmem.peft.export import run_base
 from jaxmem.train.cli import main
 from jaxmem.train.rundir import load_run
 
-from hf_files import lora_eval_losses, random_params, write_tokenizer  # noqa: E402
+from hf_files import random_params, run_eval_losses, write_tokenizer  # noqa: E402
 from numerics import assert_reordered_fp32, model_terms  # noqa: E402
 from runs import losses, params_of  # noqa: E402
 
@@ -55,22 +55,12 @@ def qlora(request, tmp_path_factory):
     return family, d / "hf", d / "run"
 
 
-def _eval_losses(run):
-    from jaxmem.data import eval_batches, load_corpus
-
-    cfg = run.config
-    _, ev, _ = load_corpus(cfg.data.data, run.tokenizer, BASE.vocab_size, seq_len=cfg.data.seq_len)
-    batches = eval_batches(ev, cfg.data.batch_size, cfg.data.seq_len, cfg.run.eval_batches,
-                           pad_id=run.tokenizer.pad_id)
-    return lora_eval_losses(run, batches)
-
-
 @pytest.mark.slow  # a 30-step QLoRA run per family: ~15 s each on 2 cores
 def test_qlora_fine_tune_lowers_the_eval_loss(qlora):
     family, hf, out = qlora
     run = load_run(out)
     assert run.step_config.model.family == family
-    base, tuned = _eval_losses(run)
+    base, tuned = run_eval_losses(run)
     assert tuned < base - 0.3, (base, tuned)
 
 

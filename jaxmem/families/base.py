@@ -30,3 +30,17 @@ def refuse(d: dict, key: str, ok, what: str) -> None:
     """ConfigError naming `key` when config.json sets it to a value `ok` rejects."""
     if key in d and d[key] is not None and not ok(d[key]):
         raise ConfigError(f"config.json: {key}={json.dumps(d[key])} is not supported ({what})")
+
+
+def full_attention_only(d: dict, family: str) -> None:
+    """Refuse a sliding window that config.json turns on (Qwen's checkpoints name one and leave
+    it off: `use_sliding_window: false`)."""
+    refuse(d, "use_sliding_window", lambda v: v is False,
+           f"sliding-window attention is not built for {family}")
+    refuse(d, "layer_types", lambda v: set(v) <= {"full_attention"},
+           "every layer full attention only")
+
+
+def window_off(c: ModelConfig) -> dict:
+    """config.json keys of a Qwen checkpoint with its sliding window off."""
+    return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": c.num_layers}
