@@ -54,8 +54,20 @@ def peft_model_of_run(hf_dir, run_dir, out_dir):
     from jaxmem.export.cli import main as export_main
 
     assert export_main(["--run", str(run_dir), "--out", str(out_dir), "--adapters-only"]) == 0
-    base = transformers.LlamaForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     return peft.PeftModel.from_pretrained(base, str(out_dir)).eval()
+
+
+def run_eval_losses(run) -> tuple[float, float]:
+    """lora_eval_losses of a LoRA run on its own eval batches (its corpus, tokenizer, shape)."""
+    from jaxmem.data import eval_batches, load_corpus  # noqa: PLC0415
+
+    cfg = run.config
+    _, ev, _ = load_corpus(cfg.data.data, run.tokenizer, run.step_config.model.vocab_size,
+                           seq_len=cfg.data.seq_len)
+    batches = eval_batches(ev, cfg.data.batch_size, cfg.data.seq_len, cfg.run.eval_batches,
+                           pad_id=run.tokenizer.pad_id)
+    return lora_eval_losses(run, batches)
 
 
 def lora_eval_losses(run, batches) -> tuple[float, float]:

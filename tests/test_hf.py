@@ -78,7 +78,7 @@ def test_transformers_5_spelling_reads_the_same():
 @pytest.mark.parametrize("change, needle", [
     ({"attention_bias": True}, "attention_bias=true is not supported"),
     ({"mlp_bias": True}, "mlp_bias=true is not supported"),
-    ({"model_type": "mistral"}, "model_type='mistral' is not supported"),
+    ({"model_type": "gemma2"}, "model_type='gemma2' is not supported (families: llama, "),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type='yarn'"),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}},
      "rope_parameters.rope_type='linear'"),

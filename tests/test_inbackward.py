@@ -23,8 +23,12 @@ from jaxmem.train.step import StepConfig, create_train_state, make_train_step
 from runs import SMALL, error_line, losses, params_of
 
 
-def _configs(optimizer, precision="fp32", tie=False, **optim):
-    model = get_preset("tiny", tie_embeddings=tie)
+FAMILIES = {"llama": {}, "qwen3": dict(family="qwen3", qk_norm=True),
+            "qwen2": dict(family="qwen2", qkv_bias=True)}
+
+
+def _configs(optimizer, precision="fp32", tie=False, family="llama", **optim):
+    model = get_preset("tiny", tie_embeddings=tie, **FAMILIES[family])
     ordinary = StepConfig(model, get_precision(precision), RematPolicy("full"),
                           OptimConfig(optimizer=optimizer, clip=0.0, lr=1e-2, warmup_steps=2,
                                       total_steps=20, **optim))
@@ -33,10 +37,13 @@ def _configs(optimizer, precision="fp32", tie=False, **optim):
 
 
 @pytest.mark.slow  # two tiny steps compiled per case, 10 steps each
-@pytest.mark.parametrize("optimizer,tie", [("adamw", False), ("adamw8bit", False),
-                                           ("lion", True)])
-def test_fp32_losses_equal_the_ordinary_step_for_10_steps(optimizer, tie):
-    ordinary, oib = _configs(optimizer, tie=tie)
+@pytest.mark.parametrize("optimizer,tie,family", [
+    ("adamw", False, "llama"), ("adamw8bit", False, "llama"), ("lion", True, "llama"),
+    ("adamw", True, "qwen3"), ("adamw8bit", False, "qwen2")])
+def test_fp32_losses_equal_the_ordinary_step_for_10_steps(optimizer, tie, family):
+    """Each family's block through the in-backward step's own forward (Qwen3's QK-norm,
+    Qwen2's biases) gives the ordinary step's losses."""
+    ordinary, oib = _configs(optimizer, tie=tie, family=family)
     s1, s2 = create_train_state(ordinary, seed=1), create_train_state(oib, seed=1)
     f1, f2 = jax.jit(make_train_step(ordinary)), jax.jit(make_train_step(oib))
     l1, l2 = [], []

@@ -19,7 +19,7 @@ from jaxmem.peft.export import merged_params, run_base
 from jaxmem.train.cli import main
 from runs import error_line
 
-from hf_files import lora_eval_losses, random_params, write_tokenizer  # noqa: E402
+from hf_files import random_params, run_eval_losses, write_tokenizer  # noqa: E402
 from numerics import assert_reordered_fp32, model_terms  # noqa: E402
 
 pytest.importorskip("tokenizers")
@@ -48,24 +48,13 @@ def qlora(tmp_path_factory):
     return hf, out
 
 
-def _eval_losses(run):
-    """(eval loss of the base, eval loss with the trained adapters) on the run's eval batches."""
-    from jaxmem.data import eval_batches, load_corpus
-
-    cfg = run.config
-    _, ev, _ = load_corpus(cfg.data.data, run.tokenizer, CFG.vocab_size, seq_len=cfg.data.seq_len)
-    batches = eval_batches(ev, cfg.data.batch_size, cfg.data.seq_len, cfg.run.eval_batches,
-                           pad_id=run.tokenizer.pad_id)
-    return lora_eval_losses(run, batches)
-
-
 @pytest.mark.slow  # 19.9 s cold on 2 cores (default run kept under 5 min)
 def test_qlora_fine_tune_lowers_the_eval_loss(qlora):
     hf, out = qlora
     run = load_run(out)
     rec = json.loads((out / "config.json").read_text())["peft_base"]
     assert rec["source"] == str(hf.resolve()) and rec["quantize"] == "nf4"
-    base, tuned = _eval_losses(run)
+    base, tuned = run_eval_losses(run)
     # measured (CPU, jax 0.10.2): 6.90 (the random base) -> 4.13 nats/token after 40 steps
     assert tuned < base - 0.3, (base, tuned)
 

@@ -50,9 +50,14 @@ def jax_saved_bytes(spec: StepSpec) -> int:
                                        pytest.param("bf16", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("remat", ["none", "full", "dots", "dots_no_batch",
                                    "names:query,key,value,mlp_gate,mlp_up", "names:" + ",".join(TAGS)])
-def test_saved_activations_match_jax(precision, remat):
-    """Formula = jax's saved residuals to 0.5% (measured: 0.05-0.35% below, a few [B, T] ints)."""
-    spec = StepSpec.of(CFG, get_precision(precision), RematPolicy.parse(remat), 2, 24,
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3", marks=pytest.mark.slow),
+                                    pytest.param("qwen2", marks=pytest.mark.slow)])
+def test_saved_activations_match_jax(precision, remat, family):
+    """Formula = jax's saved residuals to 0.5% (measured: 0.05-0.35% below, a few [B, T] ints);
+    Qwen3's QK-norm keeps q and k before it, Qwen2's biases keep nothing more."""
+    model = CFG.replace(**{"llama": {}, "qwen3": dict(family="qwen3", qk_norm=True),
+                           "qwen2": dict(family="qwen2", qkv_bias=True)}[family])
+    spec = StepSpec.of(model, get_precision(precision), RematPolicy.parse(remat), 2, 24,
                        attention="xla")
     a = analytic_breakdown(spec)
     compute_copy = {c["name"]: c["bytes"] for c in a["components"]}["params (compute copy)"]

@@ -50,8 +50,22 @@ def test_count_by_role(cfg):
     assert counts == {"embedding": V * D, "norm": (2 * L + 1) * D, "q_proj": L * D * N * H,
                       "k_proj": L * D * K * H, "v_proj": L * D * K * H, "o_proj": L * N * H * D,
                       "gate_proj": L * D * F, "up_proj": L * D * F, "down_proj": L * F * D,
-                      "lm_head": 0 if cfg.tie_embeddings else D * V}
+                      "lm_head": 0 if cfg.tie_embeddings else D * V, "bias": 0}
     assert sum(counts.values()) == count_params(abstract_params(cfg)) == cfg.num_params()
+
+
+def test_qwen_parameters_have_roles():
+    """Qwen3's QK-norm scales are norms, Qwen2's q/k/v biases biases (no decay either)."""
+    cfg = CFG.replace(family="qwen2", qkv_bias=True, qk_norm=True)
+    counts = count_by_role(abstract_params(cfg))
+    L, D, N, K, H = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                     cfg.resolved_head_dim)
+    assert counts["bias"] == L * (N + 2 * K) * H and counts["norm"] == (2 * L + 1) * D + 2 * L * H
+    params = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), abstract_params(cfg))
+    mask = decay_mask(params)["layers"]["self_attn"]
+    assert not any(mask[k] for k in ("q_bias", "k_bias", "v_bias"))
+    assert not mask["q_norm"]["scale"] and not mask["k_norm"]["scale"]
+    assert mask["q_proj"]
 
 
 def test_decay_mask_and_norm_casting_follow_roles():

@@ -47,6 +47,12 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 8192
+    # The model family (jaxmem.families: its config.json mapping, HF names and presets) and the
+    # decoder's variation points it sets. qk_norm: an RMSNorm over the head dim on q and k
+    # before RoPE (Qwen3); qkv_bias: biases on the q, k and v projections (Qwen2).
+    family: str = "llama"
+    qk_norm: bool = False
+    qkv_bias: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -76,6 +82,8 @@ class ModelConfig:
             raise ConfigError("ModelConfig llama3 RoPE needs rope_factor > 0, "
                               "rope_original_max_position_embeddings > 0 and "
                               "rope_high_freq_factor > rope_low_freq_factor > 0")
+        if not isinstance(self.family, str) or not self.family:
+            raise ConfigError(f"ModelConfig.family must be a family's name, got {self.family!r}")
         if not self.rms_norm_eps > 0:
             raise ConfigError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
 
@@ -103,7 +111,8 @@ class ModelConfig:
         """Closed-form parameter count (checked against jax.eval_shape in the tests)."""
         d, f, h = self.hidden_size, self.intermediate_size, self.resolved_head_dim
         attn = d * h * (2 * self.num_heads + 2 * self.num_kv_heads)
-        per_layer = attn + 3 * d * f + 2 * d
+        per_layer = attn + 3 * d * f + 2 * d + (2 * h if self.qk_norm else 0)
+        per_layer += (self.num_heads + 2 * self.num_kv_heads) * h if self.qkv_bias else 0
         embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.num_layers * per_layer + embed + d
 
@@ -144,6 +153,51 @@ PRESETS: dict[str, ModelConfig] = {
                               num_layers=32, num_heads=32, num_kv_heads=32,
                               max_position_embeddings=4096, rope_theta=10000.0),
 }
+
+
+# Qwen3 dense (config.json of Qwen/Qwen3-*): QK-norm, head dim 128, the small sizes tied.
+_QWEN3 = dict(family="qwen3", qk_norm=True, vocab_size=151936, head_dim=128, num_kv_heads=8,
+              max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6)
+# Qwen2.5 dense (config.json of Qwen/Qwen2.5-*): biases on q, k, v; the small sizes tied.
+_QWEN2 = dict(family="qwen2", qkv_bias=True, vocab_size=151936, max_position_embeddings=32768,
+              rope_theta=1000000.0, rms_norm_eps=1e-6)
+_QWEN2_BIG = dict(_QWEN2, vocab_size=152064, max_position_embeddings=131072)
+# Mistral 7B v0.3 and Nemo 12B (config.json: no sliding window, head dim 128 on Nemo).
+_MISTRAL = dict(family="mistral", num_kv_heads=8, rope_theta=1000000.0, num_heads=32)
+
+PRESETS.update({
+    "qwen3-0.6b": ModelConfig(hidden_size=1024, intermediate_size=3072, num_layers=28,
+                              num_heads=16, tie_embeddings=True, **_QWEN3),
+    "qwen3-1.7b": ModelConfig(hidden_size=2048, intermediate_size=6144, num_layers=28,
+                              num_heads=16, tie_embeddings=True, **_QWEN3),
+    "qwen3-4b": ModelConfig(hidden_size=2560, intermediate_size=9728, num_layers=36,
+                            num_heads=32, tie_embeddings=True, **_QWEN3),
+    "qwen3-8b": ModelConfig(hidden_size=4096, intermediate_size=12288, num_layers=36,
+                            num_heads=32, **_QWEN3),
+    "qwen3-14b": ModelConfig(hidden_size=5120, intermediate_size=17408, num_layers=40,
+                             num_heads=40, **_QWEN3),
+    "qwen3-32b": ModelConfig(hidden_size=5120, intermediate_size=25600, num_layers=64,
+                             num_heads=64, **_QWEN3),
+    "qwen2.5-0.5b": ModelConfig(hidden_size=896, intermediate_size=4864, num_layers=24,
+                                num_heads=14, num_kv_heads=2, tie_embeddings=True, **_QWEN2),
+    "qwen2.5-1.5b": ModelConfig(hidden_size=1536, intermediate_size=8960, num_layers=28,
+                                num_heads=12, num_kv_heads=2, tie_embeddings=True, **_QWEN2),
+    "qwen2.5-3b": ModelConfig(hidden_size=2048, intermediate_size=11008, num_layers=36,
+                              num_heads=16, num_kv_heads=2, tie_embeddings=True, **_QWEN2),
+    "qwen2.5-7b": ModelConfig(hidden_size=3584, intermediate_size=18944, num_layers=28,
+                              num_heads=28, num_kv_heads=4, **_QWEN2_BIG),
+    "qwen2.5-14b": ModelConfig(hidden_size=5120, intermediate_size=13824, num_layers=48,
+                               num_heads=40, num_kv_heads=8, **_QWEN2_BIG),
+    "qwen2.5-32b": ModelConfig(hidden_size=5120, intermediate_size=27648, num_layers=64,
+                               num_heads=40, num_kv_heads=8, **_QWEN2_BIG),
+    "qwen2.5-72b": ModelConfig(hidden_size=8192, intermediate_size=29568, num_layers=80,
+                               num_heads=64, num_kv_heads=8, **_QWEN2_BIG),
+    "mistral-7b-v0.3": ModelConfig(vocab_size=32768, hidden_size=4096, intermediate_size=14336,
+                                   num_layers=32, max_position_embeddings=32768, **_MISTRAL),
+    "mistral-nemo-12b": ModelConfig(vocab_size=131072, hidden_size=5120,
+                                    intermediate_size=14336, num_layers=40, head_dim=128,
+                                    max_position_embeddings=1024000, **_MISTRAL),
+})
 
 
 def get_preset(name: str, **overrides) -> ModelConfig:

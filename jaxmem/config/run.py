@@ -69,6 +69,11 @@ class ModelSection:
                                                  cli=False)
     rope_original_max_position_embeddings: int | None = option(
         None, "override the preset's rope_original_max_position_embeddings", cli=False)
+    # The family and its variation points (jaxmem.families): from the preset, or a checkpoint's
+    # config.json by --init-from.
+    family: str | None = option(None, "override the preset's model family", cli=False)
+    qk_norm: bool | None = option(None, "override the preset's qk_norm", cli=False)
+    qkv_bias: bool | None = option(None, "override the preset's qkv_bias", cli=False)
 
     def config(self) -> ModelConfig:
         """The preset with the overrides applied (validated by ModelConfig)."""
@@ -218,8 +223,9 @@ class InitSection:
     """Where a run's step-0 weights come from (jaxmem.io.hf): random init, or a checkpoint."""
 
     init_from: str | None = option(
-        None, "start from a Hugging Face Llama checkpoint directory (config.json, safetensors, "
-        "tokenizer.json): its shapes, weights and tokenizer replace --preset and --tokenizer "
+        None, "start from a Hugging Face checkpoint directory of a Llama, Qwen3, Qwen2.5 or "
+        "Mistral model (config.json, safetensors, tokenizer.json): its family, shapes, "
+        "weights and tokenizer replace --preset and --tokenizer "
         "(full fine-tune, in any --precision)", metavar="HF_DIR")
 
 

@@ -1,9 +1,10 @@
-"""`python -m jaxmem.export`: write a run's newest checkpoint as a Hugging Face Llama directory.
+"""`python -m jaxmem.export`: write a run's newest checkpoint as a Hugging Face checkpoint
+directory of its model family.
 
     python -m jaxmem.export --run runs/ft --out hf/ft                  # merged full weights
     python -m jaxmem.export --run runs/ft --out hf/ft --dtype bfloat16 --max-shard-mb 2048
 
-The output is what transformers' `LlamaForCausalLM.from_pretrained` and `jaxmem.generate --hf`
+The output is what transformers' `AutoModelForCausalLM.from_pretrained` and `jaxmem.generate --hf`
 load: safetensors (sharded with model.safetensors.index.json above --max-shard-mb), config.json
 (jaxmem.io.hf.config_to_hf) and the run's tokenizer files. Bad input exits 2 with one line;
 nothing is written into a directory that already holds a checkpoint.
@@ -68,7 +69,8 @@ EXPORTERS: dict[str, Callable] = {
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jaxmem.export",
                                 description="Write a run's newest checkpoint as a Hugging Face "
-                                            "Llama directory that transformers loads.")
+                                            "checkpoint directory of the run's model family that "
+                                            "transformers loads.")
     p.add_argument("--run", required=True, help="run directory (the --out of jaxmem.train)")
     p.add_argument("--out", required=True, help="Hugging Face directory to write (new or empty)")
     p.add_argument("--dtype", choices=list(DTYPES),

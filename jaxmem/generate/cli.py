@@ -1,5 +1,6 @@
 """`python -m jaxmem.generate`: sample text from the newest checkpoint of a run, or from a
-Hugging Face Llama checkpoint directory, with a KV cache (jaxmem.decode.sampling).
+Hugging Face checkpoint directory (Llama, Qwen3, Qwen2.5, Mistral), with a KV cache
+(jaxmem.decode.sampling).
 
     python -m jaxmem.generate --run runs/default --prompt "def main(" --max-new-tokens 200
     python -m jaxmem.generate --hf Llama-3.2-1B --prompt "The capital of France" --temperature 0
@@ -37,12 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jaxmem.generate",
         description="Sample from a checkpoint of a jaxmem run (default: its newest), or from a "
-                    "Hugging Face Llama directory. The sampling defaults shown are jaxmem.train's; "
+                    "Hugging Face checkpoint directory. The sampling defaults shown are "
+                    "jaxmem.train's; "
                     "a run's own values, as saved in its config.json, take their place.")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--run", help="run directory (the --out of jaxmem.train)")
-    source.add_argument("--hf", metavar="HF_DIR", help="a Hugging Face Llama checkpoint directory "
-                        "(config.json, safetensors, tokenizer.json)")
+    source.add_argument("--hf", metavar="HF_DIR",
+                        help="a Hugging Face checkpoint directory of a Llama, Qwen3, Qwen2.5 or "
+                        "Mistral model (config.json, safetensors, tokenizer.json)")
     p.add_argument("--step", type=int, default=None, metavar="N",
                    help="with --run: sample from committed checkpoint step N (default: the newest)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")

@@ -1,4 +1,5 @@
-"""Hugging Face Llama checkpoint directories: the config mapping and reading the weights.
+"""Hugging Face checkpoint directories of the registered families (jaxmem.families: Llama,
+Qwen3, Mistral): the config mapping and reading the weights.
 
     config_from_hf(d) -> ModelConfig      config.json's dict -> ModelConfig (refuses what it
                                           cannot represent, naming the key)
@@ -9,8 +10,9 @@
     hf_tokenizer(dir)                     tokenizer.json with the checkpoint's BOS/EOS ids
 
 numpy + safetensors + ml_dtypes only (no torch). The two config mappings are the one reviewed
-place where jaxmem's ModelConfig meets transformers' LlamaConfig (levanter's from_hf_config /
-to_hf_config): import and export use nothing else, and tests/test_hf.py round-trips both.
+place where jaxmem's ModelConfig meets a transformers config (each family adds its keys;
+levanter's from_hf_config / to_hf_config): import and export use nothing else, and
+tests/test_hf.py round-trips both.
 
 config.json comes in two spellings. transformers <= 4 wrote `rope_theta`, `rope_scaling`
 ({"rope_type" or "type": "llama3", "factor": ...} or null) and `torch_dtype`; transformers 5
@@ -32,6 +34,7 @@ from pathlib import Path
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy before safetensors reads bf16)
 import numpy as np
 
+from jaxmem import families
 from jaxmem.config.model import ConfigError, ModelConfig
 from jaxmem.io.hf_names import hf_names, params_from_hf
 
@@ -85,9 +88,12 @@ def _rope(d: dict) -> dict:
 
 
 def config_from_hf(d: dict) -> ModelConfig:
-    """ModelConfig of a transformers LlamaConfig dict; HFError names the first key it cannot take."""
-    if d.get("model_type", "llama") != "llama":
-        raise HFError(f"config.json: model_type={d['model_type']!r} is not supported (llama only)")
+    """ModelConfig of a config.json dict of a registered family (jaxmem.families); HFError
+    names the first key it cannot take."""
+    try:
+        family = families.for_hf(d)
+    except ConfigError as e:
+        raise HFError(str(e)) from None
     _refuse(d, "attention_bias", lambda v: v is False, "no biases in jaxmem's attention")
     _refuse(d, "mlp_bias", lambda v: v is False, "no biases in jaxmem's MLP")
     _refuse(d, "hidden_act", lambda v: v == "silu", "jaxmem's MLP is SwiGLU")
@@ -108,6 +114,7 @@ def config_from_hf(d: dict) -> ModelConfig:
     fields["tie_embeddings"] = bool(d.get("tie_word_embeddings", False))
     fields.update(_rope(d))
     try:
+        fields.update(family=family.name, **family.fields(d))
         return ModelConfig(**fields)
     except ConfigError as e:
         raise HFError(f"config.json: {e}") from None
@@ -120,16 +127,17 @@ def hf_dtype_name(d: dict) -> str:
 
 def config_to_hf(c: ModelConfig, dtype: str = "float32", bos_token_id: int | None = None,
                  eos_token_id=None) -> dict:
-    """config.json's dict for a transformers LlamaForCausalLM equal to `c`."""
-    d = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    """config.json's dict for the transformers model of `c`'s family equal to `c`."""
+    family = families.get(c.family)
+    d = {"architectures": [family.architecture], "model_type": family.name,
          **{k: getattr(c, f) for f, k in _SAME.items()},
          "num_key_value_heads": c.num_kv_heads, "head_dim": c.resolved_head_dim,
-         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+         "hidden_act": "silu", "attention_bias": False,
          "attention_dropout": 0.0, "tie_word_embeddings": c.tie_embeddings,
          "rope_theta": c.rope_theta, "rope_scaling": None,
          "rope_parameters": {"rope_type": c.rope_type, "rope_theta": c.rope_theta},
          "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
-         "dtype": dtype, "torch_dtype": dtype}
+         "dtype": dtype, "torch_dtype": dtype, **family.hf_keys(c)}
     if c.rope_type == "llama3":
         llama3 = {k: getattr(c, f) for f, k in _LLAMA3_KEYS.items()}
         d["rope_scaling"] = {"rope_type": "llama3", **llama3}

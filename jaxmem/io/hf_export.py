@@ -1,4 +1,4 @@
-"""Writing a Hugging Face Llama checkpoint directory that transformers loads.
+"""Writing a Hugging Face checkpoint directory of a registered family that transformers loads.
 
     save_hf(out, config, params, dtype=..., max_shard_bytes=..., tokenizer=...)
 

@@ -26,6 +26,7 @@ products of the axes split by `in_ndim`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -59,10 +60,13 @@ class TensorSpec:
     shape: tuple[int, ...]
     stacked: bool
     in_ndim: int = 0
+    flat: bool = False  # HF stores it flattened to one axis (a bias [N, H] as [N*H])
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
         """The HF tensor's shape: [out, in] for a projection, else jaxmem's."""
+        if self.flat:
+            return (math.prod(self.shape),)
         if not self.in_ndim:
             return self.shape
         return (math.prod(self.shape[self.in_ndim:]), math.prod(self.shape[:self.in_ndim]))
@@ -94,6 +98,15 @@ def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
         shape, in_ndim = proj_shapes[name]
         specs.append(TensorSpec(("layers", parent, name), f"{layer}{parent}.{name}.weight",
                                 shape, True, in_ndim))
+    if c.qkv_bias:  # Qwen2: [N, H] / [K, H] here, [N*H] / [K*H] there
+        for name, heads in (("q", N), ("k", K), ("v", K)):
+            specs.append(TensorSpec(("layers", "self_attn", f"{name}_bias"),
+                                    f"{layer}self_attn.{name}_proj.bias", (heads, H), True,
+                                    flat=True))
+    if c.qk_norm:  # Qwen3: RMSNorm scales [H] on q and k
+        for norm in ("q_norm", "k_norm"):
+            specs.append(TensorSpec(("layers", "self_attn", norm, "scale"),
+                                    f"{layer}self_attn.{norm}.weight", (H,), True))
     specs.append(TensorSpec(("norm", "scale"), "model.norm.weight", (D,), False))
     if not c.tie_embeddings:
         specs.append(TensorSpec(("lm_head",), "lm_head.weight", (D, V), False, in_ndim=1))
@@ -123,6 +136,8 @@ def to_hf(spec: TensorSpec, w: np.ndarray) -> np.ndarray:
     w = np.asarray(w)
     if tuple(w.shape) != spec.shape:
         raise ValueError(f"{'/'.join(spec.path)} has shape {tuple(w.shape)}, expected {spec.shape}")
+    if spec.flat:
+        return w.reshape(-1)
     if not spec.in_ndim:
         return w
     n_in = math.prod(spec.shape[:spec.in_ndim])
@@ -135,6 +150,8 @@ def from_hf(spec: TensorSpec, w: np.ndarray) -> np.ndarray:
     if tuple(w.shape) != spec.hf_shape:
         raise ValueError(f"tensor {spec.hf_name} has shape {tuple(w.shape)}, "
                          f"expected {spec.hf_shape}")
+    if spec.flat:
+        return np.asarray(w).reshape(spec.shape)
     if not spec.in_ndim:
         return np.asarray(w)
     return w.T.reshape(spec.shape)  # [in, out] -> jaxmem's axes
@@ -178,8 +195,8 @@ def params_from_hf(config: ModelConfig, get_tensor: Callable[[str], np.ndarray],
         if spec.stacked:
             out = np.empty((config.num_layers, *spec.shape), dtype)
             for i in range(config.num_layers):
-                out[i] = from_hf(TensorSpec(spec.path, spec.name(i), spec.shape, True,
-                                            spec.in_ndim), get_tensor(spec.name(i)))
+                out[i] = from_hf(dataclasses.replace(spec, hf_name=spec.name(i)),
+                                 get_tensor(spec.name(i)))
         else:
             out = from_hf(spec, get_tensor(spec.name())).astype(dtype)
         node = params

@@ -74,6 +74,8 @@ def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematP
         for norm in ("attn_norm", "mlp_norm"):
             out += [(f"{norm}: input [B,T,D]", BTD * cb, cd),
                     (f"{norm}: output [B,T,D]", BTD * cb, cd)]
+        if c.qk_norm:  # the QK-norm keeps its inputs, q and k before it (jaxmem.model.lean)
+            out += [("q, k before the QK-norm", (tags["query"] + tags["key"]) * cb, cd)]
         out += [("q, k, v after RoPE", (tags["query"] + tags["key"] + tags["value"]) * cb, cd),
                 ("attention context [B,T,N,H]", tags["attn_context"] * cb, cd)]
         if attention != "xla":  # XLA: the probabilities are recomputed, nothing [B,N,T] kept

@@ -57,6 +57,13 @@ class Attention(nn.Module):
         q = proj("q_proj", "BTD,DNH->BTNH", (D, N, H), D)(x)  # [B, T, N, H]
         k = proj("k_proj", "BTD,DKH->BTKH", (D, K, H), D)(x)  # [B, T, K, H]
         v = proj("v_proj", "BTD,DKH->BTKH", (D, K, H), D)(x)  # [B, T, K, H]
+        if c.qkv_bias:  # Qwen2: [N, H] and [K, H] biases, added in the compute dtype
+            q, k, v = (y + self.param(f"{n}_bias", nn.initializers.zeros, y.shape[2:],
+                                      jnp.float32).astype(y.dtype)
+                       for n, y in (("q", q), ("k", k), ("v", v)))
+        if c.qk_norm:  # over the head dim, shared by the heads, before RoPE (Qwen3)
+            q = RMSNorm(c.rms_norm_eps, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, name="k_norm")(k)
         q = checkpoint_name(apply_rope(q, cos, sin), "query")
         k = checkpoint_name(apply_rope(k, cos, sin), "key")
         v = checkpoint_name(v, "value")

@@ -24,7 +24,7 @@ import jax
 from jaxmem.paths import key_name as _key_name, path_text
 
 ROLES = ("embedding", "norm", "q_proj", "k_proj", "v_proj", "o_proj",
-         "gate_proj", "up_proj", "down_proj", "lm_head")
+         "gate_proj", "up_proj", "down_proj", "lm_head", "bias")
 
 # Parameter name as jaxmem.model.llama / layers declare it -> role.
 PARAM_NAMES = {
@@ -33,6 +33,7 @@ PARAM_NAMES = {
     "q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "o_proj": "o_proj",
     "gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj",
     "lm_head": "lm_head",
+    "q_bias": "bias", "k_bias": "bias", "v_bias": "bias",  # Qwen2's attention biases
 }
 
 

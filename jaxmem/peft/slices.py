@@ -109,6 +109,8 @@ class HostSlices:
         for key in spec.path:
             leaf = leaf[key]
         w = np.asarray(leaf[layer] if spec.stacked else leaf)
+        if spec.flat:
+            w = w.reshape(-1)
         if spec.in_ndim:  # jaxmem [in..., out...] viewed as HF's [Out, In]
             w = w.reshape(math.prod(spec.shape[:spec.in_ndim]), -1).T
         out = np.ascontiguousarray(w[index])
@@ -141,6 +143,9 @@ def _tree_specs(model_cfg) -> dict:
 def _dense_part(source, spec: TensorSpec, layer, ranges: list[range]) -> np.ndarray:
     """One layer's region of a parameter in jaxmem's layout, read as the HF rectangle that holds
     it (a projection's in / out axes flatten to HF's columns / rows)."""
+    if spec.flat:  # a bias, flat in HF's file: read whole (small), cut in jaxmem's layout
+        whole = source.hf_slice(spec, layer, (slice(0, spec.hf_shape[0]),))
+        return np.ascontiguousarray(whole.reshape(spec.shape)[np.ix_(*ranges)])
     if not spec.in_ndim:
         return source.hf_slice(spec, layer, tuple(_as_slice(r) for r in ranges))
     n = spec.in_ndim

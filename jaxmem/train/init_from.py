@@ -1,4 +1,5 @@
-"""`--init-from HF_DIR`: a run that starts from a Hugging Face Llama checkpoint's weights.
+"""`--init-from HF_DIR`: a run that starts from a Hugging Face checkpoint's weights (any family
+jaxmem.families registers).
 
 The checkpoint fixes the model: its config.json's fields become the run's `model` section (every
 field, so config.json of the run is complete without the checkpoint) and its tokenizer.json the

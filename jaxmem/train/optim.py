@@ -56,10 +56,11 @@ def schedule(cfg: OptimConfig) -> optax.Schedule:
 
 
 def decay_mask(params, decay_embeddings: bool = False):
-    """True for weights that decay: every matrix except norm scales (and embeddings unless asked)."""
+    """True for weights that decay: every matrix except norm scales and biases (and embeddings
+    unless asked)."""
     def decays(path, x):
         role = param_role(path)  # jaxmem.model.roles: no parameter names matched here
-        if role == "norm":
+        if role in ("norm", "bias"):
             return False
         if role == "embedding":
             return decay_embeddings

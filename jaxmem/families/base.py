@@ -1,0 +1,46 @@
+"""The family record and its registry (jaxmem.families reads them; each family module
+registers itself here)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+from jaxmem.config.model import ConfigError, ModelConfig
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    architecture: str
+    fields: Callable[[dict], dict]
+    hf_keys: Callable[[ModelConfig], dict]
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    FAMILIES[family.name] = family
+    return family
+
+
+def refuse(d: dict, key: str, ok, what: str) -> None:
+    """ConfigError naming `key` when config.json sets it to a value `ok` rejects."""
+    if key in d and d[key] is not None and not ok(d[key]):
+        raise ConfigError(f"config.json: {key}={json.dumps(d[key])} is not supported ({what})")
+
+
+def full_attention_only(d: dict, family: str) -> None:
+    """Refuse a sliding window that config.json turns on (Qwen's checkpoints name one and leave
+    it off: `use_sliding_window: false`)."""
+    refuse(d, "use_sliding_window", lambda v: v is False,
+           f"sliding-window attention is not built for {family}")
+    refuse(d, "layer_types", lambda v: set(v) <= {"full_attention"},
+           "every layer full attention only")
+
+
+def window_off(c: ModelConfig) -> dict:
+    """config.json keys of a Qwen checkpoint with its sliding window off."""
+    return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": c.num_layers}

@@ -1,0 +1,219 @@
+"""Model families beyond Llama (jaxmem.families): tiny random checkpoints written by transformers'
+own classes (Qwen3ForCausalLM, MistralForCausalLM) give jaxmem the same fp32 logits and the same
+greedy generation, jaxmem's export loads back in transformers, the presets have the published
+parameter counts, and a mixture of experts or a multimodal config.json is refused by its key.
+
+Tolerance: tests/numerics.py's fp32 policy for two libraries' kernels (`model_terms`, with the
+QK-norm's reductions over the head dim). Negative control: Qwen3 without its QK-norm must exceed
+the largest difference the policy allows tenfold.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.torch
+
+from jaxmem.config.model import PRESETS, ModelConfig  # noqa: E402
+from jaxmem.io.hf import HFError, config_from_hf, load_hf  # noqa: E402
+from jaxmem.model import Llama  # noqa: E402
+from jaxmem.model.llama import abstract_params, count_params  # noqa: E402
+
+from hf_files import random_params  # noqa: E402
+from numerics import assert_reordered_fp32, largest_allowed, model_terms  # noqa: E402
+
+SEQ = 10
+COMMON = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+              rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=0, eos_token_id=1,
+              pad_token_id=2)
+# family: (config class, model class, kwargs): head_dim 16 != 48 / 4 where the family has one
+FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=16, sliding_window=None)),
+}
+
+
+def hf_model(family: str, seed: int = 0):
+    config_cls, model_cls, kw = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**COMMON, **kw)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # init's std 0.02 makes near-uniform logits: use larger weights
+        for p in model.parameters():
+            p.normal_(0.0, 0.2) if p.ndim > 1 else p.uniform_(0.8, 1.2)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    for i, family in enumerate(FAMILIES):
+        hf_model(family, seed=i).save_pretrained(root / family)
+    return root
+
+
+def ids():
+    return np.random.default_rng(0).integers(3, COMMON["vocab_size"], (2, SEQ))
+
+
+def torch_logits(path, tokens):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+def jax_logits(config, params, tokens):
+    with jax.default_matmul_precision("highest"):
+        return np.asarray(Llama(config).apply({"params": params}, jnp.asarray(tokens)))
+
+
+def terms(config) -> int:
+    return model_terms(config, SEQ) + 2 * config.resolved_head_dim * config.num_layers
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_equal_transformers(checkpoints, family):
+    config, params = load_hf(checkpoints / family)
+    assert config.family == family and config.qk_norm == (family == "qwen3")
+    assert config.qkv_bias == (family == "qwen2")
+    ref = torch_logits(checkpoints / family, ids())
+    assert_reordered_fp32(jax_logits(config, params, ids()), ref, terms=terms(config))
+    if family == "qwen2":  # the biases are not zero, and without them the logits differ
+        assert np.abs(params["layers"]["self_attn"]["k_bias"]).min() > 0.5
+        plain = {**params, "layers": {**params["layers"], "self_attn": {
+            k: v for k, v in params["layers"]["self_attn"].items() if not k.endswith("_bias")}}}
+        off = jax_logits(config.replace(qkv_bias=False), plain, ids())
+        assert np.abs(off - ref).max() > 10 * largest_allowed(ref, terms(config))
+    if family == "qwen3":  # negative control: the same weights without the QK-norm
+        plain = {**params, "layers": {**params["layers"], "self_attn": {
+            k: v for k, v in params["layers"]["self_attn"].items() if not k.endswith("_norm")}}}
+        off = jax_logits(config.replace(qk_norm=False), plain, ids())
+        assert np.abs(off - ref).max() > 10 * largest_allowed(ref, terms(config))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_generation_equals_transformers(checkpoints, family):
+    """Five prompts of 2 to 7 tokens in one left-padded batch, greedy, stopping at an EOS that
+    the model does emit (the third new token of the first prompt's unstopped run)."""
+    from jaxmem.decode.sampling import generate_ids
+
+    config, params = load_hf(checkpoints / family)
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints / family,
+                                                              dtype=torch.float32).eval()
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in (5, 2, 7, 3, 6)]
+    width = max(map(len, prompts))
+    pad = COMMON["pad_token_id"]
+    batch = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+    def hf_generate(eos):
+        with torch.no_grad():
+            out = model.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=pad)[:, width:].tolist()
+        return [row[:row.index(eos) + 1] if eos in row else row for row in out]
+
+    eos = hf_generate(None)[0][2]
+    want = hf_generate(eos)
+    with jax.default_matmul_precision("highest"):
+        got = generate_ids(config, params, prompts, 8, temperature=0.0, eos_ids=(eos,))
+    assert got == want
+    assert any(len(row) < 8 for row in want)  # at least one row stopped at the EOS
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_jaxmem_written_checkpoint_loads_in_transformers(tmp_path, family):
+    from jaxmem.io.hf_export import save_hf
+
+    config = ModelConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2,
+                         num_heads=4, num_kv_heads=2, rms_norm_eps=1e-6,
+                         head_dim=None if family == "qwen2" else 16,
+                         max_position_embeddings=256, family=family, qk_norm=family == "qwen3",
+                         qkv_bias=family == "qwen2", tie_embeddings=family == "qwen3")
+    params = random_params(config, seed=3)
+    save_hf(tmp_path / "hf", config, params)
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["model_type"] == family
+    assert config_from_hf(written) == config
+    ref = torch_logits(tmp_path / "hf", ids())
+    assert_reordered_fp32(jax_logits(config, params, ids()), ref, terms=terms(config))
+
+
+REFUSED = [  # (transformers config class, kwargs, the key the refusal names)
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (the checkpoints' own
+    # config.json says num_experts: the CLI test below)
+    ("Qwen3MoeConfig", dict(num_experts=4), "num_(local_)?experts=4"),
+    ("MixtralConfig", dict(num_local_experts=4), "num_local_experts"),
+    ("MistralConfig", dict(sliding_window=64), "sliding_window"),
+    ("Qwen3Config", dict(use_sliding_window=True, sliding_window=64), "use_sliding_window"),
+    ("Qwen2Config", dict(use_sliding_window=True, sliding_window=64), "use_sliding_window"),
+]
+
+
+@pytest.mark.parametrize("cls, kw, key", REFUSED, ids=[r[0] for r in REFUSED])
+def test_what_jaxmem_cannot_build_is_refused_by_its_key(cls, kw, key):
+    d = getattr(transformers, cls)(**{**COMMON, **kw}).to_dict()
+    with pytest.raises(HFError, match=rf"config.json: {key}"):
+        config_from_hf(d)
+
+
+def test_a_multimodal_checkpoint_is_refused_by_its_key():
+    d = transformers.LlavaConfig().to_dict()
+    with pytest.raises(HFError, match="config.json: vision_config is set: a multimodal"):
+        config_from_hf(d)
+
+
+def test_train_init_from_a_moe_checkpoint_exits_2_with_one_line(tmp_path, capsys, corpus):
+    from jaxmem.train.cli import main
+
+    from runs import error_line
+
+    d = tmp_path / "moe"
+    d.mkdir()
+    # the keys of Qwen/Qwen3-30B-A3B's config.json that make it a mixture of experts
+    moe = {**transformers.Qwen3Config(**COMMON).to_dict(), "model_type": "qwen3_moe",
+           "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 32}
+    (d / "config.json").write_text(json.dumps(moe))
+    with pytest.raises(SystemExit) as e:
+        main(["--init-from", str(d), "--data", corpus, "--out", str(tmp_path / "run")])
+    assert e.value.code == 2
+    assert "num_experts=4: a mixture of experts" in error_line(capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()
+
+
+# Published parameter counts, in billions as printed: Qwen3's model cards (total, and without
+# the embedding and the LM head); the Hub's model size of the safetensors for Qwen2.5 and
+# Mistral (Qwen2.5's cards truncate, and print 32.5B for a 32.76B checkpoint).
+PUBLISHED = {
+    "qwen2.5-0.5b": ("0.494", None), "qwen2.5-1.5b": ("1.54", None), "qwen2.5-3b": ("3.09", None),
+    "qwen2.5-7b": ("7.62", None), "qwen2.5-14b": ("14.8", None), "qwen2.5-32b": ("32.8", None),
+    "qwen2.5-72b": ("72.7", None),
+    "qwen3-0.6b": ("0.6", "0.44"), "qwen3-1.7b": ("1.7", "1.4"), "qwen3-4b": ("4.0", "3.6"),
+    "qwen3-8b": ("8.2", "6.95"), "qwen3-14b": ("14.8", "13.2"), "qwen3-32b": ("32.8", "31.2"),
+    "mistral-7b-v0.3": ("7.25", None), "mistral-nemo-12b": ("12.2", None),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_presets_have_the_published_parameter_counts(name):
+    c = PRESETS[name]
+    n = count_params(abstract_params(c))
+    assert n == c.num_params()
+    total, body = PUBLISHED[name]
+
+    def billions(x, printed):
+        digits = len(printed.partition(".")[2])
+        return f"{x / 1e9:.{digits}f}"
+
+    assert billions(n, total) == total
+    if body is not None:
+        embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_embeddings else 2)
+        assert billions(n - embeddings, body) == body
