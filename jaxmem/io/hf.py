@@ -59,8 +59,10 @@ _LLAMA3_KEYS = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_facto
 
 
 def _refuse(d: dict, key: str, ok, what: str) -> None:
-    if key in d and d[key] is not None and not ok(d[key]):
-        raise HFError(f"config.json: {key}={json.dumps(d[key])} is not supported ({what})")
+    try:
+        families.refuse(d, key, ok, what)
+    except ConfigError as e:
+        raise HFError(str(e)) from None
 
 
 def _rope(d: dict) -> dict:
@@ -114,7 +116,10 @@ def config_from_hf(d: dict) -> ModelConfig:
     fields["tie_embeddings"] = bool(d.get("tie_word_embeddings", False))
     fields.update(_rope(d))
     try:
-        fields.update(family=family.name, **family.fields(d))
+        fields.update(family=family.name, **family.fields(d))  # its refusals name their key
+    except ConfigError as e:
+        raise HFError(str(e)) from None
+    try:
         return ModelConfig(**fields)
     except ConfigError as e:
         raise HFError(f"config.json: {e}") from None
