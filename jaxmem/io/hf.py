@@ -1,5 +1,5 @@
 """Hugging Face checkpoint directories of the registered families (jaxmem.families: Llama,
-Qwen3, Mistral): the config mapping and reading the weights.
+Qwen3, Qwen2 / Qwen2.5, Mistral): the config mapping and reading the weights.
 
     config_from_hf(d) -> ModelConfig      config.json's dict -> ModelConfig (refuses what it
                                           cannot represent, naming the key)

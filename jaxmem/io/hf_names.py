@@ -64,7 +64,8 @@ class TensorSpec:
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
-        """The HF tensor's shape: [out, in] for a projection, else jaxmem's."""
+        """The HF tensor's shape: [out, in] for a projection, one axis for a flat one (a bias),
+        else jaxmem's."""
         if self.flat:
             return (math.prod(self.shape),)
         if not self.in_ndim:

@@ -128,29 +128,31 @@ def mlp_tiled(spec: StepSpec) -> int:
     return tile if tile < spec.seq_len else 0
 
 
-def mlp_backward_buffers() -> int:
+def mlp_backward_buffers(saved: bool) -> int:
     """[B, T, F] buffers the MLP's backward holds besides its 3 recomputed activations (gate, up,
-    their product), read off each compiler's buffer report (docs/memory.md): XLA:CPU 6 (d of
-    the product, gate and up, and the SwiGLU backward's sigmoid / silu products,
-    jaxmem.model.lean); a GPU 3 (the elementwise products fuse into the kernel that writes
-    d(gate) and d(up) from d(product))."""
-    return 3 if target.fuses_elementwise() else 6
+    their product), read off each compiler's buffer report (docs/memory.md). A GPU: 3 (the
+    elementwise products fuse into the kernel that writes d(gate) and d(up) from d(product)),
+    whether or not the policy saved gate and up. XLA:CPU: 6 where they are recomputed (d of the
+    product, gate and up, and the SwiGLU backward's sigmoid / silu products, jaxmem.model.lean),
+    none where they are `saved`."""
+    if target.fuses_elementwise():
+        return 3
+    return 0 if saved else 6
 
 
 def mlp_backward(spec: StepSpec) -> int:
     """Bytes of the MLP backward's working set beyond the recomputed residuals:
-    mlp_backward_buffers() [B, T, F] (tiled: 3 more [B, Tc, F], the tile's recomputed
+    mlp_backward_buffers [B, T, F] (tiled: 3 more [B, Tc, F], the tile's recomputed
     activations, and the 3 full-length ones are not materialized, so they are taken back out of
-    the recomputed set). XLA:CPU's report shows none where gate and up are saved; a GPU's
-    holds them there too."""
+    the recomputed set)."""
     c, B, T = spec.model, spec.batch_size, spec.seq_len
     F, cb = c.intermediate_size, _nbytes(spec.precision.compute_dtype)
     r = spec.remat
     recomputed = not r.saves_dots and not {"mlp_gate", "mlp_up"} <= {*r.kept_tags,
                                                                       *r.offloaded_tags}
-    buffers = mlp_backward_buffers()
+    buffers = mlp_backward_buffers(saved=not recomputed)
     if not recomputed:  # gate and up saved or offloaded (none, dots*, the default offload)
-        return buffers * B * T * F * cb if target.fuses_elementwise() else 0
+        return buffers * B * T * F * cb
     tile = mlp_tiled(spec)
     if tile:
         # tiled only where no policy saves an MLP tag: the 3 are in the recomputed set

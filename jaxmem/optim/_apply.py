@@ -112,8 +112,8 @@ def as_optimizer(tx: optax.GradientTransformation, *,
 def _guard_form() -> str:
     """How `as_optimizer` skips a step, for the compiler the program is being traced for
     (`jaxmem.target.fuses_elementwise()`: a deviceless `--target` compile takes the GPU's
-    form): "cond" on the CPU, "select" (leaf by leaf, no conditional) for any other backend. Each is
-    the form whose skip costs that compiler no memory over the unguarded update (measured on
+    form): "cond" on the CPU, "select" (leaf by leaf, no conditional) for any other backend.
+    Each is the form whose skip costs that compiler no memory over the unguarded update (measured on
     XLA:CPU and the H100 compiler, not on a TPU; the module docstring has the figures)."""
     return "select" if target.fuses_elementwise() else "cond"
 
