@@ -126,6 +126,8 @@ def abstract_state(spec: StepSpec):
     step, loss_scale = spec.step_config()
     if step not in _STATES:
         from jaxmem.train.run import abstract_train_state
+        if len(_STATES) >= 32:  # bounded as the lru_cache it replaced (a search tries many)
+            _STATES.clear()
         _STATES[step] = abstract_train_state(step, loss_scale)
     return _STATES[step]
 
