@@ -37,7 +37,19 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=16, sliding_window=None)),
+    # Gemma 3: a window of 4 < SEQ, a local layer then a global one (linear RoPE on it only),
+    # query_pre_attn_scalar != head_dim
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=24, tie_word_embeddings=True,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 10000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})),
 }
+
+
+GEMMA3_FIELDS = ("qk_norm", "norm_plus_one", "sandwich_norms", "mlp_activation", "embed_scale",
+                 "rope_type", "rope_factor", "rope_local_theta", "tie_embeddings")
 
 
 def hf_model(family: str, seed: int = 0):
@@ -81,7 +93,7 @@ def terms(config) -> int:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_equal_transformers(checkpoints, family):
     config, params = load_hf(checkpoints / family)
-    assert config.family == family and config.qk_norm == (family == "qwen3")
+    assert config.family == family and config.qk_norm == (family in ("qwen3", "gemma3"))
     assert config.qkv_bias == (family == "qwen2")
     ref = torch_logits(checkpoints / family, ids())
     assert_reordered_fp32(jax_logits(config, params, ids()), ref, terms=terms(config))
@@ -91,11 +103,74 @@ def test_logits_equal_transformers(checkpoints, family):
             k: v for k, v in params["layers"]["self_attn"].items() if not k.endswith("_bias")}}}
         off = jax_logits(config.replace(qkv_bias=False), plain, ids())
         assert np.abs(off - ref).max() > 10 * largest_allowed(ref, terms(config))
+    if family == "gemma3":  # negative control: the same weights without the window
+        assert config.local_layers == (True, False) and SEQ > config.sliding_window
+        off = jax_logits(config.replace(sliding_window=None, layer_types=None), params, ids())
+        assert np.abs(off - ref).max() > 10 * largest_allowed(ref, terms(config))
     if family == "qwen3":  # negative control: the same weights without the QK-norm
         plain = {**params, "layers": {**params["layers"], "self_attn": {
             k: v for k, v in params["layers"]["self_attn"].items() if not k.endswith("_norm")}}}
         off = jax_logits(config.replace(qk_norm=False), plain, ids())
         assert np.abs(off - ref).max() > 10 * largest_allowed(ref, terms(config))
+
+
+def test_mistral_sliding_window_equals_transformers(tmp_path):
+    """Mistral 7B v0.1's kind of config.json: every layer windowed (4 < SEQ)."""
+    config_cls, model_cls, kw = FAMILIES["mistral"]
+    hf = getattr(transformers, config_cls)(**COMMON, **{**kw, "sliding_window": 4})
+    torch.manual_seed(5)
+    model = getattr(transformers, model_cls)(hf).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2) if p.ndim > 1 else p.uniform_(0.8, 1.2)
+    model.save_pretrained(tmp_path)
+    config, params = load_hf(tmp_path)
+    assert config.sliding_window == 4 and all(config.local_layers)
+    ref = torch_logits(tmp_path, ids())
+    assert_reordered_fp32(jax_logits(config, params, ids()), ref, terms=terms(config))
+    off = jax_logits(config.replace(sliding_window=None), params, ids())
+    assert np.abs(off - ref).max() > 10 * largest_allowed(ref, terms(config))
+
+
+def test_gemma3_multimodal_checkpoint_imports_its_language_model(tmp_path):
+    """Gemma3ForConditionalGeneration (the 4B to 27B checkpoints): its text_config and the
+    language model's tensors are read, the vision tower is left out with a note, and the
+    logits of a text-only prompt equal the multimodal model's."""
+    _, _, kw = FAMILIES["gemma3"]
+    text = transformers.Gemma3TextConfig(**COMMON, **kw)
+    vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=28, patch_size=14)
+    hf = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                   mm_tokens_per_image=4, image_token_index=96,
+                                   boi_token_index=94, eoi_token_index=95)
+    torch.manual_seed(6)
+    model = transformers.Gemma3ForConditionalGeneration(hf).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2) if p.ndim > 1 else p.uniform_(0.8, 1.2)
+    model.save_pretrained(tmp_path)
+    notes = []
+    config, params = load_hf(tmp_path, note=notes.append)
+    assert config.family == "gemma3" and config.local_layers == (True, False)
+    assert len(notes) == 1 and "vision tower" in notes[0]
+    with torch.no_grad():
+        ref = model(torch.tensor(ids())).logits.numpy()
+    assert_reordered_fp32(jax_logits(config, params, ids()), ref, terms=terms(config))
+
+
+def test_gemma3_local_layers_cache_the_window_not_the_sequence():
+    """gemma-3-12b at 8 x its window: 40 local layers keep 1024 slots, 8 global ones all."""
+    from jaxmem.decode.sampling import init_cache
+
+    c = PRESETS["gemma-3-12b"]
+    S = 8 * c.sliding_window
+    cache = jax.eval_shape(lambda: init_cache(c, 2, S, jnp.bfloat16))
+    K, H = c.num_kv_heads, c.resolved_head_dim
+    assert [a.shape for a in cache["local"]] == [(40, 2, c.sliding_window, K, H)] * 2
+    assert [a.shape for a in cache["full"]] == [(8, 2, S, K, H)] * 2
+    plain = jax.eval_shape(lambda: init_cache(PRESETS["qwen3-8b"], 2, S, jnp.bfloat16))
+    assert [a.shape[:3] for a in plain] == [(36, 2, S)] * 2
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -137,10 +212,15 @@ def test_jaxmem_written_checkpoint_loads_in_transformers(tmp_path, family):
                          head_dim=None if family == "qwen2" else 16,
                          max_position_embeddings=256, family=family, qk_norm=family == "qwen3",
                          qkv_bias=family == "qwen2", tie_embeddings=family == "qwen3")
+    if family == "gemma3":  # the preset's variation points at this size
+        g = PRESETS["gemma-3-4b"]
+        config = config.replace(**{f: getattr(g, f) for f in GEMMA3_FIELDS},
+                                sliding_window=4, query_pre_attn_scalar=24,
+                                layer_types=("sliding_attention", "full_attention"))
     params = random_params(config, seed=3)
     save_hf(tmp_path / "hf", config, params)
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert written["model_type"] == family
+    assert written["model_type"] == {"gemma3": "gemma3_text"}.get(family, family)
     assert config_from_hf(written) == config
     ref = torch_logits(tmp_path / "hf", ids())
     assert_reordered_fp32(jax_logits(config, params, ids()), ref, terms=terms(config))
@@ -151,7 +231,7 @@ REFUSED = [  # (transformers config class, kwargs, the key the refusal names)
     # config.json says num_experts: the CLI test below)
     ("Qwen3MoeConfig", dict(num_experts=4), "num_(local_)?experts=4"),
     ("MixtralConfig", dict(num_local_experts=4), "num_local_experts"),
-    ("MistralConfig", dict(sliding_window=64), "sliding_window"),
+    ("Gemma3TextConfig", dict(final_logit_softcapping=30.0), "final_logit_softcapping"),
     ("Qwen3Config", dict(use_sliding_window=True, sliding_window=64), "use_sliding_window"),
     ("Qwen2Config", dict(use_sliding_window=True, sliding_window=64), "use_sliding_window"),
 ]
@@ -199,6 +279,10 @@ PUBLISHED = {
     "qwen3-0.6b": ("0.6", "0.44"), "qwen3-1.7b": ("1.7", "1.4"), "qwen3-4b": ("4.0", "3.6"),
     "qwen3-8b": ("8.2", "6.95"), "qwen3-14b": ("14.8", "13.2"), "qwen3-32b": ("32.8", "31.2"),
     "mistral-7b-v0.3": ("7.25", None), "mistral-nemo-12b": ("12.2", None),
+    # Gemma 3 technical report, table 1: non-embedding parameters of the text decoder (the
+    # 4B-27B totals there include the vision encoder); 1B's total is 999,885,952
+    "gemma-3-1b": ("1.0", "0.698"), "gemma-3-4b": (None, "3.209"),
+    "gemma-3-12b": (None, "10.759"), "gemma-3-27b": (None, "25.600"),
 }
 
 
@@ -213,7 +297,8 @@ def test_presets_have_the_published_parameter_counts(name):
         digits = len(printed.partition(".")[2])
         return f"{x / 1e9:.{digits}f}"
 
-    assert billions(n, total) == total
+    if total is not None:
+        assert billions(n, total) == total
     if body is not None:
         embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_embeddings else 2)
         assert billions(n - embeddings, body) == body

@@ -78,10 +78,10 @@ def test_transformers_5_spelling_reads_the_same():
 @pytest.mark.parametrize("change, needle", [
     ({"attention_bias": True}, "attention_bias=true is not supported"),
     ({"mlp_bias": True}, "mlp_bias=true is not supported"),
-    ({"model_type": "gemma2"}, "model_type='gemma2' is not supported (families: llama, "),
+    ({"model_type": "gemma2"}, "model_type='gemma2' is not supported (families: gemma3, llama, "),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type='yarn'"),
-    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}},
-     "rope_parameters.rope_type='linear'"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+     "rope_parameters.rope_type='dynamic'"),
     ({"hidden_act": "gelu"}, "hidden_act=\"gelu\" is not supported"),
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}},
      "quantization_config (quant_method 'gptq') is not supported"),

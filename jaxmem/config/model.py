@@ -53,6 +53,24 @@ class ModelConfig:
     family: str = "llama"
     qk_norm: bool = False
     qkv_bias: bool = False
+    # Gemma 3's variation points. norm_plus_one: RMSNorm scales by (1 + w), w initialised 0;
+    # sandwich_norms: norms after attention and the MLP too (post_attention_layernorm is then
+    # the attention's post-norm, pre/post_feedforward_layernorm the MLP's); mlp_activation:
+    # "silu" (SwiGLU) or "gelu_tanh" (GeGLU); embed_scale: embeddings times sqrt(hidden_size);
+    # query_pre_attn_scalar: attention scores scaled by its -1/2 power instead of head_dim's.
+    norm_plus_one: bool = False
+    sandwich_norms: bool = False
+    mlp_activation: str = "silu"
+    embed_scale: bool = False
+    query_pre_attn_scalar: int | None = None
+    # Sliding-window attention: a local layer's query at position q sees keys q-W < k <= q
+    # (W = sliding_window). layer_types: "sliding_attention" / "full_attention" per layer, as
+    # config.json spells them (None: every layer local when sliding_window is set, else full).
+    # rope_local_theta: the local layers' RoPE base (None: rope_theta); RoPE scaling
+    # (rope_type llama3 / linear) applies to the full-attention layers only.
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -73,9 +91,12 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.head_dim={self.resolved_head_dim} must be even for RoPE")
         if not self.rope_theta > 0:
             raise ConfigError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}")
-        if self.rope_type not in ("default", "llama3"):
-            raise ConfigError(f"ModelConfig.rope_type must be 'default' or 'llama3', "
+        if self.rope_type not in ("default", "llama3", "linear"):
+            raise ConfigError(f"ModelConfig.rope_type must be 'default', 'llama3' or 'linear', "
                               f"got {self.rope_type!r}")
+        if self.rope_type == "linear" and not self.rope_factor > 0:
+            raise ConfigError(f"ModelConfig linear RoPE needs rope_factor > 0, "
+                              f"got {self.rope_factor!r}")
         if self.rope_type == "llama3" and not (
                 self.rope_factor > 0 and self.rope_original_max_position_embeddings > 0
                 and self.rope_high_freq_factor > self.rope_low_freq_factor > 0):
@@ -86,6 +107,23 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.family must be a family's name, got {self.family!r}")
         if not self.rms_norm_eps > 0:
             raise ConfigError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if self.mlp_activation not in ("silu", "gelu_tanh"):
+            raise ConfigError(f"ModelConfig.mlp_activation must be 'silu' or 'gelu_tanh', "
+                              f"got {self.mlp_activation!r}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
+                                                or self.sliding_window <= 0):
+            raise ConfigError(f"ModelConfig.sliding_window must be a positive integer or None, "
+                              f"got {self.sliding_window!r}")
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))  # a JSON list too
+            kinds = set(self.layer_types) - {"sliding_attention", "full_attention"}
+            if len(self.layer_types) != self.num_layers or kinds:
+                raise ConfigError(f"ModelConfig.layer_types must give 'sliding_attention' or "
+                                  f"'full_attention' for each of the {self.num_layers} layers, "
+                                  f"got {list(self.layer_types)!r}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ConfigError("ModelConfig.layer_types names sliding_attention layers but "
+                                  "sliding_window is not set")
 
     @property
     def resolved_head_dim(self) -> int:
@@ -100,6 +138,30 @@ class ModelConfig:
         return (self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
                 self.rope_original_max_position_embeddings)
 
+    def rope_kwargs(self, local: bool = False) -> dict:
+        """rope_tables' theta and scaling for a full-attention layer, or a local one (its own
+        base, no scaling)."""
+        if local:
+            theta = self.rope_theta if self.rope_local_theta is None else self.rope_local_theta
+            return {"theta": theta}
+        return {"theta": self.rope_theta, "llama3": self.llama3_rope,
+                "linear": self.rope_factor if self.rope_type == "linear" else None}
+
+    @property
+    def local_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it is a sliding-window (local) layer."""
+        if self.sliding_window is None:
+            return (False,) * self.num_layers
+        if self.layer_types is None:
+            return (True,) * self.num_layers
+        return tuple(t == "sliding_attention" for t in self.layer_types)
+
+    @property
+    def mixed_layers(self) -> bool:
+        """Local and full-attention layers in one stack (Gemma 3): the scan is told each
+        layer's kind."""
+        return len(set(self.local_layers)) == 2
+
     def replace(self, **overrides) -> "ModelConfig":
         """A copy with some fields changed; unknown fields raise ConfigError naming them."""
         unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
@@ -111,7 +173,8 @@ class ModelConfig:
         """Closed-form parameter count (checked against jax.eval_shape in the tests)."""
         d, f, h = self.hidden_size, self.intermediate_size, self.resolved_head_dim
         attn = d * h * (2 * self.num_heads + 2 * self.num_kv_heads)
-        per_layer = attn + 3 * d * f + 2 * d + (2 * h if self.qk_norm else 0)
+        per_layer = attn + 3 * d * f + (4 if self.sandwich_norms else 2) * d
+        per_layer += 2 * h if self.qk_norm else 0
         per_layer += (self.num_heads + 2 * self.num_kv_heads) * h if self.qkv_bias else 0
         embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.num_layers * per_layer + embed + d
@@ -197,6 +260,33 @@ PRESETS.update({
     "mistral-nemo-12b": ModelConfig(vocab_size=131072, hidden_size=5120,
                                     intermediate_size=14336, num_layers=40, head_dim=128,
                                     max_position_embeddings=1024000, **_MISTRAL),
+})
+
+
+def _gemma3(num_layers: int, **shape) -> ModelConfig:
+    """Gemma 3's text decoder (config.json of google/gemma-3-*): five local layers of a
+    1024-token window then a global one, linear RoPE scaling 8 on the global layers."""
+    fields = dict(family="gemma3", vocab_size=262208, head_dim=256, max_position_embeddings=131072,
+                  rope_theta=1000000.0, rope_local_theta=10000.0, rope_type="linear",
+                  rope_factor=8.0, rms_norm_eps=1e-6, tie_embeddings=True, qk_norm=True,
+                  norm_plus_one=True, sandwich_norms=True, mlp_activation="gelu_tanh",
+                  embed_scale=True, query_pre_attn_scalar=256, sliding_window=1024,
+                  num_layers=num_layers, layer_types=tuple(
+                      "full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                      for i in range(num_layers)))
+    return ModelConfig(**{**fields, **shape})
+
+
+PRESETS.update({
+    "gemma-3-1b": _gemma3(26, vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                          num_heads=4, num_kv_heads=1, max_position_embeddings=32768,
+                          sliding_window=512, rope_type="default", rope_factor=1.0),
+    "gemma-3-4b": _gemma3(34, hidden_size=2560, intermediate_size=10240, num_heads=8,
+                          num_kv_heads=4),
+    "gemma-3-12b": _gemma3(48, hidden_size=3840, intermediate_size=15360, num_heads=16,
+                           num_kv_heads=8),
+    "gemma-3-27b": _gemma3(62, hidden_size=5376, intermediate_size=21504, num_heads=32,
+                           num_kv_heads=16, head_dim=128, query_pre_attn_scalar=168),
 })
 
 

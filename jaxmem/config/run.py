@@ -74,6 +74,16 @@ class ModelSection:
     family: str | None = option(None, "override the preset's model family", cli=False)
     qk_norm: bool | None = option(None, "override the preset's qk_norm", cli=False)
     qkv_bias: bool | None = option(None, "override the preset's qkv_bias", cli=False)
+    norm_plus_one: bool | None = option(None, "override the preset's norm_plus_one", cli=False)
+    sandwich_norms: bool | None = option(None, "override the preset's sandwich_norms", cli=False)
+    mlp_activation: str | None = option(None, "override the preset's mlp_activation", cli=False)
+    embed_scale: bool | None = option(None, "override the preset's embed_scale", cli=False)
+    query_pre_attn_scalar: int | None = option(
+        None, "override the preset's query_pre_attn_scalar", cli=False)
+    sliding_window: int | None = option(None, "override the preset's sliding_window", cli=False)
+    layer_types: tuple | None = option(None, "override the preset's layer_types", cli=False)
+    rope_local_theta: float | None = option(None, "override the preset's rope_local_theta",
+                                            cli=False)
 
     def config(self) -> ModelConfig:
         """The preset with the overrides applied (validated by ModelConfig)."""

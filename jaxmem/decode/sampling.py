@@ -35,9 +35,20 @@ from jaxmem.model.precision import cast_params
 
 
 def init_cache(config: ModelConfig, batch: int, length: int, dtype):
-    """Zero (k, v) caches, each [L, B, S, K, H] in `dtype`."""
-    shape = (config.num_layers, batch, length, config.num_kv_heads, config.resolved_head_dim)
-    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    """Zero (k, v) caches, each [L, B, S, K, H] in `dtype`.
+
+    A model with sliding-window layers gets {"full": (k, v) [Lf, B, S, K, H], "local": (k, v)
+    [Ll, B, R, K, H]} (the kinds it has): a local layer keeps a ring of R = min(W, S) slots,
+    never the whole sequence."""
+    K, H = config.num_kv_heads, config.resolved_head_dim
+    kinds = config.local_layers
+    if not any(kinds):
+        shape = (config.num_layers, batch, length, K, H)
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    sizes = {"full": (kinds.count(False), length),
+             "local": (kinds.count(True), min(config.sliding_window, length))}
+    return {kind: (jnp.zeros((n, batch, s, K, H), dtype),) * 2
+            for kind, (n, s) in sizes.items() if n}
 
 
 def _pick(logits, key, temperature: float, top_k: int):

@@ -6,6 +6,8 @@ A family is registered by its config.json `model_type` and gives:
     fields(d)         its ModelConfig fields beyond the shared ones (the decoder's variation
                       points, e.g. qk_norm), refusing by key what it cannot represent
     hf_keys(c)        the config.json keys it writes beyond the shared ones
+    text_config(d)    a multimodal config.json's text decoder keys, where the family reads one
+                      (Gemma 3's Gemma3ForConditionalGeneration), and the tensor `prefixes`
 
 The shared part of the mapping (shapes, RoPE, the refusals every family shares) is
 jaxmem.io.hf's; the presets are jaxmem.config.model's. `for_hf(d)` picks the family of a
@@ -17,12 +19,25 @@ from __future__ import annotations
 import json
 
 from jaxmem.config.model import ConfigError
-from jaxmem.families import llama, mistral, qwen2, qwen3  # noqa: F401  (they register themselves)
-from jaxmem.families.base import FAMILIES, Family, refuse, register  # noqa: F401
+from jaxmem.families import gemma3, llama, mistral, qwen2, qwen3  # noqa: F401  (they register)
+from jaxmem.families.base import FAMILIES, MODEL_TYPES, Family, refuse, register  # noqa: F401
 
 # keys whose presence makes a config.json something jaxmem does not build
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 _MULTIMODAL_KEYS = ("vision_config", "audio_config")
+
+
+def text_decoder(d: dict) -> tuple[Family, dict, str | None]:
+    """(family, the text decoder's config.json keys, a note of what was left out) of a
+    config.json dict: a multimodal checkpoint its family reads (Gemma 3) gives its language
+    model's keys and says the vision tower is left out; ConfigError naming the key otherwise."""
+    family = MODEL_TYPES.get(d.get("model_type", "llama"))
+    if family is not None and family.text_config is not None and d.get("model_type") != \
+            family.hf_model_type:
+        return family, family.text_config(d), (
+            f"note: {d.get('architectures', [d['model_type']])[0]}: reading its language model; "
+            f"the vision tower and projector are left out")
+    return for_hf(d), d, None
 
 
 def for_hf(d: dict) -> Family:
@@ -36,10 +51,10 @@ def for_hf(d: dict) -> Family:
             raise ConfigError(f"config.json: {key} is set: a multimodal checkpoint "
                               f"({d.get('model_type', '?')}); jaxmem reads text decoders")
     model_type = d.get("model_type", "llama")
-    if model_type not in FAMILIES:
+    if model_type not in MODEL_TYPES:
         raise ConfigError(f"config.json: model_type={model_type!r} is not supported (families: "
                           f"{', '.join(FAMILIES)})")
-    return FAMILIES[model_type]
+    return MODEL_TYPES[model_type]
 
 
 def get(name: str) -> Family:

@@ -16,13 +16,28 @@ class Family:
     architecture: str
     fields: Callable[[dict], dict]
     hf_keys: Callable[[ModelConfig], dict]
+    model_type: str = ""  # config.json's model_type when it is not `name`
+    # config.json's model_types read as this family besides model_type (a wrapper's, e.g.
+    # Gemma 3's multimodal "gemma3"), and how to get the text decoder's keys out of one
+    text_config: Callable[[dict], dict] | None = None
+    reads: tuple[str, ...] = ()
+    # where the decoder's tensors may sit in the checkpoint, first match wins ("model." is the
+    # causal LM's; a multimodal checkpoint nests the language model)
+    prefixes: tuple[str, ...] = ("model.",)
+
+    @property
+    def hf_model_type(self) -> str:
+        return self.model_type or self.name
 
 
 FAMILIES: dict[str, Family] = {}
+MODEL_TYPES: dict[str, Family] = {}  # config.json model_type -> family
 
 
 def register(family: Family) -> Family:
     FAMILIES[family.name] = family
+    for model_type in (family.hf_model_type, *family.reads):
+        MODEL_TYPES[model_type] = family
     return family
 
 

@@ -69,15 +69,17 @@ def _rope(d: dict) -> dict:
     """RoPE's ModelConfig fields from either spelling (rope_parameters, or rope_theta + rope_scaling)."""
     params = d.get("rope_parameters")
     if isinstance(params, dict) and "rope_theta" not in params and params:
-        params = next(iter(params.values()))  # per-layer-type form {"full_attention": {...}}
+        # per-layer-type form {"full_attention": {...}, "sliding_attention": {...}}: the full
+        # layers' here, the local layers' base is the family's (Gemma 3)
+        params = params.get("full_attention") or next(iter(params.values()))
     params = dict(params or {})
     scaling = d.get("rope_scaling") or {}
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
     key = "rope_parameters" if "rope_type" in params else "rope_scaling"
-    if rope_type not in ("default", "llama3"):
+    if rope_type not in ("default", "llama3", "linear"):
         raise HFError(f"config.json: {key}.rope_type={rope_type!r} is not supported "
-                      f"(jaxmem implements 'default' and 'llama3')")
+                      f"(jaxmem implements 'default', 'llama3' and 'linear')")
     src = {**scaling, **params}
     _refuse(src, "partial_rotary_factor", lambda v: v == 1, "RoPE on the whole head only")
     out = {"rope_theta": float(theta), "rope_type": rope_type}
@@ -86,19 +88,32 @@ def _rope(d: dict) -> dict:
             if hf_key not in src:
                 raise HFError(f"config.json: {key} has rope_type 'llama3' but no {hf_key}")
             out[field] = src[hf_key]
+    if rope_type == "linear":
+        if "factor" not in src:
+            raise HFError(f"config.json: {key} has rope_type 'linear' but no factor")
+        out["rope_factor"] = float(src["factor"])
     return out
 
 
-def config_from_hf(d: dict) -> ModelConfig:
+# config.json's hidden_act / hidden_activation -> ModelConfig.mlp_activation
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def config_from_hf(d: dict, note=None) -> ModelConfig:
     """ModelConfig of a config.json dict of a registered family (jaxmem.families); HFError
-    names the first key it cannot take."""
+    names the first key it cannot take. note(msg) is told what a multimodal checkpoint's import
+    leaves out (Gemma 3's vision tower)."""
     try:
-        family = families.for_hf(d)
+        family, d, left_out = families.text_decoder(d)
     except ConfigError as e:
         raise HFError(str(e)) from None
+    if left_out and note is not None:
+        note(left_out)
     _refuse(d, "attention_bias", lambda v: v is False, "no biases in jaxmem's attention")
     _refuse(d, "mlp_bias", lambda v: v is False, "no biases in jaxmem's MLP")
-    _refuse(d, "hidden_act", lambda v: v == "silu", "jaxmem's MLP is SwiGLU")
+    act_key = "hidden_activation" if d.get("hidden_activation") else "hidden_act"
+    _refuse(d, act_key, lambda v: v in _ACTIVATIONS,
+            f"jaxmem's gated MLP takes {' or '.join(_ACTIVATIONS)}")
     _refuse(d, "attention_dropout", lambda v: v == 0, "jaxmem has no dropout")
     if d.get("quantization_config"):  # GPTQ / AWQ / bitsandbytes files: not plain weights
         method = d["quantization_config"].get("quant_method", "?") if isinstance(
@@ -114,6 +129,7 @@ def config_from_hf(d: dict) -> ModelConfig:
     if head_dim and head_dim * d["num_attention_heads"] != d["hidden_size"]:
         fields["head_dim"] = head_dim  # else derived, as ModelConfig does
     fields["tie_embeddings"] = bool(d.get("tie_word_embeddings", False))
+    fields["mlp_activation"] = _ACTIVATIONS[d.get(act_key) or "silu"]
     fields.update(_rope(d))
     try:
         fields.update(family=family.name, **family.fields(d))  # its refusals name their key
@@ -134,19 +150,21 @@ def config_to_hf(c: ModelConfig, dtype: str = "float32", bos_token_id: int | Non
                  eos_token_id=None) -> dict:
     """config.json's dict for the transformers model of `c`'s family equal to `c`."""
     family = families.get(c.family)
-    d = {"architectures": [family.architecture], "model_type": family.name,
+    act = {v: k for k, v in _ACTIVATIONS.items()}[c.mlp_activation]
+    d = {"architectures": [family.architecture], "model_type": family.hf_model_type,
          **{k: getattr(c, f) for f, k in _SAME.items()},
          "num_key_value_heads": c.num_kv_heads, "head_dim": c.resolved_head_dim,
-         "hidden_act": "silu", "attention_bias": False,
+         "hidden_act": act, "attention_bias": False,
          "attention_dropout": 0.0, "tie_word_embeddings": c.tie_embeddings,
          "rope_theta": c.rope_theta, "rope_scaling": None,
          "rope_parameters": {"rope_type": c.rope_type, "rope_theta": c.rope_theta},
          "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
-         "dtype": dtype, "torch_dtype": dtype, **family.hf_keys(c)}
+         "dtype": dtype, "torch_dtype": dtype}
     if c.rope_type == "llama3":
         llama3 = {k: getattr(c, f) for f, k in _LLAMA3_KEYS.items()}
         d["rope_scaling"] = {"rope_type": "llama3", **llama3}
         d["rope_parameters"].update(llama3)
+    d.update(family.hf_keys(c))  # last: a family's spelling of a shared key wins (Gemma's RoPE)
     return d
 
 
@@ -197,6 +215,14 @@ class _TensorReader:
 
     def __init__(self, files: dict[str, Path], hf_dir):
         self.files, self.hf_dir = files, hf_dir
+        self.stored: dict[str, str] = {}  # a name as read -> as stored (`nest`)
+
+    def nest(self, prefix: str) -> None:
+        """Read the tensors under `prefix` (a multimodal checkpoint's language model) as the
+        causal LM's `model.` ones; the rest (its vision tower) is left out."""
+        names = [n for n in self.files if n.startswith(prefix)]
+        self.stored = {"model." + n.removeprefix(prefix): n for n in names}
+        self.files = {"model." + n.removeprefix(prefix): self.files[n] for n in names}
 
     def __call__(self, name: str) -> np.ndarray:
         from safetensors import safe_open  # noqa: PLC0415
@@ -204,7 +230,7 @@ class _TensorReader:
         if name not in self.files:
             raise HFError(f"{self.hf_dir}: no tensor {name} in the checkpoint's weights")
         with safe_open(self.files[name], framework="numpy") as f:
-            return f.get_tensor(name)
+            return f.get_tensor(self.stored.get(name, name))
 
 
 def load_hf_params(hf_dir, config: ModelConfig, dtype=np.float32) -> dict:
@@ -214,6 +240,10 @@ def load_hf_params(hf_dir, config: ModelConfig, dtype=np.float32) -> dict:
     Tensors the model does not use (a tied checkpoint's lm_head.weight) are not read.
     """
     reader = _TensorReader(weight_files(hf_dir), hf_dir)
+    prefixes = families.get(config.family).prefixes
+    found = [p for p in prefixes if f"{p}embed_tokens.weight" in reader.files]
+    if found and found[0] != "model.":
+        reader.nest(found[0])
     try:
         missing = [n for n in hf_names(config) if n not in reader.files]
         if missing:
@@ -226,9 +256,9 @@ def load_hf_params(hf_dir, config: ModelConfig, dtype=np.float32) -> dict:
         raise HFError(f"{hf_dir}: {e}") from None  # a tensor of the wrong shape, named
 
 
-def load_hf(hf_dir, dtype=np.float32) -> tuple[ModelConfig, dict]:
-    """(ModelConfig, params) of a Hugging Face Llama directory."""
-    config = config_from_hf(read_hf_config(hf_dir))
+def load_hf(hf_dir, dtype=np.float32, note=None) -> tuple[ModelConfig, dict]:
+    """(ModelConfig, params) of a Hugging Face checkpoint directory (note: config_from_hf's)."""
+    config = config_from_hf(read_hf_config(hf_dir), note)
     return config, load_hf_params(hf_dir, config, dtype)
 
 

@@ -21,17 +21,25 @@ def scaled_normal(fan_in: int):
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * scale, with the mean square in fp32 (a bf16 sum of squares loses digits)."""
+    """x / rms(x) * scale, with the mean square in fp32 (a bf16 sum of squares loses digits).
+
+    plus_one: the weight w is stored as Gemma's checkpoints hold it, initialised to 0, and the
+    scale is 1 + w in fp32 (transformers' Gemma3RMSNorm)."""
 
     eps: float = 1e-5
+    plus_one: bool = False
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)  # [D]
+        init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+        scale = self.param("scale", init, (x.shape[-1],), jnp.float32)  # [D]
+        if self.plus_one:
+            scale = 1.0 + scale.astype(jnp.float32)
         return rms_norm(x, scale, self.eps)  # the backward keeps x and scale (jaxmem.model.lean)
 
 
-def rope_inv_freq(head_dim: int, theta: float, llama3: tuple | None = None) -> jax.Array:
+def rope_inv_freq(head_dim: int, theta: float, llama3: tuple | None = None,
+                  linear: float | None = None) -> jax.Array:
     """RoPE's inverse frequencies [H/2] (fp32), optionally with Llama 3's scaling; bitwise
     transformers' (`_compute_default_rope_parameters` / `_compute_llama3_parameters`).
 
@@ -40,7 +48,8 @@ def rope_inv_freq(head_dim: int, theta: float, llama3: tuple | None = None) -> j
     see positions beyond the original training length), wavelengths shorter than
     original/high_freq_factor are kept, and the band between blends the two linearly in
     original/wavelength. The same at every position: nothing depends on how far past
-    `original` or `max_position_embeddings` a position is.
+    `original` or `max_position_embeddings` a position is. linear: every frequency divided by
+    this factor (transformers' `_compute_linear_scaling_rope_parameters`; Gemma 3's global layers).
 
     The inputs are Python numbers, so this is a constant made with numpy one fp32 operation at a
     time, as torch does: under jit, XLA rewrites such chains (x / c, a * b + c) and 18 of the 64
@@ -59,12 +68,16 @@ def rope_inv_freq(head_dim: int, theta: float, llama3: tuple | None = None) -> j
         blended = (f32(1) - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < original / high) & ~(wavelen > original / low)
         inv_freq = np.where(medium, blended, scaled).astype(f32)
+    if linear is not None:
+        inv_freq = (inv_freq / f32(linear)).astype(f32)
     return jnp.asarray(inv_freq, jnp.float32)
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float, llama3: tuple | None = None):
-    """cos/sin tables [B, T, H/2] in fp32 for integer positions [B, T] (llama3: rope_inv_freq)."""
-    inv_freq = rope_inv_freq(head_dim, theta, llama3)  # [H/2]
+def rope_tables(positions: jax.Array, head_dim: int, theta: float, llama3: tuple | None = None,
+                linear: float | None = None):
+    """cos/sin tables [B, T, H/2] in fp32 for integer positions [B, T] (llama3, linear:
+    rope_inv_freq)."""
+    inv_freq = rope_inv_freq(head_dim, theta, llama3, linear)  # [H/2]
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
     return jnp.cos(angles), jnp.sin(angles)
 
@@ -103,6 +116,26 @@ def segment_mask(seg_q: jax.Array, seg_k: jax.Array, q_index: jax.Array,
     same = (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_k[:, None, :] != 0)  # [B, Tq, S]
     diag = q_index[:, None] == k_index[None, :]  # [Tq, S]
     return ((causal[None] & same) | diag[None])[:, None]  # [B, 1, Tq, S]
+
+
+def window_cache_mask(kv_valid: jax.Array, index, n_new: int, ring: int,
+                      window: int) -> jax.Array:
+    """[B, 1, T, R + T] mask of `n_new` new tokens (slots index..index+T-1) over a local
+    layer's ring cache of R = `ring` slots followed by the new tokens themselves.
+
+    Ring entry j holds the latest slot a < index with a = j (mod R) (none when a < 0); a query
+    at slot q sees it when that slot is valid and q - a < window, and sees a new token at slot
+    s <= q when q - s < window and s is valid (and itself always: no empty softmax row)."""
+    B, S = kv_valid.shape
+    q_slot = index + jnp.arange(n_new)  # [T]
+    held = index - 1 - jnp.mod(index - 1 - jnp.arange(ring), ring)  # [R] slot in each entry
+    held_valid = (held >= 0) & jnp.take(kv_valid, jnp.clip(held, 0, S - 1), axis=1)  # [B, R]
+    old = held_valid[:, None, :] & (q_slot[:, None] - held[None, :] < window)[None]  # [B, T, R]
+    t = jnp.arange(n_new)
+    causal = (t[:, None] >= t[None, :]) & (t[:, None] - t[None, :] < window)  # [T, T]
+    new_valid = jax.lax.dynamic_slice_in_dim(kv_valid, index, n_new, axis=1)  # [B, T]
+    new = (causal[None] & new_valid[:, None, :]) | jnp.eye(n_new, dtype=bool)[None]  # [B, T, T]
+    return jnp.concatenate([old, new], axis=2)[:, None]  # [B, 1, T, R + T]
 
 
 def cache_mask(kv_valid: jax.Array, index, n_new: int) -> jax.Array:

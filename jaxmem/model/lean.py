@@ -9,6 +9,7 @@ the rest in the backward (a few elementwise ops per element, no matmul), the way
 recomputes its probabilities (jaxmem.model.attention):
 
     swiglu(gate, up)            keeps gate, up                 [B, T, F] x 2
+    geglu(gate, up)             keeps gate, up                 (Gemma's GELU-tanh gate)
     rms_norm(x, scale, eps)     keeps x, scale                 (the statistic is recomputed)
     rope(x, cos, sin)           keeps cos, sin                 (the rotation is linear in x)
 
@@ -53,6 +54,36 @@ def _swiglu_bwd(res, d):
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+_GELU_C = (2 / 3.141592653589793) ** 0.5
+
+
+@jax.custom_vjp
+def geglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """gelu_tanh(gate) * up (Gemma's GeGLU; torch's gelu(approximate="tanh")), keeping gate
+    and up for the backward as swiglu does."""
+    return jax.nn.gelu(gate, approximate=True) * up
+
+
+def _geglu_fwd(gate, up):
+    return geglu(gate, up), (gate, up)
+
+
+def _geglu_bwd(res, d):
+    gate, up = res
+    g = gate.astype(jnp.float32)
+    t = jnp.tanh(_GELU_C * (g + 0.044715 * g ** 3))
+    gelu = 0.5 * g * (1 + t)
+    d_gelu = 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * _GELU_C * (1 + 3 * 0.044715 * g * g)
+    d32 = d.astype(jnp.float32)
+    return ((d32 * up.astype(jnp.float32) * d_gelu).astype(gate.dtype),
+            (d32 * gelu).astype(up.dtype))
+
+
+geglu.defvjp(_geglu_fwd, _geglu_bwd)
+
+GATED = {"silu": swiglu, "gelu_tanh": geglu}  # ModelConfig.mlp_activation -> its gated product
 
 
 # --- RMSNorm ----------------------------------------------------------------------------------

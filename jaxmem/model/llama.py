@@ -28,8 +28,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem.config.model import ModelConfig
 from jaxmem.model.attention import causal_attention, masked_attention
-from jaxmem.model.lean import swiglu
-from jaxmem.model.layers import RMSNorm, apply_rope, attention_mask, cache_mask, rope_tables, scaled_normal
+from jaxmem.model.lean import GATED
+from jaxmem.model.layers import (RMSNorm, apply_rope, attention_mask, cache_mask, rope_tables,
+                                 scaled_normal, window_cache_mask)
 from jaxmem.einsum import Einsum, default_einsum, logits_einsum, project
 from jaxmem.model.projection import Projection
 from jaxmem.model.remat import TAGS, RematPolicy
@@ -44,12 +45,18 @@ class Attention(nn.Module):
     einsum: Einsum = default_einsum
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask, segment_ids=None, cache=None, cache_index=None):
-        """-> (output [B, T, D], the updated (k, v) cache or None).
+    def __call__(self, x, ctx: dict, local=None, cache=None):
+        """-> (output [B, T, D], the updated cache or None).
 
+        ctx: the layers' shared inputs (`layer_context`): RoPE tables, the mask, segment ids,
+            and while decoding the cache index and masks.
+        local: whether this is a sliding-window layer: a Python bool, or a traced one where the
+            stack mixes both kinds (`ModelConfig.mixed_layers`; the scan passes each layer's).
         cache: (k, v), each [B, S, K, H] in the compute dtype: this call's keys and values are
-            written at slots cache_index..cache_index+T-1 and the queries attend to the cache
-            under `mask` ([B, 1, T, S], layers.cache_mask). None: self-attention over x.
+            written at slots ctx["cache_index"].. and the queries attend to the cache under
+            ctx["mask"] ([B, 1, T, S], layers.cache_mask). A dict of the stacked caches of
+            each kind when the model has local layers (`_attend_cached`). None: self-attention
+            over x.
         """
         c = self.config
         D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.resolved_head_dim
@@ -61,26 +68,107 @@ class Attention(nn.Module):
             q, k, v = (y + self.param(f"{n}_bias", nn.initializers.zeros, y.shape[2:],
                                       jnp.float32).astype(y.dtype)
                        for n, y in (("q", q), ("k", k), ("v", v)))
-        if c.qk_norm:  # over the head dim, shared by the heads, before RoPE (Qwen3)
-            q = RMSNorm(c.rms_norm_eps, name="q_norm")(q)
-            k = RMSNorm(c.rms_norm_eps, name="k_norm")(k)
-        q = checkpoint_name(apply_rope(q, cos, sin), "query")
+        if c.qk_norm:  # over the head dim, shared by the heads, before RoPE (Qwen3, Gemma 3)
+            q = RMSNorm(c.rms_norm_eps, c.norm_plus_one, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, c.norm_plus_one, name="k_norm")(k)
+        cos, sin = _rope_of(ctx, local)
+        q = apply_rope(q, cos, sin)
+        if c.query_pre_attn_scalar is not None and c.query_pre_attn_scalar != H:
+            # scores scaled by query_pre_attn_scalar^-1/2 where the kernels scale by H^-1/2
+            q = q * jnp.asarray((H / c.query_pre_attn_scalar) ** 0.5, q.dtype)
+        q = checkpoint_name(q, "query")
         k = checkpoint_name(apply_rope(k, cos, sin), "key")
         v = checkpoint_name(v, "value")
         if cache is None:
-            ctx = causal_attention(q, k, v, mask, segment_ids)  # [B, T, N, H]
+            ctx_ = _attend(c, q, k, v, ctx["mask"], ctx["segment_ids"], local)  # [B, T, N, H]
+        elif isinstance(cache, dict):
+            ctx_, cache = _attend_cached(c, q, k, v, ctx, local, cache)
         else:  # decoding: write this call's k, v into the cache, attend to all of it
             k_cache, v_cache = (jax.lax.dynamic_update_slice_in_dim(
-                buf, new.astype(buf.dtype), cache_index, axis=1) for buf, new in zip(cache, (k, v)))
+                buf, new.astype(buf.dtype), ctx["cache_index"], axis=1)
+                for buf, new in zip(cache, (k, v)))
             cache = (k_cache, v_cache)  # [B, S, K, H] each
-            ctx = masked_attention(q.astype(k_cache.dtype), k_cache, v_cache, mask)  # [B, T, N, H]
-        ctx = checkpoint_name(ctx.astype(q.dtype), "attn_context")
-        return proj("o_proj", "BTNH,NHD->BTD", (N, H, D), N * H)(ctx), cache  # [B, T, D]
+            ctx_ = masked_attention(q.astype(k_cache.dtype), k_cache, v_cache,
+                                    ctx["mask"])  # [B, T, N, H]
+        ctx_ = checkpoint_name(ctx_.astype(q.dtype), "attn_context")
+        return proj("o_proj", "BTNH,NHD->BTD", (N, H, D), N * H)(ctx_), cache  # [B, T, D]
+
+
+def _rope_of(ctx: dict, local):
+    """The (cos, sin) tables of a layer: the local layers' own where they differ."""
+    if ctx.get("rope_local") is None or local is False or local is None:
+        return ctx["rope"]
+    if local is True:
+        return ctx["rope_local"]
+    return tuple(jnp.where(local, a, b) for a, b in zip(ctx["rope_local"], ctx["rope"]))
+
+
+def _attend(c: ModelConfig, q, k, v, mask, segment_ids, local):
+    """Causal attention of a layer, windowed where it is local (a cond on a traced `local`:
+    both paths compiled, one run)."""
+    if c.sliding_window is None or local is False or local is None:
+        return causal_attention(q, k, v, mask, segment_ids)
+    windowed = functools.partial(causal_attention, window=c.sliding_window)
+    if local is True:
+        return windowed(q, k, v, mask, segment_ids)
+    return jax.lax.cond(local, lambda q, k, v: windowed(q, k, v, mask, segment_ids),
+                        lambda q, k, v: causal_attention(q, k, v, mask, segment_ids), q, k, v)
+
+
+def _attend_cached(c: ModelConfig, q, k, v, ctx: dict, local, caches: dict):
+    """Decoding a model with local layers: caches {"full": (k, v) [Lf, B, S, K, H],
+    "local": (k, v) [Ll, B, R, K, H]} (the kinds it has), carried whole through the layer scan;
+    ctx["slot"] is this layer's index among the layers of its kind.
+
+    A full-attention layer writes this call's k, v at ctx["cache_index"] and attends to its
+    cache; a local layer attends to its ring of the last R <= W slots plus the new tokens
+    (`layers.window_cache_mask`), then writes the last min(T, R) of them into the ring at
+    slot mod R. Where the kind is traced, both writes happen with the other kind's write a
+    rewrite of what is there (no cond around the caches: a cond copies them), and a cond
+    picks the attention."""
+    T, idx, slot = q.shape[1], ctx["cache_index"], ctx["slot"]
+    is_local = jnp.asarray(local)
+    new = {}
+    if "full" in caches:
+        def write(buf, x):  # [Lf, B, S, K, H]
+            old = jax.lax.dynamic_slice(buf, (slot, 0, idx, 0, 0), (1, *x.shape))[0]
+            x = jnp.where(is_local, old, x.astype(buf.dtype))
+            return jax.lax.dynamic_update_slice(buf, x[None], (slot, 0, idx, 0, 0))
+        new["full"] = tuple(write(b, x) for b, x in zip(caches["full"], (k, v)))
+    if "local" in caches:
+        ring_k, ring_v = (jax.lax.dynamic_index_in_dim(b, slot, 0, keepdims=False)
+                          for b in caches["local"])  # [B, R, K, H]
+        R = ring_k.shape[1]
+        n = min(T, R)
+        at = jnp.mod(idx + T - n + jnp.arange(n), R)  # the ring slots of the last n tokens
+
+        def ring_write(buf, ring, x):
+            ring = ring.at[:, at].set(jnp.where(is_local, x[:, T - n:].astype(ring.dtype),
+                                                ring[:, at]))
+            return jax.lax.dynamic_update_index_in_dim(buf, ring, slot, 0)
+        new["local"] = tuple(ring_write(b, r, x) for b, r, x in
+                             zip(caches["local"], (ring_k, ring_v), (k, v)))
+
+    def full_attention():
+        kf, vf = (jax.lax.dynamic_index_in_dim(b, slot, 0, keepdims=False) for b in new["full"])
+        return masked_attention(q.astype(kf.dtype), kf, vf, ctx["mask"])
+
+    def local_attention():
+        kl, vl = (jnp.concatenate([r, x.astype(r.dtype)], axis=1)
+                  for r, x in ((ring_k, k), (ring_v, v)))  # [B, R + T, K, H]
+        return masked_attention(q.astype(kl.dtype), kl, vl, ctx["mask_local"])
+
+    if "full" not in caches:
+        return local_attention(), new
+    if "local" not in caches:
+        return full_attention(), new
+    return jax.lax.cond(is_local, local_attention, full_attention), new
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)). tile: run it in sequence tiles where that saves
-    memory (jaxmem.model.tiled; Llama decides when it may)."""
+    """A gated MLP: down(act(gate(x)) * up(x)), act silu (SwiGLU) or GELU-tanh (Gemma's GeGLU).
+    tile: run it in sequence tiles where that saves memory (jaxmem.model.tiled; Llama decides
+    when it may)."""
 
     config: ModelConfig
     einsum: Einsum = default_einsum
@@ -89,39 +177,102 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         D, F = self.config.hidden_size, self.config.intermediate_size
+        gated = GATED[self.config.mlp_activation]
         proj = functools.partial(Projection, einsum=self.einsum)  # name, subscripts, shape, fan_in
         chunk = mlp_tile(local_rows(x.shape[0]), x.shape[1], F)  # sized by a device's rows
         tileable = self.einsum is default_einsum or hasattr(self.einsum, "prepare_weight")  # fp8
         if self.tile and tileable and chunk < x.shape[1]:
             ws = [proj(n, "", shape, fan_in).weight() for n, shape, fan_in in
                   (("gate_proj", (D, F), D), ("up_proj", (D, F), D), ("down_proj", (F, D), F))]
-            return tiled_mlp(x, *ws, self.einsum, chunk)  # [B, T, D]
+            return tiled_mlp(x, *ws, self.einsum, chunk, gated)  # [B, T, D]
         gate = proj("gate_proj", "BTD,DF->BTF", (D, F), D)(x)  # [B, T, F]
         gate = checkpoint_name(gate, "mlp_gate")
         up = checkpoint_name(proj("up_proj", "BTD,DF->BTF", (D, F), D)(x), "mlp_up")  # [B, T, F]
-        # silu(gate) * up; its backward keeps gate and up only (jaxmem.model.lean)
-        hidden = checkpoint_name(swiglu(gate, up), "mlp_hidden")  # [B, T, F]
+        # act(gate) * up; its backward keeps gate and up only (jaxmem.model.lean)
+        hidden = checkpoint_name(gated(gate, up), "mlp_hidden")  # [B, T, F]
         return proj("down_proj", "BTF,FD->BTD", (F, D), F)(hidden)  # [B, T, D]
 
 
 class DecoderBlock(nn.Module):
-    """Pre-norm residual block; `__call__` has scan's (carry, broadcast...) -> (carry, out) form."""
+    """Pre-norm residual block; `__call__` has scan's (carry, broadcast...) -> (carry, out) form.
+
+    With sandwich norms (Gemma 3) the attention's and the MLP's outputs are normed too before
+    they join the residual: post_attention_layernorm is then the attention's post-norm and
+    pre/post_feedforward_layernorm the MLP's (the checkpoints' names)."""
 
     config: ModelConfig
     einsum: Einsum = default_einsum
     tile_mlp: bool = False
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask, segment_ids=None, cache=None, cache_index=None):
+    def __call__(self, x, ctx: dict, layer: dict | None = None, cache=None):
+        """x [B, T, D] (or, decoding a model with local layers, (x, the caches): the scan's
+        carry); ctx: `layer_context`'s; layer: this layer's scanned facts ({"local": bool,
+        "slot": int}) where the stack mixes kinds, else None."""
         c = self.config
+        norm = functools.partial(RMSNorm, c.rms_norm_eps, c.norm_plus_one)
+        carried = isinstance(x, tuple)
+        if carried:
+            x, cache = x
+        local = layer["local"] if layer and "local" in layer else c.local_layers[0]
+        if layer is not None and "slot" in layer:
+            ctx = {**ctx, "slot": layer["slot"]}
         x = checkpoint_name(x, "block_input")  # the scan's per-layer residual, named: offloadable
-        h = checkpoint_name(RMSNorm(c.rms_norm_eps, name="input_layernorm")(x), "attn_norm")
-        a, cache = Attention(c, self.einsum, name="self_attn")(h, cos, sin, mask, segment_ids,
-                                                               cache, cache_index)
+        h = checkpoint_name(norm(name="input_layernorm")(x), "attn_norm")
+        a, cache = Attention(c, self.einsum, name="self_attn")(h, ctx, local, cache)
+        if c.sandwich_norms:
+            a = norm(name="post_attention_layernorm")(a)
         x = x + checkpoint_name(a, "attn_out")
-        h = checkpoint_name(RMSNorm(c.rms_norm_eps, name="post_attention_layernorm")(x), "mlp_norm")
-        x = x + checkpoint_name(MLP(c, self.einsum, self.tile_mlp, name="mlp")(h), "mlp_out")
-        return constrain(x, "block"), cache  # [B, T, D] the scan carry; this layer's cache
+        pre_mlp = "pre_feedforward_layernorm" if c.sandwich_norms else "post_attention_layernorm"
+        h = checkpoint_name(norm(name=pre_mlp)(x), "mlp_norm")
+        m = MLP(c, self.einsum, self.tile_mlp, name="mlp")(h)
+        if c.sandwich_norms:
+            m = norm(name="post_feedforward_layernorm")(m)
+        x = x + checkpoint_name(m, "mlp_out")
+        x = constrain(x, "block")  # [B, T, D]
+        if carried:
+            return (x, cache), None
+        return x, cache  # the scan carry; this layer's cache
+
+
+def embed_lookup(c: ModelConfig, embed, tokens):
+    """The embedding rows of tokens [B, T] -> [B, T, D], times sqrt(D) (rounded to the
+    embedding's dtype, as transformers does) where the family scales them (Gemma)."""
+    x = jnp.take(embed, tokens, axis=0)  # [B, T, D]
+    if c.embed_scale:
+        x = x * jnp.asarray(c.hidden_size ** 0.5, x.dtype)
+    return x
+
+
+def layer_context(c: ModelConfig, tokens_shape, positions=None, padding_mask=None,
+                  segment_ids=None) -> dict:
+    """The inputs every layer shares: RoPE tables (the local layers' own where their base
+    differs), the attention mask and the segment ids."""
+    B, T = tokens_shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    H = c.resolved_head_dim
+    rope = rope_tables(positions, H, **c.rope_kwargs())  # [B, T, H/2] x 2
+    local = None
+    if any(c.local_layers) and c.rope_kwargs(local=True) != c.rope_kwargs():
+        local = rope_tables(positions, H, **c.rope_kwargs(local=True))
+    mask = None if segment_ids is not None else attention_mask(padding_mask, T)
+    return {"rope": rope, "rope_local": local, "mask": mask, "segment_ids": segment_ids}
+
+
+def layer_facts(c: ModelConfig) -> dict | None:
+    """Per layer, scanned beside its params where the stack mixes local and full-attention
+    layers: {"local": [L] bool, "slot": [L] its index among the layers of its kind}."""
+    if not c.mixed_layers:
+        return None
+    kinds = c.local_layers
+    slot = [sum(1 for j in range(i) if kinds[j] == kinds[i]) for i in range(len(kinds))]
+    return {"local": jnp.asarray(kinds), "slot": jnp.asarray(slot, jnp.int32)}
+
+
+def final_norm(c: ModelConfig, **kw) -> RMSNorm:
+    """The RMSNorm before the LM head."""
+    return RMSNorm(c.rms_norm_eps, c.norm_plus_one, **kw)
 
 
 def _in_host_memory(x) -> bool:
@@ -186,26 +337,23 @@ class Llama(nn.Module):
         # std D^-0.5: with tied embeddings the head then gives unit-variance logits at init.
         embed = self.param("embed_tokens", scaled_normal(D), (V, D), jnp.float32)
         embed = constrain_weight(embed, "embed_tokens")  # its gradient split like it on a mesh
-        x = constrain(jnp.take(embed, tokens, axis=0), "embed")  # [B, T, D]
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-        cos, sin = rope_tables(positions, c.resolved_head_dim, c.rope_theta,
-                               c.llama3_rope)  # [B, T, H/2]
+        x = constrain(embed_lookup(c, embed, tokens), "embed")  # [B, T, D]
+        ctx = layer_context(c, (B, T), positions, padding_mask, segment_ids)
         if cache is not None:
-            return self._decode(x, cos, sin, cache, cache_index, kv_valid, embed)
-        mask = None if segment_ids is not None else attention_mask(padding_mask, T)
+            return self._decode(x, ctx, cache, cache_index, kv_valid, embed)
 
         block = self._block(DecoderBlock, self.remat)
         if self.remat.enabled:
             block = nn.remat(block, policy=self.remat.jax_policy(), prevent_cse=False)
+        facts = layer_facts(c)
         stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                        in_axes=(nn.broadcast,) * 4, length=c.num_layers)
+                        in_axes=(nn.broadcast, nn.broadcast if facts is None else 0),
+                        length=c.num_layers)
         # Tile the MLP only where no remat policy wants its tagged activations (jaxmem.model.tiled)
         tile = tiles_under(self.remat)
-        x, _ = stack(c, self.einsum, tile, name="layers")(x, cos, sin, mask,
-                                                          segment_ids)  # [B, T, D]
+        x, _ = stack(c, self.einsum, tile, name="layers")(x, ctx, facts)  # [B, T, D]
 
-        x = RMSNorm(c.rms_norm_eps, name="norm")(x)
+        x = final_norm(c, name="norm")(x)
         # The head multiplies in fp32 accumulation to fp32 logits whatever the compute dtype.
         if c.tie_embeddings:
             if return_hidden:
@@ -227,17 +375,33 @@ class Llama(nn.Module):
             return block  # the program is the one without offload, unchanged
         return _fetching(block, remat)
 
-    def _decode(self, x, cos, sin, cache, cache_index, kv_valid, embed):
+    def _decode(self, x, ctx, cache, cache_index, kv_valid, embed):
         """The blocks over the cache (no remat: nothing is differentiated), then the head on the
-        last position only: [B, V], never [B, T, V] (a prompt's prefill included)."""
+        last position only: [B, V], never [B, T, V] (a prompt's prefill included).
+
+        cache: (k, v) each [L, B, S, K, H], scanned a layer at a time; or, where the model has
+        local layers, `init_cache`'s dict of per-kind stacks, carried whole (Attention)."""
         c = self.config
-        mask = cache_mask(kv_valid, cache_index, x.shape[1])  # [B, 1, T, S]
-        stack = nn.scan(self._block(DecoderBlock, RematPolicy("full")),
-                        variable_axes={"params": 0}, split_rngs={"params": True},
-                        in_axes=(nn.broadcast,) * 4 + (0, nn.broadcast), length=c.num_layers)
-        x, cache = stack(c, self.einsum, False, name="layers")(
-            x, cos, sin, mask, None, cache, cache_index)  # [B, T, D], ([L, B, S, K, H],) * 2
-        x = RMSNorm(c.rms_norm_eps, name="norm")(x[:, -1:])  # [B, 1, D]
+        T = x.shape[1]
+        ctx = {**ctx, "cache_index": cache_index, "mask": cache_mask(kv_valid, cache_index, T)}
+        block = self._block(DecoderBlock, RematPolicy("full"))
+        facts = layer_facts(c)
+        if isinstance(cache, dict):
+            if "local" in cache:
+                R = cache["local"][0].shape[2]
+                ctx["mask_local"] = window_cache_mask(kv_valid, cache_index, T, R,
+                                                      c.sliding_window)  # [B, 1, T, R + T]
+            if facts is None:  # one kind: layer l is slot l of its stack
+                facts = {"slot": jnp.arange(c.num_layers, dtype=jnp.int32)}
+            stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                            in_axes=(nn.broadcast, 0), length=c.num_layers)
+            (x, cache), _ = stack(c, self.einsum, False, name="layers")((x, cache), ctx, facts)
+        else:
+            stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                            in_axes=(nn.broadcast, nn.broadcast, 0), length=c.num_layers)
+            x, cache = stack(c, self.einsum, False, name="layers")(
+                x, ctx, None, cache)  # [B, T, D], ([L, B, S, K, H],) * 2
+        x = final_norm(c, name="norm")(x[:, -1:])  # [B, 1, D]
         if c.tie_embeddings:
             logits = project("BTD,DV->BTV", x, embed.T, logits_einsum)  # [B, 1, V]
         else:

@@ -1,6 +1,7 @@
 """The SwiGLU MLP in sequence tiles: under full remat its backward holds one tile's [B, Tc, F].
 
     tiled_mlp(x, w_gate, w_up, w_down, einsum, chunk)   down(silu(x Wg) * (x Wu)), tiled over T
+                                                      (or Gemma's GELU-tanh gate)
 
 Under `--remat full` the backward of a block recomputes the MLP and then differentiates it: the
 gate, up and hidden activations and their gradients, [B, T, F] each (F = 4 D in Llama), are the
@@ -48,10 +49,10 @@ def mlp_tile(batch: int, seq_len: int, ffn: int) -> int:
     return max(1, min(seq_len, TILE_BYTES // (batch * ffn * 4)))
 
 
-def _mlp(einsum, x, wg, wu, wd):
+def _mlp(einsum, gated, x, wg, wu, wd):
     gate = project("BTD,DF->BTF", x, wg, einsum)  # [B, Tc, F]
     up = project("BTD,DF->BTF", x, wu, einsum)  # [B, Tc, F]
-    return project("BTF,FD->BTD", swiglu(gate, up), wd, einsum)  # [B, Tc, D]
+    return project("BTF,FD->BTD", gated(gate, up), wd, einsum)  # [B, Tc, D]
 
 
 def _tiles(x, chunk):
@@ -76,31 +77,32 @@ def _prepared(einsum, ws, like=None):
     return tuple(prepare(w, like=p) for w, p in zip(ws, like or (None,) * len(ws)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def tiled_mlp(x, wg, wu, wd, einsum, chunk):
-    """down(silu(x Wg) * (x Wu)) for x [B, T, D], `chunk` sequence positions at a time."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def tiled_mlp(x, wg, wu, wd, einsum, chunk, gated=swiglu):
+    """down(gated(x Wg, x Wu)) for x [B, T, D], `chunk` sequence positions at a time (gated:
+    jaxmem.model.lean's swiglu or geglu)."""
     ws = _prepared(einsum, (wg, wu, wd))
-    ys = jax.lax.map(lambda xc: _mlp(einsum, xc, *ws), _tiles(x, chunk))
+    ys = jax.lax.map(lambda xc: _mlp(einsum, gated, xc, *ws), _tiles(x, chunk))
     return _untile(ys, x.shape[1])
 
 
-def _tiled_fwd(x, wg, wu, wd, einsum, chunk):
-    return tiled_mlp(x, wg, wu, wd, einsum, chunk), (x, wg, wu, wd)
+def _tiled_fwd(x, wg, wu, wd, einsum, chunk, gated=swiglu):
+    return tiled_mlp(x, wg, wu, wd, einsum, chunk, gated), (x, wg, wu, wd)
 
 
 def _is_float(a):
     return jnp.issubdtype(a.dtype, jnp.floating)
 
 
-def _tiled_bwd(einsum, chunk, res, dy):
+def _tiled_bwd(einsum, chunk, gated, res, dy):
     x, *ws = res
     ws = tuple(ws)
     prepared = _prepared(einsum, ws)  # once for all tiles; each tile rebinds it to the weights
 
     def body(acc, c):
         xc, dc = c  # [B, Tc, D] each
-        _, vjp = jax.vjp(lambda xc, *ws: _mlp(einsum, xc, *_prepared(einsum, ws, prepared)),
-                         xc, *ws)
+        _, vjp = jax.vjp(lambda xc, *ws: _mlp(einsum, gated, xc,
+                                              *_prepared(einsum, ws, prepared)), xc, *ws)
         dxc, *dws = vjp(dc)
         acc = jax.tree_util.tree_map(
             lambda a, d: a + d.astype(jnp.float32) if _is_float(d) else a, acc, tuple(dws))
