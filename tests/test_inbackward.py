@@ -24,7 +24,14 @@ from runs import SMALL, error_line, losses, params_of
 
 
 FAMILIES = {"llama": {}, "qwen3": dict(family="qwen3", qk_norm=True),
-            "qwen2": dict(family="qwen2", qkv_bias=True)}
+            "qwen2": dict(family="qwen2", qkv_bias=True),
+            # Gemma 3's variation points; a window of 4 < the 16 tokens, three local layers
+            # then a global one
+            "gemma3": dict(family="gemma3", qk_norm=True, norm_plus_one=True, sandwich_norms=True,
+                           mlp_activation="gelu_tanh", embed_scale=True, query_pre_attn_scalar=24,
+                           sliding_window=4, rope_local_theta=500.0, rope_type="linear",
+                           rope_factor=2.0, layer_types=("sliding_attention",) * 3
+                           + ("full_attention",))}
 
 
 def _configs(optimizer, precision="fp32", tie=False, family="llama", **optim):
@@ -39,10 +46,11 @@ def _configs(optimizer, precision="fp32", tie=False, family="llama", **optim):
 @pytest.mark.slow  # two tiny steps compiled per case, 10 steps each
 @pytest.mark.parametrize("optimizer,tie,family", [
     ("adamw", False, "llama"), ("adamw8bit", False, "llama"), ("lion", True, "llama"),
-    ("adamw", True, "qwen3"), ("adamw8bit", False, "qwen2")])
+    ("adamw", True, "qwen3"), ("adamw8bit", False, "qwen2"), ("adamw", True, "gemma3")])
 def test_fp32_losses_equal_the_ordinary_step_for_10_steps(optimizer, tie, family):
-    """Each family's block through the in-backward step's own forward (Qwen3's QK-norm,
-    Qwen2's biases) gives the ordinary step's losses."""
+    """Each family's block through the in-backward step, built on the model's parts (Qwen3's
+    QK-norm, Qwen2's biases, Gemma 3's scaled embedding, sandwich norms and local and global
+    layers), gives the ordinary step's losses."""
     ordinary, oib = _configs(optimizer, tie=tie, family=family)
     s1, s2 = create_train_state(ordinary, seed=1), create_train_state(oib, seed=1)
     f1, f2 = jax.jit(make_train_step(ordinary)), jax.jit(make_train_step(oib))

@@ -43,8 +43,7 @@ import jax.numpy as jnp
 
 from jaxmem.config.model import ConfigError
 from jaxmem.loss.chunked import chunked_cross_entropy, resolve_loss_chunk
-from jaxmem.model.layers import RMSNorm, attention_mask, rope_tables
-from jaxmem.model.llama import DecoderBlock
+from jaxmem.model.llama import DecoderBlock, embed_lookup, final_norm, layer_context, layer_facts
 from jaxmem.model.precision import cast_params
 from jaxmem.einsum import logits_einsum, project
 from jaxmem.optim import NoOpLossScale, all_finite, row_chunks
@@ -121,32 +120,30 @@ class _InBackwardStep:
         model = cfg.build_model()
         self.dtype = cfg.precision.compute_dtype
         self.lr_at = schedule(cfg.optim)
+        # the model's own parts (jaxmem.model.llama): no second copy of the forward pass
         self.block = DecoderBlock(self.c, model.einsum, tile_mlp=True)  # as under --remat full
-        self.norm = RMSNorm(self.c.rms_norm_eps)
+        self.norm = final_norm(self.c)
+        self.facts = layer_facts(self.c)  # each layer's kind where local and global mix
 
     def cast(self, p):
         return cast_params(p, self.dtype) if self.dtype is not None else p
 
     def _inputs(self, batch) -> dict:
-        """One micro-batch's tokens, targets, weights, RoPE tables, mask and loss chunk."""
+        """One micro-batch's tokens, targets, weights, the layers' shared inputs (the model's
+        `layer_context`) and the loss chunk."""
         c, cfg = self.c, self.cfg
         mb = jax.tree_util.tree_map(lambda x: x[0], batch)
         tokens, weights = mb["inputs"], mb["mask"]
         B, T = tokens.shape
-        segment_ids, positions = mb.get("segment_ids"), mb.get("positions")
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-        cos, sin = rope_tables(positions, c.resolved_head_dim, c.rope_theta, c.llama3_rope)
         pad = weights if cfg.attention_padding else None
         return {"tokens": tokens, "targets": mb["targets"], "weights": weights,
                 "total": jnp.maximum(jnp.sum(batch["mask"]).astype(jnp.float32), 1.0),
-                "cos": cos, "sin": sin, "segment_ids": segment_ids,
-                "mask": None if segment_ids is not None else attention_mask(pad, T),
+                "ctx": layer_context(c, (B, T), mb.get("positions"), pad, mb.get("segment_ids")),
                 "chunk": resolve_loss_chunk(cfg.loss_chunk, B, T, c)}
 
-    def _layer(self, lp, x, a):
-        return self.block.apply({"params": self.cast(lp)}, x, a["cos"], a["sin"], a["mask"],
-                                a["segment_ids"])[0]
+    def _layer(self, lp, x, a, fact=None):
+        """Layer `lp` on x; fact: its scanned kind (`layer_facts`) or None."""
+        return self.block.apply({"params": self.cast(lp)}, x, a["ctx"], fact)[0]
 
     def _head_loss(self, hp, x, a):
         """Final norm, LM head and the loss: Llama's return_hidden path."""
@@ -174,9 +171,10 @@ class _InBackwardStep:
                                      state.opt_state, self.step_key(state.rng, state.step)),
                      params)
         # forward: the embedding, then the layers keeping each one's input
-        x0 = jnp.take(self.cast({"embed_tokens": params["embed_tokens"]})["embed_tokens"],
-                      a["tokens"], axis=0)  # [B, T, D]
-        xL, xs = jax.lax.scan(lambda x, lp: (self._layer(lp, x, a), x), x0, params["layers"])
+        x0 = embed_lookup(c, self.cast({"embed_tokens": params["embed_tokens"]})["embed_tokens"],
+                          a["tokens"])  # [B, T, D]
+        xL, xs = jax.lax.scan(lambda x, lf: (self._layer(lf[0], x, a, lf[1]), x), x0,
+                              (params["layers"], self.facts))
         head = {"norm": params["norm"]}
         head["embed_tokens" if c.tie_embeddings else "lm_head"] = (
             params["embed_tokens"] if c.tie_embeddings else params["lm_head"])
@@ -211,7 +209,8 @@ class _InBackwardStep:
             lp = treedef_l.unflatten([jax.lax.dynamic_index_in_dim(ps[i], l, 0, keepdims=False)
                                       for i in stacked])
             x = jax.lax.dynamic_index_in_dim(xs, l, 0, keepdims=False)
-            _, vjp = jax.vjp(lambda lp, x: self._layer(lp, x, a), lp, x)
+            fact = jax.tree_util.tree_map(lambda f: f[l], self.facts)
+            _, vjp = jax.vjp(lambda lp, x: self._layer(lp, x, a, fact), lp, x)
             d_lp, dx = vjp(dx)
             grads = dict(zip(stacked, jax.tree_util.tree_leaves(d_lp)))
             finite = all_finite(grads)
@@ -229,6 +228,8 @@ class _InBackwardStep:
         """The embedding's update, its gradient made a row piece at a time where the update
         uses it: the whole one ([V, D], 1 GiB at 8B in bf16) never exists."""
         V, D = embed.shape
+        if self.c.embed_scale:  # the transpose of embed_lookup's scale (in the compute dtype)
+            dx = dx * jnp.asarray(D ** 0.5, dx.dtype)
         rows, dx_rows = tokens.reshape(-1), dx.reshape(-1, D)
         tied = self.c.tie_embeddings
 
