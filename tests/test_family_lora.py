@@ -30,7 +30,13 @@ BASE = PRESETS["tiny"].replace(vocab_size=300, hidden_size=64, intermediate_size
                                max_position_embeddings=256)
 CONFIGS = {"qwen3": BASE.replace(family="qwen3", qk_norm=True, tie_embeddings=True),
            "qwen2": BASE.replace(family="qwen2", qkv_bias=True),
-           "mistral": BASE.replace(family="mistral")}
+           "mistral": BASE.replace(family="mistral"),
+           # Gemma 3's variation points; a window of 16 < the 64-token rows, local then global
+           "gemma3": BASE.replace(
+               family="gemma3", qk_norm=True, norm_plus_one=True, sandwich_norms=True,
+               mlp_activation="gelu_tanh", embed_scale=True, query_pre_attn_scalar=24,
+               sliding_window=16, rope_local_theta=500.0, rope_type="linear", rope_factor=2.0,
+               layer_types=("sliding_attention", "full_attention"), tie_embeddings=True)}
 ARGS = ["--batch-size", "8", "--seq-len", "64", "--warmup-steps", "5", "--lr", "1e-2",
         "--eval-batches", "4", "--sample-tokens", "0", "--no-progress", "--lora-rank", "8"]
 QLORA = ["--steps", "30", "--eval-every", "30", "--save-every", "30", "--quantize-base", "nf4",
@@ -107,7 +113,8 @@ def test_peft_loads_the_adapters_and_the_merge_loads_in_transformers(qlora, tmp_
     with torch.no_grad():
         assert_reordered_fp32(model(torch.as_tensor(TOKENS)).logits.numpy(), want, terms=terms)
     assert export_main(["--run", str(out), "--out", str(tmp_path / "merged")]) == 0
-    assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_type"] == family
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_type"] == {
+        "gemma3": "gemma3_text"}.get(family, family)
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"),
                                                                dtype=torch.float32)
     with torch.no_grad():

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -85,7 +86,7 @@ def _fixed_differences(saved: RunConfig, record: dict, cfg: RunConfig) -> list[s
     diffs = [f"{p}: {a!r} -> {b!r}" for p, a, b in saved.differences(cfg) if not is_mutable(p)]
     resolved = record.get("resolved_model") or {}
     if not diffs and resolved:  # same flags, but the preset itself changed since the run began
-        now = dataclasses.asdict(cfg.model_config())
+        now = json.loads(json.dumps(dataclasses.asdict(cfg.model_config())))  # as recorded
         diffs = [f"resolved model {k}: {v!r} -> {now.get(k)!r}" for k, v in resolved.items()
                  if now.get(k) != v]
     return diffs
