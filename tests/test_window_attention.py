@@ -15,6 +15,7 @@ import pytest
 from jaxmem.model import attention
 from jaxmem.model.context import slot_index
 from jaxmem.model.layers import attention_mask
+from jaxmem.model.window import windowed_attention
 
 N, K, H = 4, 2, 8
 
@@ -121,11 +122,10 @@ def test_windowed_path_of_w_at_least_t_equals_the_reference(monkeypatch):
     """`windowed_attention` itself (not routed to full causal) with W = T - 1 and W > T."""
     B, T = 2, 21
     q, k, v, d = inputs(B, T, seed=4)
-    monkeypatch.setattr(attention, "window_chunk", lambda shape, w: 8)
     for w in (T - 1, T + 5):
         with jax.default_matmul_precision("highest"):
             got = jax.jit(lambda q, k, v: value_and_grads(
-                lambda q, k, v: attention.windowed_attention(q, k, v, None, None, w),
+                lambda q, k, v: windowed_attention(q, k, v, None, None, w, 8),
                 q, k, v, d))(q, k, v)
             want = value_and_grads(lambda q, k, v: reference(q, k, v, w), q, k, v, d)
         np.testing.assert_allclose(got[0], want[0], atol=1e-6, rtol=1e-6)

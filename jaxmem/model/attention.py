@@ -21,7 +21,7 @@ Sliding-window (local) layers (Gemma 3, Mistral's `sliding_window`): `window` = 
 adds q - W < k to the mask (W keys, the query's own included; transformers'
 `kv_idx > q_idx - sliding_window`). Where the window runs:
     GPU, bf16/fp16, no padding mask, no segment ids   cuDNN, `local_window_size=(W - 1, 0)`
-    everything else (CPU, fp32, padding, packed rows)  "xla-window": `windowed_attention`,
+    everything else (CPU, fp32, padding, packed rows)  "xla-window": `window.windowed_attention`,
         query chunks of Tq over their Tq + W - 1 keys only, so forward and backward are
         linear in T
     context parallelism (jaxmem.model.context)         `indexed_attention` with the window in
@@ -55,7 +55,10 @@ from jaxmem import target
 from jaxmem.model.context import context_attention, context_mesh
 from jaxmem.model.flash import packed_flash_attention, pallas_unsupported
 from jaxmem.einsum import cpu_lacks
+from jaxmem.model.chunks import (  # noqa: F401 (chunk_probabilities: public here before)
+    _chunk_attention, _from_chunks, _pad_rows, _query_chunks, _tied, chunk_probabilities)
 from jaxmem.model.layers import segment_mask
+from jaxmem.model.window import windowed_attention
 
 
 def _xla_attention(q, k, v, mask, segment_ids=None):
@@ -117,14 +120,6 @@ def query_chunk(q_shape, kv_len: int) -> int:
     return max(1, min(T, ATTENTION_CHUNK_BYTES // (B * N * kv_len * 4)))
 
 
-def _query_chunks(q, chunk):
-    """q [B, T, N, H] -> [n, B, Tq, N, H] (zero-padded rows at the end)."""
-    B, T = q.shape[:2]
-    n = -(-T // chunk)
-    q = jnp.pad(q, [(0, 0), (0, n * chunk - T), (0, 0), (0, 0)])
-    return jnp.moveaxis(q.reshape(B, n, chunk, *q.shape[2:]), 1, 0)
-
-
 def _chunk_mask(mask, seg, start, chunk, S):
     """The [B|1, 1, Tq, S] mask of the query rows start..start+Tq, built inside the scan body
     (a stacked mask is broadcast by dot_product_attention to [n, B, K, G, Tq, S]: measured 512 MiB
@@ -150,40 +145,6 @@ def _pad_ids(seg, chunk):
     return jnp.pad(seg, [(0, 0), (0, -(-T // chunk) * chunk - T)])
 
 
-def _pad_rows(mask, chunk):
-    """[B, 1, T, S] -> [B, 1, n * Tq, S], padded rows True (they attend; they are dropped)."""
-    if mask is None:
-        return None
-    T = mask.shape[2]
-    pad = -(-T // chunk) * chunk - T
-    return jnp.pad(mask, [(0, 0), (0, 0), (0, pad), (0, 0)], constant_values=True)
-
-
-def _chunk_attention(q, k, v, mask):
-    """Grouped-query attention of q [B, Tq, N, H] over k, v [B, S, K, H] with a boolean mask
-    [B|1, 1, Tq, S], computed as jax.nn.dot_product_attention's XLA path does (fp32 logits and
-    softmax, probabilities cast to v's dtype), with the mask applied as it is: passed to
-    dot_product_attention it was broadcast to [B, K, G, Tq, S] and jax kept that per chunk
-    (measured: a 512 MiB boolean stack at llama-3.2-1b, B=4, T=2048; why, below)."""
-    B, Tq, N, H = q.shape
-    probs = chunk_probabilities(q, k, mask).astype(v.dtype)  # [B, K, G, Tq, S]
-    return jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(B, Tq, N, H)
-
-
-def chunk_probabilities(q, k, mask):
-    """fp32 attention probabilities [B, K, G, Tq, S] of q [B, Tq, N, H] over k [B, S, K, H]."""
-    B, Tq, N, H = q.shape
-    K = k.shape[2]
-    qg = q.reshape(B, Tq, K, N // K, H)  # [B, Tq, K, G, H]
-    logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
-    # An additive bias, not jnp.where: under the block's remat jax kept where's boolean
-    # [B, K, G, Tq, S] for every chunk (measured: 512 MiB stacked); an add keeps nothing.
-    # exp(-1e30 - max) is exactly 0 in fp32, so a masked key's weight is exactly 0.
-    bias = jnp.where(mask, 0.0, -1e30).astype(jnp.float32)[:, :, None]  # [B|1, 1, 1, Tq, S]
-    logits = logits * H ** -0.5 + bias
-    return jax.nn.softmax(logits, axis=-1)  # [B, K, G, Tq, S]
-
-
 def masked_attention(q, k, v, mask):
     """q [B, T, N, H] over k, v [B, S, K, H] with a boolean mask [B|1, 1, T, S] -> [B, T, N, H].
 
@@ -192,12 +153,6 @@ def masked_attention(q, k, v, mask):
     if cpu_lacks(q.dtype):
         q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
     return _chunk_attention(q, k, v, mask)
-
-
-def _from_chunks(a, T):
-    """[n, B, Tq, ...] -> [B, T, ...]."""
-    n, B, chunk = a.shape[:3]
-    return jnp.moveaxis(a, 0, 1).reshape(B, n * chunk, *a.shape[3:])[:, :T]
 
 
 def _chunked_attention(q, k, v, mask, seg, chunk):
@@ -249,7 +204,7 @@ def effective_window(window, T: int, S: int) -> int | None:
 
 
 def window_chunk(q_shape, window: int) -> int:
-    """Query positions per chunk of `windowed_attention` for q [B, T, N, H]: W (a chunk then
+    """Query positions per chunk of `window.windowed_attention` for q [B, T, N, H]: W (a chunk then
     reads 2W - 1 keys, twice the window's work, as dense causal attention does twice causal's),
     fewer where one chunk's fp32 probabilities [B, N, Tq, Tq + W - 1] would pass
     ATTENTION_CHUNK_BYTES, at most T."""
@@ -259,106 +214,6 @@ def window_chunk(q_shape, window: int) -> int:
     return max(1, min(T, window, fit))
 
 
-def _window_keys(a, window, chunk, value=0, axis=1):
-    """Key axis T of `a` -> W - 1 + n * Tq: W - 1 slots in front (the first chunk's window
-    reaches before position 0) and the last chunk's padding at the end."""
-    T = a.shape[axis]
-    pad = [(0, 0)] * a.ndim
-    pad[axis] = (window - 1, -(-T // chunk) * chunk - T)
-    return jnp.pad(a, pad, constant_values=value)
-
-
-def _window_chunk_mask(mask, seg, start, chunk, window):
-    """[B|1, 1, Tq, Tq + W - 1] mask of query rows start..start+Tq-1 over keys
-    start-W+1..start+Tq-1: causal AND inside the window AND not before position 0, AND the
-    packed rows' `segment_mask`, AND the padding mask's entries there.
-
-    mask: [B, 1, n * Tq, T] (rows padded: `_pad_rows`) or None; seg: [B, W - 1 + n * Tq]
-    (`_window_keys`) or None. Padded rows (past T) are dropped by the caller."""
-    span = chunk + window - 1
-    q_pos = start + jnp.arange(chunk)  # [Tq]
-    k_pos = start - (window - 1) + jnp.arange(span)  # [Tq + W - 1]
-    d = q_pos[:, None] - k_pos[None, :]  # [Tq, Tq + W - 1]
-    m = ((d >= 0) & (d < window) & (k_pos >= 0)[None, :])[None, None]  # [1, 1, Tq, Tq + W - 1]
-    if seg is not None:
-        seg_q = jax.lax.dynamic_slice_in_dim(seg, start + window - 1, chunk, axis=1)  # [B, Tq]
-        seg_k = jax.lax.dynamic_slice_in_dim(seg, start, span, axis=1)  # [B, Tq + W - 1]
-        m = m & segment_mask(seg_q, seg_k, q_pos, k_pos)  # [B, 1, Tq, Tq + W - 1]
-    if mask is not None:
-        rows = jax.lax.dynamic_slice_in_dim(mask, start, chunk, axis=2)  # [B, 1, Tq, T]
-        rows = _window_keys(rows, window, chunk, True, axis=3)  # [B, 1, Tq, W - 1 + n * Tq]
-        m = m & jax.lax.dynamic_slice_in_dim(rows, start, span, axis=3)
-    return m
-
-
-def _window_parts(q, k, v, mask, seg, window, chunk):
-    """The scans' inputs: query chunks [n, B, Tq, N, H], their starts [n], k, v and ids with
-    `_window_keys`' slots, the padding mask's rows padded to n * Tq."""
-    qs = _query_chunks(q, chunk)
-    starts = jnp.arange(qs.shape[0]) * chunk
-    seg = None if seg is None else _window_keys(seg, window, chunk)
-    return (qs, starts, _window_keys(k, window, chunk), _window_keys(v, window, chunk),
-            _pad_rows(mask, chunk), seg)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def windowed_attention(q, k, v, mask, segment_ids, window):
-    """Causal attention of q [B, T, N, H] over k, v [B, T, K, H] where a query at position p
-    sees keys p - W < k <= p only (window = W, a static int), within `mask` ([B, 1, T, T] or
-    None) and its segment (`segment_ids` [B, T] or None) -> [B, T, N, H].
-
-    Query chunk [s, s + Tq) attends to keys [s - W + 1, s + Tq) only (`window_chunk`), sliced
-    from k, v padded in front by W - 1: fp32 probabilities [B, N, Tq, Tq + W - 1] at a time,
-    so forward and backward are linear in T. The backward recomputes them chunk by chunk from
-    the residuals q, k, v, mask and ids (as `xla_attention_recomputed`)."""
-    return _windowed_fwd(q, k, v, mask, segment_ids, window)[0]
-
-
-def _windowed_fwd(q, k, v, mask, segment_ids, window):
-    chunk = window_chunk(q.shape, window)
-    span = chunk + window - 1
-    qs, starts, kp, vp, mp, sp = _window_parts(q, k, v, mask, segment_ids, window, chunk)
-
-    def body(_, c):
-        qc, start = _tied(c)  # [B, Tq, N, H], []
-        kc = jax.lax.dynamic_slice_in_dim(kp, start, span, axis=1)  # [B, Tq + W - 1, K, H]
-        vc = jax.lax.dynamic_slice_in_dim(vp, start, span, axis=1)
-        return None, _chunk_attention(qc, kc, vc, _window_chunk_mask(mp, sp, start, chunk, window))
-
-    out = _from_chunks(jax.lax.scan(body, None, (qs, starts))[1], q.shape[1])
-    return out, (q, k, v, mask, segment_ids)
-
-
-def _windowed_bwd(window, res, d_ctx):
-    """(dq, dk, dv): one chunk's probabilities recomputed at a time; dk, dv summed in fp32 into
-    the padded key slots the chunk read."""
-    q, k, v, mask, seg = res
-    chunk = window_chunk(q.shape, window)
-    span = chunk + window - 1
-    qs, starts, kp, vp, mp, sp = _window_parts(q, k, v, mask, seg, window, chunk)
-    ds = _query_chunks(d_ctx, chunk)
-
-    def add(acc, start, d):
-        here = jax.lax.dynamic_slice_in_dim(acc, start, span, axis=1)
-        return jax.lax.dynamic_update_slice_in_dim(acc, here + d.astype(jnp.float32), start, 1)
-
-    def body(acc, c):
-        qc, start, dc = _tied(c)
-        kc = jax.lax.dynamic_slice_in_dim(kp, start, span, axis=1)  # [B, Tq + W - 1, K, H]
-        vc = jax.lax.dynamic_slice_in_dim(vp, start, span, axis=1)
-        mc = _window_chunk_mask(mp, sp, start, chunk, window)
-        _, vjp = jax.vjp(lambda qc, kc, vc: _chunk_attention(qc, kc, vc, mc), qc, kc, vc)
-        dqc, dkc, dvc = vjp(dc)
-        return (add(acc[0], start, dkc), add(acc[1], start, dvc)), dqc
-
-    zeros = (jnp.zeros(kp.shape, jnp.float32), jnp.zeros(vp.shape, jnp.float32))
-    (dk, dv), dqs = jax.lax.scan(body, zeros, (qs, starts, ds))
-    T = q.shape[1]
-    dk, dv = (d[:, window - 1:window - 1 + T] for d in (dk, dv))  # [B, T, K, H]
-    return _from_chunks(dqs, T), dk.astype(k.dtype), dv.astype(v.dtype), None, None
-
-
-windowed_attention.defvjp(_windowed_fwd, _windowed_bwd)
 
 
 def _cudnn_attention(q, k, v, mask=None, window=None):
@@ -483,7 +338,8 @@ def causal_attention(q, k, v, mask, segment_ids=None, window: int | None = None)
         warnings.warn(f"attention falls back from cuDNN to XLA (first seen for q {q.shape}, "
                       f"k/v {k.shape}): {choice.reason}", stacklevel=2)
     if window is not None:
-        return windowed_attention(q, k, v, mask, segment_ids, window)
+        return windowed_attention(q, k, v, mask, segment_ids, window,
+                                  window_chunk(q.shape, window))
     return xla_attention_recomputed(q, k, v, mask, segment_ids)
 
 
@@ -510,14 +366,6 @@ def _indexed_chunks(q, q_idx, q_seg, chunk):
     seg = None if q_seg is None else jnp.moveaxis(
         jnp.pad(q_seg, [(0, 0), (0, pad)]).reshape(q_seg.shape[0], -1, chunk), 1, 0)  # [n, B, Tq]
     return _query_chunks(q, chunk), idx, seg
-
-
-def _tied(chunk):
-    """A scan step's slices behind one optimization barrier, so that the chunk's mask is
-    computed from the query chunk's own step: without it the H100 compiler precomputed every
-    chunk's fp32 bias into one stacked [n, B, 1, 1, Tq, S] buffer ([T, T] in all: 1 GiB of a
-    1.03 GiB temp at T=32,768, tiny model, context=8; seen in the buffer assignment)."""
-    return jax.lax.optimization_barrier(chunk)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
