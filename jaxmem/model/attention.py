@@ -1,8 +1,8 @@
 """Causal attention: cuDNN's fused flash attention where it applies, XLA's everywhere else.
 
-    causal_attention(q, k, v, mask, segment_ids)   the path `attention_path` picks for these
-                                                   shapes and dtype
-    attention_path(q, kv, dtype, ..)               which path a call takes and, if not cuDNN, why
+    causal_attention(q, k, v, mask, segment_ids, window)   the path `attention_path` picks for
+                                                           these shapes, dtype and window
+    attention_path(q, kv, dtype, .., window)      which path a call takes and, if not cuDNN, why
     masked_attention(q, k, v, mask)                no custom VJP, any [B, 1, T, S] mask: decoding
                                                    against a KV cache (jaxmem.generate)
 
@@ -17,21 +17,34 @@ On GPUs packed rows take jax's Pallas flash kernel with segment ids instead (jax
 no [T, T] buffer, measured), where queries and keys are as many; the dense-mask cuDNN call is
 the fallback otherwise (never in a training step).
 
+Sliding-window (local) layers (Gemma 3, Mistral's `sliding_window`): `window` = W, a static int,
+adds q - W < k to the mask (W keys, the query's own included; transformers'
+`kv_idx > q_idx - sliding_window`). Where the window runs:
+    GPU, bf16/fp16, no padding mask, no segment ids   cuDNN, `local_window_size=(W - 1, 0)`
+    everything else (CPU, fp32, padding, packed rows)  "xla-window": `window.windowed_attention`,
+        query chunks of Tq over their Tq + W - 1 keys only, so forward and backward are
+        linear in T
+    context parallelism (jaxmem.model.context)         `indexed_attention` with the window in
+        its mask (correct, but each chunk still reads all T keys)
+A window of T or more keys is no window: the call is the full causal one, program and all.
+
 `jax.nn.dot_product_attention(implementation=None)` always takes the XLA path (jax 0.10), so the
 cuDNN kernel is asked for explicitly, on a GPU, for bf16/fp16 inputs with the causal mask only.
-Whether cuDNN accepts the shapes (head dim, GPU generation, cuDNN version) is asked once per
-shape and dtype with `jax.eval_shape` on `ShapeDtypeStruct`s: the same trace-time checks the real
-call makes, without computing anything. The memory planner asks the same function, so it plans
-for the path the step actually takes. A rejection is not silent: `causal_attention` warns once per
-reason, naming cuDNN's message.
+Whether cuDNN accepts the shapes (head dim, GPU generation, cuDNN version, window) is asked once
+per shape, dtype and window with `jax.eval_shape` on `ShapeDtypeStruct`s: the same trace-time
+checks the real call makes, without computing anything. The memory planner asks the same
+function, so it plans for the path the step actually takes. A rejection is not silent:
+`causal_attention` warns once per reason, naming cuDNN's message.
 
-The XLA path computes logits and softmax in fp32 and recomputes them in the backward pass
-(`xla_attention_recomputed`); the cuDNN kernel recomputes them itself.
+The XLA paths compute logits and softmax in fp32 and recompute them in the backward pass
+(`xla_attention_recomputed`, `windowed_attention`); the cuDNN kernel recomputes them itself.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import warnings
 from dataclasses import dataclass
 
@@ -42,7 +55,10 @@ from jaxmem import target
 from jaxmem.model.context import context_attention, context_mesh
 from jaxmem.model.flash import packed_flash_attention, pallas_unsupported
 from jaxmem.einsum import cpu_lacks
+from jaxmem.model.chunks import (  # noqa: F401 (chunk_probabilities: public here before)
+    _chunk_attention, _from_chunks, _pad_rows, _query_chunks, _tied, chunk_probabilities)
 from jaxmem.model.layers import segment_mask
+from jaxmem.model.window import windowed_attention
 
 
 def _xla_attention(q, k, v, mask, segment_ids=None):
@@ -104,14 +120,6 @@ def query_chunk(q_shape, kv_len: int) -> int:
     return max(1, min(T, ATTENTION_CHUNK_BYTES // (B * N * kv_len * 4)))
 
 
-def _query_chunks(q, chunk):
-    """q [B, T, N, H] -> [n, B, Tq, N, H] (zero-padded rows at the end)."""
-    B, T = q.shape[:2]
-    n = -(-T // chunk)
-    q = jnp.pad(q, [(0, 0), (0, n * chunk - T), (0, 0), (0, 0)])
-    return jnp.moveaxis(q.reshape(B, n, chunk, *q.shape[2:]), 1, 0)
-
-
 def _chunk_mask(mask, seg, start, chunk, S):
     """The [B|1, 1, Tq, S] mask of the query rows start..start+Tq, built inside the scan body
     (a stacked mask is broadcast by dot_product_attention to [n, B, K, G, Tq, S]: measured 512 MiB
@@ -137,40 +145,6 @@ def _pad_ids(seg, chunk):
     return jnp.pad(seg, [(0, 0), (0, -(-T // chunk) * chunk - T)])
 
 
-def _pad_rows(mask, chunk):
-    """[B, 1, T, S] -> [B, 1, n * Tq, S], padded rows True (they attend; they are dropped)."""
-    if mask is None:
-        return None
-    T = mask.shape[2]
-    pad = -(-T // chunk) * chunk - T
-    return jnp.pad(mask, [(0, 0), (0, 0), (0, pad), (0, 0)], constant_values=True)
-
-
-def _chunk_attention(q, k, v, mask):
-    """Grouped-query attention of q [B, Tq, N, H] over k, v [B, S, K, H] with a boolean mask
-    [B|1, 1, Tq, S], computed as jax.nn.dot_product_attention's XLA path does (fp32 logits and
-    softmax, probabilities cast to v's dtype), with the mask applied as it is: passed to
-    dot_product_attention it was broadcast to [B, K, G, Tq, S] and jax kept that per chunk
-    (measured: a 512 MiB boolean stack at llama-3.2-1b, B=4, T=2048; why, below)."""
-    B, Tq, N, H = q.shape
-    probs = chunk_probabilities(q, k, mask).astype(v.dtype)  # [B, K, G, Tq, S]
-    return jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(B, Tq, N, H)
-
-
-def chunk_probabilities(q, k, mask):
-    """fp32 attention probabilities [B, K, G, Tq, S] of q [B, Tq, N, H] over k [B, S, K, H]."""
-    B, Tq, N, H = q.shape
-    K = k.shape[2]
-    qg = q.reshape(B, Tq, K, N // K, H)  # [B, Tq, K, G, H]
-    logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
-    # An additive bias, not jnp.where: under the block's remat jax kept where's boolean
-    # [B, K, G, Tq, S] for every chunk (measured: 512 MiB stacked); an add keeps nothing.
-    # exp(-1e30 - max) is exactly 0 in fp32, so a masked key's weight is exactly 0.
-    bias = jnp.where(mask, 0.0, -1e30).astype(jnp.float32)[:, :, None]  # [B|1, 1, 1, Tq, S]
-    logits = logits * H ** -0.5 + bias
-    return jax.nn.softmax(logits, axis=-1)  # [B, K, G, Tq, S]
-
-
 def masked_attention(q, k, v, mask):
     """q [B, T, N, H] over k, v [B, S, K, H] with a boolean mask [B|1, 1, T, S] -> [B, T, N, H].
 
@@ -179,12 +153,6 @@ def masked_attention(q, k, v, mask):
     if cpu_lacks(q.dtype):
         q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
     return _chunk_attention(q, k, v, mask)
-
-
-def _from_chunks(a, T):
-    """[n, B, Tq, ...] -> [B, T, ...]."""
-    n, B, chunk = a.shape[:3]
-    return jnp.moveaxis(a, 0, 1).reshape(B, n * chunk, *a.shape[3:])[:, :T]
 
 
 def _chunked_attention(q, k, v, mask, seg, chunk):
@@ -220,13 +188,45 @@ def _chunked_attention_bwd(q, k, v, mask, seg, d_ctx, chunk):
 xla_attention_recomputed.defvjp(_xla_attention_fwd, _xla_attention_bwd)
 
 
-def _cudnn_attention(q, k, v, mask=None):
+# ---- sliding-window (local) causal attention: query chunks over their window's keys only ----
+
+def effective_window(window, T: int, S: int) -> int | None:
+    """The window `causal_attention` applies for T queries over S keys: None for no window, or
+    for one of T keys or more (then every causal key is inside it)."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1:
+        raise ValueError(f"the attention window must be a positive static int (the keys a query "
+                         f"sees, its own included), got {window!r}")
+    if S != T:
+        raise ValueError(f"a sliding window needs as many keys as queries, got T={T}, S={S}")
+    return None if window >= T else int(window)
+
+
+def window_chunk(q_shape, window: int) -> int:
+    """Query positions per chunk of `window.windowed_attention` for q [B, T, N, H]: W (a chunk then
+    reads 2W - 1 keys, twice the window's work, as dense causal attention does twice causal's),
+    fewer where one chunk's fp32 probabilities [B, N, Tq, Tq + W - 1] would pass
+    ATTENTION_CHUNK_BYTES, at most T."""
+    B, T, N = q_shape[:3]
+    area = ATTENTION_CHUNK_BYTES // (B * N * 4)  # Tq * (Tq + W - 1) at most
+    fit = (math.isqrt((window - 1) ** 2 + 4 * area) - (window - 1)) // 2
+    return max(1, min(T, window, fit))
+
+
+
+
+def _cudnn_attention(q, k, v, mask=None, window=None):
     """cuDNN flash attention, causal (raises at trace time for what cuDNN does not support).
 
     mask: the packed rows' [B, 1, T, S] boolean mask or None; jax hands it to cuDNN as a dense
-    bias added to the causal kernel's logits (bf16/fp16 [B, 1, T, S]: 8 MiB per row at T=2048)."""
+    bias added to the causal kernel's logits (bf16/fp16 [B, 1, T, S]: 8 MiB per row at T=2048).
+    window: W or None. `local_window_size=(W - 1, 0)` is jax's XLA mask p - (W - 1) <= k <= p;
+    for cuDNN jax passes `sliding_window_length` = W - 1 + 1, the kernel's keys (p - W, p]: the
+    same W keys (jax 0.10.2, nn/functions.py and cudnn/fused_attention_stablehlo.py)."""
+    local = None if window is None else (window - 1, 0)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
-                                        implementation="cudnn")
+                                        local_window_size=local, implementation="cudnn")
 
 
 def _on_gpu() -> bool:
@@ -238,7 +238,8 @@ def _on_gpu() -> bool:
 class AttentionPath:
     """The attention implementation a call takes.
 
-    path: "cudnn", "pallas" (packed rows on a GPU, jaxmem.model.flash) or "xla".
+    path: "cudnn", "pallas" (packed rows on a GPU, jaxmem.model.flash), "xla" or "xla-window"
+        (`windowed_attention`: a sliding window off cuDNN).
     reason: why not cuDNN ("" when cuDNN is taken).
     rejected: cuDNN was tried for these shapes and raised (a fallback worth a warning), as
         opposed to not applying at all (CPU, fp32, a padding mask).
@@ -250,53 +251,69 @@ class AttentionPath:
 
 
 def attention_path(q_shape, kv_shape, dtype, causal_only: bool = True,
-                   segments: bool = False) -> AttentionPath:
+                   segments: bool = False, window: int | None = None) -> AttentionPath:
     """The path `causal_attention` takes for q [B, T, N, H], k and v [B, S, K, H] in `dtype`.
 
     causal_only: no padding mask is given (the cuDNN path here handles the causal mask only).
     segments: the rows are packed (segment ids given): Pallas' flash kernel with segment ids
         (no [T, T] mask) where it applies, else cuDNN with the segment mask as a dense bias.
+    window: the sliding window W (`effective_window`): cuDNN's window where cuDNN applies and
+        no segment ids are given, else "xla-window".
     """
+    window = effective_window(window, q_shape[1], kv_shape[1])
+    xla = "xla" if window is None else "xla-window"
     dtype = jnp.dtype(dtype)
     if not causal_only:
-        return AttentionPath("xla", "a padding mask is given (the cuDNN path is causal-only)")
+        return AttentionPath(xla, "a padding mask is given (the cuDNN path is causal-only)")
     if not _on_gpu():
-        return AttentionPath("xla", f"the backend is {target.platform()}, not gpu")
+        return AttentionPath(xla, f"the backend is {target.platform()}, not gpu")
     if dtype not in (jnp.bfloat16, jnp.float16):
-        return AttentionPath("xla", f"{dtype.name} inputs (cuDNN takes bf16/fp16)")
+        return AttentionPath(xla, f"{dtype.name} inputs (cuDNN takes bf16/fp16)")
+    if segments and window is not None:
+        return AttentionPath(xla, "packed rows with a window (Pallas' kernel has no window, "
+                                  "cuDNN's window no segment ids)")
     if segments and not pallas_unsupported(q_shape, kv_shape):
         return AttentionPath("pallas")
-    return _cudnn_verdict(tuple(q_shape), tuple(kv_shape), dtype.name, segments)
+    return _cudnn_verdict(tuple(q_shape), tuple(kv_shape), dtype.name, segments, window)
 
 
 @functools.lru_cache(maxsize=None)
 def _cudnn_verdict(q_shape: tuple, kv_shape: tuple, dtype_name: str,
-                   segments: bool = False) -> AttentionPath:
-    """Ask cuDNN, once per shape and dtype, whether it takes these inputs (nothing is computed)."""
+                   segments: bool = False, window: int | None = None) -> AttentionPath:
+    """Ask cuDNN, once per shape, dtype and window, whether it takes these inputs (nothing is
+    computed)."""
     q = jax.ShapeDtypeStruct(q_shape, jnp.dtype(dtype_name))  # [B, T, N, H]
     kv = jax.ShapeDtypeStruct(kv_shape, jnp.dtype(dtype_name))  # [B, S, K, H]
     mask = (jax.ShapeDtypeStruct((q_shape[0], 1, q_shape[1], kv_shape[1]), jnp.bool_),) \
         if segments else ()  # [B, 1, T, S]
     what = "packed " if segments else ""
+    where = "" if window is None else f" with a window of {window}"
     try:
-        jax.eval_shape(_cudnn_attention, q, kv, kv, *mask)
+        if window is None:
+            jax.eval_shape(_cudnn_attention, q, kv, kv, *mask)
+        else:
+            jax.eval_shape(functools.partial(_cudnn_attention, window=window), q, kv, kv)
     except Exception as e:  # unsupported head dim / GPU generation / cuDNN version / the bias
         first_line = (str(e).strip().splitlines() or [""])[0]
-        return AttentionPath("xla", f"cuDNN rejected {what}{dtype_name} inputs: "
-                                    f"{type(e).__name__}: {first_line}", rejected=True)
+        return AttentionPath("xla" if window is None else "xla-window",
+                             f"cuDNN rejected {what}{dtype_name} inputs{where}: "
+                             f"{type(e).__name__}: {first_line}", rejected=True)
     return AttentionPath("cudnn")
 
 
 _WARNED: set[str] = set()
 
 
-def causal_attention(q, k, v, mask, segment_ids=None):
+def causal_attention(q, k, v, mask, segment_ids=None, window: int | None = None):
     """Causal attention of q [B, T, N, H] with k, v [B, S, K, H] (GQA natively) -> [B, T, N, H].
 
     mask: [B, 1, T, S] boolean (`layers.attention_mask`) or None for the causal mask only.
     segment_ids: [B, T] int (0 = padding) for packed rows, or None: a query attends only to
         keys of its own segment (`layers.segment_mask`), on every path.
+    window: sliding-window (local) attention, a static int W: the query at p sees keys
+        p - W < k <= p only (needs S == T); None (or W >= T): full causal attention.
     """
+    window = effective_window(window, q.shape[1], k.shape[1])
     if cpu_lacks(q.dtype):
         q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
     mesh = context_mesh()
@@ -304,31 +321,41 @@ def causal_attention(q, k, v, mask, segment_ids=None):
         if mask is not None:
             raise ValueError("context parallelism takes no attention padding mask "
                              "(right padding or segment ids only)")
-        return context_attention(q, k, v, segment_ids, mesh, indexed_attention)
+        return context_attention(q, k, v, segment_ids, mesh, indexed_attention, window)
     choice = attention_path(q.shape, k.shape, q.dtype, causal_only=mask is None,
-                            segments=segment_ids is not None)
+                            segments=segment_ids is not None, window=window)
     if choice.path == "pallas":
         return packed_flash_attention(q, k, v, segment_ids)
     if choice.path == "cudnn":
-        if segment_ids is None:
+        if segment_ids is None and window is None:
             return _cudnn_attention(q, k, v)
+        if segment_ids is None:
+            return _cudnn_attention(q, k, v, window=window)
         idx = jnp.arange(q.shape[1])  # [T]
         return _cudnn_attention(q, k, v, segment_mask(segment_ids, segment_ids, idx, idx))
     if choice.rejected and choice.reason not in _WARNED:
         _WARNED.add(choice.reason)
         warnings.warn(f"attention falls back from cuDNN to XLA (first seen for q {q.shape}, "
                       f"k/v {k.shape}): {choice.reason}", stacklevel=2)
+    if window is not None:
+        return windowed_attention(q, k, v, mask, segment_ids, window,
+                                  window_chunk(q.shape, window))
     return xla_attention_recomputed(q, k, v, mask, segment_ids)
 
 
 # ---- attention over a sequence split on the `context` mesh axis (jaxmem.model.context) ----
 
-def _index_chunk_mask(q_idx, k_idx, q_seg, k_seg):
+def _index_chunk_mask(q_idx, k_idx, q_seg, k_seg, window=None):
     """[B|1, 1, Tq, S] mask from the rows' true sequence indices (not their slots: under context
-    parallelism the slots are permuted), with `layers.segment_mask`'s semantics for packed rows."""
+    parallelism the slots are permuted), with `layers.segment_mask`'s semantics for packed rows
+    and, given a window W, q_idx - k_idx < W."""
     if q_seg is None:
-        return (q_idx[:, None] >= k_idx[None, :])[None, None]  # [1, 1, Tq, S]
-    return segment_mask(q_seg, k_seg, q_idx, k_idx)  # [B, 1, Tq, S]
+        m = (q_idx[:, None] >= k_idx[None, :])[None, None]  # [1, 1, Tq, S]
+    else:
+        m = segment_mask(q_seg, k_seg, q_idx, k_idx)  # [B, 1, Tq, S]
+    if window is None:
+        return m
+    return m & (q_idx[:, None] - k_idx[None, :] < window)[None, None]
 
 
 def _indexed_chunks(q, q_idx, q_seg, chunk):
@@ -341,37 +368,31 @@ def _indexed_chunks(q, q_idx, q_seg, chunk):
     return _query_chunks(q, chunk), idx, seg
 
 
-def _tied(chunk):
-    """A scan step's slices behind one optimization barrier, so that the chunk's mask is
-    computed from the query chunk's own step: without it the H100 compiler precomputed every
-    chunk's fp32 bias into one stacked [n, B, 1, 1, Tq, S] buffer ([T, T] in all: 1 GiB of a
-    1.03 GiB temp at T=32,768, tiny model, context=8; seen in the buffer assignment)."""
-    return jax.lax.optimization_barrier(chunk)
-
-
-@jax.custom_vjp
-def indexed_attention(q, k, v, q_idx, k_idx, q_seg=None, k_seg=None):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def indexed_attention(q, k, v, q_idx, k_idx, q_seg=None, k_seg=None, window=None):
     """Causal attention of q [B, T, N, H] over k, v [B, S, K, H] where row t of q sits at true
     sequence index q_idx[t] and key s at k_idx[s] (int [T], [S]); packed rows: q_seg [B, T],
     k_seg [B, S] (0 = padding). Query-chunked like `_chunked_attention` (one [B, N, Tq, S]
     chunk of fp32 probabilities at a time, memory linear in S); the backward recomputes the
-    probabilities chunk by chunk (the residuals are the inputs only)."""
-    return _indexed_fwd(q, k, v, q_idx, k_idx, q_seg, k_seg)[0]
+    probabilities chunk by chunk (the residuals are the inputs only).
+    window: a static W or None; a window only masks here, each chunk still reads all S keys
+    (memory linear in S, work quadratic, unlike `windowed_attention`)."""
+    return _indexed_fwd(q, k, v, q_idx, k_idx, q_seg, k_seg, window)[0]
 
 
-def _indexed_fwd(q, k, v, q_idx, k_idx, q_seg=None, k_seg=None):
+def _indexed_fwd(q, k, v, q_idx, k_idx, q_seg=None, k_seg=None, window=None):
     chunk = query_chunk(q.shape, k.shape[1])
     qs, idx, seg = _indexed_chunks(q, q_idx, q_seg, chunk)
 
     def body(_, c):
         qc, ic, sc = _tied(c)
-        return None, _chunk_attention(qc, k, v, _index_chunk_mask(ic, k_idx, sc, k_seg))
+        return None, _chunk_attention(qc, k, v, _index_chunk_mask(ic, k_idx, sc, k_seg, window))
 
     out = _from_chunks(jax.lax.scan(body, None, (qs, idx, seg))[1], q.shape[1])
     return out, (q, k, v, q_idx, k_idx, q_seg, k_seg)
 
 
-def _indexed_bwd(res, d_ctx):
+def _indexed_bwd(window, res, d_ctx):
     q, k, v, q_idx, k_idx, q_seg, k_seg = res
     chunk = query_chunk(q.shape, k.shape[1])
     qs, idx, seg = _indexed_chunks(q, q_idx, q_seg, chunk)
@@ -379,7 +400,7 @@ def _indexed_bwd(res, d_ctx):
 
     def body(acc, c):
         qc, ic, sc, dc = _tied(c)
-        mc = _index_chunk_mask(ic, k_idx, sc, k_seg)
+        mc = _index_chunk_mask(ic, k_idx, sc, k_seg, window)
         _, vjp = jax.vjp(lambda qc, k, v: _chunk_attention(qc, k, v, mc), qc, k, v)
         dqc, dkc, dvc = vjp(dc)
         return (acc[0] + dkc.astype(jnp.float32), acc[1] + dvc.astype(jnp.float32)), dqc

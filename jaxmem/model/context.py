@@ -83,13 +83,16 @@ def balance(batch: dict, c: int, axis: int = -1) -> dict:
     return {k: jnp.take(v, idx, axis=axis) for k, v in out.items()}
 
 
-def context_attention(q, k, v, segment_ids, mesh, indexed_attention):
+def context_attention(q, k, v, segment_ids, mesh, indexed_attention, window=None):
     """Causal attention of q [B, T, N, H] over k, v [B, T, K, H] (slots in the balanced layout,
     T split over `context`) -> [B, T, N, H]; segment ids [B, T] (packed rows) or None.
 
-    indexed_attention(q, k, v, q_idx, k_idx[, q_seg, k_seg]): each device's local attention,
-    masked by true sequence index (jaxmem.model.attention.indexed_attention, passed in by its
-    caller so that this module does not import attention, which imports it)."""
+    indexed_attention(q, k, v, q_idx, k_idx[, q_seg, k_seg, window]): each device's local
+    attention, masked by true sequence index (jaxmem.model.attention.indexed_attention, passed
+    in by its caller so that this module does not import attention, which imports it).
+    window: a sliding window W (static int) or None. It is applied as a mask by true index
+    (q - k < W): correct, but every local query chunk still reads all T gathered keys, so a
+    window saves no memory or work here."""
     c = mesh.shape[AXIS]
     T = q.shape[1]
     t = dict(mesh.shape).get("tensor", 1)
@@ -105,8 +108,8 @@ def context_attention(q, k, v, segment_ids, mesh, indexed_attention):
         v_all = jax.lax.all_gather(v, AXIS, axis=1, tiled=True)
         if ids:
             s_all = jax.lax.all_gather(ids[0], AXIS, axis=1, tiled=True)  # [B, T]
-            return indexed_attention(q, k_all, v_all, q_idx, k_idx, ids[0], s_all)
-        return indexed_attention(q, k_all, v_all, q_idx, k_idx)
+            return indexed_attention(q, k_all, v_all, q_idx, k_idx, ids[0], s_all, window)
+        return indexed_attention(q, k_all, v_all, q_idx, k_idx, None, None, window)
 
     args = (q, k, v) + (() if segment_ids is None else (segment_ids,))
     specs = (act, act, act) + (() if segment_ids is None else (seg,))
