@@ -4,6 +4,9 @@
     AdamW8bitInPlace(lr, ...)                 the same AdamW as an Optimizer that updates and
                                               applies in place (its state is adamw_8bit's)
     apply_updates_sr(params, updates, key)    bf16 params without an fp32 master copy
+    pieces(key, x, leaf=i)                    the stochastic-rounding keys of a leaf's pieces
+    split(tx, state, params) -> Parts         one step part by part (a leaf, a layer of a
+                                              stack); AdamW8bitInPlace.split the same
     DynamicLossScale.create()                 torch.amp.GradScaler's dynamic loss scale
     loss_scaled(skip_nonfinite(as_optimizer(tx)), scale)
                                               unscale, skip non-finite steps, adjust the scale
@@ -36,8 +39,8 @@ from jaxmem.optim._adamw8bit import (
 )
 
 # bf16 stochastic rounding
-from jaxmem.optim._stochastic import (apply_leaf_sr, apply_updates_sr, round_bf16,
-                                      round_bf16_bits, row_chunks)
+from jaxmem.optim._stochastic import (RoundingPieces, apply_leaf_sr, apply_updates_sr, pieces,
+                                      round_bf16, round_bf16_bits, row_chunks)
 
 # Loss scaling (torch.amp.GradScaler semantics)
 from jaxmem.optim._loss_scale import (
@@ -59,6 +62,9 @@ from jaxmem.optim._apply import (
     skip_nonfinite,
 )
 
+# One step applied part by part (optax chains of element-wise links; AdamW8bitInPlace.split)
+from jaxmem.optim._partwise import NotSplittable, Parts, split
+
 # 8-bit AdamW updated and applied in place (the same kernel and state as adamw_8bit)
 from jaxmem.optim._fused import AdamW8bitInPlace, apply_leaf_in_place
 
@@ -69,7 +75,10 @@ __all__ = [
     "keep_small_fp32", "moment_pieces", "quantize", "scale_by_adam_8bit",
     "step_salt", "AdamW8bitInPlace", "apply_leaf_in_place",
     # stochastic rounding
-    "apply_leaf_sr", "apply_updates_sr", "round_bf16", "round_bf16_bits", "row_chunks",
+    "RoundingPieces", "apply_leaf_sr", "apply_updates_sr", "pieces", "round_bf16",
+    "round_bf16_bits", "row_chunks",
+    # one step part by part
+    "NotSplittable", "Parts", "split",
     # loss scaling
     "DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale", "all_finite",
     "select_tree",

@@ -41,6 +41,7 @@ from jaxmem.optim._adamw8bit import (BLOCK, KeepFp32, LayerAxes, Quantized, Scal
                                      adam_piece, adamw_8bit, as_rows, bias_corrections,
                                      moment_pieces, step_salt)
 from jaxmem.optim._blockwise import _axes
+from jaxmem.optim._partwise import Parts, layer_rows
 
 # (path, leaf shape) -> the leaf's NamedSharding on a mesh, or None where it is not split
 Placement = Callable[[Any, tuple], Any]
@@ -160,11 +161,21 @@ class AdamW8bitInPlace:
         cols = [treedef.flatten_up_to(t) for t in (grads, adam.mu, adam.nu, self.decays(params))]
         new = []
         for i, ((path, p), g, m, v, decays) in enumerate(zip(paths, *cols)):
-            leaf_key = (jax.random.fold_in(key, i)
-                        if key is not None and p.dtype == jnp.bfloat16 else None)
-            new.append(self.apply_placed(path, piece, g, m, v, p, decays, leaf_key, finite))
+            new.append(self.apply_placed(path, piece, g, m, v, p, decays,
+                                         sr.pieces(key, p, leaf=i).key, finite))
         new_p, new_m, new_v = (treedef.unflatten(list(col)) for col in zip(*new))
         return new_p, finish(new_m, new_v, finite)
+
+    def split(self, state, params, *, key: jax.Array | None = None) -> Parts:
+        """This optimizer's next step on `params` from `state`, part by part
+        (jaxmem.optim.Parts), through `pieces`: each part's numbers and random bits are those of
+        `update_and_apply` (`key` required with stochastic_rounding). A leaf's state is its
+        (m, v). No clipping (it needs every gradient first): ValueError where clip_norm > 0."""
+        if self.clip_norm > 0:
+            raise ValueError("AdamW8bitInPlace.split cannot clip by the global norm")
+        if self.stochastic_rounding and key is None:
+            raise ValueError("AdamW8bitInPlace(stochastic_rounding=True) needs a key")
+        return _InPlaceParts(self, state, params, key if self.stochastic_rounding else None)
 
     def decays(self, params):
         """Per leaf of params, whether weight decay applies (`mask` resolved; None: all)."""
@@ -271,15 +282,13 @@ def apply_leaf_in_place(piece, g, m, v, p, decays, leaf_key, finite):
     (rows [j * rows / n, (j + 1) * rows / n)), so a caller can make each piece where it is used,
     never the whole gradient."""
     rows, n, same = moment_pieces(p.shape, m)
+    keys = sr.pieces(leaf_key, p, n=n)
     if n == 1:
         bits = None
-        if not same and leaf_key is not None:  # apply_updates_sr's pieces' bits, all at once
-            k = sr.row_chunks(p.shape)
-            bits = jax.vmap(lambda j: jax.random.bits(jax.random.fold_in(leaf_key, j),
-                                                      (p.size // k,), jnp.uint32))(
-                jnp.arange(k)).reshape(p.shape)
+        if not same and keys.key is not None:  # apply_updates_sr's pieces' bits, all at once
+            bits = sr.pieces(leaf_key, p).leaf_bits(p.shape)
         out = piece(g(1, 0).reshape(p.shape) if callable(g) else g, m, v, p, decays,
-                    None if bits is not None else leaf_key, bits)
+                    None if bits is not None else keys(0), bits)
         return jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), out, (p, m, v))
     split = lambda x: as_rows(x, rows[-1], n)  # noqa: E731  rows -> [n, rows / n, last]
     # the gradient enters as raw bits, so XLA cannot hoist a whole-leaf fp32 convert out of the loop
@@ -288,7 +297,7 @@ def apply_leaf_in_place(piece, g, m, v, p, decays, leaf_key, finite):
     def body(j, carry):
         take = lambda x: jax.lax.dynamic_index_in_dim(x, j, 0, keepdims=False)  # noqa: E731
         put = lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, j, 0)  # noqa: E731
-        pkey = None if leaf_key is None else jax.random.fold_in(leaf_key, j)
+        pkey = keys(j)
         gj = g(n, j).reshape((-1, rows[-1])) if gs is None else from_bits(take(gs), g.dtype)
         out = piece(gj, *jax.tree_util.tree_map(take, carry[1:]), take(carry[0]), decays, pkey)
         return jax.tree_util.tree_map(put, carry, out)
@@ -297,3 +306,35 @@ def apply_leaf_in_place(piece, g, m, v, p, decays, leaf_key, finite):
     trips = jnp.where(finite, n, 0)  # a skipped step runs no piece: the carry stays bitwise
     out = jax.lax.fori_loop(0, trips, body, carry)
     return jax.tree_util.tree_map(lambda x, ref: x.reshape(ref.shape), out, (p, m, v))
+
+
+class _InPlaceParts(Parts):
+    """`AdamW8bitInPlace.split`'s parts: each goes through `pieces`' piece function."""
+
+    def __init__(self, opt: AdamW8bitInPlace, state, params, key):
+        super().__init__(params, key)
+        self.piece, self._finish = opt.pieces(state)
+        adam = opt.moments(state)
+        self.states = list(zip(self.treedef.flatten_up_to(adam.mu),
+                               self.treedef.flatten_up_to(adam.nu)))
+        self.decays = self.treedef.flatten_up_to(opt.decays(params))
+
+    def leaf(self, i, g, p, s, finite):
+        new_p, m, v = apply_leaf_in_place(self.piece, g, *s, p, self.decays[i],
+                                          self.pieces(i).key, finite)
+        return new_p, (m, v)
+
+    def layer(self, i, l, g, p, s, finite):
+        def fn(ins, st, pkey, bits):
+            (g,), (p, m, v) = ins, st
+            return self.piece(g, m, v, p, self.decays[i], pkey, bits)
+
+        # moments block-wise along the last axis: a layer's rows hold whole blocks, and the
+        # codes [L, ..., last] and scales [L, ..., nb] are cut by layer like the weights
+        rows, n, _ = moment_pieces(p.shape, s[0])
+        new_p, m, v = layer_rows(fn, (g,), (p, *s), l, rows, self.pieces(i, n), finite)
+        return new_p, (m, v)
+
+    def finish(self, states):
+        return self._finish(self.treedef.unflatten([s[0] for s in states]),
+                            self.treedef.unflatten([s[1] for s in states]), jnp.asarray(True))

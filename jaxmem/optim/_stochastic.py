@@ -3,6 +3,8 @@
     round_bf16(x, key)                     fp32 -> bf16, rounding up with probability equal to
                                            the distance to the lower bf16 value / the ulp
     apply_updates_sr(params, updates, key) params + updates in fp32, then round_bf16 per leaf
+    pieces(key, x, leaf=i) -> keys         the rounding keys of leaf i and of its row pieces:
+                                           the one place they come from
 
 Round-to-nearest drops every update below half an ulp of the weight (bf16 has 8 significant
 bits: a weight of 1.0 ignores updates below 2^-8), so late, small updates vanish and pure bf16
@@ -13,6 +15,8 @@ that probability (the sign-magnitude layout makes this right for negative values
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +84,68 @@ def row_chunks(shape, chunk: int | None = None) -> int:
     return rows
 
 
+@dataclasses.dataclass(frozen=True)
+class RoundingPieces:
+    """The stochastic-rounding keys of one leaf rounded in `n` row pieces (from `pieces`).
+
+    keys(j): piece j's key: the leaf's own `key` when n == 1, else fold_in(key, j) (j may be
+      traced); None where the leaf is not rounded (`key` None).
+    keys.bits(j, shape): piece j's random bits (uint32 of `shape`).
+    keys.leaf_bits(shape): the whole leaf's bits, its n pieces' bits one after the other.
+    """
+
+    key: jax.Array | None
+    n: int
+
+    def __call__(self, j) -> jax.Array | None:
+        if self.key is None:
+            return None
+        return self.key if self.n == 1 else jax.random.fold_in(self.key, j)
+
+    def bits(self, j, shape) -> jax.Array:
+        return jax.random.bits(self(j), shape, jnp.uint32)
+
+    def leaf_bits(self, shape) -> jax.Array:
+        size = 1
+        for d in shape:
+            size *= d
+        return jax.vmap(lambda j: self.bits(j, (size // self.n,)))(
+            jnp.arange(self.n)).reshape(shape)
+
+
+def pieces(key: jax.Array | None, x, *, leaf: int | None = None,
+           n: int | None = None) -> RoundingPieces:
+    """The stochastic-rounding keys of a leaf and of its row pieces: the one place they come
+    from, for the whole-tree update (`apply_updates_sr`), the in-place 8-bit AdamW
+    (jaxmem.optim.AdamW8bitInPlace) and the update applied part by part (jaxmem.optim.Parts).
+
+    The scheme: leaf i of a tree (`jax.tree_util.tree_flatten` order) draws from
+    fold_in(key, i); a leaf over CHUNK (2^24) elements is rounded in row pieces (`row_chunks`),
+    piece j drawing from fold_in(fold_in(key, i), j).
+
+    Args:
+      key: the whole tree's key with `leaf` the leaf's index, or (leaf None) the leaf's own
+        key, fold_in(tree key, i). None: nothing is rounded.
+      x: the leaf (an array or a jax.ShapeDtypeStruct); only bf16 leaves are rounded.
+      leaf: the leaf's index in its tree, or None (above).
+      n: the row pieces the leaf is rounded in; None: `row_chunks(x.shape)` (CHUNK read now).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> key = jax.random.PRNGKey(0)
+      >>> keys = pieces(key, jnp.zeros((4, 8), jnp.bfloat16), leaf=3, n=2)
+      >>> ref = jax.random.fold_in(jax.random.fold_in(key, 3), 1)
+      >>> bool((jax.random.key_data(keys(1)) == jax.random.key_data(ref)).all())
+      True
+      >>> pieces(key, jnp.zeros(8), leaf=0)(0) is None    # fp32: not rounded
+      True
+    """
+    n = row_chunks(x.shape) if n is None else n
+    if key is None or x.dtype != jnp.bfloat16:
+        return RoundingPieces(None, n)
+    return RoundingPieces(key if leaf is None else jax.random.fold_in(key, leaf), n)
+
+
 def _add_round(p, u, key):
     total = p.astype(jnp.float32) + u.astype(jnp.float32)
     return round_bf16(total, key)
@@ -110,22 +176,23 @@ def apply_updates_sr(params, updates, key: jax.Array):
       (dtype(bfloat16), True)
     """
     leaves, treedef = jax.tree_util.tree_flatten(params)
-    return treedef.unflatten([apply_leaf_sr(p, u, jax.random.fold_in(key, i))
+    return treedef.unflatten([apply_leaf_sr(p, u, pieces(key, p, leaf=i).key)
                               for i, (p, u) in enumerate(zip(leaves,
                                                              treedef.flatten_up_to(updates)))])
 
 
-def apply_leaf_sr(p: jax.Array, u: jax.Array, leaf_key: jax.Array) -> jax.Array:
-    """One leaf of `apply_updates_sr` (leaf_key = fold_in(key, leaf index)): a bf16 leaf
-    rounded stochastically (in row pieces over CHUNK elements, piece j with fold_in(leaf_key,
-    j)), any other p + u in fp32, cast back."""
+def apply_leaf_sr(p: jax.Array, u: jax.Array, leaf_key: jax.Array | None) -> jax.Array:
+    """One leaf of `apply_updates_sr` (leaf_key = fold_in(key, leaf index); None or ignored for
+    a leaf that is not bf16): a bf16 leaf rounded stochastically (in row pieces over CHUNK
+    elements, `pieces`' keys), any other p + u in fp32, cast back."""
     if p.dtype != jnp.bfloat16:
         return (p.astype(jnp.float32) + u.astype(jnp.float32)).astype(p.dtype)
-    n = row_chunks(p.shape, CHUNK)
+    keys = pieces(leaf_key, p)
+    n = keys.n
     if n == 1:
-        return _add_round(p, u, leaf_key)
+        return _add_round(p, u, keys(0))
     split = lambda x: x.reshape((n, -1, x.shape[-1]))  # noqa: E731
-    keys = jax.vmap(lambda j: jax.random.fold_in(leaf_key, j))(jnp.arange(n))
+    keys = jax.vmap(keys)(jnp.arange(n))
     # p and u enter the loop as raw bits, so XLA cannot hoist their fp32 converts out of it
     # (whole-leaf 4 B/element buffers; the 8-bit AdamW's update does the same)
     out = jax.lax.map(lambda a: _add_round(from_bits(a[0], p.dtype),

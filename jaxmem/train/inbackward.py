@@ -18,7 +18,7 @@ backward pass, so the gradient tree never exists whole (one device).
 
 The gradients alive at once are one layer's plus the head's or the embedding's, instead of the
 whole tree (llama-3-8b bf16: 14.96 GiB; docs/memory.md has the compiled figures). The update of
-each part is the ordinary step's to the bit (jaxmem.train.layerwise); the gradients are those of
+each part is the ordinary step's to the bit (RunOptimizer.split); the gradients are those of
 the same forward, differentiated layer by layer instead of by one jax.grad (fp32 losses equal
 the ordinary step's to 1e-6 over 10 steps: tests/test_inbackward.py).
 
@@ -43,13 +43,13 @@ import jax.numpy as jnp
 
 from jaxmem.config.model import ConfigError
 from jaxmem.loss.chunked import chunked_cross_entropy, resolve_loss_chunk
-from jaxmem.model.llama import DecoderBlock, embed_lookup, final_norm, layer_context, layer_facts
+from jaxmem.model.llama import (DecoderBlock, abstract_params, embed_lookup, final_norm,
+                                layer_context, layer_facts)
 from jaxmem.model.precision import cast_params
 from jaxmem.einsum import logits_einsum, project
-from jaxmem.optim import NoOpLossScale, all_finite, row_chunks
-from jaxmem.train.layerwise import LayerwiseUpdate
+from jaxmem.optim import NoOpLossScale, NotSplittable, Parts, all_finite, row_chunks
 from jaxmem.train.loss import cross_entropy
-from jaxmem.train.optim import OptimizerName, schedule
+from jaxmem.train.optim import schedule
 
 
 def check(cfg, loss_scale=None) -> None:
@@ -71,9 +71,13 @@ def check(cfg, loss_scale=None) -> None:
     if cfg.remat.kind != "full":
         raise ConfigError(f"{flag} recomputes each layer in the backward pass (what --remat full "
                           f"does); pass --remat full, not --remat {cfg.remat}")
-    if OptimizerName(cfg.optim.optimizer) == OptimizerName.ADAFACTOR:
-        raise ConfigError(f"{flag} supports adamw, adamw8bit and lion, not adafactor (its "
-                          f"factored moments do not split by layer)")
+    opt = cfg.optimizer
+    try:  # the optimizer's own refusal, by its state's type (abstract: nothing allocated)
+        jax.eval_shape(lambda p: opt.split(p, opt.tx.init(p), jax.random.PRNGKey(0)).states,
+                       abstract_params(cfg.model))
+    except NotSplittable as e:
+        raise ConfigError(f"{flag} updates each layer on its own, which --optimizer "
+                          f"{cfg.optim.optimizer} cannot: {e}") from None
 
 
 def make_train_step_in_backward(cfg, step_key, loss_scale=None):
@@ -89,11 +93,13 @@ class _Updates:
     """The step's new leaves and optimizer states, filled part by part as gradients appear, with
     the running sum of squared gradients and whether every part's gradients were finite."""
 
-    def __init__(self, upd: LayerwiseUpdate, params):
-        self.upd = upd
-        self.leaves = jax.tree_util.tree_leaves(params)
-        self.states = upd.leaf_states()
-        self.index = {tuple(k.key for k in path): i for i, path in enumerate(upd.paths)}
+    def __init__(self, parts: Parts, params):
+        self.parts = parts
+        paths_leaves, self.treedef = jax.tree_util.tree_flatten_with_path(params)
+        self.leaves = [x for _, x in paths_leaves]
+        self.states = parts.states
+        self.index = {tuple(k.key for k in path): i for i, (path, _) in enumerate(paths_leaves)}
+        self.stacked = [i for i, (path, _) in enumerate(paths_leaves) if path[0].key == "layers"]
         self.new_leaves, self.new_states = list(self.leaves), list(self.states)
         self.sumsq, self.finite = jnp.zeros((), jnp.float32), jnp.asarray(True)
 
@@ -103,8 +109,14 @@ class _Updates:
         i = self.index[(name,) if (name,) in self.index else (name, "scale")]
         ss, finite = stats or (jnp.sum(jnp.square(g.astype(jnp.float32))), all_finite(g))
         self.add(ss, finite)
-        self.new_leaves[i], self.new_states[i] = self.upd.leaf(i, g, self.leaves[i],
-                                                               self.states[i], finite)
+        self.new_leaves[i], self.new_states[i] = self.parts.leaf(i, g, self.leaves[i],
+                                                                 self.states[i], finite)
+
+    def layer(self, l, grads: dict, ps: dict, sts: dict, finite):
+        """Layer `l` of every stacked leaf i: grads {i: layer l's gradient}, ps and sts {i: the
+        whole stacked leaf / state} -> (ps, sts) with layer l updated in place."""
+        new = {i: self.parts.layer(i, l, grads[i], ps[i], sts[i], finite) for i in self.stacked}
+        return {i: p for i, (p, _) in new.items()}, {i: s for i, (_, s) in new.items()}
 
     def add(self, sumsq, finite) -> None:
         self.sumsq, self.finite = self.sumsq + sumsq, self.finite & finite
@@ -167,9 +179,8 @@ class _InBackwardStep:
             check(cfg, state.loss_scale)
         a = self._inputs(batch)
         params = state.params
-        u = _Updates(LayerwiseUpdate(cfg.optim, cfg.optimizer, params,
-                                     state.opt_state, self.step_key(state.rng, state.step)),
-                     params)
+        u = _Updates(cfg.optimizer.split(params, state.opt_state,
+                                         self.step_key(state.rng, state.step)), params)
         # forward: the embedding, then the layers keeping each one's input
         x0 = embed_lookup(c, self.cast({"embed_tokens": params["embed_tokens"]})["embed_tokens"],
                           a["tokens"])  # [B, T, D]
@@ -189,7 +200,7 @@ class _InBackwardStep:
         new_state = state.replace(
             step=state.step + 1, applied=state.applied + 1, skips_in_a_row=skips,
             data_position=state.data_position + cfg.grad_accum,
-            params=u.upd.treedef.unflatten(u.new_leaves), opt_state=u.upd.finish(u.new_states))
+            params=u.treedef.unflatten(u.new_leaves), opt_state=u.parts.finish(u.new_states))
         metrics = {"loss": loss, "grad_norm": jnp.sqrt(u.sumsq),
                    "loss_scale": state.loss_scale.loss_scale, "skipped": skips > 0,
                    "lr": self.lr_at(state.applied), "tokens": a["total"], "skips_in_a_row": skips}
@@ -198,7 +209,7 @@ class _InBackwardStep:
     def _layers_backward(self, u: _Updates, params, xs, dx, a):
         """Backward through the layers, last first, each updated as its gradients appear (one
         loop whose carry holds the stacked params and optimizer states); returns d x_0."""
-        stacked, L = u.upd.stacked, self.c.num_layers
+        stacked, L = u.stacked, self.c.num_layers
         treedef_l = jax.tree_util.tree_structure(params["layers"])
         carry0 = (dx, {i: u.leaves[i] for i in stacked}, {i: u.states[i] for i in stacked},
                   jnp.zeros((), jnp.float32), jnp.asarray(True))
@@ -215,7 +226,7 @@ class _InBackwardStep:
             grads = dict(zip(stacked, jax.tree_util.tree_leaves(d_lp)))
             finite = all_finite(grads)
             ss = ss + sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads.values())
-            ps, sts = u.upd.layer(l, grads, ps, sts, finite)
+            ps, sts = u.layer(l, grads, ps, sts, finite)
             return dx, ps, sts, ss, fin & finite
 
         dx, ps, sts, ss, fin = jax.lax.fori_loop(0, L, back, carry0)

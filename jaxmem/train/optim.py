@@ -5,7 +5,8 @@ decay and keep fp32 8-bit-AdamW moments.
     make_optimizer(cfg) -> optax.GradientTransformation   its state is the TrainState's
     build_optimizer(cfg, stochastic_rounding) -> RunOptimizer   the run's one optimizer: `tx`,
         and `apply` (a jaxmem.optim.Optimizer): adamw8bit's AdamW8bitInPlace, updated and
-        applied in place; any other: tx's update + apply_updates[_sr] (as_optimizer)
+        applied in place; any other: tx's update + apply_updates[_sr] (as_optimizer);
+        `split`: the same step part by part (--optimizer-in-backward)
     parse_loss_scale("dynamic" | "static:VALUE" | "none") -> a jaxmem.optim LossScale
 
 Clipping is the first link of the chain, so it sees the *unscaled* gradients: the train step's
@@ -31,7 +32,8 @@ from jaxmem.paths import in_layers, path_text
 from jaxmem.model.roles import param_role
 from jaxmem.sharding import weight_placement
 from jaxmem.optim import (AdamW8bitInPlace, DynamicLossScale, LossScale, NoOpLossScale,
-                          Optimizer, StaticLossScale, as_optimizer, keep_small_fp32, row_chunks)
+                          Optimizer, Parts, StaticLossScale, as_optimizer, keep_small_fp32,
+                          row_chunks, split)
 
 __all__ = ["LossScaleKind", "OptimConfig", "OptimizerName", "adamw8bit_in_place", "decay_mask",
            "keeps_fp32", "layer_axes", "make_optimizer", "parse_loss_scale", "schedule", "RunOptimizer",
@@ -129,8 +131,7 @@ class RunOptimizer:
     tx: the optax transformation; its state is the TrainState's `opt_state` (`tx.init`).
     apply: the jaxmem.optim.Optimizer the step updates and applies with (in place for adamw8bit;
         else tx's update + apply_updates[_sr]).
-    in_place: the AdamW8bitInPlace behind `apply` for adamw8bit (the layer-by-layer update uses
-        its pieces), else None.
+    in_place: the AdamW8bitInPlace behind `apply` for adamw8bit, else None.
     stochastic_rounding: bf16 params rounded stochastically after the update (bf16-sr).
     """
 
@@ -143,6 +144,16 @@ class RunOptimizer:
     # gradient, the dequantized moments, the update and the new weight; fitted on CPU compiles
     # (docs/memory.md)
     IN_PLACE_BYTES = 20
+
+    def split(self, params, state, key: jax.Array | None = None) -> Parts:
+        """The next step part by part (jaxmem.optim.Parts: a leaf, or a layer of a stacked
+        leaf), its numbers and random bits those of `apply`: adamw8bit's own pieces, any other
+        optimizer through jaxmem.optim.split, which refuses (NotSplittable, naming it) a state
+        type that is not element-wise. `key`: the step's rounding key (bf16-sr)."""
+        if self.in_place is not None:
+            return self.in_place.split(state, params, key=key)
+        return split(self.tx, state, params, key=key,
+                     stochastic_rounding=self.stochastic_rounding)
 
     def working_set(self, params, local_bytes) -> int:
         """Bytes the update holds beyond the state and the gradients, for abstract `params`

@@ -187,7 +187,7 @@ def make_train_step(cfg: StepConfig, optimizer: Optimizer | None = None):
     if cfg.optim.in_backward:  # --optimizer-in-backward: the gradient tree never whole
         if optimizer is not None:
             raise ValueError("optimizer_in_backward applies the run's own optimizer "
-                             "(jaxmem.train.layerwise); it takes no `optimizer`")
+                             "(RunOptimizer.split); it takes no `optimizer`")
         return make_train_step_in_backward(cfg, step_key)
     model = cfg.build_model()
     if optimizer is None:
