@@ -1,5 +1,5 @@
-"""jaxmem: train Llama-style models in JAX/Flax with as little memory as possible, and its
-memory savings as a library for any JAX model (docs/api.md).
+"""jaxmem: train decoder language models (Llama, Qwen, Mistral, Gemma 3) in JAX/Flax with as
+little memory as possible, and its memory savings as a library for any JAX model (docs/api.md).
 
 The public modules, each imported on first use (so `import jaxmem` costs nothing, and
 `jaxmem.optim.adamw_8bit` loads neither the trainer nor torch, transformers or matplotlib):

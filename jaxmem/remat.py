@@ -39,7 +39,7 @@ __all__ = ["DEFAULT_OFFLOAD_TAGS", "POLICIES", "Remat", "RematError", "RematPoli
            "checkpoint_name", "policy"]
 
 # What `offload` moves to host when no tags are given: the big per-token matmul outputs of a
-# decoder block, by the tags jaxmem's Llama gives them (jaxmem.model.remat.TAGS).
+# decoder block, by the tags jaxmem's decoder gives them (jaxmem.model.remat.TAGS).
 DEFAULT_OFFLOAD_TAGS = ("block_input", "query", "key", "value", "attn_context", "mlp_gate",
                         "mlp_up")
 

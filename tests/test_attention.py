@@ -12,7 +12,7 @@ import pytest
 
 from jaxmem.config.model import ModelConfig
 from jaxmem.model import attention as attn
-from jaxmem.model import Llama, init_params
+from jaxmem.families.decoder import Decoder, init_params
 from jaxmem.model.precision import cast_params, get_precision
 from jaxmem.model.remat import RematPolicy
 
@@ -114,7 +114,7 @@ def test_model_logits_on_the_fallback_equal_the_cpu_path(fresh):
     params = cast_params(init_params(cfg, jax.random.PRNGKey(0)), jnp.bfloat16)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 8), 0, cfg.vocab_size)
     fresh.setattr(attn, "_on_gpu", lambda: False)  # the XLA path, on a GPU machine too
-    want = Llama(cfg).apply({"params": params}, tokens)
+    want = Decoder(cfg).apply({"params": params}, tokens)
     fresh.setattr(attn, "_on_gpu", lambda: True)
 
     def rejecting(q, k, v):
@@ -122,7 +122,7 @@ def test_model_logits_on_the_fallback_equal_the_cpu_path(fresh):
 
     fresh.setattr(attn, "_cudnn_attention", rejecting)
     with pytest.warns(UserWarning, match="no cuDNN on this machine"):
-        got = Llama(cfg).apply({"params": params}, tokens)
+        got = Decoder(cfg).apply({"params": params}, tokens)
     np.testing.assert_array_equal(got, want)
 
 

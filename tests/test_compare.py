@@ -19,7 +19,8 @@ from experiments.compare import workers  # noqa: E402
 from experiments.compare import torch_train as tt  # noqa: E402
 from jaxmem.config.model import ModelConfig, get_preset  # noqa: E402
 from jaxmem.xla.residuals import saved_residual_bytes  # noqa: E402
-from jaxmem.model import Llama, RematPolicy, abstract_params  # noqa: E402
+from jaxmem.model import RematPolicy  # noqa: E402
+from jaxmem.families.decoder import Decoder, abstract_params  # noqa: E402
 from jaxmem.perf import flops_per_token, peak_flops  # noqa: E402
 from jaxmem.model.precision import cast_params, get_precision  # noqa: E402
 
@@ -99,7 +100,7 @@ def test_report_ratios_table_json_png(pair, tmp_path):
 
 
 def jax_saved(c, remat, mode, B, T):
-    model = Llama(c, RematPolicy.parse(remat))
+    model = Decoder(c, RematPolicy.parse(remat))
     params = jax.eval_shape(lambda p: cast_params(p, get_precision(mode).compute_dtype),
                             abstract_params(c))
     batch = workers.make_batches(c, 1, B, T, 0)[0]

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.torch
 
 from jaxmem.config.model import PRESETS, ModelConfig  # noqa: E402
 from jaxmem.io.hf import HFError, config_from_hf, load_hf  # noqa: E402
-from jaxmem.model import Llama  # noqa: E402
-from jaxmem.model.llama import abstract_params, count_params  # noqa: E402
+from jaxmem.families.decoder import Decoder  # noqa: E402
+from jaxmem.families.decoder import abstract_params, count_params  # noqa: E402
 
 from hf_files import random_params  # noqa: E402
 from numerics import assert_reordered_fp32, largest_allowed, model_terms  # noqa: E402
@@ -83,7 +83,7 @@ def torch_logits(path, tokens):
 
 def jax_logits(config, params, tokens):
     with jax.default_matmul_precision("highest"):
-        return np.asarray(Llama(config).apply({"params": params}, jnp.asarray(tokens)))
+        return np.asarray(Decoder(config).apply({"params": params}, jnp.asarray(tokens)))
 
 
 def terms(config) -> int:

@@ -12,7 +12,7 @@ import pytest
 
 from jaxmem.config.model import PRESETS
 from jaxmem.io.hf_export import save_hf
-from jaxmem.model import Llama
+from jaxmem.families.decoder import Decoder
 from jaxmem.peft.base import base_on_device
 from jaxmem.peft.export import run_base
 from jaxmem.train.cli import main
@@ -93,7 +93,7 @@ def _adapter_logits(run, cfg):
     _, host = run_base(run)
     full = spec.full_params(base_on_device(host, spec, jnp.float32), run.state.params)
     with jax.default_matmul_precision("highest"):
-        return np.asarray(Llama(cfg).apply({"params": full}, jnp.asarray(TOKENS)))
+        return np.asarray(Decoder(cfg).apply({"params": full}, jnp.asarray(TOKENS)))
 
 
 @pytest.mark.torch

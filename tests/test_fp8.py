@@ -437,15 +437,15 @@ def test_fp8_model_tiles_its_mlp_under_full_remat(monkeypatch):
     runs in sequence tiles (e4m3 converts of [B, chunk, F] inside a loop) under `full` remat."""
     from jaxmem.config.model import get_preset
     from jaxmem.model import tiled
-    from jaxmem.model.llama import Llama
+    from jaxmem.families.decoder import Decoder
     from jaxmem.model.remat import RematPolicy
 
     cfg = get_preset("tiny")
     monkeypatch.setattr(tiled, "TILE_BYTES", 2 * 8 * cfg.intermediate_size * 4)
     assert tiled.mlp_tile(2, 32, cfg.intermediate_size) == 8  # 4 tiles of 8
     tokens = jnp.zeros((2, 32), jnp.int32)
-    model = Llama(cfg, RematPolicy.parse("full"), fp8_einsum)
-    params = jax.eval_shape(lambda: Llama(cfg).init(jax.random.key(0), tokens)["params"])
+    model = Decoder(cfg, RematPolicy.parse("full"), fp8_einsum)
+    params = jax.eval_shape(lambda: Decoder(cfg).init(jax.random.key(0), tokens)["params"])
     loss = lambda p: jnp.mean(model.apply({"params": p}, tokens))  # noqa: E731
     jaxpr = jax.make_jaxpr(jax.grad(loss))(params)
     tiles = {s for s, loop in _converts_to_e4m3(jaxpr.jaxpr) if loop and s[:2] == (2, 8)}

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxmem.config.model import get_preset
-from jaxmem.model.llama import Llama, init_params
+from jaxmem.families.decoder import Decoder, init_params
 from jaxmem.einsum import logits_einsum
 from jaxmem.loss.chunked import chunked_cross_entropy as fused_cross_entropy, resolve_loss_chunk
 from jaxmem.train.loss import cross_entropy, synthetic_batch, token_loss
@@ -56,7 +56,7 @@ def test_fused_equals_unfused_head_and_hidden(chunk, layout):
 def test_fused_equals_unfused_whole_model(tied):
     """Through the whole model: loss and the gradient of every parameter, with padding."""
     cfg = dataclasses.replace(get_preset("tiny", num_layers=2), tie_embeddings=tied)
-    model = Llama(cfg)
+    model = Decoder(cfg)
     params = init_params(cfg, jax.random.PRNGKey(1))
     batch = synthetic_batch(jax.random.PRNGKey(2), 2, 24, cfg.vocab_size, pad_fraction=0.25)
 

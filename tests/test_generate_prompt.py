@@ -6,7 +6,7 @@ import pytest
 from jaxmem.config.model import get_preset
 from jaxmem.data import ByteTokenizer
 from jaxmem.decode.sampling import generate_text, new_token_budget, sample_tokens
-from jaxmem.model.llama import Llama
+from jaxmem.families.decoder import Decoder
 
 
 @pytest.fixture(scope="module")
@@ -14,7 +14,7 @@ def model():
     cfg = get_preset("tiny", num_layers=1, hidden_size=32, intermediate_size=64, num_heads=2,
                      num_kv_heads=1, max_position_embeddings=48)
     import jax.numpy as jnp
-    params = Llama(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    params = Decoder(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
     return cfg, params
 
 

@@ -15,7 +15,7 @@ import pytest
 from jaxmem.config.model import PRESETS
 from jaxmem.io.hf import HFError, config_from_hf, config_to_hf, load_hf
 from jaxmem.io.hf_export import save_hf
-from jaxmem.model import Llama
+from jaxmem.families.decoder import Decoder
 
 from hf_files import random_params, write_tokenizer  # noqa: E402
 from numerics import assert_reordered_fp32  # noqa: E402
@@ -199,7 +199,7 @@ def test_generate_hf_greedy_matches_argmax(exported, capsys):
     tok = hf_tokenizer(d / "fp32")
     ids = tok.encode_prompt("hello")
     for _ in range(4):  # greedy by hand: argmax of the last position, no cache
-        logits = Llama(CFG).apply({"params": params}, jnp.asarray([ids]))
+        logits = Decoder(CFG).apply({"params": params}, jnp.asarray([ids]))
         ids.append(int(jnp.argmax(logits[0, -1])))
     assert text == tok.decode(ids)
 
@@ -228,7 +228,7 @@ def test_init_from_weights_start_the_state_in_every_precision_mode(exported, mod
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                            state.params, want)
     batch = synthetic_batch(jax.random.PRNGKey(0), 2, 16, CFG.vocab_size)
-    total, count = token_loss(Llama(CFG), params, batch, False, jnp.float32)
+    total, count = token_loss(Decoder(CFG), params, batch, False, jnp.float32)
     _, metrics = jit_train_step(step_cfg)(state, jax.tree_util.tree_map(lambda x: x[None], batch))
     if mode == "fp32":  # the jitted train step vs the eager loss: tests/numerics.py
         assert_reordered_fp32(metrics["loss"], total / count)

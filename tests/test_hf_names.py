@@ -11,7 +11,7 @@ import pytest
 from jaxmem.config.model import ModelConfig
 from jaxmem.io.hf_names import (hf_names, hf_state_items, params_from_hf, spec_for, tensor_specs,
                                 to_hf)
-from jaxmem.model import abstract_params
+from jaxmem.families.decoder import abstract_params
 
 CFG = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
                   num_kv_heads=2, head_dim=12, max_position_embeddings=64)

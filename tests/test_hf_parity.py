@@ -22,7 +22,7 @@ pytest.importorskip("tokenizers")
 pytestmark = pytest.mark.torch
 
 from jaxmem.io.hf import load_hf  # noqa: E402
-from jaxmem.model import Llama  # noqa: E402
+from jaxmem.families.decoder import Decoder  # noqa: E402
 from jaxmem.model.layers import rope_inv_freq  # noqa: E402
 
 from hf_files import write_tokenizer  # noqa: E402
@@ -85,7 +85,7 @@ def torch_logits(path, ids, pos):
 
 
 def jax_logits(config, params, ids, pos):
-    return np.asarray(Llama(config).apply({"params": params}, jnp.asarray(ids),
+    return np.asarray(Decoder(config).apply({"params": params}, jnp.asarray(ids),
                                           positions=jnp.asarray(pos)))
 
 

@@ -14,7 +14,7 @@ import pytest
 from jaxmem.config.model import ModelConfig
 from jaxmem.decode.sampling import (generate_ids, init_cache, lower_sample, sample_tokens,
                                       sample_tokens_uncached, uncached_sampler)
-from jaxmem.model.llama import Llama, abstract_params
+from jaxmem.families.decoder import Decoder, abstract_params
 
 PROMPTS = ([3, 17, 9, 40, 2], [5, 6], [7, 1, 8, 2, 9, 30, 31, 12])
 
@@ -26,7 +26,7 @@ def config(tied: bool) -> ModelConfig:
 
 
 def init(cfg):
-    return Llama(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    return Decoder(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -115,8 +115,8 @@ def test_bf16_prefill_logits_are_the_fp32_models_within_bf16_rounding():
     params = init(cfg)
     prompt = jnp.asarray([PROMPTS[2]])  # [1, 8]
     with jax.default_matmul_precision("highest"):
-        want = Llama(cfg).apply({"params": params}, prompt)[:, -1]  # [1, V]
-        got, (k, v) = Llama(cfg).apply(
+        want = Decoder(cfg).apply({"params": params}, prompt)[:, -1]  # [1, V]
+        got, (k, v) = Decoder(cfg).apply(
             {"params": cast_params(params, jnp.bfloat16)}, prompt, positions=jnp.arange(8)[None],
             cache=init_cache(cfg, 1, 12, jnp.bfloat16), cache_index=0,
             kv_valid=jnp.arange(12)[None] < 8)

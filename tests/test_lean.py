@@ -13,7 +13,7 @@ import pytest
 from jaxmem.config.model import get_preset
 from jaxmem.xla.residuals import available, saved_residual_bytes
 from jaxmem.model.lean import rms_norm, rope, swiglu
-from jaxmem.model.llama import Llama, init_params
+from jaxmem.families.decoder import Decoder, init_params
 from jaxmem.model.remat import RematPolicy
 from jaxmem.model.layers import rope_tables
 from jaxmem.train.loss import synthetic_batch, token_loss
@@ -57,7 +57,7 @@ def test_lean_ops_match_autodiff_fp32():
 
 def _saved(remat: str):
     cfg = dataclasses.replace(get_preset("tiny", num_layers=2))
-    model = Llama(cfg, RematPolicy.parse(remat))
+    model = Decoder(cfg, RematPolicy.parse(remat))
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
     batch = synthetic_batch(jax.random.PRNGKey(0), 2, 16, cfg.vocab_size)
     return cfg, saved_residual_bytes(lambda p: token_loss(model, p, batch)[0], params)
@@ -96,7 +96,7 @@ def test_tiled_mlp_and_chunked_attention_under_full_remat(monkeypatch):
     batch = synthetic_batch(jax.random.PRNGKey(4), 2, 20, cfg.vocab_size, pad_fraction=0.2)
 
     def grads(remat):
-        model = Llama(cfg, RematPolicy.parse(remat))
+        model = Decoder(cfg, RematPolicy.parse(remat))
         return jax.jit(jax.value_and_grad(
             lambda p: token_loss(model, p, batch, loss_chunk=None)[0]))(params)
 

@@ -11,7 +11,7 @@ import pytest
 
 from jaxmem.config.model import ModelConfig
 from jaxmem.config.run import RunConfig
-from jaxmem.model import Llama, init_params
+from jaxmem.families.decoder import Decoder, init_params
 from jaxmem.peft.base import base_on_device, base_sha256, check_base
 from jaxmem.lora import LoraWeight
 from jaxmem.peft.export import merge
@@ -36,7 +36,7 @@ def base():
 
 
 def _logits(params):
-    return Llama(CFG).apply({"params": params}, TOKENS)
+    return Decoder(CFG).apply({"params": params}, TOKENS)
 
 
 def test_step_0_logits_equal_the_base_exactly(base):

@@ -7,7 +7,7 @@ import pytest
 
 from jaxmem.config.model import PRESETS, ConfigError, ModelConfig, get_preset
 from jaxmem.model.layers import apply_rope, rope_tables
-from jaxmem.model.llama import Llama, abstract_params, count_params, init_params
+from jaxmem.families.decoder import Decoder, abstract_params, count_params, init_params
 from jaxmem.sharding import activation_sharding, constrain
 from numerics import assert_reordered_fp32
 
@@ -47,19 +47,19 @@ def test_small_preset_is_about_25m():
 
 
 def test_logits_shape_and_dtype(params):
-    logits = Llama(CFG).apply({"params": params}, tokens(1))
+    logits = Decoder(CFG).apply({"params": params}, tokens(1))
     assert logits.shape == (2, 16, CFG.vocab_size) and logits.dtype == jnp.float32
     bf16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params)
-    assert Llama(CFG).apply({"params": bf16}, tokens(1)).dtype == jnp.float32
+    assert Decoder(CFG).apply({"params": bf16}, tokens(1)).dtype == jnp.float32
 
 
 def test_causality(params):
     """Changing token t never changes logits at positions < t."""
     x = tokens(2)
-    base = Llama(CFG).apply({"params": params}, x)
+    base = Decoder(CFG).apply({"params": params}, x)
     for t in (5, 11, 15):
         changed = x.at[:, t].set((x[:, t] + 7) % CFG.vocab_size)
-        out = Llama(CFG).apply({"params": params}, changed)
+        out = Decoder(CFG).apply({"params": params}, changed)
         np.testing.assert_array_equal(np.asarray(out[:, :t]), np.asarray(base[:, :t]))
         assert not np.allclose(out[:, t:], base[:, t:])
 
@@ -68,12 +68,12 @@ def test_padding_does_not_affect_real_tokens(params):
     """Right padding: any content in padded slots leaves real positions' logits unchanged."""
     x = tokens(3)
     mask = jnp.broadcast_to(jnp.arange(16) < 10, (2, 16))
-    a = Llama(CFG).apply({"params": params}, x, padding_mask=mask)
+    a = Decoder(CFG).apply({"params": params}, x, padding_mask=mask)
     garbage = jnp.where(mask, x, (x * 13 + 5) % CFG.vocab_size)
-    b = Llama(CFG).apply({"params": params}, garbage, padding_mask=mask)
+    b = Decoder(CFG).apply({"params": params}, garbage, padding_mask=mask)
     np.testing.assert_allclose(a[:, :10], b[:, :10], rtol=0, atol=1e-6)
     # Without the mask, causal-only logits of the real prefix are the same as well.
-    c = Llama(CFG).apply({"params": params}, x)
+    c = Decoder(CFG).apply({"params": params}, x)
     assert_reordered_fp32(a[:, :10], c[:, :10])  # another program: tests/numerics.py
     assert np.isfinite(np.asarray(b)).all()
 
@@ -83,11 +83,11 @@ def test_left_padding_masks_keys(params):
     x = tokens(4)
     mask = jnp.broadcast_to(jnp.arange(16) >= 4, (2, 16))
     pos = jnp.broadcast_to(jnp.maximum(jnp.arange(16) - 4, 0), (2, 16))
-    a = Llama(CFG).apply({"params": params}, x, padding_mask=mask, positions=pos)
-    b = Llama(CFG).apply({"params": params}, x.at[:, :4].set(1), padding_mask=mask, positions=pos)
+    a = Decoder(CFG).apply({"params": params}, x, padding_mask=mask, positions=pos)
+    b = Decoder(CFG).apply({"params": params}, x.at[:, :4].set(1), padding_mask=mask, positions=pos)
     np.testing.assert_allclose(a[:, 4:], b[:, 4:], rtol=0, atol=1e-6)
     # and equals the unpadded sequence run on its own
-    c = Llama(CFG).apply({"params": params}, x[:, 4:])
+    c = Decoder(CFG).apply({"params": params}, x[:, 4:])
     assert_reordered_fp32(a[:, 4:], c)  # another program (a shorter one): tests/numerics.py
     assert np.isfinite(np.asarray(a)).all()
 
@@ -122,8 +122,8 @@ def test_gqa_equals_mha_with_repeated_kv_heads(params):
         attn[name] = jnp.repeat(attn[name], rep, axis=2)
     mha["layers"] = {**mha["layers"], "self_attn": attn}
     x = tokens(5)
-    assert_reordered_fp32(Llama(mha_cfg).apply({"params": mha}, x),
-                          Llama(CFG).apply({"params": params}, x))
+    assert_reordered_fp32(Decoder(mha_cfg).apply({"params": mha}, x),
+                          Decoder(CFG).apply({"params": params}, x))
 
 
 def test_tied_embeddings_have_no_lm_head():
@@ -140,10 +140,10 @@ def test_sharding_hook_is_a_no_op_without_rules(params):
     # PartitionSpec rules without a mesh in context change nothing either
     with activation_sharding({"embed": jax.sharding.PartitionSpec("data")}):
         assert constrain(x, "embed") is x and constrain(x, "logits") is x
-    logits = Llama(CFG).apply({"params": params}, tokens(6))
+    logits = Decoder(CFG).apply({"params": params}, tokens(6))
     replicated = {k: jax.sharding.PartitionSpec() for k in ("embed", "block", "logits")}
     with activation_sharding(replicated):
-        unsharded = Llama(CFG).apply({"params": params}, tokens(6))
+        unsharded = Decoder(CFG).apply({"params": params}, tokens(6))
     np.testing.assert_array_equal(unsharded, logits)
     with pytest.raises(ValueError, match="unknown kind"):
         with activation_sharding({"hidden": None}):
@@ -158,15 +158,15 @@ def test_sharding_hook_sees_embed_block_and_logits(params):
         seen.append((kind, x.shape))
         return x
 
-    base = Llama(CFG).apply({"params": params}, tokens(7))
+    base = Decoder(CFG).apply({"params": params}, tokens(7))
     with activation_sharding(rule):
-        logits = Llama(CFG).apply({"params": params}, tokens(7))
+        logits = Decoder(CFG).apply({"params": params}, tokens(7))
     B, T, D, V = 2, 16, CFG.hidden_size, CFG.vocab_size
     assert set(seen) == {("embed", (B, T, D)), ("block", (B, T, D)), ("logits", (B, T, V))}
     assert [k for k, _ in seen].count("embed") == 1 and [k for k, _ in seen].count("logits") == 1
     np.testing.assert_array_equal(logits, base)
     seen.clear()
-    Llama(CFG).apply({"params": params}, tokens(7))  # uninstalled on exit
+    Decoder(CFG).apply({"params": params}, tokens(7))  # uninstalled on exit
     assert seen == []
 
 
@@ -178,12 +178,12 @@ def test_sharding_hook_applies_partition_specs_under_a_mesh(params, axis_type):
     mesh = jax.make_mesh((1,), ("data",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
     rules = {kind: jax.sharding.PartitionSpec("data") for kind in ("embed", "block", "logits")}
     x = tokens(8)
-    fn = jax.jit(lambda p, t: Llama(CFG).apply({"params": p}, t))
+    fn = jax.jit(lambda p, t: Decoder(CFG).apply({"params": p}, t))
     with jax.set_mesh(mesh), activation_sharding(rules):
         text = fn.lower(params, x).as_text()
         logits = fn(params, x)
     assert text.count("sharding_constraint") + text.count("mhlo.sharding") >= 3
-    plain = jax.jit(lambda p, t: Llama(CFG).apply({"params": p}, t))(params, x)
+    plain = jax.jit(lambda p, t: Decoder(CFG).apply({"params": p}, t))(params, x)
     assert_reordered_fp32(logits, plain)  # sharded (a 1-device mesh) vs plain: tests/numerics.py
 
 

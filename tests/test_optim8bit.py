@@ -306,7 +306,7 @@ def test_bytes_per_param_from_the_abstract_state(preset, opt_max, state_max):
     from jaxmem.config.run import RunConfig
     from jaxmem.memory.counted import Kind, count_state
     from jaxmem.memory.spec import StepSpec
-    from jaxmem.model.llama import abstract_params
+    from jaxmem.families.decoder import abstract_params
     from jaxmem.model.roles import count_by_role
 
     def per_param(over):

@@ -19,7 +19,7 @@ import pytest
 from jaxmem.config.model import ModelConfig
 from jaxmem.model import attention
 from jaxmem.model.layers import segment_mask
-from jaxmem.model.llama import Llama
+from jaxmem.families.decoder import Decoder
 from jaxmem.model.remat import RematPolicy
 from jaxmem.train.loss import token_loss
 from numerics import assert_reordered_fp32
@@ -63,7 +63,7 @@ def packed_batch():
 
 @pytest.fixture(scope="module")
 def params():
-    return Llama(CFG).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    return Decoder(CFG).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
 
 
 def loss_and_grads(model, params, batch, loss_chunk):
@@ -89,13 +89,13 @@ def unpacked_reference(model, params, loss_chunk):
 def reference(params):
     """The examples one by one through the plain model and loss (computed once)."""
     with jax.default_matmul_precision("highest"):
-        return unpacked_reference(Llama(CFG), params, 0)
+        return unpacked_reference(Decoder(CFG), params, 0)
 
 
 @pytest.mark.parametrize("path", ["xla", "chunked", "fused_loss", "full_remat"])
 @pytest.mark.slow  # 14.1 s cold on 2 cores (default run kept under 5 min)
 def test_packed_equals_each_example_alone(monkeypatch, params, reference, path):
-    model = Llama(CFG, RematPolicy("full") if path == "full_remat" else RematPolicy())
+    model = Decoder(CFG, RematPolicy("full") if path == "full_remat" else RematPolicy())
     loss_chunk = 5 if path == "fused_loss" else 0
     want = reference
     with jax.default_matmul_precision("highest"):
@@ -115,8 +115,8 @@ def test_without_segment_ids_examples_would_see_each_other(params):
     b = packed_batch()
     plain = {k: b[k] for k in ("inputs", "targets", "mask")}
     with jax.default_matmul_precision("highest"):
-        packed = token_loss(Llama(CFG), params, b, loss_chunk=0)[0]
-        leaking = token_loss(Llama(CFG), params, plain, loss_chunk=0)[0]
+        packed = token_loss(Decoder(CFG), params, b, loss_chunk=0)[0]
+        leaking = token_loss(Decoder(CFG), params, plain, loss_chunk=0)[0]
     assert abs(float(packed) - float(leaking)) > 1e-3
 
 

@@ -13,7 +13,7 @@ import pytest
 from jaxmem.config.model import PRESETS
 from jaxmem.io.hf_export import save_hf
 from jaxmem.train.rundir import load_run
-from jaxmem.model import Llama
+from jaxmem.families.decoder import Decoder
 from jaxmem.peft.base import base_on_device
 from jaxmem.peft.export import merged_params, run_base
 from jaxmem.train.cli import main
@@ -89,7 +89,7 @@ def _adapter_logits(run, tokens):
     spec = replace(run.step_config.trainable, quantize="none")
     _, host = run_base(run)
     full = spec.full_params(base_on_device(host, spec, jnp.float32), run.state.params)
-    return np.asarray(Llama(CFG).apply({"params": full}, jnp.asarray(tokens)))
+    return np.asarray(Decoder(CFG).apply({"params": full}, jnp.asarray(tokens)))
 
 
 TOKENS = np.random.default_rng(0).integers(0, 300, (2, 24))
@@ -104,7 +104,7 @@ def test_merge_equals_the_adapter_forward_and_uses_the_original_base(qlora, caps
     run = load_run(out)
     merged = merged_params(run)
     assert "into the original base weights of" in capsys.readouterr().out
-    got = np.asarray(Llama(CFG).apply({"params": merged}, jnp.asarray(TOKENS)))
+    got = np.asarray(Decoder(CFG).apply({"params": merged}, jnp.asarray(TOKENS)))
     assert_reordered_fp32(got, _adapter_logits(run, TOKENS), terms=LOGIT_TERMS)
 
 

@@ -11,7 +11,7 @@ from jaxmem.config.model import ModelConfig, get_preset
 from jaxmem.memory import StepSpec, analytic_breakdown, compile_step
 from jaxmem.memory.compiled import abstract_state, compile_phase, tree_bytes
 from jaxmem.memory.phases import SampleShape, analytic_phases, run_phases
-from jaxmem.model.llama import init_params
+from jaxmem.families.decoder import init_params
 from jaxmem.model.remat import RematPolicy
 from jaxmem.train.loss import cross_entropy, synthetic_batch
 from jaxmem.model.precision import get_precision

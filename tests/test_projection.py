@@ -8,7 +8,7 @@ import pytest
 
 from jaxmem.config.model import PRESETS, ModelConfig
 from jaxmem.einsum import ProjectedWeight
-from jaxmem.model import Llama, init_params
+from jaxmem.families.decoder import Decoder, init_params
 from jaxmem.model.precision import cast_params
 
 TIED = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -189,8 +189,8 @@ def test_weight_object_plugs_in_without_model_changes(params):
     assert isinstance(RecordingWeight(up), ProjectedWeight)
     RecordingWeight.calls.clear()
     wrapped = _with(params, "mlp", "up_proj", RecordingWeight(up))
-    got = Llama(CFG).apply({"params": wrapped}, TOKENS)
-    want = Llama(CFG).apply({"params": params}, TOKENS)
+    got = Decoder(CFG).apply({"params": wrapped}, TOKENS)
+    want = Decoder(CFG).apply({"params": params}, TOKENS)
     D, F = CFG.hidden_size, CFG.intermediate_size
     # traced inside the layer scan (Flax's scan traces its body more than once), on one
     # layer's slice of the stacked leaf
@@ -203,8 +203,8 @@ def test_weight_object_with_packed_leaves_of_other_shapes(params):
     q = params["layers"]["self_attn"]["q_proj"]  # [L, D, N, H]
     L = q.shape[0]
     packed = PackedWeight(q.reshape(L, -1) / 2, jnp.full((L,), 2.0), q.shape[1:])
-    got = Llama(CFG).apply({"params": _with(params, "self_attn", "q_proj", packed)}, TOKENS)
-    np.testing.assert_allclose(got, Llama(CFG).apply({"params": params}, TOKENS), rtol=1e-6)
+    got = Decoder(CFG).apply({"params": _with(params, "self_attn", "q_proj", packed)}, TOKENS)
+    np.testing.assert_allclose(got, Decoder(CFG).apply({"params": params}, TOKENS), rtol=1e-6)
 
 
 def test_cast_params_keeps_weight_objects_and_integer_leaves(params):
@@ -226,18 +226,18 @@ def test_wrong_shape_names_the_param_and_both_shapes(params):
     F, D = CFG.intermediate_size, CFG.hidden_size
     with pytest.raises(ValueError, match=rf"layers/mlp/down_proj has shape \({F - 1}, {D}\), "
                                          rf"the model expects \({F}, {D}\)"):
-        Llama(CFG).apply({"params": bad}, TOKENS)
+        Decoder(CFG).apply({"params": bad}, TOKENS)
     head = {**params, "lm_head": params["lm_head"].T}
     with pytest.raises(ValueError, match=rf"lm_head has shape \({CFG.vocab_size}, {D}\)"):
-        Llama(CFG).apply({"params": head}, TOKENS)
+        Decoder(CFG).apply({"params": head}, TOKENS)
 
 
 def test_tied_head_uses_the_embedding_transpose():
     p = init_params(TIED, jax.random.PRNGKey(3))
     x = jax.random.randint(jax.random.PRNGKey(4), (1, 8), 0, TIED.vocab_size)
-    logits = Llama(TIED).apply({"params": p}, x)
+    logits = Decoder(TIED).apply({"params": p}, x)
     # the same model with an untied head holding E^T gives the same logits
     untied = {**p, "lm_head": p["embed_tokens"].T}
-    np.testing.assert_array_equal(logits, Llama(TIED.replace(tie_embeddings=False))
+    np.testing.assert_array_equal(logits, Decoder(TIED.replace(tie_embeddings=False))
                                   .apply({"params": untied}, x))
     assert logits.dtype == jnp.float32

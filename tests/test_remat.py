@@ -6,7 +6,7 @@ import pytest
 from jaxmem.config.model import ModelConfig
 from jaxmem.train.loss import synthetic_batch, token_loss
 from jaxmem.memory.compiled import grad_step_report
-from jaxmem.model.llama import Llama, init_params
+from jaxmem.families.decoder import Decoder, init_params
 import jaxmem.remat
 from jaxmem.model.remat import TAGS, RematPolicy
 from jaxmem.remat import RematError
@@ -33,7 +33,7 @@ def mean_loss(model, params, batch):
 
 
 def grads(policy, params, batch):
-    model = Llama(CFG, RematPolicy.parse(policy))
+    model = Decoder(CFG, RematPolicy.parse(policy))
     return jax.jit(jax.value_and_grad(lambda p: mean_loss(model, p, batch)))(params)
 
 
@@ -55,7 +55,7 @@ def test_attention_probabilities_are_not_saved(policy, setup):
     """
     from jax._src.ad_checkpoint import saved_residuals
     params, batch = setup
-    model = Llama(CFG, RematPolicy.parse(policy))
+    model = Decoder(CFG, RematPolicy.parse(policy))
     T = batch["inputs"].shape[1]
     res = saved_residuals(lambda p: mean_loss(model, p, batch), params)
     square = [a.str_short() for a, _ in res if a.shape.count(T) >= 2]

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import pytest
 
 from jaxmem.config.model import PRESETS, ModelConfig
-from jaxmem.model import abstract_params, count_by_role, count_params, param_role, param_roles
+from jaxmem.families.decoder import abstract_params, count_params
+from jaxmem.model.roles import count_by_role, param_role, param_roles
 from jaxmem.train.optim import decay_mask
 from jaxmem.model.precision import cast_params
 

@@ -25,7 +25,7 @@ from experiments.compare.torch_llama import LlamaForCausalLM, loss as torch_loss
 from experiments.compare import torch_train as tt  # noqa: E402
 from jaxmem.config.model import ModelConfig  # noqa: E402
 from jaxmem.train.loss import cross_entropy, synthetic_batch  # noqa: E402
-from jaxmem.model import Llama, abstract_params  # noqa: E402
+from jaxmem.families.decoder import Decoder, abstract_params  # noqa: E402
 
 from numerics import assert_reordered_fp32, model_terms  # noqa: E402
 
@@ -71,12 +71,12 @@ def case(request):
     jb, tb = batch(0.25)
 
     def loss_fn(p):  # jaxmem.loss.lm_loss, with the logits as aux
-        logits = Llama(c).apply({"params": p}, jb["inputs"], padding_mask=jb["mask"])
+        logits = Decoder(c).apply({"params": p}, jb["inputs"], padding_mask=jb["mask"])
         total, count = cross_entropy(logits, jb["targets"], jb["mask"])
         return total / jnp.maximum(count, 1.0), logits
 
     (loss, logits_pad), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
-    logits = jax.jit(lambda p: Llama(c).apply({"params": p}, jb["inputs"]))(params)
+    logits = jax.jit(lambda p: Decoder(c).apply({"params": p}, jb["inputs"]))(params)
     return types.SimpleNamespace(config=c, params=params, model=model, jb=jb, tb=tb, loss=loss,
                                  grads=grads, logits={"nopad": logits, "rightpad": logits_pad})
 

@@ -1,6 +1,6 @@
 """The jaxmem Llama as a PyTorch `nn.Module`, for side-by-side comparison with the JAX model.
 
-Same architecture and numerics as `jaxmem.model.llama` (checked by `tests/test_torch_parity.py`):
+Same architecture and numerics as `jaxmem.families.decoder` (checked by `tests/test_torch_parity.py`):
 
     embedding -> L x block (RMSNorm, RoPE, GQA attention, SwiGLU MLP) -> RMSNorm -> LM head
 
@@ -69,7 +69,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attention_mask(padding_mask: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
-    """[B, 1, T, S] bool: causal AND key-is-not-padding, OR the diagonal (jaxmem.model.llama)."""
+    """[B, 1, T, S] bool: causal AND key-is-not-padding, OR the diagonal (jaxmem.families.decoder)."""
     if padding_mask is None:
         return None
     device = padding_mask.device

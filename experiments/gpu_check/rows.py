@@ -230,7 +230,7 @@ def make_hf(out: Path, shape: str) -> None:
 
     from jaxmem.config.model import get_preset
     from jaxmem.io.hf_export import save_hf
-    from jaxmem.model import abstract_params
+    from jaxmem.families.decoder import abstract_params
     import jax
 
     fields = dict(HF_SHAPES[shape])

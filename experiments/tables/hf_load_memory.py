@@ -56,7 +56,7 @@ def main(argv=None) -> int:
 
     from jaxmem.config.model import ModelConfig
     from jaxmem.io.hf_export import save_hf
-    from jaxmem.model import abstract_params
+    from jaxmem.families.decoder import abstract_params
 
     import jax
 

@@ -1,17 +1,16 @@
 """The projections LoRA can target, by short name: what `--lora-targets` accepts.
 
-The names are configuration (RunConfig validates them when a run is configured); the adapters
-themselves are jaxmem.peft.lora, which imports these.
+The short names are configuration (RunConfig validates them when a run is configured); which
+parameter each one is belongs to the decoder (jaxmem.families.names.PROJECTIONS), and the
+adapters themselves are jaxmem.peft.lora.
 """
 
 from __future__ import annotations
 
 from jaxmem.config.model import ConfigError
 
-# --lora-targets short name -> (group in a decoder block, parameter name = role)
-TARGETS = {"q": ("self_attn", "q_proj"), "k": ("self_attn", "k_proj"),
-           "v": ("self_attn", "v_proj"), "o": ("self_attn", "o_proj"),
-           "gate": ("mlp", "gate_proj"), "up": ("mlp", "up_proj"), "down": ("mlp", "down_proj")}
+# --lora-targets short names: a block's attention and MLP projections
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 ALL_TARGETS = ",".join(TARGETS)
 
 

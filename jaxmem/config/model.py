@@ -22,7 +22,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shapes of a Llama-style decoder.
+    """Shapes and variation points of the decoder (jaxmem.families.decoder).
 
     `head_dim` defaults to `hidden_size // num_heads` (None); Llama 3.2 3B is the one preset
     where the published head dim is set explicitly (128 with 24 heads of a 3072 width).

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem.config.model import ModelConfig
-from jaxmem.model.llama import Llama
+from jaxmem import families
 from jaxmem.model.precision import cast_params
 
 
@@ -67,7 +67,7 @@ def _sampler(config: ModelConfig, n_prompt: int, total: int, temperature: float,
              eos_ids: tuple, dtype_name: str):
     """The jitted sampler: (params, prompts [B, P], valid [B, P], key) -> (new ids [B, total-P],
     steps taken). Compiled once per shape and settings (lru_cache keeps the jit object)."""
-    model = Llama(config)
+    model = families.model(config)
     dtype = jnp.dtype(dtype_name)
     n_new = total - n_prompt
     eos = np.asarray(eos_ids or (-1,), np.int32)  # numpy: building the sampler runs no jax op
@@ -211,7 +211,7 @@ def sample_tokens_uncached(config: ModelConfig, params, prompt_ids, max_new_toke
 def uncached_sampler(config: ModelConfig, n_prompt: int, total: int, temperature: float,
                      top_k: int):
     """The old jitted loop: (params, buf [1, total], key) -> buf filled from n_prompt on."""
-    model = Llama(config)
+    model = families.model(config)
 
     def run(params, buf, key):
         def body(pos, carry):

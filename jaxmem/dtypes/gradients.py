@@ -57,7 +57,7 @@ def run_gradients(run_dir: Path) -> tuple[np.ndarray, float, dict]:
     from jaxmem.data import eval_batches, load_corpus
     from jaxmem.train.rundir import load_run
     from jaxmem.train.loss import token_loss
-    from jaxmem.model.llama import Llama
+    from jaxmem import families
     from jaxmem.model.precision import cast_floating
 
     run = load_run(Path(run_dir))
@@ -67,7 +67,7 @@ def run_gradients(run_dir: Path) -> tuple[np.ndarray, float, dict]:
     batch = eval_batches(eval_tokens, d.batch_size, d.seq_len, 1, pad_id=run.tokenizer.pad_id)[0]
     params = cast_floating(run.state.params, np.float32)
     def mean_loss(p, b):  # the train step's loss (causal attention; padding only in the weights)
-        total, count = token_loss(Llama(run.model_config), p, b)
+        total, count = token_loss(families.model(run.model_config), p, b)
         return total / jax.numpy.maximum(count, 1.0)
 
     grads = jax.jit(jax.grad(mean_loss))(params, batch)

@@ -29,7 +29,7 @@ from jaxmem.io.hf_names import hf_names, tensor_specs
 from jaxmem.peft.slices import HFSlices, HostSlices, streamed_sha256
 from jaxmem.peft.base import base_on_host, check_base
 from jaxmem.peft.export import gathered_adapters
-from jaxmem.config.lora import TARGETS
+from jaxmem.families.names import PROJECTIONS as TARGETS
 from jaxmem.peft.export import merge
 
 

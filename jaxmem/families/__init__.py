@@ -6,6 +6,8 @@ A family is registered by its config.json `model_type` and gives:
     fields(d)         its ModelConfig fields beyond the shared ones (the decoder's variation
                       points, e.g. qk_norm), refusing by key what it cannot represent
     hf_keys(c)        the config.json keys it writes beyond the shared ones
+    module(c, remat, einsum)  its Flax module: the shared Decoder (jaxmem.families.decoder) for
+                      every family so far, its variation points read from ModelConfig
     text_config(d)    a multimodal config.json's text decoder keys, where the family reads one
                       (Gemma 3's Gemma3ForConditionalGeneration), and the tensor `prefixes`
 
@@ -55,6 +57,15 @@ def for_hf(d: dict) -> Family:
         raise ConfigError(f"config.json: model_type={model_type!r} is not supported (families: "
                           f"{', '.join(FAMILIES)})")
     return MODEL_TYPES[model_type]
+
+
+def model(config, remat=None, einsum=None):
+    """The Flax module of `config`'s family (its `module`, the shared Decoder by default),
+    built with the remat policy and the einsum its projections multiply with."""
+    from jaxmem.einsum import default_einsum  # noqa: PLC0415
+    from jaxmem.model.remat import RematPolicy  # noqa: PLC0415
+
+    return get(config.family).module(config, remat or RematPolicy(), einsum or default_einsum)
 
 
 def get(name: str) -> Family:

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxmem.config.model import PRESETS, get_preset
 from jaxmem.decode.sampling import _sampler, uncached_sampler
-from jaxmem.model.llama import init_params
+from jaxmem.families.decoder import init_params
 from jaxmem.model.precision import cast_params
 
 

@@ -118,7 +118,7 @@ def outside_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: Rema
 
 def mlp_tiled(spec: StepSpec) -> int:
     """The MLP's sequence tile when the step runs it tiled (jaxmem.model.tiled, by
-    jaxmem.model.llama's rule: `tiles_under` the policy, the plain einsum), else 0."""
+    jaxmem.families.decoder's rule: `tiles_under` the policy, the plain einsum), else 0."""
     c = spec.model
     if not tiles_under(spec.remat):
         return 0

@@ -25,7 +25,8 @@ from jaxmem.xla.hlo import entry_argument_bytes
 from jaxmem.memory.counted import (abstract_frozen, abstract_state,  # noqa: F401
                                    abstract_step_batch, count_state, tree_bytes)
 from jaxmem.memory.spec import StepSpec
-from jaxmem.model.llama import Llama, abstract_params, count_params
+from jaxmem import families
+from jaxmem.families.decoder import abstract_params, count_params
 from jaxmem.model.remat import RematPolicy
 from jaxmem.parallel.mesh import MeshSpec, run_mesh
 from jaxmem.parallel.rules import batch_sharding
@@ -124,7 +125,7 @@ def grad_step_report(config: ModelConfig, remat: RematPolicy | str, batch_size: 
     """Compile value_and_grad of the train step's loss (fp32: `token_loss` over the token count)
     ahead of time: memory and FLOPs."""
     remat = RematPolicy.parse(remat)
-    model = Llama(config, remat)
+    model = families.model(config, remat)
     params = abstract_params(config)
 
     def loss(p, batch):

@@ -16,7 +16,7 @@ recomputes its probabilities (jaxmem.model.attention):
 A custom VJP, not a nested `jax.checkpoint`: inside a block's `nn.remat` an inner checkpoint's
 policy is overridden by the outer one, while a custom VJP's backward only ever sees the residuals
 its forward returns. The remat tags stay outside these functions (on gate, up and the product in
-jaxmem.model.llama), so `names:mlp_gate,mlp_up` still keeps exactly those tensors and every other
+jaxmem.families.decoder), so `names:mlp_gate,mlp_up` still keeps exactly those tensors and every other
 policy recomputes them (tests/test_lean.py checks both with jax's saved residuals).
 
 Numerics: the forward is the same expression as before. The backward is the analytic derivative;

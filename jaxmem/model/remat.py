@@ -17,7 +17,7 @@ Whether a policy saves memory is a measurement, not a belief: `python -m jaxmem.
 the gradient step and reports XLA's temp bytes per policy (docs/remat.md).
 
 The grammar is the public jaxmem.remat's (`RematPolicy.parse`, `DEFAULT_OFFLOAD_TAGS`, the same
-names for any function with its own tags); this module adds jaxmem's Llama: its tags and the check
+names for any function with its own tags); this module adds jaxmem's decoder: its tags and the check
 that the device can offload.
 """
 
@@ -29,7 +29,7 @@ import jaxmem.remat
 from jaxmem import target
 from jaxmem.remat import RematError
 
-# Activation tags placed in jaxmem.model.llama with `checkpoint_name`, in the order they occur.
+# Activation tags placed in jaxmem.families.decoder with `checkpoint_name`, in the order they occur.
 TAGS = (
     "block_input",  # the decoder block's input (the scan carry the backward needs) [B, T, D]
     "attn_norm",    # RMSNorm output feeding q/k/v         [B, T, D]
@@ -47,7 +47,7 @@ TAGS = (
 
 
 class RematPolicy(jaxmem.remat.RematPolicy):
-    """jaxmem.remat's policy (one grammar, `parse`) on jaxmem's Llama: `names:` / `offload:`
+    """jaxmem.remat's policy (one grammar, `parse`) on jaxmem's decoder: `names:` / `offload:`
     accept only its TAGS, and `jax_policy` is what `nn.remat` takes for a decoder block."""
 
     known_tags = TAGS

@@ -26,7 +26,7 @@ from jaxmem.paths import key_name as _key_name, path_text
 ROLES = ("embedding", "norm", "q_proj", "k_proj", "v_proj", "o_proj",
          "gate_proj", "up_proj", "down_proj", "lm_head", "bias")
 
-# Parameter name as jaxmem.model.llama / layers declare it -> role.
+# Parameter name as jaxmem.families.decoder / layers declare it -> role.
 PARAM_NAMES = {
     "embed_tokens": "embedding",
     "scale": "norm",  # RMSNorm's weight (input_layernorm, post_attention_layernorm, norm)

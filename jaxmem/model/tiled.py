@@ -15,7 +15,7 @@ to the residual stream), so the remat'd forward need not recompute it and dead-c
 should drop it; not verified with a FLOP count, because XLA's `cost_analysis()` counts a loop
 body once (docs/memory.md).
 
-Used only where it changes nothing else (jaxmem.model.llama decides): under `full` remat (or a
+Used only where it changes nothing else (jaxmem.families.decoder decides): under `full` remat (or a
 `names:` or `offload:` policy naming no MLP tag, e.g. `offload:block_input`: the tags live inside the tile, where no policy sees them),
 with the plain einsum or an einsum with a `prepare_weight` hook (fp8), and when a [B, T, F]
 fp32 activation is over TILE_BYTES. fp8 in tiles: each tile's activations get their own
@@ -39,7 +39,7 @@ TILE_BYTES = 64 * 2**20  # fp32 [B, Tc, F] per tile
 def tiles_under(remat) -> bool:
     """Whether a remat policy (jaxmem.model.remat.RematPolicy) lets the MLP run in tiles: `full`,
     or a `names:` / `offload:` policy naming no MLP tag (the tags live inside the tile, where no
-    policy sees them). jaxmem.model.llama and the analytic planner both ask this."""
+    policy sees them). jaxmem.families.decoder and the analytic planner both ask this."""
     return remat.kind == "full" or (remat.kind in ("names", "offload") and not any(
         t.startswith("mlp_") for t in remat.names))
 

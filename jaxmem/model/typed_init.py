@@ -1,6 +1,6 @@
 """A Flax init evaluated straight into the params' storage dtype, bitwise the fp32 init cast.
 
-    params = init_in_dtype(lambda key: Llama(cfg).init(key, tokens)["params"], key, jnp.bfloat16)
+    params = init_in_dtype(lambda key: Decoder(cfg).init(key, tokens)["params"], key, jnp.bfloat16)
 
 equals `cast(init(key), bf16)` bit for bit, but under `jax.jit` no fp32 copy of the model is
 ever held. Two things in a plain init hold one:

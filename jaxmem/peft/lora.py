@@ -1,9 +1,9 @@
-"""LoRA / QLoRA on jaxmem's Llama: which projections, their adapters, the merged export.
+"""LoRA / QLoRA on jaxmem's decoder: which projections, their adapters, the merged export.
 
     spec = LoraSpec(rank=8, alpha=16, targets=("q_proj", "v_proj"), quantize="nf4")
     adapters = spec.init_adapters(model_cfg, key)   # the trainable params: adapters only
     full = spec.full_params(base, adapters, dtype)  # base tree with LoraWeight objects in it
-    logits = Llama(model_cfg).apply({"params": full}, tokens)
+    logits = families.model(model_cfg).apply({"params": full}, tokens)
 
 `LoraSpec` is the `Trainable` (jaxmem.peft.trainable) of a LoRA / QLoRA run: `trainable_of`
 turns a RunConfig's peft section into it (or `FullFineTune()`); the merged export is
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem.config.lora import TARGETS, parse_targets
+from jaxmem.families.names import PROJECTIONS
 from jaxmem.config.model import ConfigError, ModelConfig
 from jaxmem.lora import LoraWeight
 from jaxmem.peft import export as _export
@@ -133,7 +134,7 @@ class LoraSpec(Trainable):
             a = jax.random.uniform(jax.random.fold_in(key, i), (c.num_layers, *shape[:n_in],
                                    self.rank), jnp.float32, -bound, bound)
             b = jnp.zeros((c.num_layers, self.rank, *shape[n_in:]), jnp.float32)
-            group, pname = TARGETS[name]
+            group, pname = PROJECTIONS[name]
             tree.setdefault(group, {})[pname] = {"lora_a": a, "lora_b": b}
         return {"layers": tree}
 
@@ -149,7 +150,7 @@ class LoraSpec(Trainable):
         if key is not None and self.dropout > 0:
             keys = jax.random.key_data(jax.random.split(key, (len(self.targets), L)))
         for i, name in enumerate(self.targets):
-            group, pname = TARGETS[name]
+            group, pname = PROJECTIONS[name]
             ad = adapters["layers"][group][pname]
             a, b = ad["lora_a"], ad["lora_b"]
             if dtype is not None:

@@ -1,4 +1,4 @@
-"""`python -m jaxmem.train`: train a Llama-style model, save and resume exactly.
+"""`python -m jaxmem.train`: train a decoder language model, save and resume exactly.
 
     python -m jaxmem.train                     # tiny preset on the built-in corpus (CPU: minutes)
     python -m jaxmem.train --preset small --precision amp-bf16 --remat dots_no_batch \
@@ -55,7 +55,7 @@ SECTIONS = ("model", "init", "precision", "remat", "optim", "data", "run", "samp
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jaxmem.train",
-        description="Train a Llama-style model with jaxmem. With no flags: the tiny preset on the "
+        description="Train a decoder language model with jaxmem. With no flags: the tiny preset on the "
                     "built-in corpus (the Python standard library's source, byte-level), a few "
                     "minutes on a 2-core CPU. Uses the GPU when JAX sees one. --out on a directory "
                     "that holds a run continues it (see --resume).")

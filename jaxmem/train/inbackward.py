@@ -43,7 +43,7 @@ import jax.numpy as jnp
 
 from jaxmem.config.model import ConfigError
 from jaxmem.loss.chunked import chunked_cross_entropy, resolve_loss_chunk
-from jaxmem.model.llama import (DecoderBlock, abstract_params, embed_lookup, final_norm,
+from jaxmem.families.decoder import (DecoderBlock, abstract_params, embed_lookup, final_norm,
                                 layer_context, layer_facts)
 from jaxmem.model.precision import cast_params
 from jaxmem.einsum import logits_einsum, project
@@ -132,7 +132,7 @@ class _InBackwardStep:
         model = cfg.build_model()
         self.dtype = cfg.precision.compute_dtype
         self.lr_at = schedule(cfg.optim)
-        # the model's own parts (jaxmem.model.llama): no second copy of the forward pass
+        # the model's own parts (jaxmem.families.decoder): no second copy of the forward pass
         self.block = DecoderBlock(self.c, model.einsum, tile_mlp=True)  # as under --remat full
         self.norm = final_norm(self.c)
         self.facts = layer_facts(self.c)  # each layer's kind where local and global mix

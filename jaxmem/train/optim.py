@@ -1,5 +1,5 @@
 """The trainer's optimizer (`--optimizer`) and loss scale (`--loss-scale`), built from the run's
-config: linear warmup + cosine decay, clipping by global norm, and which of jaxmem's Llama params
+config: linear warmup + cosine decay, clipping by global norm, and which of the decoder's params
 decay and keep fp32 8-bit-AdamW moments.
 
     make_optimizer(cfg) -> optax.GradientTransformation   its state is the TrainState's

@@ -38,7 +38,7 @@ from flax import struct
 
 from jaxmem.config.model import ModelConfig
 from jaxmem.bits import key_data, tree_norm, wrap_key_data
-from jaxmem.model.llama import Llama
+from jaxmem import families
 from jaxmem.model.fp8_compile import compiler_options as fp8_compiler_options
 from jaxmem.einsum import default_einsum
 from jaxmem.sharding import constrain_grads
@@ -99,12 +99,12 @@ class StepConfig:
         layer-by-layer update all use this object (jaxmem.train.optim.build_optimizer)."""
         return build_optimizer(self.optim, self.precision.stochastic_rounding)
 
-    def build_model(self) -> Llama:
+    def build_model(self):
         einsum = default_einsum
         if self.precision.fp8:
             from jaxmem.model.fp8 import fp8_einsum
             einsum = fp8_einsum
-        return Llama(self.model, self.remat, einsum)
+        return families.model(self.model, self.remat, einsum)
 
 
 def state_creation_fn(cfg: StepConfig, loss_scale: LossScale | None = None, seed: int = 0,

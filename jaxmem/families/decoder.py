@@ -1,14 +1,20 @@
-"""A Llama-style decoder in Flax Linen.
+"""The decoder every registered family configures (jaxmem.families), in Flax Linen.
 
-Token embedding -> L x DecoderBlock (RMSNorm, RoPE, grouped-query attention, SwiGLU MLP) ->
-RMSNorm -> LM head (tied to the embedding or not). Logits are always fp32.
+Token embedding -> L x DecoderBlock (RMSNorm, RoPE, grouped-query attention, gated MLP) ->
+RMSNorm -> LM head (tied to the embedding or not). Logits are always fp32. The variation points
+are ModelConfig fields a family sets (QK-norm, q/k/v biases, sandwich norms, (1 + w) norms,
+GeGLU, the embedding scale, sliding-window layers and their RoPE base), as flax's gemma example
+does with its config enums. Its parts (`embed_lookup`, `layer_context`, `layer_facts`,
+`DecoderBlock`, `final_norm`) are what `Decoder` composes and what --optimizer-in-backward
+(jaxmem.train.inbackward) composes too.
 
 The blocks are stacked with `nn.scan` (parameters get a leading layer axis L) and each is
 wrapped in `nn.remat` with the chosen policy: measured on XLA, remat inside a scan is what
 actually lowers peak memory (docs/architecture.md, "Why scan").
 
-Parameter names follow Hugging Face's Llama (`q_proj`, `gate_proj`, `input_layernorm`, ...), so
-conversion to and from a PyTorch `state_dict` is a reshape and a transpose per tensor. Every
+Parameter names are the checkpoints' (`q_proj`, `gate_proj`, `input_layernorm`, ...: every
+registered family's use them), so conversion to and from a PyTorch `state_dict` is a reshape
+and a transpose per tensor (jaxmem.families.names). Every
 weight matrix is owned by a `Projection` (jaxmem.model.projection), the one place where fp8
 matmuls, LoRA and quantized weights plug in; `einsum` is the multiply it uses.
 
@@ -28,6 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem.config.model import ModelConfig
 from jaxmem.model.attention import causal_attention, masked_attention
+from jaxmem.model.cached import attend_cached
 from jaxmem.model.lean import GATED
 from jaxmem.model.layers import (RMSNorm, apply_rope, attention_mask, cache_mask, rope_tables,
                                  scaled_normal, window_cache_mask)
@@ -55,7 +62,7 @@ class Attention(nn.Module):
         cache: (k, v), each [B, S, K, H] in the compute dtype: this call's keys and values are
             written at slots ctx["cache_index"].. and the queries attend to the cache under
             ctx["mask"] ([B, 1, T, S], layers.cache_mask). A dict of the stacked caches of
-            each kind when the model has local layers (`_attend_cached`). None: self-attention
+            each kind when the model has local layers (jaxmem.model.cached). None: self-attention
             over x.
         """
         c = self.config
@@ -82,7 +89,7 @@ class Attention(nn.Module):
         if cache is None:
             ctx_ = _attend(c, q, k, v, ctx["mask"], ctx["segment_ids"], local)  # [B, T, N, H]
         elif isinstance(cache, dict):
-            ctx_, cache = _attend_cached(c, q, k, v, ctx, local, cache)
+            ctx_, cache = attend_cached(c, q, k, v, ctx, local, cache)
         else:  # decoding: write this call's k, v into the cache, attend to all of it
             k_cache, v_cache = (jax.lax.dynamic_update_slice_in_dim(
                 buf, new.astype(buf.dtype), ctx["cache_index"], axis=1)
@@ -115,60 +122,10 @@ def _attend(c: ModelConfig, q, k, v, mask, segment_ids, local):
                         lambda q, k, v: causal_attention(q, k, v, mask, segment_ids), q, k, v)
 
 
-def _attend_cached(c: ModelConfig, q, k, v, ctx: dict, local, caches: dict):
-    """Decoding a model with local layers: caches {"full": (k, v) [Lf, B, S, K, H],
-    "local": (k, v) [Ll, B, R, K, H]} (the kinds it has), carried whole through the layer scan;
-    ctx["slot"] is this layer's index among the layers of its kind.
-
-    A full-attention layer writes this call's k, v at ctx["cache_index"] and attends to its
-    cache; a local layer attends to its ring of the last R <= W slots plus the new tokens
-    (`layers.window_cache_mask`), then writes the last min(T, R) of them into the ring at
-    slot mod R. Where the kind is traced, both writes happen with the other kind's write a
-    rewrite of what is there (no cond around the caches: a cond copies them), and a cond
-    picks the attention."""
-    T, idx, slot = q.shape[1], ctx["cache_index"], ctx["slot"]
-    is_local = jnp.asarray(local)
-    new = {}
-    if "full" in caches:
-        def write(buf, x):  # [Lf, B, S, K, H]
-            old = jax.lax.dynamic_slice(buf, (slot, 0, idx, 0, 0), (1, *x.shape))[0]
-            x = jnp.where(is_local, old, x.astype(buf.dtype))
-            return jax.lax.dynamic_update_slice(buf, x[None], (slot, 0, idx, 0, 0))
-        new["full"] = tuple(write(b, x) for b, x in zip(caches["full"], (k, v)))
-    if "local" in caches:
-        ring_k, ring_v = (jax.lax.dynamic_index_in_dim(b, slot, 0, keepdims=False)
-                          for b in caches["local"])  # [B, R, K, H]
-        R = ring_k.shape[1]
-        n = min(T, R)
-        at = jnp.mod(idx + T - n + jnp.arange(n), R)  # the ring slots of the last n tokens
-
-        def ring_write(buf, ring, x):
-            ring = ring.at[:, at].set(jnp.where(is_local, x[:, T - n:].astype(ring.dtype),
-                                                ring[:, at]))
-            return jax.lax.dynamic_update_index_in_dim(buf, ring, slot, 0)
-        new["local"] = tuple(ring_write(b, r, x) for b, r, x in
-                             zip(caches["local"], (ring_k, ring_v), (k, v)))
-
-    def full_attention():
-        kf, vf = (jax.lax.dynamic_index_in_dim(b, slot, 0, keepdims=False) for b in new["full"])
-        return masked_attention(q.astype(kf.dtype), kf, vf, ctx["mask"])
-
-    def local_attention():
-        kl, vl = (jnp.concatenate([r, x.astype(r.dtype)], axis=1)
-                  for r, x in ((ring_k, k), (ring_v, v)))  # [B, R + T, K, H]
-        return masked_attention(q.astype(kl.dtype), kl, vl, ctx["mask_local"])
-
-    if "full" not in caches:
-        return local_attention(), new
-    if "local" not in caches:
-        return full_attention(), new
-    return jax.lax.cond(is_local, local_attention, full_attention), new
-
-
 class MLP(nn.Module):
     """A gated MLP: down(act(gate(x)) * up(x)), act silu (SwiGLU) or GELU-tanh (Gemma's GeGLU).
-    tile: run it in sequence tiles where that saves memory (jaxmem.model.tiled; Llama decides
-    when it may)."""
+    tile: run it in sequence tiles where that saves memory (jaxmem.model.tiled; the Decoder
+    decides when it may)."""
 
     config: ModelConfig
     einsum: Einsum = default_einsum
@@ -304,7 +261,7 @@ def _fetching(block, remat: RematPolicy):
     return block
 
 
-class Llama(nn.Module):
+class Decoder(nn.Module):
     """tokens -> fp32 logits. `einsum` multiplies the blocks' projections (fp8_einsum for fp8)."""
 
     config: ModelConfig
@@ -422,7 +379,7 @@ def init_params(config: ModelConfig, rng: jax.Array, seq_len: int = 8, dtype=Non
     tokens = jnp.zeros((1, min(seq_len, config.max_position_embeddings)), jnp.int32)
 
     def init(key):
-        return Llama(config).init(key, tokens)["params"]
+        return Decoder(config).init(key, tokens)["params"]
 
     if dtype is None:
         return jax.jit(init)(rng)

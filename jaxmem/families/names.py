@@ -1,0 +1,97 @@
+"""The shared decoder's parameter names: its projections and the Hugging Face tensor table.
+
+    PROJECTIONS                 --lora-targets short name -> (group in a block, parameter name)
+    TensorSpec                  one parameter: its jaxmem path, HF name and how layouts relate
+    decoder_tensors(config)     the decoder's table: one TensorSpec per jaxmem param path
+
+Every registered family's checkpoints name these tensors alike (model.layers.{i}.self_attn.q_proj
+...), so a family's `tensors` is this table unless it says otherwise (jaxmem.families.base);
+jaxmem.io.hf_names converts the layouts, jaxmem.model.roles gives each name its role.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from jaxmem.config.model import ModelConfig
+
+PROJECTIONS = {
+    "q": ("self_attn", "q_proj"), "k": ("self_attn", "k_proj"), "v": ("self_attn", "v_proj"),
+    "o": ("self_attn", "o_proj"), "gate": ("mlp", "gate_proj"), "up": ("mlp", "up_proj"),
+    "down": ("mlp", "down_proj"),
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One parameter: its jaxmem path, its HF name and how the layouts relate.
+
+    path: keys into the jaxmem params tree, e.g. ("layers", "self_attn", "q_proj").
+    hf_name: the HF tensor name; for stacked params a template with `{i}` for the layer index.
+    shape: jaxmem's shape of one tensor (per layer, without L, for stacked params).
+    stacked: the jaxmem param has a leading layer axis L (one HF tensor per layer).
+    in_ndim: for a projection, how many leading axes of `shape` are input axes (HF stores the
+        transpose of the [in, out] flattening); 0 for tensors stored identically (norms, embed).
+    """
+
+    path: tuple[str, ...]
+    hf_name: str
+    shape: tuple[int, ...]
+    stacked: bool
+    in_ndim: int = 0
+    flat: bool = False  # HF stores it flattened to one axis (a bias [N, H] as [N*H])
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        """The HF tensor's shape: [out, in] for a projection, one axis for a flat one (a bias),
+        else jaxmem's."""
+        if self.flat:
+            return (math.prod(self.shape),)
+        if not self.in_ndim:
+            return self.shape
+        return (math.prod(self.shape[self.in_ndim:]), math.prod(self.shape[:self.in_ndim]))
+
+    def name(self, layer: int | None = None) -> str:
+        """The HF tensor name (for layer `layer` when stacked)."""
+        return self.hf_name.format(i=layer) if self.stacked else self.hf_name
+
+    def module(self, layer: int | None = None) -> str:
+        """The HF module name (the tensor name without `.weight`), as PEFT names adapters."""
+        return self.name(layer).removesuffix(".weight")
+
+
+def decoder_tensors(config: ModelConfig) -> list[TensorSpec]:
+    """Every jaxmem parameter of `config` with its HF counterpart, in HF's usual file order."""
+    c = config
+    D, F, V = c.hidden_size, c.intermediate_size, c.vocab_size
+    N, K, H = c.num_heads, c.num_kv_heads, c.resolved_head_dim
+    proj_shapes = {  # jaxmem shape per layer and number of input axes
+        "q_proj": ((D, N, H), 1), "k_proj": ((D, K, H), 1), "v_proj": ((D, K, H), 1),
+        "o_proj": ((N, H, D), 2), "gate_proj": ((D, F), 1), "up_proj": ((D, F), 1),
+        "down_proj": ((F, D), 1),
+    }
+    specs = [TensorSpec(("embed_tokens",), "model.embed_tokens.weight", (V, D), False)]
+    layer = "model.layers.{i}."
+    norms = ("input_layernorm", "post_attention_layernorm")
+    if c.sandwich_norms:  # Gemma 3: post-norms of attention and the MLP, and the MLP's pre-norm
+        norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+    for norm in norms:
+        specs.append(TensorSpec(("layers", norm, "scale"), f"{layer}{norm}.weight", (D,), True))
+    for parent, name in PROJECTIONS.values():
+        shape, in_ndim = proj_shapes[name]
+        specs.append(TensorSpec(("layers", parent, name), f"{layer}{parent}.{name}.weight",
+                                shape, True, in_ndim))
+    if c.qkv_bias:  # Qwen2: [N, H] / [K, H] here, [N*H] / [K*H] there
+        for name, heads in (("q", N), ("k", K), ("v", K)):
+            specs.append(TensorSpec(("layers", "self_attn", f"{name}_bias"),
+                                    f"{layer}self_attn.{name}_proj.bias", (heads, H), True,
+                                    flat=True))
+    if c.qk_norm:  # Qwen3: RMSNorm scales [H] on q and k
+        for norm in ("q_norm", "k_norm"):
+            specs.append(TensorSpec(("layers", "self_attn", norm, "scale"),
+                                    f"{layer}self_attn.{norm}.weight", (H,), True))
+    specs.append(TensorSpec(("norm", "scale"), "model.norm.weight", (D,), False))
+    if not c.tie_embeddings:
+        specs.append(TensorSpec(("lm_head",), "lm_head.weight", (D, V), False, in_ndim=1))
+    return specs
