@@ -19,10 +19,15 @@ def flops_per_token(config, seq_len: int) -> float:
     The attention term is 12 L N H T (N query heads of width H), PaLM's 12 L H Q T, rather than
     the common shorthand 12 L D T: the two agree only where N H = D, and head_dim may be set
     apart from the width. The LM head counts once (tied or not); the embedding lookup does not.
+    A sliding-window layer (the config's `local_layers`: Gemma 3's local ones, Mistral's with a
+    window) attends to min(T, W) keys, so its term has min(T, W) for T.
     """
     n = config.num_params() - config.vocab_size * config.hidden_size * (1 if config.tie_embeddings else 2)
     head = 6 * config.vocab_size * config.hidden_size  # the LM head matmul is real work
-    attn = 12 * config.num_layers * config.num_heads * config.resolved_head_dim * seq_len
+    window = getattr(config, "sliding_window", None)
+    keys = sum(min(seq_len, window) if local else seq_len
+               for local in getattr(config, "local_layers", (False,) * config.num_layers))
+    attn = 12 * config.num_heads * config.resolved_head_dim * keys
     return 6 * n + head + attn
 
 

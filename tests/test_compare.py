@@ -247,6 +247,9 @@ def test_flops_and_peaks_come_from_jaxmem_perf():
     c = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=32, vocab_size=100)
     assert flops_per_token(c, 16) == flops_per_token(c.replace(tie_embeddings=True), 16) == 679_296
+    # a local layer of window 4 attends to 4 keys, not 16: 12 x 4 x 32 x (16 - 4) fewer
+    mixed = c.replace(sliding_window=4, layer_types=("sliding_attention", "full_attention"))
+    assert flops_per_token(mixed, 16) == 679_296 - 12 * 4 * 32 * 12
     assert peak_flops("cuda:NVIDIA A100-SXM4-80GB", jnp.bfloat16) == 312e12  # not the A10's
     assert peak_flops("cuda:NVIDIA A10", "float16") == 125e12
     assert peak_flops("gpu:NVIDIA H100 80GB HBM3", jnp.float32) == 67e12
