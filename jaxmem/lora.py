@@ -8,7 +8,7 @@
 A `LoraWeight` stands for W + scale * A B (W [in..., out...], A [in..., R], B [R, out...]) and
 multiplies through `project(subscripts, x, einsum)` = einsum(x, W) + scale * (x A) B, never
 forming the dense product; a quantized W is dequantized in the forward and again in the backward
-(jaxmem.quant). jaxmem's own trainer puts the same object in its Llama's params (jaxmem.peft).
+(jaxmem.quant). jaxmem's own trainer puts the same object in its decoder's params (jaxmem.peft).
 
 Flax layers multiply a kernel with `lax.dot_general`, which needs an array, so a layer whose
 kernel is a weight object needs one line of adaptation:

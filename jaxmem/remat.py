@@ -23,7 +23,7 @@ own activation tags); here they work on any function, with the user's own tags
                     key, value, attn_context, mlp_gate, mlp_up)
 
 Whether a policy saves memory is a measurement: compile the gradient and read
-`compiled.memory_analysis().temp_size_in_bytes` (docs/remat.md measures jaxmem's Llama).
+`compiled.memory_analysis().temp_size_in_bytes` (docs/remat.md measures jaxmem's decoder).
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ def test_mistral_sliding_window_equals_transformers(tmp_path):
     assert np.abs(off - ref).max() > 10 * largest_allowed(ref, terms(config))
 
 
-def test_gemma3_multimodal_checkpoint_imports_its_language_model(tmp_path):
+def test_gemma3_multimodal_checkpoint_imports_its_language_model(tmp_path, capsys):
     """Gemma3ForConditionalGeneration (the 4B to 27B checkpoints): its text_config and the
     language model's tensors are read, the vision tower is left out with a note, and the
     logits of a text-only prompt equal the multimodal model's."""
@@ -157,6 +157,15 @@ def test_gemma3_multimodal_checkpoint_imports_its_language_model(tmp_path):
     with torch.no_grad():
         ref = model(torch.tensor(ids())).logits.numpy()
     assert_reordered_fp32(jax_logits(config, params, ids()), ref, terms=terms(config))
+    # the generate CLI says so in one line on stderr, and samples from the language model
+    from jaxmem.generate.cli import main as generate_main
+    from hf_files import write_tokenizer
+
+    write_tokenizer(tmp_path, "def return import class self None for in if else " * 50)
+    assert generate_main(["--hf", str(tmp_path), "--prompt", "def", "--max-new-tokens", "4",
+                          "--temperature", "0"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("the vision tower and projector are left out") == 1, err
 
 
 def test_gemma3_local_layers_cache_the_window_not_the_sequence():

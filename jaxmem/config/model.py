@@ -1,4 +1,5 @@
-"""Model configuration: a frozen dataclass with Llama's fields, named presets, and validation.
+"""Model configuration: a frozen dataclass of the decoder's shapes and variation points, named
+presets, and validation.
 
 The full-size presets carry the published shapes, so `jax.eval_shape` on them reproduces the
 published parameter counts without allocating a byte (see `tests/test_model.py`).

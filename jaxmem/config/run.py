@@ -233,8 +233,8 @@ class InitSection:
     """Where a run's step-0 weights come from (jaxmem.io.hf): random init, or a checkpoint."""
 
     init_from: str | None = option(
-        None, "start from a Hugging Face checkpoint directory of a Llama, Qwen3, Qwen2.5 or "
-        "Mistral model (config.json, safetensors, tokenizer.json): its family, shapes, "
+        None, "start from a Hugging Face checkpoint directory of a Llama, Qwen3, Qwen2.5, "
+        "Mistral or Gemma 3 model (config.json, safetensors, tokenizer.json): its family, shapes, "
         "weights and tokenizer replace --preset and --tokenizer "
         "(full fine-tune, in any --precision)", metavar="HF_DIR")
 

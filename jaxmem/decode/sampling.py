@@ -1,4 +1,4 @@
-"""Sampling from a Llama's params with a KV cache: the prompts are prefilled in one call, then
+"""Sampling from a model's params with a KV cache: the prompts are prefilled in one call, then
 one token per step against the cache, in one jitted `while_loop`.
 
     generate_ids(config, params, prompts, max_new_tokens, ...)  new ids per prompt (a batch)

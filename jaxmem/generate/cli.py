@@ -1,5 +1,5 @@
 """`python -m jaxmem.generate`: sample text from the newest checkpoint of a run, or from a
-Hugging Face checkpoint directory (Llama, Qwen3, Qwen2.5, Mistral), with a KV cache
+Hugging Face checkpoint directory (Llama, Qwen3, Qwen2.5, Mistral, Gemma 3), with a KV cache
 (jaxmem.decode.sampling).
 
     python -m jaxmem.generate --run runs/default --prompt "def main(" --max-new-tokens 200
@@ -44,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--run", help="run directory (the --out of jaxmem.train)")
     source.add_argument("--hf", metavar="HF_DIR",
-                        help="a Hugging Face checkpoint directory of a Llama, Qwen3, Qwen2.5 or "
-                        "Mistral model (config.json, safetensors, tokenizer.json)")
+                        help="a Hugging Face checkpoint directory of a Llama, Qwen3, Qwen2.5, Mistral "
+                        "or Gemma 3 model (config.json, safetensors, tokenizer.json)")
     p.add_argument("--step", type=int, default=None, metavar="N",
                    help="with --run: sample from committed checkpoint step N (default: the newest)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
@@ -96,7 +96,7 @@ def _from_hf(p, args, overrides):
     from jaxmem.io.hf import hf_tokenizer, load_hf  # noqa: PLC0415
 
     try:
-        model_config, params = load_hf(args.hf)
+        model_config, params = load_hf(args.hf, note=lambda m: print(m, file=sys.stderr))
         tokenizer = _chat(p, args, hf_tokenizer(args.hf), None)
         eos = eos_ids(tokenizer, args.hf)
     except (DataError, ValueError) as e:  # HFError is a ValueError

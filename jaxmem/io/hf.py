@@ -48,7 +48,7 @@ class HFError(ValueError):
 
 # ----------------------------------------------------------------------------- config mapping
 
-# ModelConfig field <- LlamaConfig key (the plain one-to-one part of the mapping).
+# ModelConfig field <- config.json key (the plain one-to-one part every family shares).
 _SAME = {"vocab_size": "vocab_size", "hidden_size": "hidden_size",
          "intermediate_size": "intermediate_size", "num_layers": "num_hidden_layers",
          "num_heads": "num_attention_heads", "max_position_embeddings": "max_position_embeddings",

@@ -4,7 +4,7 @@
                                                       (or Gemma's GELU-tanh gate)
 
 Under `--remat full` the backward of a block recomputes the MLP and then differentiates it: the
-gate, up and hidden activations and their gradients, [B, T, F] each (F = 4 D in Llama), are the
+gate, up and hidden activations and their gradients, [B, T, F] each (F = 3.5 D in Llama 3 8B), are the
 largest buffers of a remat'd step once attention runs in query chunks and the loss is fused
 (measured with XLA's buffer assignment: eight fp32 [B*T, F] buffers at llama-3.2-1b). Like
 attention and the loss, the MLP then runs a sequence tile at a time (a scan keeping the batch

@@ -158,7 +158,7 @@ class _InBackwardStep:
         return self.block.apply({"params": self.cast(lp)}, x, a["ctx"], fact)[0]
 
     def _head_loss(self, hp, x, a):
-        """Final norm, LM head and the loss: Llama's return_hidden path."""
+        """Final norm, LM head and the loss: the Decoder's return_hidden path."""
         hp = self.cast(hp)
         h = self.norm.apply({"params": hp["norm"]}, x)  # [B, T, D]
         w, layout = ((hp["embed_tokens"], "VD") if self.c.tie_embeddings

@@ -11,6 +11,7 @@ tokenizer.json its config names (the checkpoint's, by absolute path).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,7 @@ def init_from_overrides(overrides: dict) -> dict:
     if hf_dir is None:
         return overrides
     hf_dir = str(Path(hf_dir).resolve())
-    model = config_from_hf(read_hf_config(hf_dir))
+    model = config_from_hf(read_hf_config(hf_dir), note=lambda m: print(m, file=sys.stderr))
     given = sorted(p for p in overrides if p.startswith("model.") or p == "data.tokenizer")
     if given:
         flag = "--" + given[0].split(".")[1].replace("_", "-")
