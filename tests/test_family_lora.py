@@ -72,7 +72,7 @@ def test_qlora_fine_tune_lowers_the_eval_loss(qlora):
 
 @pytest.mark.slow  # two 6-step LoRA runs per family
 @pytest.mark.parametrize("family", list(CONFIGS))
-def test_lora_stop_and_resume_is_bitwise(family, tmp_path):
+def test_lora_stop_and_resume_is_bitwise_and_lowers_the_eval_loss(family, tmp_path):
     cfg = CONFIGS[family]
     write_tokenizer(tmp_path / "tok", "def return import class self None for in if else " * 200)
     save_hf(tmp_path / "hf", cfg, random_params(cfg), bos_token_id=0, eos_token_id=1,
@@ -85,6 +85,8 @@ def test_lora_stop_and_resume_is_bitwise(family, tmp_path):
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
     (step_a, a), (step_b, b) = params_of(tmp_path / "a"), params_of(tmp_path / "b")
     assert step_a == step_b == 6 and all(np.array_equal(x, y) for x, y in zip(a, b))
+    base, tuned = run_eval_losses(load_run(tmp_path / "a"))  # and the LoRA fine-tune learned
+    assert tuned < base - 0.1, (base, tuned)
 
 
 def _adapter_logits(run, cfg):
