@@ -58,3 +58,50 @@ def test_packed_window_takes_the_windowed_xla_path_linear_in_t(h100):
     assert "__cudnn$fmha" not in hlo and square(hlo, 8192) == []
     a, b = (c.memory_analysis().temp_size_in_bytes for c in (small, big))
     assert b <= 2.2 * a, f"temp {a} B at T=4096, {b} B at T=8192"
+
+
+GEMMA3 = {"model.family": "gemma3", "model.qk_norm": True, "model.norm_plus_one": True,
+          "model.sandwich_norms": True, "model.mlp_activation": "gelu_tanh",
+          "model.embed_scale": True, "model.query_pre_attn_scalar": 64,
+          "model.sliding_window": 128, "model.rope_local_theta": 10000.0,
+          "model.tie_embeddings": True, "model.num_layers": 2,
+          "model.layer_types": ("sliding_attention", "full_attention")}
+
+
+def gemma3_step(remat: str) -> dict:
+    """The step of test_gpu_target.py's offload test (4 layers, 4 x 1024) on Gemma 3's layers."""
+    from jaxmem.config.run import RunConfig
+    from jaxmem.memory.compiled import compile_step
+    from jaxmem.memory.spec import StepSpec
+    cfg = RunConfig().replace({"model.preset": "small", "model.vocab_size": 32_000,
+                               "precision.mode": "amp-bf16", "remat.policy": remat,
+                               "remat.loss_chunk": 0, "data.batch_size": 4, "data.seq_len": 1024,
+                               **GEMMA3, "model.num_layers": 4, "model.layer_types":
+                               ("sliding_attention",) * 3 + ("full_attention",)})
+    return compile_step(StepSpec.from_run_config(cfg))
+
+
+def test_gemma3_step_runs_local_layers_on_cudnns_window(h100):
+    """A Gemma 3 train step (a local and a global layer in one scan, a cond between their
+    attentions) in the H100 program: cuDNN's kernel with the window (128) for the local
+    layer, without one for the global layer, forward and backward."""
+    from jaxmem.config.run import RunConfig
+    from jaxmem.memory.spec import StepSpec
+    from jaxmem.train.run import compile_run_step
+    cfg = RunConfig().replace({"model.preset": "small", "model.vocab_size": 32_000,
+                               "precision.mode": "amp-bf16", "remat.policy": "full",
+                               "data.batch_size": 2, "data.seq_len": 1024, **GEMMA3})
+    sp = StepSpec.from_run_config(cfg)
+    step_cfg, loss_scale = sp.step_config()
+    hlo = compile_run_step(step_cfg, loss_scale, 2, 1024, 1).as_text()
+    calls = [ln for ln in hlo.splitlines() if "__cudnn$fmha" in ln and "custom-call(" in ln]
+    windows = [m for ln in calls for m in re.findall(r'sliding_window_length\W+(\d+)', ln)]
+    assert set(windows) == {"128", "0"}, windows  # the local layer's and the global one's
+
+
+def test_gemma3_step_offloads_its_residuals_with_remat_offload(h100):
+    """--remat offload on the Gemma 3 step: the saved residuals go to host memory and the
+    device peak is below remat full's."""
+    off, full = gemma3_step("offload"), gemma3_step("full")
+    assert off["host_bytes"] > 0 and full["host_bytes"] == 0
+    assert off["peak_bytes"] < full["peak_bytes"], (off["peak_bytes"], full["peak_bytes"])
