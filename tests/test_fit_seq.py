@@ -55,6 +55,37 @@ def test_nothing_fits_and_compile_errors_do_not_fit():
     assert all(e["reason"] == "compile error: RESOURCE_EXHAUSTED: too big" for e in r["tried"])
 
 
+@pytest.mark.parametrize("flags, batch", [([], 1), (["--batch-size", "2"], 2)])
+def test_cli_fit_seq_says_its_batch_and_the_cards_share(flags, batch, monkeypatch, capsys):
+    """Without --batch-size --fit-seq searches at micro-batch 1 (not the default 16), and its
+    answer says so and what share of the card it assumed, in JSON and in text; a given
+    --batch-size is searched and said. (The step's compile faked: its peak grows with B x T.)"""
+    import json
+
+    from jaxmem.memory import compiled
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    seen = []
+
+    def fake_step(spec, mesh=None):
+        seen.append(spec.batch_size)
+        return {"peak_bytes": 1000 * spec.batch_size * spec.seq_len, "host_bytes": 0}
+    monkeypatch.setattr(compiled, "compile_step", fake_step)
+    argv = ["--preset", "tiny", "--max-position-embeddings", "4096", *flags, "--fit-seq", "40"]
+    assert main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(seen) == {batch} and out["chosen"]["batch_size"] == batch
+    assert out["batch_size"] == batch and out["batch_size_given"] == bool(flags)
+    assert out["mem_fraction"] == 0.75 and out["usable_bytes"] == 30 * 2**30
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert f"longest sequence for a 40 GiB GPU at micro-batch {batch} " in text
+    assert f"chosen: --seq-len 4096 --batch-size {batch} (" in text
+    said = "(--batch-size)" if flags else "(--fit-seq's default; --batch-size N searches at N)"
+    assert f"  assumed: micro-batch {batch} {said}\n  and XLA may use 75% of the 40 GiB card " \
+        "(XLA_PYTHON_CLIENT_MEM_FRACTION" in text
+
+
 @pytest.mark.slow  # 7.6 s cold on 2 cores (the README run stays near 5 min)
 def test_cli_fit_seq_compiles_and_refuses_fit_with_it(capsys):
     rc = main(["--preset", "tiny", "--max-position-embeddings", "4096", "--seq-len", "1024",
@@ -62,6 +93,7 @@ def test_cli_fit_seq_compiles_and_refuses_fit_with_it(capsys):
                "--fit-seq", "0.9"])
     out = capsys.readouterr().out
     assert rc == 0 and "chosen: --seq-len" in out and "1,024 tokens: step" in out
+    assert "--batch-size 1 (" in out and "assumed: micro-batch 1 (--batch-size)" in out
     with pytest.raises(SystemExit) as e:
         main(["--preset", "tiny", "--fit-seq", "40", "--fit", "40"])
     assert e.value.code == 2 and "--fit-seq searches the sequence length" in \

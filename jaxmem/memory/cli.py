@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                         ".75, less ~0.5 GiB of CUDA context; the verdict's rule)")
     g.add_argument("--fit-seq", type=positive_gib, metavar="GIB",
                    help="plan: the longest --seq-len (multiples of 1024, up to the model's max "
-                        "positions) whose run fits a GPU of GIB GiB, the rest as given; with "
+                        "positions) whose run fits a GPU of GIB GiB, at micro-batch 1 unless "
+                        "--batch-size is given, the rest as given; with "
                         "--devices / --mesh (--mesh context=8: the sequence split over 8 "
                         "devices) the step's per-device compiled peak decides")
     g.add_argument("--compile", action="store_true",
@@ -96,8 +97,10 @@ def _resolve(parser, args):
         build_step_config(cfg)  # validates shapes, remat (offload support), precision
     except ValueError as e:  # ConfigError, RematError, PrecisionError
         parser.error(str(e).splitlines()[0])
-    batch, accum = cfg.data.batch_size, cfg.data.grad_accum
     batch_given, accum_given = "data.batch_size" in given, "data.grad_accum" in given
+    if args.fit_seq is not None and not batch_given:  # the longest sequence of one, not of 16
+        cfg = cfg.replace({"data.batch_size": 1})
+    batch, accum = cfg.data.batch_size, cfg.data.grad_accum
     if args.global_batch is not None:
         if args.global_batch % batch and (batch_given or args.fit is None):
             parser.error(f"--global-batch {args.global_batch} is not divisible by "

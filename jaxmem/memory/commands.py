@@ -15,7 +15,8 @@ from jaxmem.memory.search import plan
 from jaxmem.memory.report import (format_plan, format_report, header_line, step_report,
                                   train_command)
 from jaxmem.memory.spec import GiB
-from jaxmem.xla.verdict import COMMON_GIB, usable_bytes, verdict_lines
+from jaxmem.config.flags import given_overrides
+from jaxmem.xla.verdict import COMMON_GIB, usable_bytes, verdict_lines, xla_fraction
 from jaxmem.model.remat import RematPolicy
 
 
@@ -117,7 +118,9 @@ def fit_mesh(args, spec) -> int:
 
 def fit_seq(parser, args, cfg, spec, mesh_text) -> int:
     """`--fit-seq GIB`: the longest sequence that fits (search.fit_seq); on a mesh the step's
-    per-device compiled peak decides, on one device the run's largest phase."""
+    per-device compiled peak decides, on one device the run's largest phase. The answer says
+    what it assumed: the micro-batch (1 unless --batch-size was given: cli._resolve) and the
+    share of the card XLA may use (`xla_fraction`, the verdict's rule)."""
     from jaxmem.memory.compiled import compile_step
     from jaxmem.memory.mesh import resolve
     from jaxmem.memory.search import fit_seq as search_fit_seq
@@ -145,19 +148,28 @@ def fit_seq(parser, args, cfg, spec, mesh_text) -> int:
     result.pop("spec")
     result["tried"] = [without(t, "compiled", "phases") for t in result["tried"]]
     c = result["chosen"] = result["chosen"] and without(result["chosen"], "compiled", "phases")
+    given = "data.batch_size" in given_overrides(args)
+    assumed = {"batch_size": spec.batch_size, "batch_size_given": given,
+               "mem_fraction": xla_fraction()}
     if args.json:
-        print(json.dumps({"budget_gib": args.fit_seq, "usable_bytes": budget, **result}, indent=2))
+        print(json.dumps({"budget_gib": args.fit_seq, "usable_bytes": budget, **assumed,
+                          **result}, indent=2))
         return 0 if c else 1
-    print(f"longest sequence for a {args.fit_seq:g} GiB GPU (multiples of {result['granule']} "
-          f"tokens; the run's largest phase decides):")
+    print(f"longest sequence for a {args.fit_seq:g} GiB GPU at micro-batch {spec.batch_size} "
+          f"(multiples of {result['granule']} tokens; the run's largest phase decides):")
     for e in sorted(result["tried"], key=lambda e: e["seq_len"]):
         host = f", host {e['host_bytes'] / GiB:.2f} GiB" if e.get("host_bytes") else ""
         print(f"  {e['seq_len']:>9,} tokens: {e['reason']}{host}")
+    share = (f"  assumed: micro-batch {spec.batch_size} ("
+             + ("--batch-size" if given else "--fit-seq's default; --batch-size N searches at N")
+             + f")\n  and XLA may use {assumed['mem_fraction']:.0%} of the {args.fit_seq:g} GiB "
+             f"card (XLA_PYTHON_CLIENT_MEM_FRACTION, default .75; jaxmem.perf.usable_bytes)")
     if c is None:
-        print(f"nothing fits: not even {result['granule']} tokens")
+        print(f"nothing fits: not even {result['granule']} tokens\n{share}")
         return 1
-    print(f"chosen: --seq-len {c['seq_len']} ({c.get('peak_phase', 'step')} "
-          f"{c['run_peak_bytes'] / GiB:.2f} GiB)")
+    print(f"chosen: --seq-len {c['seq_len']} --batch-size {spec.batch_size} "
+          f"({c.get('peak_phase', 'step')} {c['run_peak_bytes'] / GiB:.2f} GiB of "
+          f"{budget / GiB:.2f} usable)\n{share}")
     if result["limit"] == "max_position_embeddings":
         print(f"  limited by the model's max_position_embeddings "
               f"({result['max_position_embeddings']:,}), not by memory: "

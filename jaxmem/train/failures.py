@@ -80,7 +80,7 @@ def fit_command(cfg, budget_gib: float | None, devices: int = 1) -> str:
     else `--fit GIB` over the run's global batch (the planner then picks the micro-batch, remat
     and the fused loss's chunk, and with `devices` > 1 the mesh). Every flag is one the memory
     CLI takes (jaxmem.config.flags.PLANNER_SECTIONS / PLANNER_ONLY): the run's fields that
-    differ from the defaults, with --preset always."""
+    differ from the defaults, with --preset always (and --batch-size with --fit-seq)."""
     from jaxmem.config.flags import PLANNER_ONLY, PLANNER_SECTIONS  # noqa: PLC0415
     from jaxmem.config.run import RunConfig, all_paths, field_metadata, flag_names  # noqa: PLC0415
 
@@ -89,6 +89,8 @@ def fit_command(cfg, budget_gib: float | None, devices: int = 1) -> str:
     # --fit searches the micro-batch (--global-batch), the remat policy and --mu-dtype itself
     searched = () if seq else ("data.batch_size", "data.grad_accum", "remat.policy",
                                "optim.mu_dtype", "parallel.mesh")
+    # always written: --fit-seq without --batch-size searches at micro-batch 1, not the run's
+    always = ("precision.mode", "data.seq_len") + (("data.batch_size",) if seq else ())
     base = RunConfig()
     args = ["python", "-m", "jaxmem.memory", "--preset", cfg.model.preset]
     for path in all_paths():
@@ -96,7 +98,7 @@ def fit_command(cfg, budget_gib: float | None, devices: int = 1) -> str:
         md, value = field_metadata(path), cfg.get(path)
         if (section not in PLANNER_SECTIONS or name not in PLANNER_ONLY.get(section, (name,))
                 or not md["cli"] or path in searched or path == "model.preset"
-                or (value == base.get(path) and path not in ("precision.mode", "data.seq_len"))):
+                or (value == base.get(path) and path not in always)):
             continue
         args += [flag_names(path)[0]] if md["store_true"] else [flag_names(path)[0], str(value)]
     if devices > 1:
