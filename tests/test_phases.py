@@ -47,6 +47,43 @@ def test_eval_fused_loss_equals_full_logits(loss_chunk):
     assert float(total) / float(count) > 5.0  # ~ln(259) at init: a real loss, not a zero
 
 
+# An MLP much wider than the rest, so that its [B, T, F] activations dominate an untiled eval.
+WIDE_MLP = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=8192, num_layers=2,
+                       num_heads=4, num_kv_heads=2, max_position_embeddings=512)
+
+
+def test_eval_runs_the_mlp_in_tiles_whatever_the_remat(monkeypatch):
+    """The eval differentiates nothing, so its model (EVAL_REMAT) runs the MLP in sequence tiles
+    even where the step's policy (`none`) keeps it whole: with the tile limit lowered (8 tiles
+    of 64 for T = 512) the eval's loss equals the untiled one in fp32 (tests/numerics.py's
+    policy, as the tiled step's test_lean.py) and its compiled temp is smaller (measured
+    2026-11-27, XLA:CPU: 50.4 -> 14.6 MiB; the old eval, built under `none`, stayed at 50.4);
+    the analytic eval phase counts the tiles too (93.8 -> 52.1 MiB)."""
+    from jaxmem.model import tiled
+    spec = StepSpec.of(WIDE_MLP, get_precision("fp32"), RematPolicy.parse("none"), 1, 512)
+    cfg = spec.step_config()[0]
+    params = init_params(WIDE_MLP, jax.random.PRNGKey(0))
+    batch = synthetic_batch(jax.random.PRNGKey(1), 1, 512, WIDE_MLP.vocab_size, pad_fraction=0.1)
+
+    def run():
+        fn = make_eval_fn(cfg)
+        temp = fn.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
+        with jax.default_matmul_precision("highest"):
+            return fn(params, batch), temp, analytic_phases(spec)["eval"]["total"]
+
+    assert tiled.mlp_tile(1, 512, 8192) == 512  # the default limit: one tile, untiled
+    (total0, count0), temp0, analytic0 = run()
+    monkeypatch.setattr(tiled, "TILE_BYTES", 64 * 8192 * 4)
+    assert tiled.mlp_tile(1, 512, 8192) == 64
+    (total1, count1), temp1, analytic1 = run()
+    assert float(count1) == float(count0) > 0
+    assert_reordered_fp32(np.asarray(total1), np.asarray(total0),
+                          terms=model_terms(WIDE_MLP, 512, loss=True) + 512)
+    untiled = 3 * 512 * 8192 * 4  # gate, up, their product [B, T, F] fp32: 48 MiB
+    assert temp0 - temp1 > 0.5 * untiled, (temp0, temp1)
+    assert analytic0 - analytic1 > 0.5 * untiled, (analytic0, analytic1)
+
+
 def _eval_phase(spec) -> int:
     """The eval phase as the run holds it: the eval program + the state outside its arguments."""
     state = abstract_state(spec)

@@ -29,8 +29,10 @@ from jaxmem.memory.spec import StepSpec
 from jaxmem.model.attention import query_chunk
 from jaxmem.model.remat import RematPolicy
 from jaxmem.model.roles import param_role
+from jaxmem.model.tiled import mlp_tile, tiles_under
 from jaxmem.quant import QuantizedWeight
 from jaxmem.loss.chunked import resolve_loss_chunk
+from jaxmem.train.step import EVAL_REMAT
 
 PHASES = ("import", "state", "step", "eval", "sample")
 # The end-of-run sample's prompt, in tokens: its default is the first line of the eval data cut
@@ -69,16 +71,22 @@ class SampleShape:
         return min(self.prompt_tokens, limit - 1)
 
 
-def _forward_working_set(spec: StepSpec, B: int, T: int, logits: str) -> int:
+def _forward_working_set(spec: StepSpec, B: int, T: int, logits: str,
+                         remat: RematPolicy | None = None) -> int:
     """What a forward pass without a backward holds besides its arguments: the residual stream,
     one layer's activations (freed with the layer), the attention probabilities of one query
     chunk, and the head: the fused loss's one chunk of logits (eval) or all [B, T, V] logits
-    (today's sampler)."""
+    (today's sampler). remat: the policy the forward's model is built under (the eval's
+    EVAL_REMAT); where it tiles the MLP (jaxmem.model.tiled) and a tile is shorter than T, the
+    layer holds 3 [B, Tc, F] and the tiles' input and output [B, n Tc, D], not 3 [B, T, F]."""
     c, p = spec.model, spec.precision
     cb = jnp.dtype(p.compute_dtype).itemsize
-    D, V, N = c.hidden_size, c.vocab_size, c.num_heads
-    layer = sum(b for _, b, _ in layer_residuals(c, B, T, p.compute_dtype, RematPolicy("none"),
-                                                 "xla"))
+    D, V, N, F = c.hidden_size, c.vocab_size, c.num_heads, c.intermediate_size
+    layer = sum(b for n, b, _ in layer_residuals(c, B, T, p.compute_dtype, RematPolicy("none"),
+                                                 "xla") if not n.startswith("SwiGLU"))
+    tile = mlp_tile(B, T, F) if remat is not None and tiles_under(remat) else T
+    layer += (3 * B * T * F * cb if tile >= T else
+              3 * B * tile * F * cb + 2 * B * -(-T // tile) * tile * D * cb)
     attn = B * N * query_chunk((B, T, N), T) * T * (FP32 + cb)  # probabilities fp32 + copy
     stream = 2 * B * T * D * cb + sum(b for n, b, _ in outside_residuals(
         c, B, T, p.compute_dtype, RematPolicy("full"), "xla", 0) if n.startswith("RoPE"))
@@ -119,7 +127,7 @@ def analytic_phases(spec: StepSpec, sample: SampleShape | None = None) -> dict:
         "step": {"total": a["total_bytes"],
                  "what": f"one train step ({a['peak_phase']} phase at the peak)"},
         "eval": {"total": state + 3 * B * T * 4 + compute_copy(spec, {})
-                 + _forward_working_set(spec, B, T, "fused"),
+                 + _forward_working_set(spec, B, T, "fused", EVAL_REMAT),
                  "what": f"evaluation, batch {B} x {T}, fused loss (with the whole state)"},
     })
     if sample is not None and sample.max_new_tokens > 0:

@@ -15,8 +15,9 @@ to the residual stream), so the remat'd forward need not recompute it and dead-c
 should drop it; not verified with a FLOP count, because XLA's `cost_analysis()` counts a loop
 body once (docs/memory.md).
 
-Used only where it changes nothing else (jaxmem.families.decoder decides): under `full` remat (or a
-`names:` or `offload:` policy naming no MLP tag, e.g. `offload:block_input`: the tags live inside the tile, where no policy sees them),
+Used only where it changes nothing else (jaxmem.families.decoder decides; the eval forward,
+which differentiates nothing, is built under `full`: jaxmem.train.step.EVAL_REMAT): under `full`
+remat (or a `names:` or `offload:` policy naming no MLP tag, e.g. `offload:block_input`: the tags live inside the tile, where no policy sees them),
 with the plain einsum or an einsum with a `prepare_weight` hook (fp8), and when a [B, T, F]
 fp32 activation is over TILE_BYTES. fp8 in tiles: each tile's activations get their own
 current scale (a finer scaling than one per tensor, not bitwise the untiled values), and the

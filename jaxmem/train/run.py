@@ -17,7 +17,7 @@ from jaxmem.train.optim import parse_loss_scale
 from jaxmem.model.precision import Precision, get_precision
 from jaxmem.peft.lora import trainable_of
 from jaxmem.peft.trainable import FullFineTune, Trainable
-from jaxmem.train.step import StepConfig, jit_train_step, state_creation_fn
+from jaxmem.train.step import EVAL_REMAT, StepConfig, jit_train_step, state_creation_fn
 
 
 def build_step_config(cfg: RunConfig) -> tuple[ModelConfig, StepConfig, LossScale]:
@@ -92,8 +92,10 @@ def make_eval_fn(cfg: StepConfig):
     [B, T, V] fp32 logits (llama-3.2-1b at 8 x 2048: 8.4 GB) and its peak stays under the
     step's (tests/test_phases.py); the whole batch dict goes in, as in the step, so whatever
     the loss reads from it (packed batches' segment ids and positions) reaches the model.
+    The model is built under EVAL_REMAT (jaxmem.train.step): the MLP in sequence tiles
+    whatever the step's --remat, since nothing is differentiated here.
     """
-    model = cfg.build_model()
+    model = cfg.build_model(EVAL_REMAT)
     compute_dtype = cfg.precision.compute_dtype
 
     @jax.jit

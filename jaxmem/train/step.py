@@ -99,12 +99,21 @@ class StepConfig:
         layer-by-layer update all use this object (jaxmem.train.optim.build_optimizer)."""
         return build_optimizer(self.optim, self.precision.stochastic_rounding)
 
-    def build_model(self):
+    def build_model(self, remat: RematPolicy | None = None):
+        """The train step's model (`remat`: another policy, e.g. EVAL_REMAT)."""
         einsum = default_einsum
         if self.precision.fp8:
             from jaxmem.model.fp8 import fp8_einsum
             einsum = fp8_einsum
-        return families.model(self.model, self.remat, einsum)
+        return families.model(self.model, self.remat if remat is None else remat, einsum)
+
+
+# The evaluation's model (jaxmem.train.run.make_eval_fn) differentiates nothing, so it is built
+# under `full` remat whatever the step's --remat: in a forward pass remat keeps and recomputes
+# nothing (the same values), and under it the MLP runs in sequence tiles
+# (jaxmem.model.tiled.tiles_under) wherever a tile is shorter than T, so the eval never holds a
+# [B, T, F] activation. The planner's analytic eval phase asks the same policy.
+EVAL_REMAT = RematPolicy("full")
 
 
 def state_creation_fn(cfg: StepConfig, loss_scale: LossScale | None = None, seed: int = 0,
