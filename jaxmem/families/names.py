@@ -1,6 +1,8 @@
 """The shared decoder's parameter names: its projections and the Hugging Face tensor table.
 
     PROJECTIONS                 --lora-targets short name -> (group in a block, parameter name)
+    EMBEDDING, HEAD, FINAL_NORM, LAYERS    the top-level parameters' names
+    input_ndim(name)            how many leading axes of a projection's weight are its inputs
     TensorSpec                  one parameter: its jaxmem path, HF name and how layouts relate
     decoder_tensors(config)     the decoder's table: one TensorSpec per jaxmem param path
 
@@ -21,6 +23,14 @@ PROJECTIONS = {
     "o": ("self_attn", "o_proj"), "gate": ("mlp", "gate_proj"), "up": ("mlp", "up_proj"),
     "down": ("mlp", "down_proj"),
 }
+
+EMBEDDING, HEAD, FINAL_NORM, LAYERS = "embed_tokens", "lm_head", "norm", "layers"
+
+
+def input_ndim(name: str) -> int:
+    """Leading input axes of projection `name`'s weight: o_proj's [N, H, D] has two, the others
+    ([D, N, H], [D, F], [F, D], the head's [D, V]) one."""
+    return 2 if name == "o_proj" else 1
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ import numpy as np
 
 from jaxmem import families
 from jaxmem.config.model import ConfigError, ModelConfig
-from jaxmem.io.hf_names import hf_names, params_from_hf
+from jaxmem.families.names import EMBEDDING
+from jaxmem.io.hf_names import hf_names, params_from_hf, spec_for
 
 CONFIG, WEIGHTS, INDEX, TOKENIZER = ("config.json", "model.safetensors",
                                      "model.safetensors.index.json", "tokenizer.json")
@@ -241,7 +242,8 @@ def load_hf_params(hf_dir, config: ModelConfig, dtype=np.float32) -> dict:
     """
     reader = _TensorReader(weight_files(hf_dir), hf_dir)
     prefixes = families.get(config.family).prefixes
-    found = [p for p in prefixes if f"{p}embed_tokens.weight" in reader.files]
+    embed = spec_for(config, (EMBEDDING,)).name().removeprefix("model.")  # under any prefix
+    found = [p for p in prefixes if p + embed in reader.files]
     if found and found[0] != "model.":
         reader.nest(found[0])
     try:

@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxmem import families
 from jaxmem.config.model import ModelConfig
-from jaxmem.families.names import TensorSpec  # noqa: F401  (re-exported: the table's record)
+from jaxmem.families.names import EMBEDDING, TensorSpec  # TensorSpec: re-exported
 
 def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
     """Every jaxmem parameter of `config` with its HF counterpart, in HF's usual file order:
@@ -53,10 +53,10 @@ def spec_for(config: ModelConfig, path: tuple[str, ...]) -> TensorSpec:
 def hf_names(config: ModelConfig) -> list[str]:
     """Every HF tensor name of the model (layer-major within the blocks), e.g. for an index."""
     specs = tensor_specs(config)
-    names = [s.name() for s in specs if not s.stacked and s.path == ("embed_tokens",)]
+    names = [s.name() for s in specs if not s.stacked and s.path == (EMBEDDING,)]
     for i in range(config.num_layers):
         names += [s.name(i) for s in specs if s.stacked]
-    names += [s.name() for s in specs if not s.stacked and s.path != ("embed_tokens",)]
+    names += [s.name() for s in specs if not s.stacked and s.path != (EMBEDDING,)]
     return names
 
 

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem.config.model import ModelConfig
-from jaxmem.families.names import PROJECTIONS as DECODER_PROJECTIONS
+from jaxmem.families.names import PROJECTIONS as DECODER_PROJECTIONS, input_ndim
 from jaxmem.model.roles import param_role
 from jaxmem.paths import path_text
 from jaxmem.peft.offload import offload_shardings, one_device_shardings
@@ -106,7 +106,7 @@ def base_on_device(host_params, spec: "LoraSpec", dtype, shardings=None):
     def place(path, leaf):
         role = param_role(path)
         if role in PROJECTIONS and spec.quantize != "none":
-            n_in = 2 if role == "o_proj" else 1
+            n_in = input_ndim(role)
             if shardings is None and not isinstance(leaf, jax.core.Tracer):  # eval_shape: not
                 return quantize_on_device(leaf, spec.quantize, n_in, spec.block,
                                           spec.double_quant)
@@ -175,7 +175,7 @@ def import_programs(model_cfg, spec: "LoraSpec", host_dtype=np.float32) -> list[
         role = param_role(path)
         if role not in PROJECTIONS:
             continue
-        n_in = 2 if role == "o_proj" else 1
+        n_in = input_ndim(role)
         layer = jax.ShapeDtypeStruct(leaf.shape[1:], np.dtype(host_dtype))
         stacked, _ = _stacked_abstract(layer, leaf.shape[0], spec.quantize, n_in, spec.block,
                                        spec.double_quant)

@@ -45,7 +45,8 @@ import jax.numpy as jnp
 from jaxmem.config.model import ConfigError
 from jaxmem.loss.chunked import chunked_cross_entropy, resolve_loss_chunk
 from jaxmem.families.decoder import (DecoderBlock, abstract_params, embed_lookup, final_norm,
-                                layer_context, layer_facts)
+                                    layer_context, layer_facts)
+from jaxmem.families.names import EMBEDDING, FINAL_NORM, HEAD, LAYERS
 from jaxmem.model.precision import cast_params
 from jaxmem.einsum import logits_einsum, project
 from jaxmem.optim import NoOpLossScale, NotSplittable, Parts, all_finite, row_chunks
@@ -100,7 +101,7 @@ class _Updates:
         self.leaves = [x for _, x in paths_leaves]
         self.states = parts.states
         self.index = {tuple(k.key for k in path): i for i, (path, _) in enumerate(paths_leaves)}
-        self.stacked = [i for i, (path, _) in enumerate(paths_leaves) if path[0].key == "layers"]
+        self.stacked = [i for i, (path, _) in enumerate(paths_leaves) if path[0].key == LAYERS]
         self.new_leaves, self.new_states = list(self.leaves), list(self.states)
         self.sumsq, self.finite = jnp.zeros((), jnp.float32), jnp.asarray(True)
 
@@ -161,9 +162,8 @@ class _InBackwardStep:
     def _head_loss(self, hp, x, a):
         """Final norm, LM head and the loss: the Decoder's return_hidden path."""
         hp = self.cast(hp)
-        h = self.norm.apply({"params": hp["norm"]}, x)  # [B, T, D]
-        w, layout = ((hp["embed_tokens"], "VD") if self.c.tie_embeddings
-                     else (hp["lm_head"], "DV"))
+        h = self.norm.apply({"params": hp[FINAL_NORM]}, x)  # [B, T, D]
+        w, layout = (hp[EMBEDDING], "VD") if self.c.tie_embeddings else (hp[HEAD], "DV")
         if a["chunk"]:
             total, _ = chunked_cross_entropy(h, w, a["targets"], a["weights"], a["chunk"],
                                              layout=layout)
@@ -183,20 +183,20 @@ class _InBackwardStep:
         u = _Updates(cfg.optimizer.split(params, state.opt_state,
                                          self.step_key(state.rng, state.step)), params)
         # forward: the embedding, then the layers keeping each one's input
-        x0 = embed_lookup(c, self.cast({"embed_tokens": params["embed_tokens"]})["embed_tokens"],
+        x0 = embed_lookup(c, self.cast({EMBEDDING: params[EMBEDDING]})[EMBEDDING],
                           a["tokens"])  # [B, T, D]
         xL, xs = jax.lax.scan(lambda x, lf: (self._layer(lf[0], x, a, lf[1]), x), x0,
-                              (params["layers"], self.facts))
-        head = {"norm": params["norm"]}
-        head["embed_tokens" if c.tie_embeddings else "lm_head"] = (
-            params["embed_tokens"] if c.tie_embeddings else params["lm_head"])
+                              (params[LAYERS], self.facts))
+        head = {FINAL_NORM: params[FINAL_NORM]}
+        head_name = EMBEDDING if c.tie_embeddings else HEAD
+        head[head_name] = params[head_name]
         loss, head_vjp = jax.vjp(lambda hp, x: self._head_loss(hp, x, a), head, xL)
         d_head, dx = head_vjp(jnp.ones_like(loss))
-        u.leaf("norm", d_head["norm"]["scale"])
+        u.leaf(FINAL_NORM, d_head[FINAL_NORM]["scale"])
         if not c.tie_embeddings:
-            u.leaf("lm_head", d_head["lm_head"])
+            u.leaf(HEAD, d_head[HEAD])
         dx = self._layers_backward(u, params, xs, dx, a)
-        self._embedding(u, params["embed_tokens"], a["tokens"], dx, d_head)
+        self._embedding(u, params[EMBEDDING], a["tokens"], dx, d_head)
         skips = jnp.where(u.finite, 0, state.skips_in_a_row + 1).astype(jnp.int32)
         new_state = state.replace(
             step=state.step + 1, applied=state.applied + 1, skips_in_a_row=skips,
@@ -211,7 +211,7 @@ class _InBackwardStep:
         """Backward through the layers, last first, each updated as its gradients appear (one
         loop whose carry holds the stacked params and optimizer states); returns d x_0."""
         stacked, L = u.stacked, self.c.num_layers
-        treedef_l = jax.tree_util.tree_structure(params["layers"])
+        treedef_l = jax.tree_util.tree_structure(params[LAYERS])
         carry0 = (dx, {i: u.leaves[i] for i in stacked}, {i: u.states[i] for i in stacked},
                   jnp.zeros((), jnp.float32), jnp.asarray(True))
 
@@ -251,7 +251,7 @@ class _InBackwardStep:
             at = jnp.where((at >= 0) & (at < P), at, P)  # other pieces' tokens: dropped
             g = jnp.zeros((P, D), dx.dtype).at[at].add(dx_rows, mode="drop").astype(embed.dtype)
             if tied:  # the head's share
-                g = g + jax.lax.dynamic_slice_in_dim(d_head["embed_tokens"], j * P, P, 0)
+                g = g + jax.lax.dynamic_slice_in_dim(d_head[EMBEDDING], j * P, P, 0)
             return g
 
         n = row_chunks(embed.shape)
@@ -260,5 +260,5 @@ class _InBackwardStep:
             g = d_embed(n, j)
             return acc[0] + jnp.sum(jnp.square(g.astype(jnp.float32))), acc[1] & all_finite(g)
 
-        u.leaf("embed_tokens", d_embed, jax.lax.fori_loop(
+        u.leaf(EMBEDDING, d_embed, jax.lax.fori_loop(
             0, n, embed_stats, (jnp.zeros((), jnp.float32), jnp.asarray(True))))
