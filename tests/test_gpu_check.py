@@ -65,6 +65,7 @@ def test_plan_card_is_checked_and_auto_follows_the_plugin(tmp_path, monkeypatch)
     assert e.value.code == 2
     assert gr.target_card("NVIDIA H100 80GB HBM3, 81559 MiB") == "h100"
     assert gr.target_card("NVIDIA GeForce RTX 4090, 24564 MiB") == "rtx4090"
+    assert gr.target_card("NVIDIA L40S, 46068 MiB") == "l40s"
     assert gr.target_card(None) == "h100"
     for installed, want in ((True, "target"), (False, "cpu")):
         monkeypatch.setattr(gpu_check, "target_installed", lambda i=installed: i)

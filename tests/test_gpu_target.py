@@ -180,9 +180,29 @@ def test_memory_cli_plans_every_phase_with_the_h100_compiler():
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout)
     assert r["backend"] == "gpu" and "NVIDIA H100" in r["compiler"]
+    assert "host link PCIe 5.0 x16, ~50 GB/s each way" in r["compiler"]
     phases = {p["name"]: p for p in r["phases"]["phases"]}
     assert {"state", "step", "eval", "sample"} <= set(phases)
     assert all(p["compiled_bytes"] for p in phases.values())
+
+
+def test_fit_seq_on_a_card_says_the_card_its_host_link_and_the_whole_share():
+    """`--fit-seq 24 --target rtx4090` with XLA_PYTHON_CLIENT_MEM_FRACTION=.95: the answer says
+    micro-batch 1, 95% of the card, and the card with its PCIe link; so does the JSON."""
+    cmd = [sys.executable, "-m", "jaxmem.memory", "--preset", "tiny", "--seq-len", "1024",
+           "--max-position-embeddings", "2048", "--target", "rtx4090", "--fit-seq", "24"]
+    env = subprocess_env(cpu=True, XLA_PYTHON_CLIENT_MEM_FRACTION=".95")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    card = "NVIDIA GeForce RTX 4090 (23.6 GiB; host link PCIe 4.0 x16, ~25 GB/s each way)"
+    assert f"compiling for {card}, XLA's GPU compiler" in proc.stderr
+    assert "chosen: --seq-len 2048 --batch-size 1 (" in proc.stdout
+    assert "and XLA may use 95% of the 24 GiB card" in proc.stdout
+    assert f"\n  card: {card}\n" in proc.stdout + "\n", proc.stdout
+    proc = subprocess.run(cmd + ["--json"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    r = json.loads(proc.stdout)
+    assert r["mem_fraction"] == 0.95 and r["batch_size"] == 1 and card in r["compiler"]
 
 
 def test_remat_offload_moves_the_residuals_to_host_and_lowers_the_device_peak(h100):

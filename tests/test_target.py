@@ -40,6 +40,34 @@ def test_outside_a_target_jaxmem_follows_the_backend():
     assert target.devices() == jax.devices()
 
 
+def test_the_cards_users_own_and_every_host_link():
+    """The cards of issue 39 beside the H100 and H200, each with the PCIe link assumed between it
+    and its host (generation, one-direction bytes/s), said where a card is described."""
+    assert {"h100", "h200", "rtx4090", "a6000", "l40s"} <= set(target.CARDS)
+    links = {n: (c.host_link.gen, c.host_link.lanes, c.host_link.bandwidth)
+             for n, c in target.CARDS.items()}
+    assert links == {**{n: (5, 16, 50e9) for n in ("h100", "h100-pcie", "h200")},
+                     **{n: (4, 16, 25e9) for n in ("a100", "a100-pcie", "a6000", "rtx4090",
+                                                   "l40s")}}
+    l40s = target.CARDS["l40s"]
+    assert (l40s.device_name, l40s.major, l40s.minor, l40s.sms) == ("NVIDIA L40S", 8, 9, 142)
+    assert (l40s.memory_bytes, l40s.bandwidth, l40s.l2_bytes) == (47_576_711_168, 8.64e11,
+                                                                 96 * 2**20)
+    assert l40s.peak_tflops == (362.0, 733.0)
+    assert target.CARDS["rtx4090"].describe() == (
+        "NVIDIA GeForce RTX 4090 (23.6 GiB; host link PCIe 4.0 x16, ~25 GB/s each way)")
+    assert "host link PCIe 5.0 x16, ~50 GB/s each way" in target.CARDS["h200"].describe()
+
+
+def test_the_verdict_names_the_card_and_its_host_link(monkeypatch):
+    from jaxmem.xla.verdict import verdict_lines
+    assert not any("card:" in ln for ln in verdict_lines(2**30, "compiled", "cpu", "fp32"))
+    monkeypatch.setattr(target, "active", lambda: target.Target(target.CARDS["l40s"], ()))
+    lines = verdict_lines(2**30, "compiled", "gpu", "amp-bf16")
+    assert ("  card: NVIDIA L40S (44.3 GiB; host link PCIe 4.0 x16, ~25 GB/s each way)"
+            in lines), lines
+
+
 @pytest.mark.gpu_target
 @pytest.mark.parametrize("name", sorted(target.CARDS))
 def test_every_card_compiles_a_program(name):

@@ -150,7 +150,7 @@ def fit_seq(parser, args, cfg, spec, mesh_text) -> int:
     c = result["chosen"] = result["chosen"] and without(result["chosen"], "compiled", "phases")
     given = "data.batch_size" in given_overrides(args)
     assumed = {"batch_size": spec.batch_size, "batch_size_given": given,
-               "mem_fraction": xla_fraction()}
+               "mem_fraction": xla_fraction(), "compiler": target.compiler()}
     if args.json:
         print(json.dumps({"budget_gib": args.fit_seq, "usable_bytes": budget, **assumed,
                           **result}, indent=2))
@@ -163,7 +163,8 @@ def fit_seq(parser, args, cfg, spec, mesh_text) -> int:
     share = (f"  assumed: micro-batch {spec.batch_size} ("
              + ("--batch-size" if given else "--fit-seq's default; --batch-size N searches at N")
              + f")\n  and XLA may use {assumed['mem_fraction']:.0%} of the {args.fit_seq:g} GiB "
-             f"card (XLA_PYTHON_CLIENT_MEM_FRACTION, default .75; jaxmem.perf.usable_bytes)")
+             f"card (XLA_PYTHON_CLIENT_MEM_FRACTION, default .75; jaxmem.perf.usable_bytes)"
+             + (f"\n  card: {t.card.describe()}" if (t := target.active()) else ""))
     if c is None:
         print(f"nothing fits: not even {result['granule']} tokens\n{share}")
         return 1

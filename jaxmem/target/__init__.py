@@ -32,11 +32,11 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
-from jaxmem.target._cards import CARDS, Card, target_config
+from jaxmem.target._cards import CARDS, Card, HostLink, target_config
 
-__all__ = ["CARDS", "Card", "Target", "TargetError", "active", "card", "check_installed",
-           "compiler", "compiling_for", "device_count", "devices", "install_hint", "platform",
-           "prepare", "target_config"]
+__all__ = ["CARDS", "Card", "HostLink", "Target", "TargetError", "active", "card",
+           "check_installed", "compiler", "compiling_for", "device_count", "devices",
+           "install_hint", "platform", "prepare", "target_config"]
 
 # XLA's GPU top-k lowers to a CUB radix sort whose scratch size is asked of the CUDA runtime,
 # which fails with no GPU ("cudaErrorInvalidDevice"); XLA's own sort needs no device.
@@ -63,8 +63,8 @@ class Target:
         n = len(self.devices)
         hosts = len({d.process_index for d in self.devices})
         where = "" if hosts == 1 else f" on {hosts} hosts of {n // hosts}"
-        return (f"{'' if n == 1 else f'{n} x '}{self.card.device_name}{where}, XLA's GPU compiler "
-                f"without a GPU (jax {jax.__version__})")
+        return (f"{'' if n == 1 else f'{n} x '}{self.card.describe()}{where}, XLA's GPU "
+                f"compiler without a GPU (jax {jax.__version__})")
 
 
 _ACTIVE: contextvars.ContextVar[Target | None] = contextvars.ContextVar("jaxmem_target",

@@ -44,9 +44,19 @@ def verdict_lines(peak_bytes: int, source: str, backend: str, precision: str,
              f"XLA_PYTHON_CLIENT_MEM_FRACTION, default .75),",
              f"  plus ~{CUDA_CONTEXT_GIB} GiB of CUDA context outside it; to use nearly all of a "
              f"GPU, set XLA_PYTHON_CLIENT_MEM_FRACTION=.95"]
+    card = _target_card()
+    if card is not None:  # deviceless --target: the card's facts the figures assumed
+        lines.append(f"  card: {card.describe()}")
     if backend == "cpu":
         lines.append("  compiled by XLA:CPU: not a GPU's program (8B bf16-sr + adamw8bit step: "
                      "83.95 GiB on")
         lines.append("  the CPU, 49.03 on the H100's compiler); plan a GPU with --target h100 "
                      "(docs/memory.md)")
     return lines
+
+
+def _target_card():
+    """The --target card being compiled for, or None (a real device, or XLA:CPU)."""
+    from jaxmem import target  # noqa: PLC0415
+    t = target.active()
+    return None if t is None else t.card
