@@ -191,7 +191,8 @@ def test_fit_seq_on_a_card_says_the_card_its_host_link_and_the_whole_share():
     micro-batch 1, 95% of the card, and the card with its PCIe link; so does the JSON."""
     cmd = [sys.executable, "-m", "jaxmem.memory", "--preset", "tiny", "--seq-len", "1024",
            "--max-position-embeddings", "2048", "--target", "rtx4090", "--fit-seq", "24"]
-    env = subprocess_env(cpu=True, XLA_PYTHON_CLIENT_MEM_FRACTION=".95")
+    env = subprocess_env(cpu=True, XLA_PYTHON_CLIENT_MEM_FRACTION=".95",  # not the tests'
+                         XLA_PYTHON_CLIENT_PREALLOCATE=None)  # "false", which means 100%
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     card = "NVIDIA GeForce RTX 4090 (23.6 GiB; host link PCIe 4.0 x16, ~25 GB/s each way)"
