@@ -18,8 +18,11 @@ JAX on the CPU platform (`prepare()` sets that when JAX has not started yet).
 
 What a deviceless compile cannot see: autotuning (default GEMM configurations), cuDNN / cuBLAS
 workspaces, NCCL buffers, the CUDA context, allocator fragmentation, and on jax 0.10.2 any
-memory kind but the device's (a `pinned_host` sharding is compiled as device memory). The
-planner states these as a margin (docs/memory.md: the calibration).
+memory kind but the device's: the topology's devices have no memories, so a `pinned_host`
+sharding's memory kind is dropped (the array is compiled as device memory), and a program that
+moves values to host memory itself (`device_put(x, jax.memory.Space.Host)`) does not trace
+against such an argument. The planner states these as a margin (docs/memory.md: the
+calibration).
 """
 
 from __future__ import annotations
