@@ -174,6 +174,13 @@ class OptimConfig:
                                "exists whole (one device; needs --remat full and --clip 0; no "
                                "--grad-accum, loss scaling or LoRA; docs/optimizers.md)",
                                flags=("--optimizer-in-backward",), store_true=True, mutable=True)
+    # Changes no number of the run, only where the state lives: a run may resume with it or
+    # without (issue 39 prototype).
+    offload_optimizer: str = option("none", "where the optimizer state's stacked layer leaves "
+                                    "live between steps: none = on the accelerator; host = in "
+                                    "pinned host memory, each layer's moved to the device for "
+                                    "its update only (one device; needs --optimizer-in-backward)",
+                                    choices=["none", "host"], mutable=True)
 
     def __post_init__(self):
         checks = [("lr", self.lr >= 0), ("min_lr", 0 <= self.min_lr),
@@ -192,6 +199,12 @@ class OptimConfig:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer {self.optimizer!r} is invalid; choose one of: "
                               f"{', '.join(OPTIMIZERS)}")
+        if self.offload_optimizer not in ("none", "host"):
+            raise ConfigError(f"--offload-optimizer {self.offload_optimizer!r} is not one of "
+                              f"none, host")
+        if self.offload_optimizer == "host" and not self.in_backward:
+            raise ConfigError("--offload-optimizer host needs --optimizer-in-backward: the "
+                              "state is streamed layer by layer by the in-backward update")
 
 
 @dataclass(frozen=True)

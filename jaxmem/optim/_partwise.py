@@ -177,7 +177,9 @@ class _OptaxParts(Parts):
     def layer(self, i, l, g, p, s, finite):
         take = lambda x: jax.lax.dynamic_slice_in_dim(x, l, 1, 0)  # noqa: E731  [1, ...]
         put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, l, 0)  # noqa: E731
-        s_l = tuple(take(x) for x in s)
+        host = tuple(in_host_memory(x) for x in s)  # --offload-optimizer host: stream layer l
+        s_l = tuple(jax.device_put(take(x), jax.memory.Space.Device) if h else take(x)
+                    for x, h in zip(s, host))
         u, new = self._update(i, g.reshape((1,) + g.shape), take(p), s_l)
 
         def fn(ins, st, pkey, bits):
@@ -190,6 +192,8 @@ class _OptaxParts(Parts):
 
         (new_p,) = layer_rows(fn, (u,), (p,), l, p.shape, self.pieces(i), finite)
         new = tuple(jnp.where(finite, a, b) for a, b in zip(new, s_l))
+        new = tuple(jax.device_put(y, jax.memory.Space.Host) if h else y
+                    for y, h in zip(new, host))
         return new_p, tuple(put(x, y) for x, y in zip(s, new))
 
     def finish(self, states):
@@ -230,7 +234,47 @@ def layer_rows(fn, ins, stacked, l, shape, keys: RoundingPieces, finite):
         out = fn(jax.tree_util.tree_map(lambda x: take(x, k * g, g), i2), st, key, bits)
         return jax.tree_util.tree_map(lambda x, y: put(x, y, r0), carry, out)
 
+    if any(in_host_memory(x) for x in jax.tree_util.tree_leaves(stacked)):
+        return _layer_rows_streamed(fn, i2, stacked, l, shape, keys, finite, a, P, g)
     # a part with non-finite gradients runs no sub-piece: its rows stay bitwise
     out = jax.lax.fori_loop(0, jnp.where(finite, a // g, 0), body, rows(stacked))
+    return jax.tree_util.tree_map(lambda x, ref: x.reshape(ref.shape), out, stacked)
+
+
+def in_host_memory(x) -> bool:
+    """Whether a traced array lives in host memory (its aval's memory space; --offload-optimizer
+    host, --offload-base host)."""
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
+def _layer_rows_streamed(fn, i2, stacked, l, shape, keys, finite, a, P, g):
+    """`layer_rows` where some stacked arrays live in pinned host memory (--offload-optimizer
+    host): layer l's a rows of each are taken (`dynamic_slice` of the host stack), those in host
+    memory copied to the device, updated there sub-piece by sub-piece with the same keys and
+    bits as `layer_rows` (so bitwise its numbers), copied back to host memory and written into
+    the host stack in place (`dynamic_update_slice`). Only one layer's rows are ever on the
+    device."""
+    rows = lambda x: as_rows(x, shape[-1])  # noqa: E731
+    take = lambda x, r0, k: jax.lax.dynamic_slice_in_dim(x, r0, k, 0)  # noqa: E731
+    put = lambda x, y, r0: jax.lax.dynamic_update_slice_in_dim(x, y, r0, 0)  # noqa: E731
+    whole = rows(stacked)
+    on_host = jax.tree_util.tree_map(in_host_memory, whole)
+    to_dev = lambda x, h: jax.device_put(x, jax.memory.Space.Device) if h else x  # noqa: E731
+    to_host = lambda x, h: jax.device_put(x, jax.memory.Space.Host) if h else x  # noqa: E731
+    window = jax.tree_util.tree_map(lambda x, h: to_dev(take(x, l * a, a), h), whole, on_host)
+
+    def body(k, carry):
+        r0 = l * a + k * g  # first row of the sub-piece in the stacked leaf
+        j = r0 // P
+        key, bits = keys(j), None
+        if key is not None and g != P:
+            bits, key = take(keys.bits(j, (P, shape[-1])), r0 - j * P, g), None
+        st = jax.tree_util.tree_map(lambda x: take(x, k * g, g), carry)
+        out = fn(jax.tree_util.tree_map(lambda x: take(x, k * g, g), i2), st, key, bits)
+        return jax.tree_util.tree_map(lambda x, y: put(x, y, k * g), carry, out)
+
+    window = jax.lax.fori_loop(0, jnp.where(finite, a // g, 0), body, window)
+    out = jax.tree_util.tree_map(lambda x, y, h: put(x, to_host(y, h), l * a), whole, window,
+                                 on_host)
     return jax.tree_util.tree_map(lambda x, ref: x.reshape(ref.shape), out, stacked)
 

@@ -38,7 +38,8 @@ from jaxmem.model.context import balance, context_parallel
 from jaxmem.sharding import activation_sharding, weight_sharding
 from jaxmem.model.fp8_compile import compiler_options as fp8_compiler_options
 import jaxmem.parallel.rules as R
-from jaxmem.peft.offload import abstract_in_host_memory, offload_shardings
+from jaxmem.peft.offload import (HOST_KIND, abstract_in_host_memory, host_memory_kind,
+                                 offload_shardings)
 from jaxmem.quant import gather_packed
 from jaxmem.train.run import make_eval_fn
 from jaxmem.train.step import (create_train_state, jit_train_step, make_train_step,
@@ -78,16 +79,56 @@ def _balanced(fn, mesh, step_cfg):
     return balanced
 
 
+def _under_layers(path) -> bool:
+    return any(getattr(k, "key", None) == "layers" for k in path)
+
+
+def opt_state_host_shardings(abstract_state, device=None):
+    """--offload-optimizer host (one device): a sharding per leaf of a train state (or its
+    abstract form) with the optimizer state's stacked leaves (those under params["layers"]:
+    the moments, for adamw8bit their codes and scales) in pinned host memory and everything
+    else on the device. NamedShardings on a one-device mesh, not SingleDeviceShardings (see
+    jaxmem.peft.offload.one_device_shardings: those give a host array a device aval)."""
+    mesh = jax.sharding.Mesh(np.array([device or jax.devices()[0]]), ("one",))
+    dev = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    host = dev.with_memory_kind(HOST_KIND)
+    opt = jax.tree_util.tree_map_with_path(
+        lambda path, _: host if _under_layers(path) else dev, abstract_state.opt_state)
+    rest = jax.tree.map(lambda _: dev, abstract_state.replace(opt_state=None))
+    return rest.replace(opt_state=opt)
+
+
+def check_offload_optimizer(offload: str, in_backward: bool, mesh=None, device=None) -> None:
+    """ConfigError (one line naming the flags) where --offload-optimizer host cannot run."""
+    if offload == "none":
+        return
+    if not in_backward:
+        raise ConfigError("--offload-optimizer host needs --optimizer-in-backward: the state is "
+                          "streamed layer by layer by the in-backward update")
+    if mesh is not None:
+        raise ConfigError("--offload-optimizer host runs on one device only, not on --mesh")
+    device = device or jax.devices()[0]
+    if host_memory_kind(device) is None:
+        raise ConfigError(f"--offload-optimizer host: {device.platform} device {device} has no "
+                          f"{HOST_KIND} memory")
+
+
 @dataclass(frozen=True)
 class Placement:
     """One device (mesh None) or a mesh; see the module docstring."""
 
     mesh: Any = None
     offload_base: str = "none"  # "host": the frozen base's layers in pinned host memory
+    offload_optimizer: str = "none"  # "host": the optimizer state's stacked leaves in pinned
+                                     # host memory (one device, --optimizer-in-backward)
 
     @classmethod
-    def single(cls) -> "Placement":
-        return cls(None)
+    def single(cls, offload_optimizer: str = "none") -> "Placement":
+        return cls(None, offload_optimizer=offload_optimizer)
+
+    @property
+    def opt_on_host(self) -> bool:
+        return self.mesh is None and self.offload_optimizer == "host"
 
     @classmethod
     def on(cls, mesh, offload_base: str = "none") -> "Placement":
@@ -104,6 +145,9 @@ class Placement:
     def abstract(self, abstract_state):
         """The restore target: shapes and dtypes with this placement's shardings (single
         device: unchanged, Orbax restores onto the default device)."""
+        if self.opt_on_host:
+            return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                abstract_state, opt_state_host_shardings(abstract_state))
         if self.mesh is None:
             return abstract_state
         return R.with_shardings(abstract_state, self.mesh)
@@ -113,6 +157,12 @@ class Placement:
         placement's `out_shardings`: what `init_state` runs and what a planner compiles
         (`.lower().compile().memory_analysis()`, per device on a mesh)."""
         fn = state_creation_fn(step_cfg, loss_scale, seed, with_params=with_params)
+        if self.opt_on_host:
+            shardings = opt_state_host_shardings(
+                jax.eval_shape(state_creation_fn(step_cfg, loss_scale, seed)))
+            if not with_params:
+                return jax.jit(fn, out_shardings=shardings)
+            return jax.jit(fn, out_shardings=shardings, donate_argnums=0)
         if self.mesh is None:
             return jax.jit(fn, donate_argnums=(0,) if with_params else ())
         # the same shapes with or without given params: take them from the fresh state's
@@ -128,6 +178,11 @@ class Placement:
         `params` (host arrays in the storage dtype, e.g. from --init-from) are put on the
         device(s) piece by piece (`device_put` with the params' shardings: no device receives
         the whole checkpoint) and donated to the jit, so they are not copied again."""
+        if self.opt_on_host:
+            if params is None:
+                return self.state_creation(step_cfg, loss_scale, seed)()
+            return self.state_creation(step_cfg, loss_scale, seed, with_params=True)(
+                jax.device_put(params))
         if self.mesh is None:
             return create_train_state(step_cfg, loss_scale, seed, params=params)
         if params is None:
@@ -167,6 +222,11 @@ class Placement:
         """The jitted, donated step for states shaped like `like` (a state or its abstract
         form: its structure depends on the loss scale). LoRA: the frozen base is the third
         argument, split by `base_shardings` and never donated."""
+        if self.opt_on_host:  # donated; the state comes back with its stacks in pinned_host
+            shardings = opt_state_host_shardings(like)
+            return jax.jit(make_train_step(step_cfg), donate_argnums=0,
+                           in_shardings=(shardings, None), out_shardings=(shardings, None),
+                           compiler_options=fp8_compiler_options(step_cfg.precision))
         if self.mesh is None:
             return jit_train_step(step_cfg)
         shardings = self.state_shardings(like)

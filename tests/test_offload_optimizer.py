@@ -1,0 +1,107 @@
+"""--offload-optimizer host (issue 39, first piece; prototype): the optimizer state's stacked
+layer leaves live in pinned host memory between steps and the in-backward loop streams each
+layer's to the device for its update. On a CPU host and device memory are the same RAM, so what
+is tested is the numbers (bitwise the device-resident run), where the state says it lives, and
+resume."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxmem.config.model import get_preset
+from jaxmem.model.precision import get_precision
+from jaxmem.model.remat import RematPolicy
+from jaxmem.train.cli import main
+from jaxmem.train.loss import synthetic_batch
+from jaxmem.train.optim import OptimConfig
+from jaxmem.train.placement import Placement
+from jaxmem.train.step import StepConfig
+
+from runs import SMALL, error_line, losses
+
+OIB = ["--optimizer-in-backward", "--remat", "full", "--clip", "0"]
+
+
+def _bits(x):
+    return np.asarray(x).reshape(-1).view(np.uint8)
+
+
+def _kinds(state):
+    return {jax.tree_util.keystr(p): x.sharding.memory_kind
+            for p, x in jax.tree_util.tree_leaves_with_path(state.opt_state)}
+
+
+@pytest.mark.parametrize("optimizer", ["adamw8bit", "adamw"])
+def test_host_state_is_bitwise_the_device_run_for_10_steps(optimizer):
+    cfg = StepConfig(get_preset("tiny"), get_precision("bf16-sr"), RematPolicy("full"),
+                     OptimConfig(optimizer=optimizer, clip=0.0, lr=1e-2, warmup_steps=2,
+                                 total_steps=20, in_backward=True))
+    runs = {}
+    for name, par in (("device", Placement.single()), ("host", Placement.single("host"))):
+        s = par.init_state(cfg, None, 1)
+        step = par.train_step(cfg, s)
+        ls = []
+        for k in range(10):
+            batch = jax.tree.map(lambda x: x[None],
+                                 synthetic_batch(jax.random.PRNGKey(k), 2, 16, 259))
+            before = s
+            s, m = step(s, batch)
+            assert all(x.is_deleted() for x in jax.tree.leaves(before.opt_state))  # donated
+            ls.append(float(m["loss"]))
+        runs[name] = ls, s
+    (l1, s1), (l2, s2) = runs["device"], runs["host"]
+    assert l1 == l2 and l1[-1] != l1[0]
+    for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s2)):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    kinds = _kinds(s2)
+    assert {k for k, v in kinds.items() if v == "pinned_host"} == \
+        {k for k in kinds if "['layers']" in k} != set()
+    assert set(_kinds(s1).values()) == {"device"}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(s2.params)} == {"device"}
+
+
+def test_without_optimizer_in_backward_exits_2_with_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*SMALL, "--out", str(tmp_path / "run"), "--offload-optimizer", "host"])
+    assert e.value.code == 2
+    assert "--offload-optimizer host needs --optimizer-in-backward" in \
+        error_line(capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # three CLI runs
+def test_resume_is_bitwise_the_device_run(tmp_path, corpus):
+    from jaxmem.train.rundir import load_run
+    args = [*SMALL, "--data", corpus, "--steps", "6", "--precision", "bf16-sr",
+            "--optimizer", "adamw8bit", *OIB]
+    host = [*args, "--offload-optimizer", "host"]
+    assert main([*args, "--out", str(tmp_path / "device")]) == 0
+    assert main([*host, "--out", str(tmp_path / "split"), "--stop-at", "3"]) == 0
+    assert main([*host, "--out", str(tmp_path / "split"), "--resume"]) == 0
+    import json
+    record = json.loads((tmp_path / "split" / "config.json").read_text())
+    assert "host" in json.dumps(record) and "offload_optimizer" in json.dumps(record)
+    device, split = losses(tmp_path / "device"), losses(tmp_path / "split")
+    assert device == split and len(device) == 6
+    a, b = load_run(tmp_path / "device").state, load_run(tmp_path / "split").state
+    assert int(a.step) == int(b.step) == 6
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(_bits(x), _bits(y))
+
+
+def test_checkpoint_restores_into_pinned_host_where_the_target_says_so(tmp_path):
+    """Orbax restores each leaf with the target's sharding: Placement.abstract's pinned_host
+    shardings bring the stacks back to pinned host memory (a target without shardings: device)."""
+    from jaxmem.io.checkpoint import Checkpointer
+    cfg = StepConfig(get_preset("tiny"), get_precision("bf16-sr"), RematPolicy("full"),
+                     OptimConfig(optimizer="adamw8bit", clip=0.0, in_backward=True))
+    par = Placement.single("host")
+    s = par.init_state(cfg, None, 1)
+    ck = Checkpointer(tmp_path / "ck", keep=1)
+    ck.save(1, s, {})
+    abstract = jax.eval_shape(lambda: s)
+    for target, kind in ((par.abstract(abstract), "pinned_host"), (abstract, "device")):
+        r, _ = ck.restore(1, target)
+        assert {v for k, v in _kinds(r).items() if "['layers']" in k} == {kind}
+        for a, b in zip(jax.tree.leaves(s), jax.tree.leaves(r)):
+            np.testing.assert_array_equal(_bits(a), _bits(b))
