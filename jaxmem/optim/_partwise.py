@@ -178,8 +178,7 @@ class _OptaxParts(Parts):
         take = lambda x: jax.lax.dynamic_slice_in_dim(x, l, 1, 0)  # noqa: E731  [1, ...]
         put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, l, 0)  # noqa: E731
         host = tuple(in_host_memory(x) for x in s)  # --offload-optimizer host: stream layer l
-        s_l = tuple(jax.device_put(take(x), jax.memory.Space.Device) if h else take(x)
-                    for x, h in zip(s, host))
+        s_l = tuple(to_device(take(x), h) for x, h in zip(s, host))
         u, new = self._update(i, g.reshape((1,) + g.shape), take(p), s_l)
 
         def fn(ins, st, pkey, bits):
@@ -192,8 +191,7 @@ class _OptaxParts(Parts):
 
         (new_p,) = layer_rows(fn, (u,), (p,), l, p.shape, self.pieces(i), finite)
         new = tuple(jnp.where(finite, a, b) for a, b in zip(new, s_l))
-        new = tuple(jax.device_put(y, jax.memory.Space.Host) if h else y
-                    for y, h in zip(new, host))
+        new = tuple(to_host(y, h) for y, h in zip(new, host))
         return new_p, tuple(put(x, y) for x, y in zip(s, new))
 
     def finish(self, states):
@@ -222,7 +220,13 @@ def layer_rows(fn, ins, stacked, l, shape, keys: RoundingPieces, finite):
     rows = lambda x: as_rows(x, shape[-1])  # noqa: E731
     take = lambda x, r0, k: jax.lax.dynamic_slice_in_dim(x, r0, k, 0)  # noqa: E731
     put = lambda x, y, r0: jax.lax.dynamic_update_slice_in_dim(x, y, r0, 0)  # noqa: E731
-    i2 = rows(ins)
+    i2, whole = rows(ins), rows(stacked)
+    on_host = jax.tree_util.tree_map(in_host_memory, whole)
+    # --offload-optimizer host: the loop runs on layer l's a rows copied to the device (the
+    # carry's rows start at 0), written back into the host stack after it; else on the stack
+    # in place (they start at l * a)
+    streamed = any(jax.tree_util.tree_leaves(on_host))
+    base = 0 if streamed else l * a
 
     def body(k, carry):
         r0 = l * a + k * g  # first row of the sub-piece in the stacked leaf
@@ -230,14 +234,20 @@ def layer_rows(fn, ins, stacked, l, shape, keys: RoundingPieces, finite):
         key, bits = keys(j), None
         if key is not None and g != P:
             bits, key = take(keys.bits(j, (P, shape[-1])), r0 - j * P, g), None
-        st = jax.tree_util.tree_map(lambda x: take(x, r0, g), carry)
+        st = jax.tree_util.tree_map(lambda x: take(x, base + k * g, g), carry)
         out = fn(jax.tree_util.tree_map(lambda x: take(x, k * g, g), i2), st, key, bits)
-        return jax.tree_util.tree_map(lambda x, y: put(x, y, r0), carry, out)
+        return jax.tree_util.tree_map(lambda x, y: put(x, y, base + k * g), carry, out)
 
-    if any(in_host_memory(x) for x in jax.tree_util.tree_leaves(stacked)):
-        return _layer_rows_streamed(fn, i2, stacked, l, shape, keys, finite, a, P, g)
     # a part with non-finite gradients runs no sub-piece: its rows stay bitwise
-    out = jax.lax.fori_loop(0, jnp.where(finite, a // g, 0), body, rows(stacked))
+    subs = jnp.where(finite, a // g, 0)
+    if streamed:
+        window = jax.tree_util.tree_map(lambda x, h: to_device(take(x, l * a, a), h), whole,
+                                        on_host)
+        window = jax.lax.fori_loop(0, subs, body, window)
+        out = jax.tree_util.tree_map(lambda x, y, h: put(x, to_host(y, h), l * a), whole,
+                                     window, on_host)
+    else:
+        out = jax.lax.fori_loop(0, subs, body, whole)
     return jax.tree_util.tree_map(lambda x, ref: x.reshape(ref.shape), out, stacked)
 
 
@@ -247,34 +257,11 @@ def in_host_memory(x) -> bool:
     return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
 
 
-def _layer_rows_streamed(fn, i2, stacked, l, shape, keys, finite, a, P, g):
-    """`layer_rows` where some stacked arrays live in pinned host memory (--offload-optimizer
-    host): layer l's a rows of each are taken (`dynamic_slice` of the host stack), those in host
-    memory copied to the device, updated there sub-piece by sub-piece with the same keys and
-    bits as `layer_rows` (so bitwise its numbers), copied back to host memory and written into
-    the host stack in place (`dynamic_update_slice`). Only one layer's rows are ever on the
-    device."""
-    rows = lambda x: as_rows(x, shape[-1])  # noqa: E731
-    take = lambda x, r0, k: jax.lax.dynamic_slice_in_dim(x, r0, k, 0)  # noqa: E731
-    put = lambda x, y, r0: jax.lax.dynamic_update_slice_in_dim(x, y, r0, 0)  # noqa: E731
-    whole = rows(stacked)
-    on_host = jax.tree_util.tree_map(in_host_memory, whole)
-    to_dev = lambda x, h: jax.device_put(x, jax.memory.Space.Device) if h else x  # noqa: E731
-    to_host = lambda x, h: jax.device_put(x, jax.memory.Space.Host) if h else x  # noqa: E731
-    window = jax.tree_util.tree_map(lambda x, h: to_dev(take(x, l * a, a), h), whole, on_host)
+def to_device(x, on_host: bool):
+    """x copied to the device where it sits in host memory (`on_host`), else x."""
+    return jax.device_put(x, jax.memory.Space.Device) if on_host else x
 
-    def body(k, carry):
-        r0 = l * a + k * g  # first row of the sub-piece in the stacked leaf
-        j = r0 // P
-        key, bits = keys(j), None
-        if key is not None and g != P:
-            bits, key = take(keys.bits(j, (P, shape[-1])), r0 - j * P, g), None
-        st = jax.tree_util.tree_map(lambda x: take(x, k * g, g), carry)
-        out = fn(jax.tree_util.tree_map(lambda x: take(x, k * g, g), i2), st, key, bits)
-        return jax.tree_util.tree_map(lambda x, y: put(x, y, k * g), carry, out)
 
-    window = jax.lax.fori_loop(0, jnp.where(finite, a // g, 0), body, window)
-    out = jax.tree_util.tree_map(lambda x, y, h: put(x, to_host(y, h), l * a), whole, window,
-                                 on_host)
-    return jax.tree_util.tree_map(lambda x, ref: x.reshape(ref.shape), out, stacked)
-
+def to_host(x, on_host: bool):
+    """x copied back to host memory where its stack lives there (`on_host`), else x."""
+    return jax.device_put(x, jax.memory.Space.Host) if on_host else x
