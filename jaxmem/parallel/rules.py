@@ -283,7 +283,11 @@ def state_shardings(abstract_state, mesh):
 def with_shardings(abstract_state, mesh):
     """The abstract state with each ShapeDtypeStruct given its sharding on `mesh` (the target
     Orbax restores onto: a checkpoint saved on any mesh comes back split for this one)."""
-    shardings = state_shardings(abstract_state, mesh)
+    return with_given_shardings(abstract_state, state_shardings(abstract_state, mesh))
+
+
+def with_given_shardings(abstract_state, shardings):
+    """The abstract state with each ShapeDtypeStruct given its sharding of `shardings`."""
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         abstract_state, shardings)
 

@@ -157,7 +157,7 @@ def setup(args, parser) -> Setup:
         if mesh is not None and cfg.optim.in_backward:
             raise RunError(f"--optimizer-in-backward runs on one device; this run has a mesh "
                            f"({dict(mesh.shape)}): pass --mesh with one device, or drop the flag")
-        check_offload_optimizer(cfg.optim.offload_optimizer, cfg.optim.in_backward, mesh)
+        check_offload_optimizer(cfg.optim.offload_optimizer)
         s.placement = (Placement.single(cfg.optim.offload_optimizer) if mesh is None
                        else Placement.on(mesh, cfg.peft.offload_base))
         # LoRA / QLoRA: the frozen base, checked against the run's record (None: full)

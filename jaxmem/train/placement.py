@@ -39,7 +39,7 @@ from jaxmem.sharding import activation_sharding, weight_sharding
 from jaxmem.model.fp8_compile import compiler_options as fp8_compiler_options
 import jaxmem.parallel.rules as R
 from jaxmem.peft.offload import (HOST_KIND, abstract_in_host_memory, host_memory_kind,
-                                 offload_shardings)
+                                 offload_shardings, one_device_shardings)
 from jaxmem.quant import gather_packed
 from jaxmem.train.run import make_eval_fn
 from jaxmem.train.step import (create_train_state, jit_train_step, make_train_step,
@@ -79,34 +79,22 @@ def _balanced(fn, mesh, step_cfg):
     return balanced
 
 
-def _under_layers(path) -> bool:
-    return any(getattr(k, "key", None) == "layers" for k in path)
-
-
 def opt_state_host_shardings(abstract_state, device=None):
     """--offload-optimizer host (one device): a sharding per leaf of a train state (or its
-    abstract form) with the optimizer state's stacked leaves (those under params["layers"]:
-    the moments, for adamw8bit their codes and scales) in pinned host memory and everything
-    else on the device. NamedShardings on a one-device mesh, not SingleDeviceShardings (see
-    jaxmem.peft.offload.one_device_shardings: those give a host array a device aval)."""
-    mesh = jax.sharding.Mesh(np.array([device or jax.devices()[0]]), ("one",))
-    dev = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    host = dev.with_memory_kind(HOST_KIND)
-    opt = jax.tree_util.tree_map_with_path(
-        lambda path, _: host if _under_layers(path) else dev, abstract_state.opt_state)
-    rest = jax.tree.map(lambda _: dev, abstract_state.replace(opt_state=None))
-    return rest.replace(opt_state=opt)
+    abstract form) with the optimizer state's stacked leaves (those under "layers": the
+    moments, for adamw8bit their codes and scales) in pinned host memory and everything else on
+    the device: the one-device shardings and the move to the host of --offload-base's base
+    (jaxmem.peft.offload)."""
+    shardings = one_device_shardings(abstract_state, device)
+    return shardings.replace(opt_state=offload_shardings(shardings.opt_state))
 
 
-def check_offload_optimizer(offload: str, in_backward: bool, mesh=None, device=None) -> None:
-    """ConfigError (one line naming the flags) where --offload-optimizer host cannot run."""
+def check_offload_optimizer(offload: str, device=None) -> None:
+    """ConfigError (one line) where the device has no pinned host memory for --offload-optimizer
+    host. Its other conditions are the config's (OptimConfig: --optimizer-in-backward) and the
+    CLI's (one device, as --optimizer-in-backward)."""
     if offload == "none":
         return
-    if not in_backward:
-        raise ConfigError("--offload-optimizer host needs --optimizer-in-backward: the state is "
-                          "streamed layer by layer by the in-backward update")
-    if mesh is not None:
-        raise ConfigError("--offload-optimizer host runs on one device only, not on --mesh")
     device = device or jax.devices()[0]
     if host_memory_kind(device) is None:
         raise ConfigError(f"--offload-optimizer host: {device.platform} device {device} has no "
@@ -146,8 +134,7 @@ class Placement:
         """The restore target: shapes and dtypes with this placement's shardings (single
         device: unchanged, Orbax restores onto the default device)."""
         if self.opt_on_host:
-            return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                abstract_state, opt_state_host_shardings(abstract_state))
+            return R.with_given_shardings(abstract_state, opt_state_host_shardings(abstract_state))
         if self.mesh is None:
             return abstract_state
         return R.with_shardings(abstract_state, self.mesh)
@@ -223,10 +210,7 @@ class Placement:
         form: its structure depends on the loss scale). LoRA: the frozen base is the third
         argument, split by `base_shardings` and never donated."""
         if self.opt_on_host:  # donated; the state comes back with its stacks in pinned_host
-            shardings = opt_state_host_shardings(like)
-            return jax.jit(make_train_step(step_cfg), donate_argnums=0,
-                           in_shardings=(shardings, None), out_shardings=(shardings, None),
-                           compiler_options=fp8_compiler_options(step_cfg.precision))
+            return jit_train_step(step_cfg, opt_state_host_shardings(like))
         if self.mesh is None:
             return jit_train_step(step_cfg)
         shardings = self.state_shardings(like)
