@@ -24,12 +24,14 @@ def h100():
         yield t
 
 
-def compile_packed(t: int):
+def compile_attention(t: int, packed: bool = True, window: int | None = None):
+    """jit(grad) of the attention of one [1, t] row (packed: with segment ids; window: a
+    sliding window, tests/test_gpu_target_window.py), compiled for the target."""
     q = jax.ShapeDtypeStruct((1, t, N, H), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, t, K, H), jnp.bfloat16)
-    seg = jax.ShapeDtypeStruct((1, t), jnp.int32)
-    loss = lambda q, k, v, s: attention.causal_attention(q, k, v, None, s).astype(  # noqa
-        jnp.float32).sum()
+    seg = jax.ShapeDtypeStruct((1, t), jnp.int32) if packed else None
+    loss = lambda q, k, v, s: attention.causal_attention(  # noqa: E731
+        q, k, v, None, s, window=window).astype(jnp.float32).sum()
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, seg).compile()
 
 
@@ -46,14 +48,14 @@ def test_packed_rows_take_the_pallas_kernel_and_hold_no_t_by_t_buffer(h100):
     assert attention.attention_path((1, t, N, H), (1, t, K, H), "bfloat16").path == "cudnn"
     assert attention.attention_path((1, 8000, N, H), (1, 8000, K, H), "bfloat16",
                                     segments=True).path == "pallas"  # padded to 8064
-    hlo = compile_packed(t).as_text()
+    hlo = compile_attention(t).as_text()
     assert "__gpu$xla.gpu.triton" in hlo  # the Pallas kernels (forward, backward)
     assert "__cudnn$fmha" not in hlo
     assert square(hlo, t) == []
 
 
 def test_packed_attention_temp_is_linear_in_t(h100):
-    small, big = (compile_packed(t).memory_analysis().temp_size_in_bytes for t in (8192, 16384))
+    small, big = (compile_attention(t).memory_analysis().temp_size_in_bytes for t in (8192, 16384))
     assert big <= 2.2 * small, (small, big)
 
 

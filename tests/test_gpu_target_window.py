@@ -7,37 +7,19 @@ from __future__ import annotations
 
 import re
 
-import jax
-import jax.numpy as jnp
 import pytest
 
-from jaxmem import target
 from jaxmem.model import attention
+
+from test_gpu_target_packed import H, K, N, compile_attention, h100, square  # noqa: F401
 
 pytestmark = pytest.mark.gpu_target
 
-N, K, H, W = 32, 8, 128, 512  # llama-3.1-8b's heads, a Gemma-like window
-
-
-@pytest.fixture(scope="module")
-def h100():
-    with target.compiling_for("h100") as t:
-        yield t
+W = 512  # a Gemma-like window over llama-3.1-8b's heads
 
 
 def compile_windowed(t: int, packed: bool = False):
-    q = jax.ShapeDtypeStruct((1, t, N, H), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, t, K, H), jnp.bfloat16)
-    seg = jax.ShapeDtypeStruct((1, t), jnp.int32) if packed else None
-    loss = lambda q, k, v, s: attention.causal_attention(  # noqa: E731
-        q, k, v, None, s, window=W).astype(jnp.float32).sum()
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, seg).compile()
-
-
-def square(hlo: str, t: int) -> list[str]:
-    """Array types in the HLO with two axes of length t: a [T, T] buffer."""
-    return sorted({a for a in re.findall(r"\b\w+\[[\d,]+\]", hlo)
-                   if a.split("[")[1].rstrip("]").split(",").count(str(t)) >= 2})
+    return compile_attention(t, packed, window=W)
 
 
 def test_window_takes_cudnn_with_its_sliding_window(h100):
