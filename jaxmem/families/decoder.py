@@ -35,12 +35,13 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxmem.config.model import ModelConfig
 from jaxmem.model.attention import causal_attention, masked_attention
 from jaxmem.model.cached import attend_cached
+from jaxmem.model.fetch import fetching, in_host_memory
 from jaxmem.model.lean import GATED
 from jaxmem.model.layers import (RMSNorm, apply_rope, attention_mask, cache_mask, rope_tables,
                                  scaled_normal, window_cache_mask)
 from jaxmem.einsum import Einsum, default_einsum, logits_einsum, project
 from jaxmem.model.projection import Projection
-from jaxmem.model.remat import TAGS, RematPolicy
+from jaxmem.model.remat import RematPolicy
 from jaxmem.sharding import constrain, constrain_weight, gather_weight, local_rows
 from jaxmem.model.tiled import mlp_tile, tiled_mlp, tiles_under
 
@@ -232,35 +233,6 @@ def final_norm(c: ModelConfig, **kw) -> RMSNorm:
     return RMSNorm(c.rms_norm_eps, c.norm_plus_one, **kw)
 
 
-def _in_host_memory(x) -> bool:
-    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
-
-
-def layer_to_device(layer_params):
-    """One layer's params inside the layer scan, with every leaf kept in host memory copied to
-    the device (`--offload-base host`, jaxmem.peft.offload). The copy is tagged "base_layer",
-    which no remat policy saves: the backward fetches the layer again instead of keeping all L
-    device copies."""
-    def fetch(x):
-        if not _in_host_memory(x):
-            return x
-        return checkpoint_name(jax.device_put(x, jax.memory.Space.Device), "base_layer")
-    return jax.tree_util.tree_map(fetch, layer_params)
-
-
-def _fetching(block, remat: RematPolicy):
-    """`block` reading its params through layer_to_device. Under remat none the block is
-    rematerialized keeping every tagged activation (remat.TAGS) and nothing else: saving all
-    residuals would keep values computed from each fetched layer (its transposes, an NF4
-    weight's leaves), i.e. L device copies of the base (seen in the CUDA lowering: fetches in
-    the forward loop only, weight-shaped carries out of it)."""
-    block = nn.map_variables(block, "params", trans_in_fn=layer_to_device, init=True)
-    if not remat.enabled:
-        policy = jax.checkpoint_policies.save_only_these_names(*TAGS)
-        block = nn.remat(block, policy=policy, prevent_cse=False)
-    return block
-
-
 class Decoder(nn.Module):
     """tokens -> fp32 logits. `einsum` multiplies the blocks' projections (fp8_einsum for fp8)."""
 
@@ -328,9 +300,9 @@ class Decoder(nn.Module):
         """DecoderBlock, or where the given layer params sit in host memory (the frozen base
         under --offload-base host) a block that copies them to the device one layer at a time."""
         layers = self.variables.get("params", {}).get("layers")
-        if layers is None or not any(map(_in_host_memory, jax.tree_util.tree_leaves(layers))):
+        if layers is None or not any(map(in_host_memory, jax.tree_util.tree_leaves(layers))):
             return block  # the program is the one without offload, unchanged
-        return _fetching(block, remat)
+        return fetching(block, remat)
 
     def _decode(self, x, ctx, cache, cache_index, kv_valid, embed):
         """The blocks over the cache (no remat: nothing is differentiated), then the head on the

@@ -12,7 +12,7 @@ the final norm and the LM head stay on the device: the embedding gather and the 
 read them whole, so offloading them would only add a whole-array copy per step.
 
 The copy to the device is `jax.device_put(leaf, jax.memory.Space.Device)` on the sliced layer
-inside the scanned block (jaxmem.families.decoder.layer_to_device): the model sees the leaves' memory
+inside the scanned block (jaxmem.model.fetch.layer_to_device): the model sees the leaves' memory
 space in their avals and adds the copy only where a leaf is in host memory. The copy is tagged
 "base_layer" and never saved for the backward, so the backward's loop fetches each layer again.
 
