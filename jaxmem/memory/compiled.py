@@ -48,21 +48,39 @@ def argument_bytes(spec: StepSpec) -> int:
 
 def placement(spec: StepSpec, mesh: MeshSpec | None) -> Placement:
     """The run's placement for `mesh` (None: one device) over this host's devices."""
-    return Placement.on(None if mesh is None else run_mesh(
-        str(mesh), spec.model, spec.batch_size, seq_len=spec.seq_len), spec.offload_base)
+    if mesh is None:
+        return Placement(None, spec.offload_base, spec.offload_optimizer)
+    return Placement.on(run_mesh(str(mesh), spec.model, spec.batch_size, seq_len=spec.seq_len),
+                        spec.offload_base)
+
+
+def _host_resident(par: Placement) -> bool:
+    """Whether one device's program holds values in host memory (then a target compiles it
+    through jaxmem.target.lower: the deviceless devices have no host memory of their own)."""
+    return par.mesh is None and (par.opt_on_host or par.base_on_host)
+
+
+def _lower(par: Placement, jitted, *args):
+    return target.lower(jitted, *args) if _host_resident(par) else jitted.lower(*args)
+
+
+def _state(spec, par):
+    """The abstract train state as the placement passes it (a mesh's shardings; one device's
+    host-resident parts)."""
+    state = abstract_state(spec)
+    return par.abstract(state) if par.mesh is not None or _host_resident(par) else state
 
 
 def _lower_step(spec, par, sample):
     """The train step on the run's abstract arguments, sharded as the placement puts them."""
     step_cfg = spec.step
-    state, batch = abstract_state(spec), abstract_step_batch(spec)
+    state, batch = _state(spec, par), abstract_step_batch(spec)
     if par.mesh is not None:
-        state = par.abstract(state)
         bs = batch_sharding(par.mesh)
         batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=bs) for k, v in batch.items()}
     base = par.abstract_base(step_cfg, abstract_frozen(spec))
-    return par.train_step(step_cfg, state).lower(state, batch,
-                                                 *spec.trainable.step_args(base))
+    return _lower(par, par.train_step(step_cfg, state), state, batch,
+                  *spec.trainable.step_args(base))
 
 
 def _lower_sample(spec, par, sample):
@@ -76,10 +94,12 @@ def _lower_sample(spec, par, sample):
 
 
 _LOWER = {"step": _lower_step, "sample": _lower_sample,
-          "state": lambda spec, par, _: par.state_creation(*spec.step_config(), seed=0).lower(),
-          "eval": lambda spec, par, _: par.eval_fn(spec.step).lower(
-              abstract_state(spec).params, abstract_batch(spec.batch_size, spec.seq_len),
-              abstract_frozen(spec))}
+          "state": lambda spec, par, _: _lower(par, par.state_creation(*spec.step_config(),
+                                                                       seed=0)),
+          "eval": lambda spec, par, _: _lower(
+              par, par.eval_fn(spec.step), _state(spec, par).params,
+              abstract_batch(spec.batch_size, spec.seq_len),
+              par.abstract_base(spec.step, abstract_frozen(spec)))}
 
 
 def compile_phase(name: str, spec: StepSpec, mesh: MeshSpec | None = None, sample=None,

@@ -89,8 +89,10 @@ def one_device_shardings(abstract_base, device=None):
     every leaf of a base tree. Not a SingleDeviceSharding: in jax 0.10.2
     `make_array_from_callback` with SingleDeviceSharding(memory_kind="pinned_host") places the
     data in pinned_host but gives the array a device-memory aval, so the model would not see
-    that the leaf is on the host (and no copy would be made in the loop)."""
-    mesh = jax.sharding.Mesh(np.array([device or target.devices()[0]]), ("one",))
+    that the leaf is on the host (and no copy would be made in the loop). Inside
+    `jaxmem.target.compiling_for` the default device is this machine's CPU, standing in for the
+    card's (`jaxmem.target.host_device`)."""
+    mesh = jax.sharding.Mesh(np.array([device or target.host_device()]), ("one",))
     one = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return jax.tree.map(lambda _: one, abstract_base)
 

@@ -17,12 +17,14 @@ Needs the CUDA plugin for the installed jax and cuDNN (`pip install 'jaxmem[gpu-
 JAX on the CPU platform (`prepare()` sets that when JAX has not started yet).
 
 What a deviceless compile cannot see: autotuning (default GEMM configurations), cuDNN / cuBLAS
-workspaces, NCCL buffers, the CUDA context, allocator fragmentation, and on jax 0.10.2 any
-memory kind but the device's: the topology's devices have no memories, so a `pinned_host`
-sharding's memory kind is dropped (the array is compiled as device memory), and a program that
-moves values to host memory itself (`device_put(x, jax.memory.Space.Host)`) does not trace
-against such an argument. The planner states these as a margin (docs/memory.md: the
-calibration).
+workspaces, NCCL buffers, the CUDA context, allocator fragmentation. The planner states these as
+a margin (docs/memory.md: the calibration).
+
+Host memory: on jax 0.10.2 the topology's devices have no memories, so a `pinned_host` sharding
+of a target device loses its memory kind, and a program that moves values to host memory itself
+(`device_put(x, jax.memory.Space.Host)`) does not trace against such an argument. A one-device
+program with host-resident values is instead traced on this machine's CPU device
+(`host_device`), lowered for CUDA and compiled by the card's compiler (`lower`, jaxmem.target._host).
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ import os
 from dataclasses import dataclass
 
 from jaxmem.target._cards import CARDS, Card, HostLink, target_config
+from jaxmem.target._host import host_device, lower
 
 __all__ = ["CARDS", "Card", "HostLink", "Target", "TargetError", "active", "card",
            "check_installed", "compiler", "compiling_for", "device_count", "devices",
-           "install_hint", "platform", "prepare", "target_config"]
+           "host_device", "install_hint", "lower", "platform", "prepare", "target_config"]
 
 # XLA's GPU top-k lowers to a CUB radix sort whose scratch size is asked of the CUDA runtime,
 # which fails with no GPU ("cudaErrorInvalidDevice"); XLA's own sort needs no device.
