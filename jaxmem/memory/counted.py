@@ -170,10 +170,18 @@ def count_state(spec: StepSpec, sizes: dict[str, int] | None = None) -> list[Com
     fields = {}  # TrainState attribute -> its leaves
     for x in _leaves(abstract_state(spec), sizes):
         fields.setdefault(key_name(x[0][0]), []).append(x)
+    on_host = state_on_host(spec) if math.prod(sizes.values()) == 1 else set()
     opt = fields.pop("opt_state", [])
-    out = _group(Kind.PARAMS, f"{spec.trainable.params_name} (master)", fields.pop("params", []))
-    for label in sorted({_optimizer_label(p, x) for p, x, _ in opt}):
-        out += _group(Kind.OPTIMIZER, label, [y for y in opt if _optimizer_label(*y[:2]) == label])
+    out = []
+    for where in (Where.DEVICE, Where.HOST):
+        mine = lambda leaves: [y for y in leaves if (y[0] in on_host) == (where is Where.HOST)]  # noqa: E731
+        host = " (host)" if where is Where.HOST else ""
+        out += _group(Kind.PARAMS, f"{spec.trainable.params_name} (master){host}",
+                      mine(fields.get("params", [])), where=where)
+        for label in sorted({_optimizer_label(p, x) for p, x, _ in opt}):
+            out += _group(Kind.OPTIMIZER, label + host,
+                          mine([y for y in opt if _optimizer_label(*y[:2]) == label]), where=where)
+    fields.pop("params", None)
     out += _group(Kind.LOSS_SCALE, "loss scale", fields.pop("loss_scale", []))
     out += _group(Kind.COUNTERS, "counters and rng", [y for v in fields.values() for y in v])
     out += count_frozen(spec, sizes)
@@ -209,6 +217,37 @@ def count_frozen(spec: StepSpec, sizes: dict[str, int]) -> list[Component]:
             + _group(Kind.FROZEN, "frozen embed, head, final norm", rest))
 
 
+def state_on_host(spec: StepSpec) -> set:
+    """Paths (from the train state's root) of the state's leaves the one-device placement keeps
+    in pinned host memory (--offload-optimizer host): its own shardings say which."""
+    par = Placement(None, spec.offload_base, spec.offload_optimizer)
+    if not par.opt_on_host:
+        return set()
+    placed = par.abstract(abstract_state(spec))
+    return {p for p, x in jax.tree_util.tree_leaves_with_path(placed)
+            if getattr(x.sharding, "memory_kind", None) == "pinned_host"}
+
+
+def _host_layer(spec: StepSpec) -> list[Component]:
+    """One layer of each host-resident stacked state leaf, as the in-backward loop copies it to
+    the device for that layer's update (the params' layer also for its forward and backward)."""
+    host = state_on_host(spec)
+    if not host:
+        return []
+    L, out = spec.model.num_layers, []
+    leaves = [(p, x, nbytes(x)) for p, x in jax.tree_util.tree_leaves_with_path(
+        abstract_state(spec)) if p in host]
+    for kind, label in ((Kind.PARAMS, "one layer's weights copied from the host"),
+                        (Kind.OPTIMIZER, "one layer's optimizer state copied from the host")):
+        mine = [y for y in leaves if (key_name(y[0][0]) == "params") == (kind is Kind.PARAMS)]
+        layers = [y for y in mine if in_layers(y[0])]
+        rest = max((b for p, _, b in mine if not in_layers(p)), default=0)
+        part = max(sum(b for _, _, b in layers) // L, rest)
+        if part:
+            out.append(Component(Kind.LAYER, label, part, _dtypes(mine), Phase.BACKWARD))
+    return out
+
+
 def layer_in_flight(spec: StepSpec, sizes: dict[str, int]) -> list[Component]:
     """One layer of the weights as the backward holds it beyond the state: a full fine-tune
     under fsdp gathers each layer in the compute dtype; a LoRA base under fsdp gathers its
@@ -217,7 +256,7 @@ def layer_in_flight(spec: StepSpec, sizes: dict[str, int]) -> list[Component]:
     """
     fsdp = sizes.get("fsdp", 1) * sizes.get("context", 1)
     L, t = spec.model.num_layers, sizes.get("tensor", 1)
-    out = []
+    out = _host_layer(spec) if math.prod(sizes.values()) == 1 else []
     frozen, _, host = _frozen(spec, tuple(sizes.items()))
     if frozen and host:
         out.append(Component(Kind.LAYER, "frozen layer copied from the host",

@@ -13,6 +13,7 @@ from jaxmem.config.run import RunConfig, all_paths, field_metadata, flag_names
 from jaxmem.memory.analytic import analytic_breakdown, rule_of_thumb
 from jaxmem.memory.compiled import compile_step
 from jaxmem.memory.spec import StepSpec
+from jaxmem.memory.transfers import format_transfers, transfer_plan
 
 
 def step_report(spec: StepSpec, compiled: dict | None = None,
@@ -42,6 +43,7 @@ def step_report(spec: StepSpec, compiled: dict | None = None,
         "measured": measured or {"peak_bytes": None, "note": "not measured (pass --measure)"},
         "rule_of_thumb": {k: {"bytes": v, f"ratio_to_{ref_name}": v / ref}
                           for k, v in rule_of_thumb(analytic["params"]).items()},
+        "transfers": transfer_plan(spec, target.active().card if target.active() else None),
     }
 
 
@@ -66,12 +68,12 @@ def format_report(r: dict, unit: str | None = None) -> str:
     if "analytic" in r:
         a = r["analytic"]
         lines += ["", f"analytic (attention: {a['attention']}; peak in the {a['peak_phase']} phase;"
-                  f" * = live at the peak)", f"  {'component':<34}{'dtype':<16}{unit:>12}"]
-        lines += [f"{'*' if x['in_peak'] else ' '} {x['name']:<34}{x['dtype']:<16}"
+                  f" * = live at the peak)", f"  {'component':<52}{'dtype':<16}{unit:>12}"]
+        lines += [f"{'*' if x['in_peak'] else ' '} {x['name']:<52}{x['dtype']:<16}"
                   f"{_mb(x['bytes'])[:-4]:>12}" for x in a["components"] if x["bytes"]]
-        lines += [f"  {'total (the peak phase)':<50}{_mb(a['total_bytes'])[:-4]:>12}"]
-        if a.get("host_bytes"):  # --offload-base host: never part of the device peak
-            lines += [f"  {'host memory (pinned; not in the device peak)':<50}"
+        lines += [f"  {'total (the peak phase)':<68}{_mb(a['total_bytes'])[:-4]:>12}"]
+        if a.get("host_bytes"):  # offloaded state or base: never part of the device peak
+            lines += [f"  {'host memory (pinned; not in the device peak)':<68}"
                       f"{_mb(a['host_bytes'])[:-4]:>12}"]
     lines += ["", "compiled (XLA memory_analysis, full train step)" if "analytic" in r else
               "compiled (XLA memory_analysis, gradient of the loss)"]
@@ -88,6 +90,8 @@ def format_report(r: dict, unit: str | None = None) -> str:
         for k, v in r["rule_of_thumb"].items():
             (ratio_key, ratio), = [(x, y) for x, y in v.items() if x.startswith("ratio")]
             lines += [f"  {k:<34}{_mb(v['bytes']):>16}  {ratio:6.2f}x {ratio_key[9:]}"]
+    if r.get("transfers"):
+        lines += [""] + format_transfers(r["transfers"])
     width = max(len(k) for k, _ in rows)
     return "\n".join([f"{k:<{width}}  {v}" for k, v in rows] + lines)
 

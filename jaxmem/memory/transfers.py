@@ -1,0 +1,86 @@
+"""What host-resident state costs a step: the pinned host memory it takes, the bytes it moves over
+the card's PCIe link, and whether those transfers can hide behind the step's compute.
+
+    t = transfer_plan(spec, card)     # None where nothing lives on the host
+    format_transfers(t)               # the lines the planner prints
+
+Bytes over the link per optimizer step, from the counted host-resident components
+(jaxmem.memory.counted: `Where.HOST`):
+
+    optimizer state (--offload-optimizer host)  in for its layer's update, out after: 2 x
+    trained weights on the host                  in for the forward, in again for the backward's
+                                                 recompute, out after the update:           3 x
+    frozen base (--offload-base host)            in for the forward and the backward, per
+                                                 micro-batch:                                 2 x
+
+Time: the transfers at the link's one-way bandwidth (`HostLink`, both directions summed, as if
+the link carried one at a time: PCIe is full duplex, so this is the pessimistic side), against
+the step's compute at the card's dense bf16 peak (`Card.peak_tflops`, the optimistic side:
+training FLOPs of jaxmem.perf.flops_per_token, x 4/3 under --remat full, which recomputes the
+forward). The step takes at least max(compute, transfers); the transfers hide where compute is
+the larger, from `min_tokens` tokens per step on. Activations offloaded by --remat offload are
+not counted here (their bytes are in the compiled program's host figures).
+"""
+
+from __future__ import annotations
+
+import math
+
+from jaxmem.memory.counted import Kind, Where, count_state
+from jaxmem.memory.spec import StepSpec
+from jaxmem.perf import flops_per_token
+
+# how many times a host-resident component crosses the link per optimizer step
+_CROSSINGS = {Kind.OPTIMIZER: (2, "optimizer state: in and out once"),
+              Kind.PARAMS: (3, "weights: in for the forward and the backward, out once"),
+              Kind.FROZEN: (2, "frozen base: in for the forward and the backward, per "
+                               "micro-batch")}
+
+
+def transfer_plan(spec: StepSpec, card=None) -> dict | None:
+    """Host bytes, PCIe bytes per step and (with a `card`: jaxmem.target.Card) the time
+    estimate of the module docstring; None where the step keeps nothing on the host."""
+    host = [x for x in count_state(spec) if x.where is Where.HOST]
+    if not host:
+        return None
+    rows = []
+    for x in host:
+        times, what = _CROSSINGS[x.kind]
+        times *= spec.grad_accum if x.kind is Kind.FROZEN else 1
+        rows.append({"name": x.label, "host_bytes": x.bytes, "crossings": times,
+                     "pcie_bytes": x.bytes * times, "why": what})
+    tokens = spec.batch_size * spec.seq_len * spec.grad_accum
+    out = {"host_bytes": sum(r["host_bytes"] for r in rows),
+           "pcie_bytes": sum(r["pcie_bytes"] for r in rows), "parts": rows, "tokens": tokens}
+    if card is None:
+        return out
+    recompute = 4 / 3 if spec.remat.kind == "full" else 1.0
+    per_token = flops_per_token(spec.model, spec.seq_len) * recompute
+    peak = card.peak_tflops[0] * 1e12
+    compute_s, transfer_s = tokens * per_token / peak, out["pcie_bytes"] / card.host_link.bandwidth
+    return {**out, "card": card.name, "link": card.host_link.describe(),
+            "link_bytes_per_s": card.host_link.bandwidth, "peak_flops": peak,
+            "flops_per_token": per_token, "compute_s": compute_s, "transfer_s": transfer_s,
+            "step_s": max(compute_s, transfer_s),
+            "bound": "transfers" if transfer_s > compute_s else "compute",
+            "min_tokens": math.ceil(transfer_s * peak / per_token)}
+
+
+def format_transfers(t: dict) -> list[str]:
+    """The planner's lines for a `transfer_plan`."""
+    gib = 2**30
+    lines = ["host memory and transfers (per optimizer step)"]
+    lines += [f"  {r['name']:<50}{r['host_bytes'] / gib:8.2f} GiB host, x{r['crossings']} over "
+              f"PCIe = {r['pcie_bytes'] / 1e9:.1f} GB" for r in t["parts"]]
+    lines += [f"  {'pinned host memory needed':<50}{t['host_bytes'] / gib:8.2f} GiB",
+              f"  {'bytes over PCIe per step':<50}{t['pcie_bytes'] / 1e9:8.1f} GB"]
+    if "card" not in t:
+        return lines + ["  (no time estimate: pass --target to name the card and its link)"]
+    return lines + [
+        f"  {'transfers at the link':<50}{t['transfer_s']:8.2f} s  ({t['link']})",
+        f"  {'compute at the card':<50}{t['compute_s']:8.2f} s  ({t['tokens']:,} tokens x "
+        f"{t['flops_per_token'] / 1e9:.1f} GFLOP at {t['peak_flops'] / 1e12:g} TFLOP/s)",
+        f"  {'estimated step time (the larger)':<50}{t['step_s']:8.2f} s  ({t['bound']}-bound)",
+        f"  {'tokens per step from which transfers hide':<50}{t['min_tokens']:>8,}",
+        "  assumed: both directions summed at the one-way bandwidth (pessimistic), compute at "
+        "the dense bf16 peak (optimistic): a real step is slower than both"]
