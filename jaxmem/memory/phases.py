@@ -157,8 +157,9 @@ def run_phases(spec: StepSpec, sample: SampleShape | None = None, compile: bool 
     analytic = analytic_phases(spec, sample)
     outside = {}
     if compile:  # what the run holds outside each program: the state's parts not its arguments
-        state = abstract_state(spec)
-        held = tree_bytes(state) - tree_bytes(state.params)
+        # (the device's share: a leaf in pinned host memory is in no device phase)
+        held = sum(x.bytes for x in count_state(spec) if x.where is Where.DEVICE
+                   and x.kind in (Kind.OPTIMIZER, Kind.LOSS_SCALE, Kind.COUNTERS))
         frozen = sum(x.bytes for x in count_frozen(spec, {}) if x.where is Where.DEVICE)
         # the sampler takes the params as stored and casts them inside its program
         outside = {"import": frozen, "state": frozen, "step": 0, "eval": held, "sample": held}
