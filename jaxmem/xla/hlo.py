@@ -200,7 +200,7 @@ def host_transfers(text: str) -> list[dict]:
         if comp_name in fused:
             continue
         instrs = comp["instrs"]
-        order = {name: i for i, name in enumerate(instrs)}
+        order, seq = {name: i for i, name in enumerate(instrs)}, list(instrs.values())
         done_of = {ins["operands"][0]: name for name, ins in instrs.items()
                    if ins["op"].endswith("-done") and ins["operands"]}
         for name, ins in instrs.items():
@@ -214,7 +214,7 @@ def host_transfers(text: str) -> list[dict]:
                 continue
             if moved is None:
                 continue
-            between = list(instrs.values())[order[name] + 1:order[done]] if done else []
+            between = seq[order[name] + 1:order[done]] if done else []
             out.append({"name": name, "direction": moved[0], "bytes": moved[1],
                         "computation": comp_name, "async": done is not None, "done": done,
                         "compute_between": sum(_is_compute(i["op"]) for i in between)})
