@@ -1,8 +1,8 @@
 """Every docstring example of jaxmem's public building blocks runs and prints what it says
 (issue 29, point 5): the modules behind `jaxmem.optim`, `jaxmem.loss`, `jaxmem.remat`,
-`jaxmem.quant`, `jaxmem.lora`, `jaxmem.xla.analysis`, `jaxmem.dtypes` and `jaxmem.bits`,
-their private submodules included (the public names live there). fp32 matmuls run at full
-precision (tests/testenv.py), so printed numbers are the same on a CPU and a GPU."""
+`jaxmem.quant`, `jaxmem.lora`, `jaxmem.xla.analysis`, `jaxmem.xla.hlo`, `jaxmem.dtypes` and
+`jaxmem.bits`, their private submodules included (the public names live there). fp32 matmuls
+run at full precision (tests/testenv.py), so printed numbers are the same on a CPU and a GPU."""
 
 import doctest
 import importlib
@@ -11,7 +11,7 @@ import pkgutil
 import pytest
 
 PUBLIC = ("jaxmem.optim", "jaxmem.loss", "jaxmem.remat", "jaxmem.quant", "jaxmem.lora",
-          "jaxmem.xla.analysis", "jaxmem.dtypes", "jaxmem.bits")
+          "jaxmem.xla.analysis", "jaxmem.xla.hlo", "jaxmem.dtypes", "jaxmem.bits")
 
 
 def modules() -> list[str]:

@@ -2,7 +2,9 @@
 
 Text parsing, so a module compiled for a GPU can be saved (`XLA_FLAGS=--xla_dump_to=DIR`,
 `*after_optimizations.txt`, or `compiled.as_text()`) and read on any machine. Instructions keep
-the text's order: in a scheduled module (`is_scheduled=true`) that is the execution order.
+the text's order: in a scheduled module (`is_scheduled=true`) that is the execution order,
+which `host_transfers` reads to tell whether a copy between host and device memory is
+asynchronous with compute scheduled under it (issue 39: --offload-optimizer host).
 """
 
 from __future__ import annotations
@@ -125,3 +127,100 @@ def entry_argument_bytes(text: str) -> tuple[int, int]:
     params = _top_level(head[start + len("entry_computation_layout={("):])[0]  # up to ')->'
     host = sum(shape_bytes(p) for p in params if "S(5)" in p)  # S(5): XLA's host memory space
     return host, sum(shape_bytes(p) for p in params) - host
+
+
+# Instructions that launch no work of their own: plumbing between values, not compute. A plain
+# `copy` moves data (a device-to-device copy, or a synchronous transfer below), so it is not
+# counted as compute scheduled under a transfer either.
+_NOT_COMPUTE = {"parameter", "constant", "bitcast", "tuple", "get-tuple-element", "copy",
+                "after-all", "add-dependency", "opt-barrier", "optimization-barrier",
+                "partition-id", "replica-id"}
+# Ops that move data between memories when their operand and result sit in different ones.
+_MOVES = {"copy", "fusion", "dynamic-slice", "dynamic-update-slice"}
+_HOST_SPACE = "S(5)"  # XLA's host memory space in a layout: f32[4,256,256]{2,1,0:S(5)}
+
+
+def _on_host(type_: str) -> bool:
+    return _HOST_SPACE in type_
+
+
+def _direction(result: str, operands: list[str]) -> tuple[str, int] | None:
+    """("H2D", bytes) / ("D2H", bytes) for an instruction that writes `result` from arrays of
+    types `operands` (tuples and scalars, such as slice offsets, left out), or None where it
+    moves nothing between host and device memory. The bytes are the device side's: the slice
+    fetched, or the device values written into host memory."""
+    arrays = [t for t in operands if not t.startswith("(") and shape_bytes(t) > 0
+              and "[]" not in t.split("{")[0]]
+    if result.startswith("("):
+        return None
+    if not _on_host(result) and any(_on_host(t) for t in arrays):
+        return "H2D", shape_bytes(result)
+    device = [t for t in arrays if not _on_host(t)]
+    if _on_host(result) and device:
+        return "D2H", sum(shape_bytes(t) for t in device)
+    return None
+
+
+def host_transfers(text: str) -> list[dict]:
+    """Every copy between host memory (`S(5)` in a layout) and device memory in a compiled
+    module's HLO text, in each computation's order, as a dict: name (the start, or the one
+    instruction), direction ("H2D" / "D2H"), bytes (device side), computation, async (split
+    into a start and a done: `fusion-start`/`fusion-done` of a dynamic-slice or
+    dynamic-update-slice, `copy-start`/`copy-done`), done (the done's name; None when
+    synchronous) and compute_between: how many compute instructions (fusions, custom-calls such
+    as cuBLAS GEMMs and cuDNN attention, convolutions, nested loops; not bitcasts, tuples,
+    get-tuple-elements, parameters, constants, copies or other starts and dones) the schedule
+    puts between start and done. In a scheduled module (`is_scheduled=true`) the text's order
+    is the execution order, so compute_between > 0 is work the device runs while the copy is
+    in flight; a nested loop counts as one. Fused computations are not read (the fusion that
+    calls one is the kernel). A synchronous transfer (a plain `copy`, or a fusion that reads
+    host memory into the device or writes device values into it, not split) has
+    compute_between 0.
+
+    >>> hlo = '''HloModule m, is_scheduled=true
+    ... ENTRY %main (p: f32[4,256]{1,0:S(5)}, g: f32[1,256], i: s32[]) -> f32[1,256] {
+    ...   %p = f32[4,256]{1,0:S(5)} parameter(0)
+    ...   %g = f32[1,256]{1,0} parameter(1)
+    ...   %i = s32[] parameter(2)
+    ...   %ds-start = ((f32[4,256]{1,0:S(5)}, s32[]), f32[1,256]{1,0}, u32[]) fusion-start(%p, %i)
+    ...   %mul = f32[1,256]{1,0} fusion(%g), kind=kLoop, calls=%m
+    ...   %ds-done = f32[1,256]{1,0} fusion-done(%ds-start)
+    ...   %dus = f32[4,256]{1,0:S(5)} fusion(%p, %mul, %i), kind=kLoop, calls=%u
+    ...   ROOT %add = f32[1,256]{1,0} fusion(%ds-done, %mul), kind=kLoop, calls=%a
+    ... }'''
+    >>> for t in host_transfers(hlo):
+    ...     print(t["name"], t["direction"], t["bytes"], t["async"], t["compute_between"])
+    ds-start H2D 1024 True 1
+    dus D2H 1024 False 0
+    """
+    comps, out = parse_hlo(text), []
+    fused = {c for comp in comps.values() for ins in comp["instrs"].values()
+             for key, c in called(ins["attrs"]) if key == "calls"}  # run inside their caller
+    for comp_name, comp in comps.items():
+        if comp_name in fused:
+            continue
+        instrs = comp["instrs"]
+        order, seq = {name: i for i, name in enumerate(instrs)}, list(instrs.values())
+        done_of = {ins["operands"][0]: name for name, ins in instrs.items()
+                   if ins["op"].endswith("-done") and ins["operands"]}
+        for name, ins in instrs.items():
+            operand_types = [instrs[o]["type"] for o in ins["operands"] if o in instrs]
+            done = done_of.get(name) if ins["op"].endswith("-start") else None
+            if done is not None:  # the result is the done's; the operands are the start's
+                moved = _direction(instrs[done]["type"], operand_types)
+            elif ins["op"] in _MOVES:
+                moved = _direction(ins["type"], operand_types)
+            else:
+                continue
+            if moved is None:
+                continue
+            between = seq[order[name] + 1:order[done]] if done else []
+            out.append({"name": name, "direction": moved[0], "bytes": moved[1],
+                        "computation": comp_name, "async": done is not None, "done": done,
+                        "compute_between": sum(_is_compute(i["op"]) for i in between)})
+    return out
+
+
+def _is_compute(op: str) -> bool:
+    """Whether an instruction of this op runs work on the device (see _NOT_COMPUTE)."""
+    return op not in _NOT_COMPUTE and not op.endswith(("-start", "-done", "-update"))

@@ -1,0 +1,131 @@
+"""--offload-optimizer host on the H100's own compiler without a GPU (jaxmem.target): the copies
+of the optimizer state between pinned host memory and the card overlap the step's compute
+(issue 39, "Overlap is visible"), and the planner counts the host-resident state apart.
+
+The tiny preset (4 layers), bf16-sr + adamw8bit, --optimizer-in-backward, 1 x 256: the reverse
+layer loop fetches layer l's slice of every stacked optimizer leaf (codes and scales of both
+moments) to the device and writes the updated slice back. In the scheduled H100 program each
+such copy is an asynchronous `fusion-start` / `fusion-done` pair; jaxmem.xla.hlo.host_transfers
+counts them and the compute instructions the schedule puts between start and done.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import pytest
+
+from jaxmem import target
+from jaxmem.config.model import get_preset
+from jaxmem.memory.compiled import compile_phase
+from jaxmem.memory.counted import abstract_state
+from jaxmem.memory.spec import StepSpec
+from jaxmem.model.precision import get_precision
+from jaxmem.model.remat import RematPolicy
+from jaxmem.xla.hlo import host_transfers, parse_hlo
+
+pytestmark = pytest.mark.gpu_target
+
+
+def spec() -> StepSpec:
+    return StepSpec.of(get_preset("tiny"), get_precision("bf16-sr"), RematPolicy("full"), 1, 256,
+                       optimizer="adamw8bit", in_backward=True, offload_optimizer="host")
+
+
+@pytest.fixture(scope="module")
+def step():
+    """The offloaded step compiled for the H100: compile_phase's numbers, with its HLO."""
+    with target.compiling_for("h100"):
+        return compile_phase("step", spec(), keep_hlo=True)
+
+
+def layer_leaves() -> list:
+    """The optimizer state's leaves under "layers": what --offload-optimizer host keeps in
+    pinned host memory (jaxmem.train.placement.opt_state_host_shardings)."""
+    flat = jax.tree_util.tree_flatten_with_path(abstract_state(spec()).opt_state)[0]
+    return [leaf for path, leaf in flat
+            if any(getattr(k, "key", None) == "layers" for k in path)]
+
+
+def layer_loop_bodies(hlo: str, layers: int) -> set[str]:
+    """The bodies of the module's while loops that run once per layer (known trip count)."""
+    bodies = set()
+    for comp in parse_hlo(hlo).values():
+        for ins in comp["instrs"].values():
+            n = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins["attrs"])
+            body = re.search(r"\bbody=%?([\w.\-]+)", ins["attrs"])
+            if ins["op"] == "while" and n and body and int(n.group(1)) == layers:
+                bodies.add(body.group(1))
+    return bodies
+
+
+def synchronous(hlo: str) -> str:
+    """The same module with every async fusion made synchronous: the start line dropped and
+    its done replaced by one `fusion` of the start's operands (the form a copy has without
+    XLA's async host offloading)."""
+    starts, out = {}, []
+    for line in hlo.splitlines():
+        head, sep, rest = line.partition(" fusion-start(")
+        if sep:
+            starts[head.split("=")[0].strip().lstrip("%")] = rest
+            continue
+        head, sep, rest = line.partition(" fusion-done(")
+        if sep:
+            name = rest.split(")")[0].lstrip("%")
+            out.append(f"{head} fusion({starts.pop(name)}")
+            continue
+        out.append(line)
+    assert not starts, f"starts without a done: {sorted(starts)}"
+    return "\n".join(out)
+
+
+def summary(transfers: list[dict]) -> str:
+    return json.dumps([{k: t[k] for k in ("name", "direction", "bytes", "async",
+                                          "compute_between")} for t in transfers])
+
+
+def test_optimizer_slices_move_asynchronously_inside_the_layer_loop(step):
+    hlo, layers = step["hlo"], get_preset("tiny").num_layers
+    transfers = host_transfers(hlo)
+    loop = layer_loop_bodies(hlo, layers)
+    assert loop, "no while loop with a trip count of the layer count"
+    assert transfers, "no host <-> device copy in the offloaded step"
+    outside = [t for t in transfers if t["computation"] not in loop]
+    assert not outside, f"copies outside the layer loop: {summary(outside)}"
+    # every stacked leaf's layer slice in, and back out, once per iteration
+    leaves = layer_leaves()
+    host = sum(x.size * x.dtype.itemsize for x in leaves)
+    for direction in ("H2D", "D2H"):
+        moved = [t for t in transfers if t["direction"] == direction]
+        assert len(moved) == len(leaves), (direction, len(moved), len(leaves))
+        assert sum(t["bytes"] for t in moved) * layers == host, direction
+    sync = [t for t in transfers if not t["async"]]
+    assert not sync, f"synchronous copies: {summary(sync)}"
+    overlapped = [t for t in transfers if t["compute_between"] > 0]
+    counts = {d: sorted((t["compute_between"] for t in overlapped if t["direction"] == d),
+                        reverse=True) for d in ("H2D", "D2H")}
+    # in the tiny step: 2 of the 32 fetches run under the layer's whole backward (68 ops), 18
+    # of the 32 write-backs under the next leaf's update (2 to 15 ops)
+    assert counts["H2D"] and counts["D2H"], (
+        f"{len(overlapped)} of {len(transfers)} copies have compute between start and done "
+        f"(ops between, per copy: {counts})")
+
+
+def test_the_overlap_check_fails_on_synchronous_copies(step):
+    """The negative control: the step's own HLO with its async copies made synchronous is
+    reported so (same copies, same bytes, none async, no compute in flight)."""
+    hlo = step["hlo"]
+    before, after = host_transfers(hlo), host_transfers(synchronous(hlo))
+    assert sorted((t["direction"], t["bytes"]) for t in after) == sorted(
+        (t["direction"], t["bytes"]) for t in before)
+    assert not any(t["async"] or t["compute_between"] for t in after), summary(after)
+
+
+def test_host_argument_bytes_are_the_optimizer_layer_leaves(step):
+    """The planner's host split: exactly the stacked optimizer leaves are host arguments
+    (memory_analysis()'s host_argument_size_in_bytes), nothing else."""
+    host = sum(x.size * x.dtype.itemsize for x in layer_leaves())
+    assert step["host_source"] == "memory_analysis"
+    assert step["host_argument_bytes"] == host
