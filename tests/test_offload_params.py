@@ -139,3 +139,16 @@ def test_resume_is_bitwise_the_device_run(tmp_path, corpus, monkeypatch):
     assert int(a.step) == int(b.step) == 6
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(_bits(x), _bits(y))
+
+
+def test_given_params_go_straight_to_the_host():
+    """--init-from's params: placed with the host shardings and donated to the state creation,
+    bitwise the device-resident state."""
+    cfg = StepConfig(get_preset("tiny"), get_precision("bf16-sr"), RematPolicy("full"),
+                     OptimConfig(optimizer="adamw8bit", clip=0.0, in_backward=True))
+    ref = Placement.single().init_state(cfg, None, 1)
+    given = jax.tree.map(np.asarray, ref.params)
+    s = PLACEMENTS["params"].init_state(cfg, None, 1, params=given)
+    assert _on_host(s.params) == _layers(s.params) != set() and not _on_host(s.opt_state)
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(s)):
+        np.testing.assert_array_equal(_bits(a), _bits(b))

@@ -16,6 +16,11 @@ backward pass, so the gradient tree never exists whole (one device).
                                                           donated buffers: no second copy)
     d_embed = vjp(embed)(dx); update the embedding
 
+With --offload-params / --offload-optimizer host (jaxmem.train.placement) the stacked params /
+optimizer state live in pinned host memory: both layer loops copy params_l to the device
+(jaxmem.model.fetch.layer_to_device) and the update streams layer l's slices in and back
+(jaxmem.optim.split's parts); with everything on the device the program is unchanged.
+
 The gradients alive at once are one layer's plus the head's or the embedding's, instead of the
 whole tree (llama-3-8b bf16: 14.96 GiB; docs/memory.md has the compiled figures). The update of
 each part is the ordinary step's (RunOptimizer.split: adamw8bit's bitwise, adamw's and lion's
