@@ -183,11 +183,10 @@ class OptimConfig:
                                     choices=["none", "host"], mutable=True)
     # As offload_optimizer: only where the weights live; a run may resume with it or without.
     offload_params: str = option("none", "where the trained weights' stacked layer leaves live "
-                                 "between steps: none = on the accelerator; host = in pinned "
-                                 "host memory, each layer's copied to the device for its forward, "
-                                 "its backward and its update only (one device; needs "
-                                 "--optimizer-in-backward; with or without --offload-optimizer)",
-                                 choices=["none", "host"], mutable=True)
+                                 "between steps: none = on the accelerator; host = in pinned host "
+                                 "memory, each layer's copied to the device for its forward, "
+                                 "backward and update only (one device; needs "
+                                 "--optimizer-in-backward)", choices=["none", "host"], mutable=True)
 
     def __post_init__(self):
         checks = [("lr", self.lr >= 0), ("min_lr", 0 <= self.min_lr),
