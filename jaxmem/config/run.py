@@ -181,6 +181,12 @@ class OptimConfig:
                                     "pinned host memory, each layer's moved to the device for "
                                     "its update only (one device; needs --optimizer-in-backward)",
                                     choices=["none", "host"], mutable=True)
+    # As offload_optimizer: only where the weights live; a run may resume with it or without.
+    offload_params: str = option("none", "where the trained weights' stacked layer leaves live "
+                                 "between steps: none = on the accelerator; host = in pinned host "
+                                 "memory, each layer's copied to the device for its forward, "
+                                 "backward and update only (one device; needs "
+                                 "--optimizer-in-backward)", choices=["none", "host"], mutable=True)
 
     def __post_init__(self):
         checks = [("lr", self.lr >= 0), ("min_lr", 0 <= self.min_lr),
@@ -199,12 +205,13 @@ class OptimConfig:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer {self.optimizer!r} is invalid; choose one of: "
                               f"{', '.join(OPTIMIZERS)}")
-        if self.offload_optimizer not in ("none", "host"):
-            raise ConfigError(f"--offload-optimizer {self.offload_optimizer!r} is not one of "
-                              f"none, host")
-        if self.offload_optimizer == "host" and not self.in_backward:
-            raise ConfigError("--offload-optimizer host needs --optimizer-in-backward: the "
-                              "state is streamed layer by layer by the in-backward update")
+        for flag, value, what in (("--offload-optimizer", self.offload_optimizer, "state is"),
+                                  ("--offload-params", self.offload_params, "weights are")):
+            if value not in ("none", "host"):
+                raise ConfigError(f"{flag} {value!r} is not one of none, host")
+            if value == "host" and not self.in_backward:
+                raise ConfigError(f"{flag} host needs --optimizer-in-backward: the {what} "
+                                  f"streamed layer by layer by the in-backward update")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""The decoder's layers read from host memory (`--offload-base host`, jaxmem.peft.offload): each
-layer's params copied to the device inside the layer scan, one layer at a time.
+"""The decoder's layers read from host memory (`--offload-base host`, jaxmem.peft.offload; the
+trained params under `--offload-params host`, in the in-backward step and in eval and sampling):
+each layer's params copied to the device inside the layer scan, one layer at a time.
 
     fetching(block, remat)      the block reading its params through layer_to_device
     layer_to_device(params)     one layer's host-resident leaves copied to the device
@@ -12,11 +13,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem.model.remat import TAGS, RematPolicy
-
-
-def in_host_memory(x) -> bool:
-    """Whether a (traced) array lives in host memory: its aval's memory space."""
-    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+from jaxmem.optim._partwise import in_host_memory
 
 
 def layer_to_device(layer_params):

@@ -177,9 +177,11 @@ class _OptaxParts(Parts):
     def layer(self, i, l, g, p, s, finite):
         take = lambda x: jax.lax.dynamic_slice_in_dim(x, l, 1, 0)  # noqa: E731  [1, ...]
         put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, l, 0)  # noqa: E731
-        host = tuple(in_host_memory(x) for x in s)  # --offload-optimizer host: stream layer l
+        # --offload-optimizer / --offload-params host: layer l streamed from the host stacks
+        host = tuple(in_host_memory(x) for x in s)
         s_l = tuple(to_device(take(x), h) for x, h in zip(s, host))
-        u, new = self._update(i, g.reshape((1,) + g.shape), take(p), s_l)
+        u, new = self._update(i, g.reshape((1,) + g.shape), to_device(take(p), in_host_memory(p)),
+                              s_l)
 
         def fn(ins, st, pkey, bits):
             (u,), (p,) = ins, st
@@ -252,8 +254,8 @@ def layer_rows(fn, ins, stacked, l, shape, keys: RoundingPieces, finite):
 
 
 def in_host_memory(x) -> bool:
-    """Whether a traced array lives in host memory (its aval's memory space; --offload-optimizer
-    host, --offload-base host)."""
+    """Whether a traced array lives in host memory (its aval's memory space; --offload-optimizer,
+    --offload-params and --offload-base host)."""
     return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
 
 

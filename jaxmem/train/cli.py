@@ -44,7 +44,7 @@ from jaxmem.train.rundir import (CKPT_DIR, CONFIG_FILE, RunError, exit_after_fai
                               read_run_config, restore_hint, run_tokenizer)
 from jaxmem.parallel.distributed import add_process_flags, initialize_from_args
 from jaxmem.parallel.mesh import run_mesh
-from jaxmem.train.placement import Placement, check_offload_optimizer
+from jaxmem.train.placement import Placement, check_offload
 from jaxmem.train.init_from import init_from_overrides, init_params_from
 from jaxmem.train.run import abstract_train_state, build_step_config
 from jaxmem.train.setup import Setup
@@ -157,9 +157,9 @@ def setup(args, parser) -> Setup:
         if mesh is not None and cfg.optim.in_backward:
             raise RunError(f"--optimizer-in-backward runs on one device; this run has a mesh "
                            f"({dict(mesh.shape)}): pass --mesh with one device, or drop the flag")
-        check_offload_optimizer(cfg.optim.offload_optimizer)
-        s.placement = (Placement.single(cfg.optim.offload_optimizer) if mesh is None
-                       else Placement.on(mesh, cfg.peft.offload_base))
+        check_offload(cfg.optim)
+        s.placement = (Placement.single(cfg.optim.offload_optimizer, cfg.optim.offload_params)
+                       if mesh is None else Placement.on(mesh, cfg.peft.offload_base))
         # LoRA / QLoRA: the frozen base, checked against the run's record (None: full)
         s.frozen, s.base_record = step_cfg.trainable.prepare_frozen(
             cfg, model_cfg, step_cfg, record if continuing else None, cfg.init.init_from,

@@ -16,6 +16,11 @@ backward pass, so the gradient tree never exists whole (one device).
                                                           donated buffers: no second copy)
     d_embed = vjp(embed)(dx); update the embedding
 
+With --offload-params / --offload-optimizer host (jaxmem.train.placement) the stacked params /
+optimizer state live in pinned host memory: both layer loops copy params_l to the device
+(jaxmem.model.fetch.layer_to_device) and the update streams layer l's slices in and back
+(jaxmem.optim.split's parts); with everything on the device the program is unchanged.
+
 The gradients alive at once are one layer's plus the head's or the embedding's, instead of the
 whole tree (llama-3-8b bf16: 14.96 GiB; docs/memory.md has the compiled figures). The update of
 each part is the ordinary step's (RunOptimizer.split: adamw8bit's bitwise, adamw's and lion's
@@ -47,6 +52,7 @@ from jaxmem.loss.chunked import chunked_cross_entropy, resolve_loss_chunk
 from jaxmem.families.decoder import (DecoderBlock, abstract_params, embed_lookup, final_norm,
                                     layer_context, layer_facts)
 from jaxmem.families.names import EMBEDDING, FINAL_NORM, HEAD, LAYERS
+from jaxmem.model.fetch import layer_to_device
 from jaxmem.model.precision import cast_params
 from jaxmem.einsum import logits_einsum, project
 from jaxmem.optim import NoOpLossScale, NotSplittable, Parts, all_finite, row_chunks
@@ -185,8 +191,9 @@ class _InBackwardStep:
         # forward: the embedding, then the layers keeping each one's input
         x0 = embed_lookup(c, self.cast({EMBEDDING: params[EMBEDDING]})[EMBEDDING],
                           a["tokens"])  # [B, T, D]
-        xL, xs = jax.lax.scan(lambda x, lf: (self._layer(lf[0], x, a, lf[1]), x), x0,
-                              (params[LAYERS], self.facts))
+        # --offload-params host: each layer's host-resident leaves copied in as the scan reaches it
+        xL, xs = jax.lax.scan(lambda x, lf: (self._layer(layer_to_device(lf[0]), x, a, lf[1]), x),
+                              x0, (params[LAYERS], self.facts))
         head = {FINAL_NORM: params[FINAL_NORM]}
         head_name = EMBEDDING if c.tie_embeddings else HEAD
         head[head_name] = params[head_name]
@@ -218,8 +225,8 @@ class _InBackwardStep:
         def back(k, carry):
             dx, ps, sts, ss, fin = carry
             l = L - 1 - k
-            lp = treedef_l.unflatten([jax.lax.dynamic_index_in_dim(ps[i], l, 0, keepdims=False)
-                                      for i in stacked])
+            lp = layer_to_device(treedef_l.unflatten(
+                [jax.lax.dynamic_index_in_dim(ps[i], l, 0, keepdims=False) for i in stacked]))
             x = jax.lax.dynamic_index_in_dim(xs, l, 0, keepdims=False)
             fact = jax.tree_util.tree_map(lambda f: f[l], self.facts)
             _, vjp = jax.vjp(lambda lp, x: self._layer(lp, x, a, fact), lp, x)

@@ -178,7 +178,8 @@ class _Run:
     def __init__(self, s, par: Placement):
         self.s, self.par, self.cfg, self.r = s, par, s.cfg, s.cfg.run
         self.resumed = s.state is not None
-        self.one = par.mesh is None  # one device: today's functions, called by name here
+        # one device, nothing on the host: today's functions, called by name here
+        self.one = par.mesh is None and not par.host_parts
         step_cfg, seed = s.step_cfg, s.cfg.data.seed
         self.state = s.state if self.resumed else (
             create_train_state(step_cfg, s.loss_scale, seed, params=s.init_params) if self.one

@@ -7,6 +7,12 @@
     state, metrics = step(state, par.batch(numpy_batch))
     par.host(metrics)                      # numpy values on every process
 
+On one device with --offload-optimizer host and / or --offload-params host
+(`Placement.single("host", "host")`, --optimizer-in-backward only) the optimizer state's and / or
+the params' stacked layer leaves are created, stepped (donated, with in and out shardings) and
+restored in pinned host memory (`host_shardings`); the in-backward step streams them a layer at
+a time.
+
 On a mesh:
 - the state is created directly split (`jit(state_creation_fn(...), out_shardings=...)`, the
   same function as on one device): no device ever holds a full copy, and the values are
@@ -79,26 +85,29 @@ def _balanced(fn, mesh, step_cfg):
     return balanced
 
 
-def opt_state_host_shardings(abstract_state, device=None):
-    """--offload-optimizer host (one device): a sharding per leaf of a train state (or its
-    abstract form) with the optimizer state's stacked leaves (those under "layers": the
-    moments, for adamw8bit their codes and scales) in pinned host memory and everything else on
-    the device: the one-device shardings and the move to the host of --offload-base's base
-    (jaxmem.peft.offload)."""
+def host_shardings(abstract_state, parts, device=None):
+    """--offload-optimizer / --offload-params host (one device): a sharding per leaf of a train
+    state (or its abstract form) with the stacked leaves (those under "layers") of each of
+    `parts` ("params": the trained weights; "opt_state": the moments, for adamw8bit their codes
+    and scales) in pinned host memory and everything else on the device: the one-device
+    shardings and the move to the host of --offload-base's base (jaxmem.peft.offload)."""
     shardings = one_device_shardings(abstract_state, device)
-    return shardings.replace(opt_state=offload_shardings(shardings.opt_state))
+    return shardings.replace(**{p: offload_shardings(getattr(shardings, p)) for p in parts})
 
 
-def check_offload_optimizer(offload: str, device=None) -> None:
-    """ConfigError (one line) where the device has no pinned host memory for --offload-optimizer
-    host. Its other conditions are the config's (OptimConfig: --optimizer-in-backward) and the
-    CLI's (one device, as --optimizer-in-backward)."""
-    if offload == "none":
-        return
-    device = device or jax.devices()[0]
-    if host_memory_kind(device) is None:
-        raise ConfigError(f"--offload-optimizer host: {device.platform} device {device} has no "
-                          f"{HOST_KIND} memory")
+def check_offload(optim, device=None) -> None:
+    """ConfigError (one line, naming the flag) where the device has no pinned host memory for
+    --offload-optimizer host or --offload-params host (`optim`: the run's OptimConfig). Their
+    other conditions are the config's (OptimConfig: --optimizer-in-backward) and the CLI's (one
+    device, as --optimizer-in-backward)."""
+    for flag, value in (("--offload-optimizer", optim.offload_optimizer),
+                        ("--offload-params", optim.offload_params)):
+        if value == "none":
+            continue
+        device = device or jax.devices()[0]
+        if host_memory_kind(device) is None:
+            raise ConfigError(f"{flag} host: {device.platform} device {device} has no "
+                              f"{HOST_KIND} memory")
 
 
 @dataclass(frozen=True)
@@ -109,14 +118,20 @@ class Placement:
     offload_base: str = "none"  # "host": the frozen base's layers in pinned host memory
     offload_optimizer: str = "none"  # "host": the optimizer state's stacked leaves in pinned
                                      # host memory (one device, --optimizer-in-backward)
+    offload_params: str = "none"  # "host": the trained params' stacked leaves, likewise
 
     @classmethod
-    def single(cls, offload_optimizer: str = "none") -> "Placement":
-        return cls(None, offload_optimizer=offload_optimizer)
+    def single(cls, offload_optimizer: str = "none", offload_params: str = "none") -> "Placement":
+        return cls(None, offload_optimizer=offload_optimizer, offload_params=offload_params)
 
     @property
-    def opt_on_host(self) -> bool:
-        return self.mesh is None and self.offload_optimizer == "host"
+    def host_parts(self) -> tuple[str, ...]:
+        """The train state's parts whose stacked layer leaves live in pinned host memory (one
+        device only): "params" (--offload-params), "opt_state" (--offload-optimizer)."""
+        if self.mesh is not None:
+            return ()
+        return tuple(p for p, v in (("params", self.offload_params),
+                                    ("opt_state", self.offload_optimizer)) if v == "host")
 
     @classmethod
     def on(cls, mesh, offload_base: str = "none") -> "Placement":
@@ -133,28 +148,30 @@ class Placement:
     def abstract(self, abstract_state):
         """The restore target: shapes and dtypes with this placement's shardings (single
         device: unchanged, Orbax restores onto the default device)."""
-        if self.opt_on_host:
-            return R.with_given_shardings(abstract_state, opt_state_host_shardings(abstract_state))
+        if self.host_parts:
+            return R.with_given_shardings(abstract_state,
+                                          host_shardings(abstract_state, self.host_parts))
         if self.mesh is None:
             return abstract_state
         return R.with_shardings(abstract_state, self.mesh)
+
+    def _placed_shardings(self, abstract_state):
+        """The state's shardings where this placement gives them: on a mesh, or on one device
+        with stacks on the host (`host_parts`); None on a plain device."""
+        if self.host_parts:
+            return host_shardings(abstract_state, self.host_parts)
+        return None if self.mesh is None else self.state_shardings(abstract_state)
 
     def state_creation(self, step_cfg, loss_scale, seed: int, with_params: bool = False):
         """The jitted state creation (`jaxmem.train.step.state_creation_fn`) with this
         placement's `out_shardings`: what `init_state` runs and what a planner compiles
         (`.lower().compile().memory_analysis()`, per device on a mesh)."""
         fn = state_creation_fn(step_cfg, loss_scale, seed, with_params=with_params)
-        if self.opt_on_host:
-            shardings = opt_state_host_shardings(
-                jax.eval_shape(state_creation_fn(step_cfg, loss_scale, seed)))
-            if not with_params:
-                return jax.jit(fn, out_shardings=shardings)
-            return jax.jit(fn, out_shardings=shardings, donate_argnums=0)
-        if self.mesh is None:
-            return jax.jit(fn, donate_argnums=(0,) if with_params else ())
         # the same shapes with or without given params: take them from the fresh state's
-        shardings = self.state_shardings(
+        shardings = self._placed_shardings(
             jax.eval_shape(state_creation_fn(step_cfg, loss_scale, seed)))
+        if shardings is None:
+            return jax.jit(fn, donate_argnums=(0,) if with_params else ())
         if not with_params:
             return jax.jit(fn, out_shardings=shardings)
         return jax.jit(fn, in_shardings=(shardings.params,), out_shardings=shardings,
@@ -164,18 +181,14 @@ class Placement:
         """A fresh state, created under jit (on a mesh: directly split, with out_shardings).
         `params` (host arrays in the storage dtype, e.g. from --init-from) are put on the
         device(s) piece by piece (`device_put` with the params' shardings: no device receives
-        the whole checkpoint) and donated to the jit, so they are not copied again."""
-        if self.opt_on_host:
-            if params is None:
-                return self.state_creation(step_cfg, loss_scale, seed)()
-            return self.state_creation(step_cfg, loss_scale, seed, with_params=True)(
-                jax.device_put(params))
-        if self.mesh is None:
+        the whole checkpoint; --offload-params host: the layers go to pinned host memory) and
+        donated to the jit, so they are not copied again."""
+        if self.mesh is None and not self.host_parts:
             return create_train_state(step_cfg, loss_scale, seed, params=params)
         if params is None:
             return self.state_creation(step_cfg, loss_scale, seed)()
         abstract = jax.eval_shape(state_creation_fn(step_cfg, loss_scale, seed))
-        placed = jax.device_put(params, self.state_shardings(abstract).params)
+        placed = jax.device_put(params, self._placed_shardings(abstract).params)
         return self.state_creation(step_cfg, loss_scale, seed, with_params=True)(placed)
 
     def base_shardings(self, step_cfg):
@@ -209,8 +222,8 @@ class Placement:
         """The jitted, donated step for states shaped like `like` (a state or its abstract
         form: its structure depends on the loss scale). LoRA: the frozen base is the third
         argument, split by `base_shardings` and never donated."""
-        if self.opt_on_host:  # donated; the state comes back with its stacks in pinned_host
-            return jit_train_step(step_cfg, opt_state_host_shardings(like))
+        if self.host_parts:  # donated; the state comes back with its stacks in pinned_host
+            return jit_train_step(step_cfg, host_shardings(like, self.host_parts))
         if self.mesh is None:
             return jit_train_step(step_cfg)
         shardings = self.state_shardings(like)
