@@ -43,7 +43,8 @@ TYPES = {"positive_int": positive_int, "nonneg_int": nonneg_int, "nonneg_float":
 # commands from the same lists.
 PLANNER_SECTIONS = ("model", "precision", "remat", "optim", "data", "peft", "parallel", "sample")
 PLANNER_ONLY = {"precision": ("mode",), "data": ("batch_size", "seq_len", "grad_accum"),
-                "optim": ("mu_dtype", "optimizer", "in_backward", "offload_optimizer"),
+                "optim": ("mu_dtype", "optimizer", "in_backward", "offload_optimizer",
+                          "offload_params"),
                 "parallel": ("mesh",),
                 "sample": ("max_new_tokens", "temperature", "top_k")}
 

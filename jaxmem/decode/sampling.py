@@ -109,15 +109,18 @@ def _sampler(config: ModelConfig, n_prompt: int, total: int, temperature: float,
 
 
 def lower_sample(config: ModelConfig, params, n_prompt: int, total: int, *, compute_dtype,
-                 temperature: float = 0.0, top_k: int = 0) -> jax.stages.Lowered:
+                 temperature: float = 0.0, top_k: int = 0, lower=None) -> jax.stages.Lowered:
     """The sampler for one prompt of `n_prompt` ids grown to `total`, lowered (not run): for the
     memory planner, which compiles it and reads `memory_analysis()`. params: arrays or
-    `jax.ShapeDtypeStruct`s (as stored; the cast to compute_dtype happens inside)."""
+    `jax.ShapeDtypeStruct`s (as stored; the cast to compute_dtype happens inside); lower:
+    lower(jitted, *args), default `jitted.lower(*args)` (jaxmem.target.lower for params in host
+    memory)."""
     fn = _sampler(config, n_prompt, total, float(temperature), int(top_k), (),
                   jnp.dtype(compute_dtype).name)
     ids = jax.ShapeDtypeStruct((1, n_prompt), jnp.int32)
     valid = jax.ShapeDtypeStruct((1, n_prompt), jnp.bool_)
-    return fn.lower(params, ids, valid, jax.eval_shape(lambda: jax.random.PRNGKey(0)))
+    args = (params, ids, valid, jax.eval_shape(lambda: jax.random.PRNGKey(0)))
+    return lower(fn, *args) if lower is not None else fn.lower(*args)
 
 
 def new_token_budget(n_prompt: int, max_new_tokens: int, limit: int) -> int:

@@ -49,7 +49,7 @@ def argument_bytes(spec: StepSpec) -> int:
 def placement(spec: StepSpec, mesh: MeshSpec | None) -> Placement:
     """The run's placement for `mesh` (None: one device) over this host's devices."""
     if mesh is None:
-        return Placement(None, spec.offload_base, spec.offload_optimizer)
+        return Placement(None, spec.offload_base, spec.offload_optimizer, spec.offload_params)
     return Placement.on(run_mesh(str(mesh), spec.model, spec.batch_size, seq_len=spec.seq_len),
                         spec.offload_base)
 
@@ -57,7 +57,7 @@ def placement(spec: StepSpec, mesh: MeshSpec | None) -> Placement:
 def _host_resident(par: Placement) -> bool:
     """Whether one device's program holds values in host memory (then a target compiles it
     through jaxmem.target.lower: the deviceless devices have no host memory of their own)."""
-    return par.mesh is None and (par.opt_on_host or par.base_on_host)
+    return par.mesh is None and bool(par.host_parts or par.base_on_host)
 
 
 def _lower(par: Placement, jitted, *args):
@@ -86,11 +86,14 @@ def _lower_step(spec, par, sample):
 def _lower_sample(spec, par, sample):
     from jaxmem.decode.sampling import lower_sample
     limit = spec.model.max_position_embeddings
-    return lower_sample(spec.model, sample_params(spec), sample.n_prompt(limit),
-                        sample.total(limit),
+    # the trained weights where the run keeps them (--offload-params host: a full fine-tune,
+    # whose sample takes the state's params)
+    params = _state(spec, par).params if "params" in par.host_parts else sample_params(spec)
+    return lower_sample(spec.model, params, sample.n_prompt(limit), sample.total(limit),
                         compute_dtype=sample.compute_dtype(spec.precision.compute_dtype),
                         temperature=sample.temperature,
-                        top_k=min(sample.top_k, spec.model.vocab_size))
+                        top_k=min(sample.top_k, spec.model.vocab_size),
+                        lower=target.lower if _host_resident(par) else None)
 
 
 _LOWER = {"step": _lower_step, "sample": _lower_sample,

@@ -219,9 +219,10 @@ def count_frozen(spec: StepSpec, sizes: dict[str, int]) -> list[Component]:
 
 def state_on_host(spec: StepSpec) -> set:
     """Paths (from the train state's root) of the state's leaves the one-device placement keeps
-    in pinned host memory (--offload-optimizer host): its own shardings say which."""
-    par = Placement(None, spec.offload_base, spec.offload_optimizer)
-    if not par.opt_on_host:
+    in pinned host memory (--offload-optimizer / --offload-params host): its own shardings say
+    which."""
+    par = Placement(None, spec.offload_base, spec.offload_optimizer, spec.offload_params)
+    if not par.host_parts:
         return set()
     placed = par.abstract(abstract_state(spec))
     return {p for p, x in jax.tree_util.tree_leaves_with_path(placed)

@@ -24,7 +24,7 @@ GiB = 2**30
 
 # the StepConfig's fields and the optimizer config's that the planner varies by name
 _STEP = ("model", "precision", "remat", "grad_accum", "trainable", "loss_chunk")
-_OPTIM = ("optimizer", "mu_dtype", "in_backward", "offload_optimizer")
+_OPTIM = ("optimizer", "mu_dtype", "in_backward", "offload_optimizer", "offload_params")
 
 
 @dataclass(frozen=True)
@@ -53,12 +53,14 @@ class StepSpec:
            seq_len: int, grad_accum: int = 1, mu_dtype: str | None = None,
            attention: str | None = None, trainable: Trainable = FullFineTune(),
            loss_chunk: int | None = None, optimizer: str = "adamw", offload_base: str = "none",
-           in_backward: bool = False, offload_optimizer: str = "none") -> "StepSpec":
+           in_backward: bool = False, offload_optimizer: str = "none",
+           offload_params: str = "none") -> "StepSpec":
         """A spec from its parts (the optimizer's config: the defaults but for `optimizer`,
-        `mu_dtype`, `in_backward`, which plans with --clip 0, as it needs, and where its state
-        lives, `offload_optimizer`)."""
+        `mu_dtype`, `in_backward`, which plans with --clip 0, as it needs, and where the state
+        lives, `offload_optimizer` and `offload_params`)."""
         optim = dataclasses.replace(OptimConfig(), optimizer=optimizer, mu_dtype=mu_dtype,
                                     in_backward=in_backward, offload_optimizer=offload_optimizer,
+                                    offload_params=offload_params,
                                     **({"clip": 0.0} if in_backward else {}))
         step, loss_scale = make_step_config(model, precision, remat, optim, seq_len,
                                             grad_accum=grad_accum, trainable=trainable,
@@ -73,7 +75,7 @@ class StepSpec:
                       RematPolicy.parse(cfg.remat.policy), d.batch_size, d.seq_len, d.grad_accum,
                       cfg.optim.mu_dtype, attention, trainable_of(cfg.peft), cfg.remat.loss_chunk,
                       cfg.optim.optimizer, cfg.peft.offload_base, cfg.optim.in_backward,
-                      cfg.optim.offload_optimizer)
+                      cfg.optim.offload_optimizer, cfg.optim.offload_params)
 
     def __getattr__(self, name):  # the StepConfig's parts, and its optimizer config's
         if name in _STEP:

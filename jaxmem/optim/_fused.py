@@ -41,7 +41,7 @@ from jaxmem.optim._adamw8bit import (BLOCK, KeepFp32, LayerAxes, Quantized, Scal
                                      adam_piece, adamw_8bit, as_rows, bias_corrections,
                                      moment_pieces, step_salt)
 from jaxmem.optim._blockwise import _axes
-from jaxmem.optim._partwise import Parts, layer_rows
+from jaxmem.optim._partwise import Parts, in_host_memory, layer_rows, to_device, to_host
 
 # (path, leaf shape) -> the leaf's NamedSharding on a mesh, or None where it is not split
 Placement = Callable[[Any, tuple], Any]
@@ -283,13 +283,20 @@ def apply_leaf_in_place(piece, g, m, v, p, decays, leaf_key, finite):
     never the whole gradient."""
     rows, n, same = moment_pieces(p.shape, m)
     keys = sr.pieces(leaf_key, p, n=n)
+    # --offload-optimizer host: moments in pinned host memory come to the device a piece at a
+    # time (the whole leaf where it is one piece) and go back after it
+    host = jax.tree_util.tree_map(in_host_memory, (p, m, v))
+    fetch = lambda t: jax.tree_util.tree_map(to_device, t, host)  # noqa: E731
+    back = lambda t: jax.tree_util.tree_map(to_host, t, host)  # noqa: E731
     if n == 1:
         bits = None
         if not same and keys.key is not None:  # apply_updates_sr's pieces' bits, all at once
             bits = sr.pieces(leaf_key, p).leaf_bits(p.shape)
+        p, m, v = fetch((p, m, v))
         out = piece(g(1, 0).reshape(p.shape) if callable(g) else g, m, v, p, decays,
                     None if bits is not None else keys(0), bits)
-        return jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), out, (p, m, v))
+        return back(jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), out,
+                                           (p, m, v)))
     split = lambda x: as_rows(x, rows[-1], n)  # noqa: E731  rows -> [n, rows / n, last]
     # the gradient enters as raw bits, so XLA cannot hoist a whole-leaf fp32 convert out of the loop
     gs = None if callable(g) else split(to_bits(g))
@@ -299,8 +306,8 @@ def apply_leaf_in_place(piece, g, m, v, p, decays, leaf_key, finite):
         put = lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, j, 0)  # noqa: E731
         pkey = keys(j)
         gj = g(n, j).reshape((-1, rows[-1])) if gs is None else from_bits(take(gs), g.dtype)
-        out = piece(gj, *jax.tree_util.tree_map(take, carry[1:]), take(carry[0]), decays, pkey)
-        return jax.tree_util.tree_map(put, carry, out)
+        pj, mj, vj = fetch(jax.tree_util.tree_map(take, carry))
+        return jax.tree_util.tree_map(put, carry, back(piece(gj, mj, vj, pj, decays, pkey)))
 
     carry = split((p, m, v))
     trips = jnp.where(finite, n, 0)  # a skipped step runs no piece: the carry stays bitwise

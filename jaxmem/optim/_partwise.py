@@ -169,10 +169,12 @@ class _OptaxParts(Parts):
     def leaf(self, i, g, p, s, finite):
         if callable(g):
             g = g(1, 0).reshape(p.shape)
+        host = tuple(in_host_memory(x) for x in s)  # --offload-optimizer host: the whole leaf's
+        s = tuple(to_device(x, h) for x, h in zip(s, host))  # moments in, and back out after
         u, new = self._update(i, g, p, s)
         new_p = apply_leaf_sr(p, u, self.pieces(i).key) if self.rounds else self._add(p, u)
         pick = lambda a, b: jnp.where(finite, a, b)  # noqa: E731
-        return pick(new_p, p), tuple(map(pick, new, s))
+        return pick(new_p, p), tuple(to_host(pick(a, b), h) for a, b, h in zip(new, s, host))
 
     def layer(self, i, l, g, p, s, finite):
         take = lambda x: jax.lax.dynamic_slice_in_dim(x, l, 1, 0)  # noqa: E731  [1, ...]

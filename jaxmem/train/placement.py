@@ -45,7 +45,7 @@ from jaxmem.sharding import activation_sharding, weight_sharding
 from jaxmem.model.fp8_compile import compiler_options as fp8_compiler_options
 import jaxmem.parallel.rules as R
 from jaxmem.peft.offload import (HOST_KIND, abstract_in_host_memory, host_memory_kind,
-                                 offload_shardings, one_device_shardings)
+                                 host_sharding, offload_shardings, one_device_shardings)
 from jaxmem.quant import gather_packed
 from jaxmem.train.run import make_eval_fn
 from jaxmem.train.step import (create_train_state, jit_train_step, make_train_step,
@@ -87,12 +87,19 @@ def _balanced(fn, mesh, step_cfg):
 
 def host_shardings(abstract_state, parts, device=None):
     """--offload-optimizer / --offload-params host (one device): a sharding per leaf of a train
-    state (or its abstract form) with the stacked leaves (those under "layers") of each of
-    `parts` ("params": the trained weights; "opt_state": the moments, for adamw8bit their codes
-    and scales) in pinned host memory and everything else on the device: the one-device
-    shardings and the move to the host of --offload-base's base (jaxmem.peft.offload)."""
+    state (or its abstract form) with, for each of `parts`, in pinned host memory: "params" the
+    trained weights' stacked leaves (those under "layers": the embedding, head and final norm
+    stay, as --offload-base's base does, jaxmem.peft.offload); "opt_state" every array of the
+    optimizer state (the moments, for adamw8bit their codes and scales; the counters stay).
+    Everything else is on the device."""
     shardings = one_device_shardings(abstract_state, device)
-    return shardings.replace(**{p: offload_shardings(getattr(shardings, p)) for p in parts})
+    moved = {}
+    if "params" in parts:
+        moved["params"] = offload_shardings(shardings.params)
+    if "opt_state" in parts:  # every array of it; the counters (scalars) stay
+        moved["opt_state"] = jax.tree.map(lambda s, x: host_sharding(s) if x.ndim else s,
+                                          shardings.opt_state, abstract_state.opt_state)
+    return shardings.replace(**moved)
 
 
 def check_offload(optim, device=None) -> None:
