@@ -29,9 +29,10 @@ from jaxmem.xla.hlo import host_transfers, parse_hlo
 pytestmark = pytest.mark.gpu_target
 
 
-def spec() -> StepSpec:
+def spec(offload_params: str = "none") -> StepSpec:
     return StepSpec.of(get_preset("tiny"), get_precision("bf16-sr"), RematPolicy("full"), 1, 256,
-                       optimizer="adamw8bit", in_backward=True, offload_optimizer="host")
+                       optimizer="adamw8bit", in_backward=True, offload_optimizer="host",
+                       offload_params=offload_params)
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +42,25 @@ def step():
         return compile_phase("step", spec(), keep_hlo=True)
 
 
+def _in_layers(path) -> bool:
+    return any(getattr(k, "key", None) == "layers" for k in path)
+
+
 def layer_leaves() -> list:
-    """The optimizer state's leaves under "layers": what --offload-optimizer host keeps in
-    pinned host memory (jaxmem.train.placement.opt_state_host_shardings)."""
+    """The optimizer state's leaves under "layers": what the layer loop streams."""
     flat = jax.tree_util.tree_flatten_with_path(abstract_state(spec()).opt_state)[0]
-    return [leaf for path, leaf in flat
-            if any(getattr(k, "key", None) == "layers" for k in path)]
+    return [leaf for path, leaf in flat if _in_layers(path)]
+
+
+def host_leaves(offload_params: str) -> list:
+    """What --offload-optimizer host keeps in pinned host memory (every array of the optimizer
+    state, not its counters) and --offload-params host (the weights' stacked layer leaves)."""
+    state = abstract_state(spec(offload_params))
+    out = [x for x in jax.tree_util.tree_leaves(state.opt_state) if x.ndim]
+    if offload_params == "host":
+        out += [x for p, x in jax.tree_util.tree_flatten_with_path(state.params)[0]
+                if _in_layers(p)]
+    return out
 
 
 def layer_loop_bodies(hlo: str, layers: int) -> set[str]:
@@ -62,21 +76,23 @@ def layer_loop_bodies(hlo: str, layers: int) -> set[str]:
 
 
 def synchronous(hlo: str) -> str:
-    """The same module with every async fusion made synchronous: the start line dropped and
-    its done replaced by one `fusion` of the start's operands (the form a copy has without
-    XLA's async host offloading)."""
+    """The same module with every async fusion and copy made synchronous: the start line
+    dropped and its done replaced by one `fusion` (`copy`) of the start's operands (the form a
+    copy has without XLA's async host offloading)."""
     starts, out = {}, []
     for line in hlo.splitlines():
-        head, sep, rest = line.partition(" fusion-start(")
-        if sep:
-            starts[head.split("=")[0].strip().lstrip("%")] = rest
-            continue
-        head, sep, rest = line.partition(" fusion-done(")
-        if sep:
-            name = rest.split(")")[0].lstrip("%")
-            out.append(f"{head} fusion({starts.pop(name)}")
-            continue
-        out.append(line)
+        for op in ("fusion", "copy"):
+            head, sep, rest = line.partition(f" {op}-start(")
+            if sep:
+                starts[head.split("=")[0].strip().lstrip("%")] = rest
+                break
+            head, sep, rest = line.partition(f" {op}-done(")
+            if sep:
+                name = rest.split(")")[0].lstrip("%")
+                out.append(f"{head} {op}({starts.pop(name)}")
+                break
+        else:
+            out.append(line)
     assert not starts, f"starts without a done: {sorted(starts)}"
     return "\n".join(out)
 
@@ -92,13 +108,12 @@ def test_optimizer_slices_move_asynchronously_inside_the_layer_loop(step):
     loop = layer_loop_bodies(hlo, layers)
     assert loop, "no while loop with a trip count of the layer count"
     assert transfers, "no host <-> device copy in the offloaded step"
-    outside = [t for t in transfers if t["computation"] not in loop]
-    assert not outside, f"copies outside the layer loop: {summary(outside)}"
-    # every stacked leaf's layer slice in, and back out, once per iteration
+    # every stacked leaf's layer slice in, and back out, once per iteration (the other leaves'
+    # moments, the embedding's, the head's and the final norm's, move outside the loop)
     leaves = layer_leaves()
     host = sum(x.size * x.dtype.itemsize for x in leaves)
     for direction in ("H2D", "D2H"):
-        moved = [t for t in transfers if t["direction"] == direction]
+        moved = [t for t in transfers if t["direction"] == direction and t["computation"] in loop]
         assert len(moved) == len(leaves), (direction, len(moved), len(leaves))
         assert sum(t["bytes"] for t in moved) * layers == host, direction
     sync = [t for t in transfers if not t["async"]]
@@ -123,9 +138,27 @@ def test_the_overlap_check_fails_on_synchronous_copies(step):
     assert not any(t["async"] or t["compute_between"] for t in after), summary(after)
 
 
-def test_host_argument_bytes_are_the_optimizer_layer_leaves(step):
-    """The planner's host split: exactly the stacked optimizer leaves are host arguments
+def test_host_argument_bytes_are_the_offloaded_leaves(step):
+    """The planner's host split: exactly the optimizer state's arrays are host arguments
     (memory_analysis()'s host_argument_size_in_bytes), nothing else."""
-    host = sum(x.size * x.dtype.itemsize for x in layer_leaves())
+    host = sum(x.size * x.dtype.itemsize for x in host_leaves("none"))
     assert step["host_source"] == "memory_analysis"
     assert step["host_argument_bytes"] == host
+
+
+def test_with_the_weights_on_the_host_too():
+    """--offload-params host as well: the weights' stacked layer leaves join the host arguments,
+    the planner counts the same host bytes as XLA (analytic `host_bytes`), and the device keeps
+    only the embedding, head and final norm of the state (its argument bytes)."""
+    from jaxmem.memory.analytic import analytic_breakdown
+    with target.compiling_for("h100"):
+        s = spec("host")
+        compiled, analytic = compile_phase("step", s), analytic_breakdown(s)
+    host = sum(x.size * x.dtype.itemsize for x in host_leaves("host"))
+    assert compiled["host_argument_bytes"] == analytic["host_bytes"] == host
+    state = abstract_state(s)
+    device = sum(x.size * x.dtype.itemsize for p, x in jax.tree_util.tree_flatten_with_path(
+        state.params)[0] if not _in_layers(p))
+    # the device's arguments: those params, the counters, the batch (a few hundred bytes more)
+    assert device <= compiled["argument_bytes"] < device + 4096, (compiled["argument_bytes"],
+                                                                   device)
