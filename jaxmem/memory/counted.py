@@ -242,7 +242,10 @@ def _host_layer(spec: StepSpec) -> list[Component]:
                         (Kind.OPTIMIZER, "one layer's optimizer state copied from the host")):
         mine = [y for y in leaves if (key_name(y[0][0]) == "params") == (kind is Kind.PARAMS)]
         layers = [y for y in mine if in_layers(y[0])]
-        rest = max((b for p, _, b in mine if not in_layers(p)), default=0)
+        # another leaf's state comes whole, but for the 8-bit optimizer's, which comes a row
+        # piece at a time (the update's working set holds that piece)
+        piecewise = kind is Kind.OPTIMIZER and spec.step.optimizer.in_place is not None
+        rest = 0 if piecewise else max((b for p, _, b in mine if not in_layers(p)), default=0)
         part = max(sum(b for _, _, b in layers) // L, rest)
         if part:
             out.append(Component(Kind.LAYER, label, part, _dtypes(mine), Phase.BACKWARD))

@@ -68,12 +68,12 @@ def transfer_plan(spec: StepSpec, card=None) -> dict | None:
 
 def format_transfers(t: dict) -> list[str]:
     """The planner's lines for a `transfer_plan`."""
-    gib = 2**30
+    div, unit = (2**30, "GiB") if t["host_bytes"] >= 2**30 else (2**20, "MiB")
     lines = ["host memory and transfers (per optimizer step)"]
-    lines += [f"  {r['name']:<50}{r['host_bytes'] / gib:8.2f} GiB host, x{r['crossings']} over "
-              f"PCIe = {r['pcie_bytes'] / 1e9:.1f} GB" for r in t["parts"]]
-    lines += [f"  {'pinned host memory needed':<50}{t['host_bytes'] / gib:8.2f} GiB",
-              f"  {'bytes over PCIe per step':<50}{t['pcie_bytes'] / 1e9:8.1f} GB"]
+    lines += [f"  {r['name']:<50}{r['host_bytes'] / div:8.2f} {unit} host, x{r['crossings']} "
+              f"over PCIe = {r['pcie_bytes'] / 1e9:.3g} GB" for r in t["parts"]]
+    lines += [f"  {'pinned host memory needed':<50}{t['host_bytes'] / div:8.2f} {unit}",
+              f"  {'bytes over PCIe per step':<50}{t['pcie_bytes'] / 1e9:8.3g} GB"]
     if "card" not in t:
         return lines + ["  (no time estimate: pass --target to name the card and its link)"]
     return lines + [
