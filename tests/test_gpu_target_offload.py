@@ -162,3 +162,20 @@ def test_with_the_weights_on_the_host_too():
     # the device's arguments: those params, the counters, the batch (a few hundred bytes more)
     assert device <= compiled["argument_bytes"] < device + 4096, (compiled["argument_bytes"],
                                                                    device)
+
+
+def test_offload_base_host_is_compiled_with_the_base_on_the_host():
+    """--offload-base host on one card (QLoRA): the planner's H100 program takes the frozen
+    base's block layers as host arguments (through jaxmem.target.lower; before, the deviceless
+    compile dropped their memory kind and counted them as device memory)."""
+    from jaxmem.config.run import RunConfig
+    from jaxmem.memory.counted import abstract_frozen, tree_bytes
+    cfg = RunConfig().replace({"model.preset": "tiny", "peft.lora_rank": 8,
+                               "peft.quantize_base": "nf4", "peft.offload_base": "host",
+                               "data.batch_size": 1, "data.seq_len": 256})
+    s = StepSpec.from_run_config(cfg)
+    with target.compiling_for("h100"):
+        compiled = compile_phase("step", s)
+    host = tree_bytes(abstract_frozen(s)["layers"])  # NF4 codes packed two to a byte
+    assert compiled["host_source"] == "memory_analysis"
+    assert compiled["host_argument_bytes"] == host > 0
