@@ -1,6 +1,6 @@
-"""--offload-optimizer host (issue 39, first piece; prototype): the optimizer state's stacked
-layer leaves live in pinned host memory between steps and the in-backward loop streams each
-layer's to the device for its update. On a CPU host and device memory are the same RAM, so what
+"""--offload-optimizer host (issue 39): every array of the optimizer state lives in pinned host
+memory between steps; the in-backward loop streams each layer's to the device for its update,
+and without it adamw8bit's whole-tree update streams each leaf's a row piece at a time. On a CPU host and device memory are the same RAM, so what
 is tested is the numbers (bitwise the device-resident run), where the state says it lives, and
 resume."""
 
@@ -31,22 +31,32 @@ def _kinds(state):
             for p, x in jax.tree_util.tree_leaves_with_path(state.opt_state)}
 
 
-@pytest.mark.parametrize("optimizer", ["adamw8bit", "adamw"])
-def test_host_state_is_bitwise_the_device_run_for_10_steps(optimizer):
+def _host_arrays(state):
+    """Whether every array of the optimizer state is in pinned host memory, the counters not."""
+    return all((v == "pinned_host") == (x.ndim > 0) for x, v in zip(
+        jax.tree.leaves(state.opt_state), _kinds(state).values()))
+
+
+# in-backward (a layer at a time); without it adamw8bit's whole-tree update streams each leaf a
+# row piece at a time, here with clipping by the global norm and two accumulated micro-batches
+@pytest.mark.parametrize("optimizer,in_backward,clip,accum", [
+    ("adamw8bit", True, 0.0, 1), ("adamw", True, 0.0, 1), ("adamw8bit", False, 1.0, 2)])
+def test_host_state_is_bitwise_the_device_run_for_10_steps(optimizer, in_backward, clip, accum):
     cfg = StepConfig(get_preset("tiny"), get_precision("bf16-sr"), RematPolicy("full"),
-                     OptimConfig(optimizer=optimizer, clip=0.0, lr=1e-2, warmup_steps=2,
-                                 total_steps=20, in_backward=True))
+                     OptimConfig(optimizer=optimizer, clip=clip, lr=1e-2, warmup_steps=2,
+                                 total_steps=20, in_backward=in_backward), grad_accum=accum)
     runs = {}
     for name, par in (("device", Placement.single()), ("host", Placement.single("host"))):
         s = par.init_state(cfg, None, 1)
         step = par.train_step(cfg, s)
         ls = []
         for k in range(10):
-            batch = jax.tree.map(lambda x: x[None],
-                                 synthetic_batch(jax.random.PRNGKey(k), 2, 16, 259))
+            one = synthetic_batch(jax.random.PRNGKey(k), 2, 16, 259)
+            batch = jax.tree.map(lambda x: np.stack([x] * accum), one)
             before = s
             s, m = step(s, batch)
             assert all(x.is_deleted() for x in jax.tree.leaves(before.opt_state))  # donated
+            assert _host_arrays(s) == (name == "host")  # after every step
             ls.append(float(m["loss"]))
         runs[name] = ls, s
     (l1, s1), (l2, s2) = runs["device"], runs["host"]
@@ -63,20 +73,24 @@ def test_host_state_is_bitwise_the_device_run_for_10_steps(optimizer):
     assert {x.sharding.memory_kind for x in jax.tree.leaves(s2.params)} == {"device"}
 
 
-def test_without_optimizer_in_backward_exits_2_with_one_line(tmp_path, capsys):
+def test_other_optimizers_without_in_backward_exit_2_with_one_line(tmp_path, capsys):
+    """Their optax update would compute on the host arrays: only adamw8bit's streams."""
     with pytest.raises(SystemExit) as e:
-        main([*SMALL, "--out", str(tmp_path / "run"), "--offload-optimizer", "host"])
+        main([*SMALL, "--out", str(tmp_path / "run"), "--offload-optimizer", "host",
+              "--optimizer", "adamw"])
     assert e.value.code == 2
-    assert "--offload-optimizer host needs --optimizer-in-backward" in \
-        error_line(capsys.readouterr().err)
+    line = error_line(capsys.readouterr().err)
+    assert "--offload-optimizer host with --optimizer adamw needs --optimizer-in-backward" in line
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow  # three CLI runs
-def test_resume_is_bitwise_the_device_run(tmp_path, corpus):
+@pytest.mark.slow  # three CLI runs each
+@pytest.mark.parametrize("mode", [OIB, ["--clip", "1.0", "--grad-accum", "2"]],
+                         ids=["in-backward", "whole-tree"])
+def test_resume_is_bitwise_the_device_run(tmp_path, corpus, mode):
     from jaxmem.train.rundir import load_run
     args = [*SMALL, "--data", corpus, "--steps", "6", "--precision", "bf16-sr",
-            "--optimizer", "adamw8bit", *OIB]
+            "--optimizer", "adamw8bit", *mode]
     host = [*args, "--offload-optimizer", "host"]
     assert main([*args, "--out", str(tmp_path / "device")]) == 0
     assert main([*host, "--out", str(tmp_path / "split"), "--stop-at", "3"]) == 0

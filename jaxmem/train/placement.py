@@ -8,10 +8,11 @@
     par.host(metrics)                      # numpy values on every process
 
 On one device with --offload-optimizer host and / or --offload-params host
-(`Placement.single("host", "host")`, --optimizer-in-backward only) the optimizer state's and / or
-the params' stacked layer leaves are created, stepped (donated, with in and out shardings) and
-restored in pinned host memory (`host_shardings`); the in-backward step streams them a layer at
-a time.
+(`Placement.single("host", "host")`) every array of the optimizer state and / or the params'
+stacked layer leaves are created, stepped (donated, with in and out shardings) and restored in
+pinned host memory (`host_shardings`); the in-backward step streams them a layer at a time, and
+without it (--optimizer adamw8bit, the optimizer state only) the 8-bit update streams each leaf's
+moments a row piece at a time (jaxmem.optim.AdamW8bitInPlace, `apply_leaf_in_place`).
 
 On a mesh:
 - the state is created directly split (`jit(state_creation_fn(...), out_shardings=...)`, the
@@ -105,8 +106,8 @@ def host_shardings(abstract_state, parts, device=None):
 def check_offload(optim, device=None) -> None:
     """ConfigError (one line, naming the flag) where the device has no pinned host memory for
     --offload-optimizer host or --offload-params host (`optim`: the run's OptimConfig). Their
-    other conditions are the config's (OptimConfig: --optimizer-in-backward) and the CLI's (one
-    device, as --optimizer-in-backward)."""
+    other conditions are the config's (OptimConfig: --optimizer-in-backward, or adamw8bit for
+    --offload-optimizer) and the CLI's (one device)."""
     for flag, value in (("--offload-optimizer", optim.offload_optimizer),
                         ("--offload-params", optim.offload_params)):
         if value == "none":
@@ -123,8 +124,8 @@ class Placement:
 
     mesh: Any = None
     offload_base: str = "none"  # "host": the frozen base's layers in pinned host memory
-    offload_optimizer: str = "none"  # "host": the optimizer state's stacked leaves in pinned
-                                     # host memory (one device, --optimizer-in-backward)
+    offload_optimizer: str = "none"  # "host": every array of the optimizer state in pinned
+                                     # host memory (one device)
     offload_params: str = "none"  # "host": the trained params' stacked leaves, likewise
 
     @classmethod
