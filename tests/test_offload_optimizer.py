@@ -4,6 +4,10 @@ and without it adamw8bit's whole-tree update streams each leaf's a row piece at 
 is tested is the numbers (bitwise the device-resident run), where the state says it lives, and
 resume."""
 
+import json
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -18,6 +22,7 @@ from jaxmem.train.placement import Placement
 from jaxmem.train.step import StepConfig
 
 from runs import SMALL, error_line, losses
+from testenv import ROOT, subprocess_env
 
 OIB = ["--optimizer-in-backward", "--remat", "full", "--clip", "0"]
 
@@ -95,7 +100,6 @@ def test_resume_is_bitwise_the_device_run(tmp_path, corpus, mode):
     assert main([*args, "--out", str(tmp_path / "device")]) == 0
     assert main([*host, "--out", str(tmp_path / "split"), "--stop-at", "3"]) == 0
     assert main([*host, "--out", str(tmp_path / "split"), "--resume"]) == 0
-    import json
     record = json.loads((tmp_path / "split" / "config.json").read_text())
     assert "host" in json.dumps(record) and "offload_optimizer" in json.dumps(record)
     device, split = losses(tmp_path / "device"), losses(tmp_path / "split")
@@ -122,3 +126,43 @@ def test_checkpoint_restores_into_pinned_host_where_the_target_says_so(tmp_path)
         assert {v for k, v in _kinds(r).items() if "['layers']" in k} == {kind}
         for a, b in zip(jax.tree.leaves(s), jax.tree.leaves(r)):
             np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+def test_on_a_fsdp_mesh_each_device_streams_its_shard_bitwise(tmp_path):
+    """fsdp=2 on simulated CPU devices (tests/offload_mesh_worker.py): the state's arrays in
+    pinned host memory, split as on the device; the update's shard_map bodies see their shards
+    there; 10 steps bitwise the device-resident mesh run."""
+    out = tmp_path / "mesh.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "offload_mesh_worker.py"),
+                           str(out)], cwd=ROOT, env=subprocess_env(cpu_devices=2),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    d = json.loads(out.read_text())
+    device, host = d["losses"]["device"], d["losses"]["host"]
+    assert device == host and len(host) == 10 and host[-1] != host[0]
+    assert d["same_state"] and d["specs_equal"] and d["counters"] == ["device"]
+    assert d["kinds"]["host"] == [["pinned_host"]] * 10
+    assert d["kinds"]["device"] == [["device"]] * 10
+    # down_proj [4, 384, 128] split over fsdp=2: each device's shard, its codes and scales
+    assert [4, 192, 128] in d["local_host"] and [4, 192, 1] in d["local_host"]
+
+
+@pytest.mark.slow  # three CLI runs on 2 simulated devices
+def test_on_a_fsdp_mesh_resume_is_bitwise_the_device_run(tmp_path, corpus):
+    from jaxmem.train.rundir import load_run
+    args = [*SMALL, "--data", corpus, "--steps", "6", "--precision", "bf16-sr",
+            "--optimizer", "adamw8bit", "--mesh", "fsdp=2"]
+    host = [*args, "--offload-optimizer", "host"]
+    for extra in ([*args, "--out", str(tmp_path / "device")],
+                  [*host, "--out", str(tmp_path / "split"), "--stop-at", "3"],
+                  [*host, "--out", str(tmp_path / "split"), "--resume"]):
+        proc = subprocess.run([sys.executable, "-m", "jaxmem.train", *extra], cwd=ROOT,
+                              env=subprocess_env(cpu_devices=2), capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    device, split = losses(tmp_path / "device"), losses(tmp_path / "split")
+    assert device == split and len(device) == 6
+    a, b = load_run(tmp_path / "device").state, load_run(tmp_path / "split").state
+    assert int(a.step) == int(b.step) == 6
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(_bits(x), _bits(y))

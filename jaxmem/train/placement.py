@@ -86,14 +86,15 @@ def _balanced(fn, mesh, step_cfg):
     return balanced
 
 
-def host_shardings(abstract_state, parts, device=None):
-    """--offload-optimizer / --offload-params host (one device): a sharding per leaf of a train
-    state (or its abstract form) with, for each of `parts`, in pinned host memory: "params" the
-    trained weights' stacked leaves (those under "layers": the embedding, head and final norm
-    stay, as --offload-base's base does, jaxmem.peft.offload); "opt_state" every array of the
-    optimizer state (the moments, for adamw8bit their codes and scales; the counters stay).
-    Everything else is on the device."""
-    shardings = one_device_shardings(abstract_state, device)
+def host_shardings(abstract_state, parts, device=None, shardings=None):
+    """--offload-optimizer / --offload-params host: a sharding per leaf of a train state (or its
+    abstract form) with, for each of `parts`, in pinned host memory: "params" the trained
+    weights' stacked leaves (those under "layers": the embedding, head and final norm stay, as
+    --offload-base's base does, jaxmem.peft.offload); "opt_state" every array of the optimizer
+    state (the moments, for adamw8bit their codes and scales; the counters stay). Everything
+    else is on the device. `shardings`: the state's on a mesh (each device's shard goes to its
+    host memory); None: one device's."""
+    shardings = shardings or one_device_shardings(abstract_state, device)
     moved = {}
     if "params" in parts:
         moved["params"] = offload_shardings(shardings.params)
@@ -142,8 +143,8 @@ class Placement:
                                     ("opt_state", self.offload_optimizer)) if v == "host")
 
     @classmethod
-    def on(cls, mesh, offload_base: str = "none") -> "Placement":
-        return cls(mesh, offload_base)
+    def on(cls, mesh, offload_base: str = "none", offload_optimizer: str = "none") -> "Placement":
+        return cls(mesh, offload_base, offload_optimizer)
 
     @property
     def is_main(self) -> bool:
@@ -151,7 +152,12 @@ class Placement:
         return jax.process_index() == 0
 
     def state_shardings(self, abstract_state):
-        return R.state_shardings(abstract_state, self.mesh)
+        """The state's NamedShardings on the mesh (jaxmem.parallel.rules); with
+        --offload-optimizer host the optimizer state's arrays in pinned host memory."""
+        shardings = R.state_shardings(abstract_state, self.mesh)
+        if self.offload_optimizer != "host":
+            return shardings
+        return host_shardings(abstract_state, ("opt_state",), shardings=shardings)
 
     def abstract(self, abstract_state):
         """The restore target: shapes and dtypes with this placement's shardings (single
@@ -161,7 +167,7 @@ class Placement:
                                           host_shardings(abstract_state, self.host_parts))
         if self.mesh is None:
             return abstract_state
-        return R.with_shardings(abstract_state, self.mesh)
+        return R.with_given_shardings(abstract_state, self.state_shardings(abstract_state))
 
     def _placed_shardings(self, abstract_state):
         """The state's shardings where this placement gives them: on a mesh, or on one device
