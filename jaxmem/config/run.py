@@ -176,8 +176,8 @@ class OptimConfig:
     # Changes no number of the run, only where the state lives: a run may resume with it or not.
     offload_optimizer: str = option("none", "where the optimizer state lives between steps: "
                                     "none = on the accelerator; host = in pinned host memory, "
-                                    "streamed to the device for its update (one device; "
-                                    "--optimizer adamw8bit or --optimizer-in-backward)",
+                                    "streamed to the device for its update (--optimizer "
+                                    "adamw8bit; others: --optimizer-in-backward, one device)",
                                     choices=["none", "host"], mutable=True)
     # As offload_optimizer: only where the weights live; a run may resume with it or without.
     offload_params: str = option("none", "where the trained weights' stacked layer leaves live: "
