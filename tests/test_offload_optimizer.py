@@ -1,8 +1,12 @@
-"""--offload-optimizer host (issue 39, first piece; prototype): the optimizer state's stacked
-layer leaves live in pinned host memory between steps and the in-backward loop streams each
-layer's to the device for its update. On a CPU host and device memory are the same RAM, so what
+"""--offload-optimizer host (issue 39): every array of the optimizer state lives in pinned host
+memory between steps; the in-backward loop streams each layer's to the device for its update,
+and without it adamw8bit's whole-tree update streams each leaf's a row piece at a time. On a CPU host and device memory are the same RAM, so what
 is tested is the numbers (bitwise the device-resident run), where the state says it lives, and
 resume."""
+
+import json
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -18,6 +22,7 @@ from jaxmem.train.placement import Placement
 from jaxmem.train.step import StepConfig
 
 from runs import SMALL, error_line, losses
+from testenv import ROOT, subprocess_env
 
 OIB = ["--optimizer-in-backward", "--remat", "full", "--clip", "0"]
 
@@ -31,22 +36,32 @@ def _kinds(state):
             for p, x in jax.tree_util.tree_leaves_with_path(state.opt_state)}
 
 
-@pytest.mark.parametrize("optimizer", ["adamw8bit", "adamw"])
-def test_host_state_is_bitwise_the_device_run_for_10_steps(optimizer):
+def _host_arrays(state):
+    """Whether every array of the optimizer state is in pinned host memory, the counters not."""
+    return all((v == "pinned_host") == (x.ndim > 0) for x, v in zip(
+        jax.tree.leaves(state.opt_state), _kinds(state).values()))
+
+
+# in-backward (a layer at a time); without it adamw8bit's whole-tree update streams each leaf a
+# row piece at a time, here with clipping by the global norm and two accumulated micro-batches
+@pytest.mark.parametrize("optimizer,in_backward,clip,accum", [
+    ("adamw8bit", True, 0.0, 1), ("adamw", True, 0.0, 1), ("adamw8bit", False, 1.0, 2)])
+def test_host_state_is_bitwise_the_device_run_for_10_steps(optimizer, in_backward, clip, accum):
     cfg = StepConfig(get_preset("tiny"), get_precision("bf16-sr"), RematPolicy("full"),
-                     OptimConfig(optimizer=optimizer, clip=0.0, lr=1e-2, warmup_steps=2,
-                                 total_steps=20, in_backward=True))
+                     OptimConfig(optimizer=optimizer, clip=clip, lr=1e-2, warmup_steps=2,
+                                 total_steps=20, in_backward=in_backward), grad_accum=accum)
     runs = {}
     for name, par in (("device", Placement.single()), ("host", Placement.single("host"))):
         s = par.init_state(cfg, None, 1)
         step = par.train_step(cfg, s)
         ls = []
         for k in range(10):
-            batch = jax.tree.map(lambda x: x[None],
-                                 synthetic_batch(jax.random.PRNGKey(k), 2, 16, 259))
+            one = synthetic_batch(jax.random.PRNGKey(k), 2, 16, 259)
+            batch = jax.tree.map(lambda x: np.stack([x] * accum), one)
             before = s
             s, m = step(s, batch)
             assert all(x.is_deleted() for x in jax.tree.leaves(before.opt_state))  # donated
+            assert _host_arrays(s) == (name == "host")  # after every step
             ls.append(float(m["loss"]))
         runs[name] = ls, s
     (l1, s1), (l2, s2) = runs["device"], runs["host"]
@@ -63,25 +78,28 @@ def test_host_state_is_bitwise_the_device_run_for_10_steps(optimizer):
     assert {x.sharding.memory_kind for x in jax.tree.leaves(s2.params)} == {"device"}
 
 
-def test_without_optimizer_in_backward_exits_2_with_one_line(tmp_path, capsys):
+def test_other_optimizers_without_in_backward_exit_2_with_one_line(tmp_path, capsys):
+    """Their optax update would compute on the host arrays: only adamw8bit's streams."""
     with pytest.raises(SystemExit) as e:
-        main([*SMALL, "--out", str(tmp_path / "run"), "--offload-optimizer", "host"])
+        main([*SMALL, "--out", str(tmp_path / "run"), "--offload-optimizer", "host",
+              "--optimizer", "adamw"])
     assert e.value.code == 2
-    assert "--offload-optimizer host needs --optimizer-in-backward" in \
-        error_line(capsys.readouterr().err)
+    line = error_line(capsys.readouterr().err)
+    assert "--offload-optimizer host with --optimizer adamw needs --optimizer-in-backward" in line
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow  # three CLI runs
-def test_resume_is_bitwise_the_device_run(tmp_path, corpus):
+@pytest.mark.slow  # three CLI runs each
+@pytest.mark.parametrize("mode", [OIB, ["--clip", "1.0", "--grad-accum", "2"]],
+                         ids=["in-backward", "whole-tree"])
+def test_resume_is_bitwise_the_device_run(tmp_path, corpus, mode):
     from jaxmem.train.rundir import load_run
     args = [*SMALL, "--data", corpus, "--steps", "6", "--precision", "bf16-sr",
-            "--optimizer", "adamw8bit", *OIB]
+            "--optimizer", "adamw8bit", *mode]
     host = [*args, "--offload-optimizer", "host"]
     assert main([*args, "--out", str(tmp_path / "device")]) == 0
     assert main([*host, "--out", str(tmp_path / "split"), "--stop-at", "3"]) == 0
     assert main([*host, "--out", str(tmp_path / "split"), "--resume"]) == 0
-    import json
     record = json.loads((tmp_path / "split" / "config.json").read_text())
     assert "host" in json.dumps(record) and "offload_optimizer" in json.dumps(record)
     device, split = losses(tmp_path / "device"), losses(tmp_path / "split")
@@ -108,3 +126,43 @@ def test_checkpoint_restores_into_pinned_host_where_the_target_says_so(tmp_path)
         assert {v for k, v in _kinds(r).items() if "['layers']" in k} == {kind}
         for a, b in zip(jax.tree.leaves(s), jax.tree.leaves(r)):
             np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+def test_on_a_fsdp_mesh_each_device_streams_its_shard_bitwise(tmp_path):
+    """fsdp=2 on simulated CPU devices (tests/offload_mesh_worker.py): the state's arrays in
+    pinned host memory, split as on the device; the update's shard_map bodies see their shards
+    there; 10 steps bitwise the device-resident mesh run."""
+    out = tmp_path / "mesh.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "offload_mesh_worker.py"),
+                           str(out)], cwd=ROOT, env=subprocess_env(cpu_devices=2),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    d = json.loads(out.read_text())
+    device, host = d["losses"]["device"], d["losses"]["host"]
+    assert device == host and len(host) == 10 and host[-1] != host[0]
+    assert d["same_state"] and d["specs_equal"] and d["counters"] == ["device"]
+    assert d["kinds"]["host"] == [["pinned_host"]] * 10
+    assert d["kinds"]["device"] == [["device"]] * 10
+    # down_proj [4, 384, 128] split over fsdp=2: each device's shard, its codes and scales
+    assert [4, 192, 128] in d["local_host"] and [4, 192, 1] in d["local_host"]
+
+
+@pytest.mark.slow  # three CLI runs on 2 simulated devices
+def test_on_a_fsdp_mesh_resume_is_bitwise_the_device_run(tmp_path, corpus):
+    from jaxmem.train.rundir import load_run
+    args = [*SMALL, "--data", corpus, "--steps", "6", "--precision", "bf16-sr",
+            "--optimizer", "adamw8bit", "--mesh", "fsdp=2"]
+    host = [*args, "--offload-optimizer", "host"]
+    for extra in ([*args, "--out", str(tmp_path / "device")],
+                  [*host, "--out", str(tmp_path / "split"), "--stop-at", "3"],
+                  [*host, "--out", str(tmp_path / "split"), "--resume"]):
+        proc = subprocess.run([sys.executable, "-m", "jaxmem.train", *extra], cwd=ROOT,
+                              env=subprocess_env(cpu_devices=2), capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    device, split = losses(tmp_path / "device"), losses(tmp_path / "split")
+    assert device == split and len(device) == 6
+    a, b = load_run(tmp_path / "device").state, load_run(tmp_path / "split").state
+    assert int(a.step) == int(b.step) == 6
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(_bits(x), _bits(y))

@@ -123,11 +123,10 @@ class RematSection:
     policy: str = option("none", "remat policy for each decoder block: none, full, dots, "
                          "dots_no_batch, offload, names:<tag>[,<tag>...], offload:<tag>[,<tag>...]",
                          flags=("--remat",))
-    loss_chunk: int | None = option(None, "fuse the LM head into the loss in chunks of N sequence "
+    loss_chunk: int | None = option(None, "fuse the LM head into the loss in chunks of N "
                                     "positions, never holding [B, T, V] logits (0: off; default: "
                                     "on when vocab > hidden size, chunks of <= 256 MiB of fp32 "
-                                    "logits; jaxmem.loss.chunked)", type="nonneg_int",
-                                    metavar="N")
+                                    "logits)", type="nonneg_int", metavar="N")
 
     def __post_init__(self):
         _positive("--loss-chunk", self.loss_chunk, allow_none=True, allow_zero=True)
@@ -174,18 +173,16 @@ class OptimConfig:
                                "exists whole (one device; needs --remat full and --clip 0; no "
                                "--grad-accum, loss scaling or LoRA; docs/optimizers.md)",
                                flags=("--optimizer-in-backward",), store_true=True, mutable=True)
-    # Changes no number of the run, only where the state lives: a run may resume with it or
-    # without (issue 39 prototype).
-    offload_optimizer: str = option("none", "where the optimizer state's stacked layer leaves "
-                                    "live between steps: none = on the accelerator; host = in "
-                                    "pinned host memory, each layer's moved to the device for "
-                                    "its update only (one device; needs --optimizer-in-backward)",
+    # Changes no number of the run, only where the state lives: a run may resume with it or not.
+    offload_optimizer: str = option("none", "where the optimizer state lives between steps: "
+                                    "none = on the accelerator; host = in pinned host memory, "
+                                    "streamed to the device for its update (--optimizer "
+                                    "adamw8bit; others: --optimizer-in-backward, one device)",
                                     choices=["none", "host"], mutable=True)
     # As offload_optimizer: only where the weights live; a run may resume with it or without.
-    offload_params: str = option("none", "where the trained weights' stacked layer leaves live "
-                                 "between steps: none = on the accelerator; host = in pinned host "
-                                 "memory, each layer's copied to the device for its forward, "
-                                 "backward and update only (one device; needs "
+    offload_params: str = option("none", "where the trained weights' stacked layer leaves live: "
+                                 "none = on the accelerator; host = in pinned host memory, a "
+                                 "layer copied to the device when used (one device; needs "
                                  "--optimizer-in-backward)", choices=["none", "host"], mutable=True)
 
     def __post_init__(self):
@@ -205,13 +202,17 @@ class OptimConfig:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer {self.optimizer!r} is invalid; choose one of: "
                               f"{', '.join(OPTIMIZERS)}")
-        for flag, value, what in (("--offload-optimizer", self.offload_optimizer, "state is"),
-                                  ("--offload-params", self.offload_params, "weights are")):
+        for flag, value in (("--offload-optimizer", self.offload_optimizer),
+                            ("--offload-params", self.offload_params)):
             if value not in ("none", "host"):
                 raise ConfigError(f"{flag} {value!r} is not one of none, host")
-            if value == "host" and not self.in_backward:
-                raise ConfigError(f"{flag} host needs --optimizer-in-backward: the {what} "
-                                  f"streamed layer by layer by the in-backward update")
+        if self.offload_params == "host" and not self.in_backward:
+            raise ConfigError("--offload-params host needs --optimizer-in-backward: the weights "
+                              "are streamed layer by layer by the in-backward update")
+        # without in-backward only adamw8bit's update streams a host-resident state (in pieces)
+        if self.offload_optimizer == "host" and not (self.in_backward or self.optimizer == "adamw8bit"):
+            raise ConfigError(f"--offload-optimizer host with --optimizer {self.optimizer} needs "
+                              f"--optimizer-in-backward (only adamw8bit's update streams without)")
 
 
 @dataclass(frozen=True)

@@ -159,7 +159,8 @@ def setup(args, parser) -> Setup:
                            f"({dict(mesh.shape)}): pass --mesh with one device, or drop the flag")
         check_offload(cfg.optim)
         s.placement = (Placement.single(cfg.optim.offload_optimizer, cfg.optim.offload_params)
-                       if mesh is None else Placement.on(mesh, cfg.peft.offload_base))
+                       if mesh is None else Placement.on(mesh, cfg.peft.offload_base,
+                                                         cfg.optim.offload_optimizer))
         # LoRA / QLoRA: the frozen base, checked against the run's record (None: full)
         s.frozen, s.base_record = step_cfg.trainable.prepare_frozen(
             cfg, model_cfg, step_cfg, record if continuing else None, cfg.init.init_from,

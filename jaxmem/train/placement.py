@@ -8,10 +8,11 @@
     par.host(metrics)                      # numpy values on every process
 
 On one device with --offload-optimizer host and / or --offload-params host
-(`Placement.single("host", "host")`, --optimizer-in-backward only) the optimizer state's and / or
-the params' stacked layer leaves are created, stepped (donated, with in and out shardings) and
-restored in pinned host memory (`host_shardings`); the in-backward step streams them a layer at
-a time.
+(`Placement.single("host", "host")`) every array of the optimizer state and / or the params'
+stacked layer leaves are created, stepped (donated, with in and out shardings) and restored in
+pinned host memory (`host_shardings`); the in-backward step streams them a layer at a time, and
+without it (--optimizer adamw8bit, the optimizer state only) the 8-bit update streams each leaf's
+moments a row piece at a time (jaxmem.optim.AdamW8bitInPlace, `apply_leaf_in_place`).
 
 On a mesh:
 - the state is created directly split (`jit(state_creation_fn(...), out_shardings=...)`, the
@@ -85,14 +86,15 @@ def _balanced(fn, mesh, step_cfg):
     return balanced
 
 
-def host_shardings(abstract_state, parts, device=None):
-    """--offload-optimizer / --offload-params host (one device): a sharding per leaf of a train
-    state (or its abstract form) with, for each of `parts`, in pinned host memory: "params" the
-    trained weights' stacked leaves (those under "layers": the embedding, head and final norm
-    stay, as --offload-base's base does, jaxmem.peft.offload); "opt_state" every array of the
-    optimizer state (the moments, for adamw8bit their codes and scales; the counters stay).
-    Everything else is on the device."""
-    shardings = one_device_shardings(abstract_state, device)
+def host_shardings(abstract_state, parts, device=None, shardings=None):
+    """--offload-optimizer / --offload-params host: a sharding per leaf of a train state (or its
+    abstract form) with, for each of `parts`, in pinned host memory: "params" the trained
+    weights' stacked leaves (those under "layers": the embedding, head and final norm stay, as
+    --offload-base's base does, jaxmem.peft.offload); "opt_state" every array of the optimizer
+    state (the moments, for adamw8bit their codes and scales; the counters stay). Everything
+    else is on the device. `shardings`: the state's on a mesh (each device's shard goes to its
+    host memory); None: one device's."""
+    shardings = shardings or one_device_shardings(abstract_state, device)
     moved = {}
     if "params" in parts:
         moved["params"] = offload_shardings(shardings.params)
@@ -105,8 +107,8 @@ def host_shardings(abstract_state, parts, device=None):
 def check_offload(optim, device=None) -> None:
     """ConfigError (one line, naming the flag) where the device has no pinned host memory for
     --offload-optimizer host or --offload-params host (`optim`: the run's OptimConfig). Their
-    other conditions are the config's (OptimConfig: --optimizer-in-backward) and the CLI's (one
-    device, as --optimizer-in-backward)."""
+    other conditions are the config's (OptimConfig: --optimizer-in-backward, or adamw8bit for
+    --offload-optimizer) and the CLI's (one device)."""
     for flag, value in (("--offload-optimizer", optim.offload_optimizer),
                         ("--offload-params", optim.offload_params)):
         if value == "none":
@@ -123,8 +125,8 @@ class Placement:
 
     mesh: Any = None
     offload_base: str = "none"  # "host": the frozen base's layers in pinned host memory
-    offload_optimizer: str = "none"  # "host": the optimizer state's stacked leaves in pinned
-                                     # host memory (one device, --optimizer-in-backward)
+    offload_optimizer: str = "none"  # "host": every array of the optimizer state in pinned
+                                     # host memory (one device)
     offload_params: str = "none"  # "host": the trained params' stacked leaves, likewise
 
     @classmethod
@@ -141,8 +143,8 @@ class Placement:
                                     ("opt_state", self.offload_optimizer)) if v == "host")
 
     @classmethod
-    def on(cls, mesh, offload_base: str = "none") -> "Placement":
-        return cls(mesh, offload_base)
+    def on(cls, mesh, offload_base: str = "none", offload_optimizer: str = "none") -> "Placement":
+        return cls(mesh, offload_base, offload_optimizer)
 
     @property
     def is_main(self) -> bool:
@@ -150,7 +152,12 @@ class Placement:
         return jax.process_index() == 0
 
     def state_shardings(self, abstract_state):
-        return R.state_shardings(abstract_state, self.mesh)
+        """The state's NamedShardings on the mesh (jaxmem.parallel.rules); with
+        --offload-optimizer host the optimizer state's arrays in pinned host memory."""
+        shardings = R.state_shardings(abstract_state, self.mesh)
+        if self.offload_optimizer != "host":
+            return shardings
+        return host_shardings(abstract_state, ("opt_state",), shardings=shardings)
 
     def abstract(self, abstract_state):
         """The restore target: shapes and dtypes with this placement's shardings (single
@@ -160,7 +167,7 @@ class Placement:
                                           host_shardings(abstract_state, self.host_parts))
         if self.mesh is None:
             return abstract_state
-        return R.with_shardings(abstract_state, self.mesh)
+        return R.with_given_shardings(abstract_state, self.state_shardings(abstract_state))
 
     def _placed_shardings(self, abstract_state):
         """The state's shardings where this placement gives them: on a mesh, or on one device

@@ -260,8 +260,10 @@ def jit_train_step(cfg: StepConfig, state_shardings=None):
     """`make_train_step` under jit with the state donated (updated in place); an fp8 step for a
     GPU compiles with the options that make its projections fp8 GEMMs
     (`jaxmem.model.fp8_compile.compiler_options`). state_shardings: the state's, in and out
-    (--offload-optimizer / --offload-params host: their stacks stay in pinned host memory)."""
+    (--offload-optimizer / --offload-params host: their arrays stay in pinned host memory;
+    a LoRA base, the third argument, keeps its own)."""
     given = {} if state_shardings is None else dict(
-        in_shardings=(state_shardings, None), out_shardings=(state_shardings, None))
+        in_shardings=(state_shardings, None) + cfg.trainable.step_args(None),
+        out_shardings=(state_shardings, None))
     return jax.jit(make_train_step(cfg), donate_argnums=0,
                    compiler_options=fp8_compiler_options(cfg.precision), **given)
