@@ -105,3 +105,31 @@ def test_memory_cli_refuses_offload_without_in_backward(capsys):
         main(["--preset", "tiny", "--offload-params", "host"])
     assert e.value.code == 2
     assert "--offload-params host needs --optimizer-in-backward" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mesh", [None, "fsdp=2"])
+def test_optimizer_on_the_host_without_in_backward(mesh):
+    """--offload-optimizer host with the whole-tree 8-bit update (no --optimizer-in-backward), on
+    one device and on an fsdp mesh of two simulated devices: XLA:CPU's program takes as host
+    arguments exactly what the count puts on the host (per device), and the device's analytic
+    peak is below the one without offload."""
+    import subprocess
+    import sys
+
+    from testenv import ROOT, subprocess_env
+    flags = ["--preset", "tiny", "--precision", "bf16-sr", "--optimizer", "adamw8bit",
+             "--offload-optimizer", "host", "--batch-size", "2", "--seq-len", "128", "--json"]
+    if mesh:
+        flags += ["--mesh", mesh, "--devices", "2"]
+    proc = subprocess.run([sys.executable, "-m", "jaxmem.memory", *flags], cwd=ROOT,
+                          env=subprocess_env(cpu_devices=2 if mesh else 1), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout)
+    host = r["analytic"]["host_bytes"]
+    assert host > 0 and r["compiled"]["host_argument_bytes"] == host
+    moments = offloaded(spec("host", name="adamw8bit"))[1]
+    # on the mesh each device holds its shard (small leaves whole: a little over half)
+    assert host == moments if not mesh else moments / 2 <= host < moments
+    if mesh:
+        assert r["analytic"]["total_bytes"] < r["analytic_without_offload"]

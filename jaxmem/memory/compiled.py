@@ -51,7 +51,7 @@ def placement(spec: StepSpec, mesh: MeshSpec | None) -> Placement:
     if mesh is None:
         return Placement(None, spec.offload_base, spec.offload_optimizer, spec.offload_params)
     return Placement.on(run_mesh(str(mesh), spec.model, spec.batch_size, seq_len=spec.seq_len),
-                        spec.offload_base)
+                        spec.offload_base, spec.offload_optimizer)
 
 
 def _host_resident(par: Placement) -> bool:

@@ -170,7 +170,7 @@ def count_state(spec: StepSpec, sizes: dict[str, int] | None = None) -> list[Com
     fields = {}  # TrainState attribute -> its leaves
     for x in _leaves(abstract_state(spec), sizes):
         fields.setdefault(key_name(x[0][0]), []).append(x)
-    on_host = state_on_host(spec) if math.prod(sizes.values()) == 1 else set()
+    on_host = state_on_host(spec)  # the same leaves on every device of a mesh
     opt = fields.pop("opt_state", [])
     out = []
     for where in (Where.DEVICE, Where.HOST):
@@ -218,9 +218,9 @@ def count_frozen(spec: StepSpec, sizes: dict[str, int]) -> list[Component]:
 
 
 def state_on_host(spec: StepSpec) -> set:
-    """Paths (from the train state's root) of the state's leaves the one-device placement keeps
-    in pinned host memory (--offload-optimizer / --offload-params host): its own shardings say
-    which."""
+    """Paths (from the train state's root) of the state's leaves the placement keeps in pinned
+    host memory (--offload-optimizer / --offload-params host): the one-device placement's own
+    shardings say which (on a mesh each device keeps its shard of the same leaves there)."""
     par = Placement(None, spec.offload_base, spec.offload_optimizer, spec.offload_params)
     if not par.host_parts:
         return set()
@@ -233,8 +233,8 @@ def _host_layer(spec: StepSpec) -> list[Component]:
     """One layer of each host-resident stacked state leaf, as the in-backward loop copies it to
     the device for that layer's update (the params' layer also for its forward and backward)."""
     host = state_on_host(spec)
-    if not host:
-        return []
+    if not host or not spec.in_backward:  # without it: the 8-bit update's row pieces (its
+        return []                           # working set) stream, no layer
     L, out = spec.model.num_layers, []
     leaves = [(p, x, nbytes(x)) for p, x in jax.tree_util.tree_leaves_with_path(
         abstract_state(spec)) if p in host]
