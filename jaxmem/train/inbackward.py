@@ -17,9 +17,14 @@ backward pass, so the gradient tree never exists whole (one device).
     d_embed = vjp(embed)(dx); update the embedding
 
 With --offload-params / --offload-optimizer host (jaxmem.train.placement) the stacked params /
-optimizer state live in pinned host memory: both layer loops copy params_l to the device
-(jaxmem.model.fetch.layer_to_device) and the update streams layer l's slices in and back
-(jaxmem.optim.split's parts); with everything on the device the program is unchanged.
+optimizer state live in pinned host memory: the forward scan copies params_l to the device
+(jaxmem.model.fetch.layer_to_device); the reverse loop is double-buffered: its carry also holds
+layer l's host-resident slices on the device (weights for the recompute and the update, the
+state's rows: Parts.fetch), fetched during iteration l + 1, and iteration l starts fetching
+layer l - 1's (each leaf's once layer l's gradient of it exists; an optimization_barrier orders
+those reads before layer l's writes into the same host stacks, without which XLA copies each
+whole stack), then writes layer l's updated slices back (jaxmem.optim.split's parts: one more
+layer of slices on the device). With everything on the device the program is unchanged.
 
 The gradients alive at once are one layer's plus the head's or the embedding's, instead of the
 whole tree (llama-3-8b bf16: 14.96 GiB; docs/memory.md has the compiled figures). The update of
