@@ -3,8 +3,9 @@ of the optimizer state between pinned host memory and the card overlap the step'
 (issue 39, "Overlap is visible"), and the planner counts the host-resident state apart.
 
 The tiny preset (4 layers), bf16-sr + adamw8bit, --optimizer-in-backward, 1 x 256: the reverse
-layer loop fetches layer l's slice of every stacked optimizer leaf (codes and scales of both
-moments) to the device and writes the updated slice back. In the scheduled H100 program each
+layer loop fetches layer l - 1's slice of every stacked optimizer leaf (codes and scales of both
+moments) to the device during iteration l (a prefetch, carried to the next iteration) and
+writes layer l's updated slice back. In the scheduled H100 program each
 such copy is an asynchronous `fusion-start` / `fusion-done` pair; jaxmem.xla.hlo.host_transfers
 counts them and the compute instructions the schedule puts between start and done.
 """
@@ -121,11 +122,28 @@ def test_optimizer_slices_move_asynchronously_inside_the_layer_loop(step):
     overlapped = [t for t in transfers if t["compute_between"] > 0]
     counts = {d: sorted((t["compute_between"] for t in overlapped if t["direction"] == d),
                         reverse=True) for d in ("H2D", "D2H")}
-    # in the tiny step: 2 of the 32 fetches run under the layer's whole backward (68 ops), 18
-    # of the 32 write-backs under the next leaf's update (2 to 15 ops)
     assert counts["H2D"] and counts["D2H"], (
         f"{len(overlapped)} of {len(transfers)} copies have compute between start and done "
         f"(ops between, per copy: {counts})")
+    # the prefetch (layer l - 1's slices fetched in iteration l, each leaf's once layer l's
+    # gradient of it exists): in the tiny step 18 of the loop's 32 fetches have compute in
+    # flight (1 to 30 ops), 18 of the 32 write-backs (3 to 15 ops); fetched just before use
+    # (no prefetch) it was 2 of 32 (the rest back to back at the top of the body)
+    fetches = [t for t in transfers if t["direction"] == "H2D" and t["computation"] in loop]
+    ahead = [t for t in fetches if t["compute_between"] > 0]
+    assert 2 * len(ahead) > len(fetches), (
+        f"{len(ahead)} of the layer loop's {len(fetches)} fetches overlap compute: "
+        f"{summary(fetches)}")
+
+
+def test_the_prefetch_copies_no_whole_host_stack(step):
+    """The prefetch reads layer l - 1 of the host stacks that iteration l writes layer l of: an
+    optimization_barrier orders the reads first, else XLA keeps the old stack readable by
+    copying it whole in host memory each iteration (experiments/spike39)."""
+    assert step["host_temp_bytes"] == 0
+    copies = [line for line in step["hlo"].splitlines()
+              if re.search(r"S\(5\)\}\s+copy(-start)?\(", line)]
+    assert not copies, copies[:3]
 
 
 def test_the_overlap_check_fails_on_synchronous_copies(step):

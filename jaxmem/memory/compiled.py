@@ -133,12 +133,16 @@ def compile_step(spec: StepSpec, mesh: MeshSpec | None = None, keep_hlo: bool = 
 
 
 def host_split(compiled, stats: dict, hlo_text: str) -> dict:
-    """{"host_argument_bytes", "device_peak_bytes"} of a compiled step: the host arguments as
-    memory_analysis() reports them apart (GPU), else as the entry layout marks them (XLA:CPU,
-    where they are inside argument_size_in_bytes and so taken out of the device peak)."""
-    reported = int(getattr(compiled.memory_analysis(), "host_argument_size_in_bytes", 0) or 0)
+    """{"host_argument_bytes", "host_temp_bytes", "device_peak_bytes"} of a compiled step: the
+    host arguments as memory_analysis() reports them apart (GPU), else as the entry layout marks
+    them (XLA:CPU, where they are inside argument_size_in_bytes and so taken out of the device
+    peak); host_temp_bytes: host memory XLA allocates for the step itself (GPU; 0 where not
+    reported), e.g. a copy of a whole host-resident stack."""
+    ma = compiled.memory_analysis()
+    reported = int(getattr(ma, "host_argument_size_in_bytes", 0) or 0)
     marked = 0 if reported else entry_argument_bytes(hlo_text)[0]
     return {"host_argument_bytes": reported or marked,
+            "host_temp_bytes": int(getattr(ma, "host_temp_size_in_bytes", 0) or 0),
             "host_source": "memory_analysis" if reported else "entry layout S(5)",
             "device_peak_bytes": stats["peak_bytes"] - marked}
 

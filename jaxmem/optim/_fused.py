@@ -331,7 +331,7 @@ class _InPlaceParts(Parts):
                                           self.pieces(i).key, finite)
         return new_p, (m, v)
 
-    def layer(self, i, l, g, p, s, finite):
+    def layer(self, i, l, g, p, s, finite, fetched=None):
         def fn(ins, st, pkey, bits):
             (g,), (p, m, v) = ins, st
             return self.piece(g, m, v, p, self.decays[i], pkey, bits)
@@ -339,7 +339,8 @@ class _InPlaceParts(Parts):
         # moments block-wise along the last axis: a layer's rows hold whole blocks, and the
         # codes [L, ..., last] and scales [L, ..., nb] are cut by layer like the weights
         rows, n, _ = moment_pieces(p.shape, s[0])
-        new_p, m, v = layer_rows(fn, (g,), (p, *s), l, rows, self.pieces(i, n), finite)
+        new_p, m, v = layer_rows(fn, (g,), (p, *s), l, rows, self.pieces(i, n), finite,
+                                 fetched)
         return new_p, (m, v)
 
     def finish(self, states):

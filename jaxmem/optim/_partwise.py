@@ -7,6 +7,8 @@ leaf stacked along its first axis. What an update inside the backward pass (jaxm
     parts.states[i]                                  leaf i's state (tree_flatten(params) order)
     p, s = parts.leaf(i, g, p, s, finite)            leaf i, whole
     p, s = parts.layer(i, l, g_l, p, s, finite)      layer l of leaf i (p, s: the whole stack)
+    fetched = parts.fetch(l, p, s)                   layer l's host-resident slices on the device,
+    p, s = parts.layer(i, l, g_l, p, s, finite, fetched)    fetched ahead (a prefetch)
     state = parts.finish(new states)                 the counts advanced once
 
 Each part goes through the whole-tree update's own arithmetic, from the state as it was before
@@ -101,10 +103,20 @@ class Parts:
         piece j of n of it, made where it is used)."""
         raise NotImplementedError
 
-    def layer(self, i: int, l, g, p, s, finite):
+    def layer(self, i: int, l, g, p, s, finite, fetched: list | None = None):
         """(new p, new s) of a stacked leaf i ([L, ...], with its state `s`) with layer `l`
-        updated from `g` (layer l's gradient, p.shape[1:]), in place."""
+        updated from `g` (layer l's gradient, p.shape[1:]), in place. `fetched`: `fetch(l, p,
+        s)` made earlier (the caller's prefetch); None: made here."""
         raise NotImplementedError
+
+    @staticmethod
+    def fetch(l, p, s) -> list:
+        """Layer `l` of the stacked leaf `p` and of its state `s` where they live in host memory
+        (--offload-optimizer / --offload-params host), copied to the device: per array of
+        tree_leaves((p, s)) (p's first) its [1, ...] slice, None where it is on the device (that
+        one is sliced where it is used)."""
+        return [to_device(jax.lax.dynamic_slice_in_dim(x, l, 1, 0), True) if in_host_memory(x)
+                else None for x in jax.tree_util.tree_leaves((p, s))]
 
     def finish(self, states: list):
         """The new optimizer state from every leaf's new state, its counts advanced once."""
@@ -176,14 +188,15 @@ class _OptaxParts(Parts):
         pick = lambda a, b: jnp.where(finite, a, b)  # noqa: E731
         return pick(new_p, p), tuple(to_host(pick(a, b), h) for a, b, h in zip(new, s, host))
 
-    def layer(self, i, l, g, p, s, finite):
-        take = lambda x: jax.lax.dynamic_slice_in_dim(x, l, 1, 0)  # noqa: E731  [1, ...]
+    def layer(self, i, l, g, p, s, finite, fetched=None):
+        take = lambda x, f: jax.lax.dynamic_slice_in_dim(x, l, 1, 0) if f is None else f  # noqa
         put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, l, 0)  # noqa: E731
         # --offload-optimizer / --offload-params host: layer l streamed from the host stacks
+        # (fetched now, or ahead by the caller), written back after
+        fetched = self.fetch(l, p, s) if fetched is None else fetched
         host = tuple(in_host_memory(x) for x in s)
-        s_l = tuple(to_device(take(x), h) for x, h in zip(s, host))
-        u, new = self._update(i, g.reshape((1,) + g.shape), to_device(take(p), in_host_memory(p)),
-                              s_l)
+        s_l = tuple(take(x, f) for x, f in zip(s, fetched[1:]))
+        u, new = self._update(i, g.reshape((1,) + g.shape), take(p, fetched[0]), s_l)
 
         def fn(ins, st, pkey, bits):
             (u,), (p,) = ins, st
@@ -193,7 +206,7 @@ class _OptaxParts(Parts):
             return ((round_bf16_bits(total, bits) if bits is not None
                      else round_bf16(total, pkey)),)
 
-        (new_p,) = layer_rows(fn, (u,), (p,), l, p.shape, self.pieces(i), finite)
+        (new_p,) = layer_rows(fn, (u,), (p,), l, p.shape, self.pieces(i), finite, fetched[:1])
         new = tuple(jnp.where(finite, a, b) for a, b in zip(new, s_l))
         new = tuple(to_host(y, h) for y, h in zip(new, host))
         return new_p, tuple(put(x, y) for x, y in zip(s, new))
@@ -206,12 +219,13 @@ class _OptaxParts(Parts):
                                    for k in range(len(self._tiny_moments))])
 
 
-def layer_rows(fn, ins, stacked, l, shape, keys: RoundingPieces, finite):
+def layer_rows(fn, ins, stacked, l, shape, keys: RoundingPieces, finite, fetched=None):
     """Layer `l` of the stacked arrays `stacked` (of `shape` [L, ..., last], seen as rows of
     `last`: an 8-bit leaf's `shape` is its moment_pieces' rows, its moments' codes and scales
     cut by as_rows) through fn(ins rows, stacked rows, piece key, bits) -> new stacked rows,
     written back in place; `ins` are layer-l arrays (size a x last); `keys` the leaf's
-    rounding keys (`pieces`), in keys.n row pieces.
+    rounding keys (`pieces`), in keys.n row pieces; `fetched`: `Parts.fetch(l, *stacked)`'s
+    list (layer l of the host-resident arrays on the device; None: fetched here).
 
     The whole-tree update cuts a leaf's L * a rows (a per layer) into n pieces of P rows, piece
     j rounded with keys(j). Here the layer goes through in sub-pieces of g = gcd(a, P) rows,
@@ -244,9 +258,11 @@ def layer_rows(fn, ins, stacked, l, shape, keys: RoundingPieces, finite):
 
     # a part with non-finite gradients runs no sub-piece: its rows stay bitwise
     subs = jnp.where(finite, a // g, 0)
-    if streamed:
-        window = jax.tree_util.tree_map(lambda x, h: to_device(take(x, l * a, a), h), whole,
-                                        on_host)
+    if streamed:  # the window: layer l's a rows of each array on the device
+        fetched = Parts.fetch(l, stacked, ()) if fetched is None else fetched
+        leaves, tree = jax.tree_util.tree_flatten(stacked)
+        window = rows(tree.unflatten([jax.lax.dynamic_slice_in_dim(x, l, 1, 0) if f is None
+                                      else f for x, f in zip(leaves, fetched)]))
         window = jax.lax.fori_loop(0, subs, body, window)
         out = jax.tree_util.tree_map(lambda x, y, h: put(x, to_host(y, h), l * a), whole,
                                      window, on_host)

@@ -17,9 +17,14 @@ backward pass, so the gradient tree never exists whole (one device).
     d_embed = vjp(embed)(dx); update the embedding
 
 With --offload-params / --offload-optimizer host (jaxmem.train.placement) the stacked params /
-optimizer state live in pinned host memory: both layer loops copy params_l to the device
-(jaxmem.model.fetch.layer_to_device) and the update streams layer l's slices in and back
-(jaxmem.optim.split's parts); with everything on the device the program is unchanged.
+optimizer state live in pinned host memory: the forward scan copies params_l to the device
+(jaxmem.model.fetch.layer_to_device); the reverse loop is double-buffered: its carry also holds
+layer l's host-resident slices on the device (weights for the recompute and the update, the
+state's rows: Parts.fetch), fetched during iteration l + 1, and iteration l starts fetching
+layer l - 1's (each leaf's once layer l's gradient of it exists; an optimization_barrier orders
+those reads before layer l's writes into the same host stacks, without which XLA copies each
+whole stack), then writes layer l's updated slices back (jaxmem.optim.split's parts: one more
+layer of slices on the device). With everything on the device the program is unchanged.
 
 The gradients alive at once are one layer's plus the head's or the embedding's, instead of the
 whole tree (llama-3-8b bf16: 14.96 GiB; docs/memory.md has the compiled figures). The update of
@@ -56,6 +61,7 @@ from jaxmem.model.fetch import layer_to_device
 from jaxmem.model.precision import cast_params
 from jaxmem.einsum import logits_einsum, project
 from jaxmem.optim import NoOpLossScale, NotSplittable, Parts, all_finite, row_chunks
+from jaxmem.optim._partwise import in_host_memory
 from jaxmem.train.loss import cross_entropy
 from jaxmem.train.optim import schedule
 
@@ -120,10 +126,12 @@ class _Updates:
         self.new_leaves[i], self.new_states[i] = self.parts.leaf(i, g, self.leaves[i],
                                                                  self.states[i], finite)
 
-    def layer(self, l, grads: dict, ps: dict, sts: dict, finite):
+    def layer(self, l, grads: dict, ps: dict, sts: dict, finite, fetched: dict | None = None):
         """Layer `l` of every stacked leaf i: grads {i: layer l's gradient}, ps and sts {i: the
-        whole stacked leaf / state} -> (ps, sts) with layer l updated in place."""
-        new = {i: self.parts.layer(i, l, grads[i], ps[i], sts[i], finite) for i in self.stacked}
+        whole stacked leaf / state}, fetched {i: Parts.fetch's list} or None -> (ps, sts) with
+        layer l updated in place."""
+        new = {i: self.parts.layer(i, l, grads[i], ps[i], sts[i], finite,
+                                   *([fetched[i]] if fetched else [])) for i in self.stacked}
         return {i: p for i, (p, _) in new.items()}, {i: s for i, (_, s) in new.items()}
 
     def add(self, sumsq, finite) -> None:
@@ -216,17 +224,26 @@ class _InBackwardStep:
 
     def _layers_backward(self, u: _Updates, params, xs, dx, a):
         """Backward through the layers, last first, each updated as its gradients appear (one
-        loop whose carry holds the stacked params and optimizer states); returns d x_0."""
+        loop whose carry holds the stacked params and optimizer states; where any of them lives
+        in host memory, also layer l's slices of those on the device, fetched during iteration
+        l + 1: the module docstring); returns d x_0."""
         stacked, L = u.stacked, self.c.num_layers
         treedef_l = jax.tree_util.tree_structure(params[LAYERS])
-        carry0 = (dx, {i: u.leaves[i] for i in stacked}, {i: u.states[i] for i in stacked},
-                  jnp.zeros((), jnp.float32), jnp.asarray(True))
+        ps0, sts0 = {i: u.leaves[i] for i in stacked}, {i: u.states[i] for i in stacked}
+        ahead = any(map(in_host_memory, jax.tree_util.tree_leaves((ps0, sts0))))
+
+        def fetch(at, ps, sts):  # {i: layer at[i]'s host-resident slices of leaf i, on the device}
+            return {i: u.parts.fetch(at[i], ps[i], sts[i]) for i in stacked}
+
+        carry0 = (dx, ps0, sts0, jnp.zeros((), jnp.float32), jnp.asarray(True)) + (
+            (fetch({i: L - 1 for i in stacked}, ps0, sts0),) if ahead else ())
 
         def back(k, carry):
-            dx, ps, sts, ss, fin = carry
+            (dx, ps, sts, ss, fin), cur = carry[:5], (carry[5] if ahead else None)
             l = L - 1 - k
-            lp = layer_to_device(treedef_l.unflatten(
-                [jax.lax.dynamic_index_in_dim(ps[i], l, 0, keepdims=False) for i in stacked]))
+            lp = layer_to_device(treedef_l.unflatten([
+                jax.lax.dynamic_index_in_dim(ps[i], l, 0, keepdims=False)
+                if cur is None or cur[i][0] is None else cur[i][0][0] for i in stacked]))
             x = jax.lax.dynamic_index_in_dim(xs, l, 0, keepdims=False)
             fact = jax.tree_util.tree_map(lambda f: f[l], self.facts)
             _, vjp = jax.vjp(lambda lp, x: self._layer(lp, x, a, fact), lp, x)
@@ -234,10 +251,19 @@ class _InBackwardStep:
             grads = dict(zip(stacked, jax.tree_util.tree_leaves(d_lp)))
             finite = all_finite(grads)
             ss = ss + sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads.values())
-            ps, sts = u.layer(l, grads, ps, sts, finite)
-            return dx, ps, sts, ss, fin & finite
+            nxt = ()
+            if ahead:  # layer l - 1's slices of leaf i start coming in once layer l's gradient
+                # of leaf i exists (the last trip fetches layer 0 again); the barrier orders all
+                # those reads before this layer's writes into the same host stacks (without it
+                # XLA copies each whole host stack)
+                at = {i: jax.lax.optimization_barrier((jnp.maximum(l - 1, 0), grads[i]))[0]
+                      for i in stacked}
+                nxt, ps, sts = jax.lax.optimization_barrier((fetch(at, ps, sts), ps, sts))
+                nxt = (nxt,)
+            ps, sts = u.layer(l, grads, ps, sts, finite, cur)
+            return (dx, ps, sts, ss, fin & finite) + nxt
 
-        dx, ps, sts, ss, fin = jax.lax.fori_loop(0, L, back, carry0)
+        dx, ps, sts, ss, fin = jax.lax.fori_loop(0, L, back, carry0)[:5]
         for i in stacked:
             u.new_leaves[i], u.new_states[i] = ps[i], sts[i]
         u.add(ss, fin)
