@@ -93,7 +93,6 @@ def test_other_optimizers_without_in_backward_exit_2_with_one_line(tmp_path, cap
 @pytest.mark.parametrize("mode", [OIB, ["--clip", "1.0", "--grad-accum", "2"]],
                          ids=["in-backward", "whole-tree"])
 def test_resume_is_bitwise_the_device_run(tmp_path, corpus, mode):
-    from jaxmem.train.rundir import load_run
     args = [*SMALL, "--data", corpus, "--steps", "6", "--precision", "bf16-sr",
             "--optimizer", "adamw8bit", *mode]
     host = [*args, "--offload-optimizer", "host"]
@@ -102,9 +101,15 @@ def test_resume_is_bitwise_the_device_run(tmp_path, corpus, mode):
     assert main([*host, "--out", str(tmp_path / "split"), "--resume"]) == 0
     record = json.loads((tmp_path / "split" / "config.json").read_text())
     assert "host" in json.dumps(record) and "offload_optimizer" in json.dumps(record)
-    device, split = losses(tmp_path / "device"), losses(tmp_path / "split")
-    assert device == split and len(device) == 6
-    a, b = load_run(tmp_path / "device").state, load_run(tmp_path / "split").state
+    assert_same_runs(tmp_path / "device", tmp_path / "split")
+
+
+def assert_same_runs(device, split):
+    """The split (stopped at 3, resumed) run's 6 losses and final state equal the device run's,
+    bitwise."""
+    from jaxmem.train.rundir import load_run
+    assert losses(device) == losses(split) and len(losses(device)) == 6
+    a, b = load_run(device).state, load_run(split).state
     assert int(a.step) == int(b.step) == 6
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(_bits(x), _bits(y))
@@ -149,7 +154,6 @@ def test_on_a_fsdp_mesh_each_device_streams_its_shard_bitwise(tmp_path):
 
 @pytest.mark.slow  # three CLI runs on 2 simulated devices
 def test_on_a_fsdp_mesh_resume_is_bitwise_the_device_run(tmp_path, corpus):
-    from jaxmem.train.rundir import load_run
     args = [*SMALL, "--data", corpus, "--steps", "6", "--precision", "bf16-sr",
             "--optimizer", "adamw8bit", "--mesh", "fsdp=2"]
     host = [*args, "--offload-optimizer", "host"]
@@ -160,9 +164,4 @@ def test_on_a_fsdp_mesh_resume_is_bitwise_the_device_run(tmp_path, corpus):
                               env=subprocess_env(cpu_devices=2), capture_output=True, text=True,
                               timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
-    device, split = losses(tmp_path / "device"), losses(tmp_path / "split")
-    assert device == split and len(device) == 6
-    a, b = load_run(tmp_path / "device").state, load_run(tmp_path / "split").state
-    assert int(a.step) == int(b.step) == 6
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(_bits(x), _bits(y))
+    assert_same_runs(tmp_path / "device", tmp_path / "split")
