@@ -57,11 +57,10 @@ from jaxmem.loss.chunked import chunked_cross_entropy, resolve_loss_chunk
 from jaxmem.families.decoder import (DecoderBlock, abstract_params, embed_lookup, final_norm,
                                     layer_context, layer_facts)
 from jaxmem.families.names import EMBEDDING, FINAL_NORM, HEAD, LAYERS
-from jaxmem.model.fetch import layer_to_device
+from jaxmem.model.fetch import in_host_memory, layer_to_device
 from jaxmem.model.precision import cast_params
 from jaxmem.einsum import logits_einsum, project
 from jaxmem.optim import NoOpLossScale, NotSplittable, Parts, all_finite, row_chunks
-from jaxmem.optim._partwise import in_host_memory
 from jaxmem.train.loss import cross_entropy
 from jaxmem.train.optim import schedule
 
