@@ -97,6 +97,7 @@ def test_memory_cli_prints_the_host_and_transfer_plan(capsys):
     assert r["transfers"]["host_bytes"] == r["analytic"]["host_bytes"] == sum(offloaded(s))
     assert r["compiled"]["host_argument_bytes"] == sum(offloaded(s))
     assert "card" not in r["transfers"]  # no --target: no card, no time estimate
+    assert any("MiB of pinned host memory besides" in line for line in r["verdict"])
 
 
 def test_memory_cli_refuses_offload_without_in_backward(capsys):

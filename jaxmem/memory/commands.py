@@ -28,9 +28,15 @@ def verdict(report: dict, fit: float | None = None) -> list[str]:
         f"{r['name']} {r['analytic_bytes'] / GiB:.2f}a" if r["compiled_bytes"] is None
         else f"{r['name']} {r['compiled_bytes'] / GiB:.2f}" for r in ph["phases"])
     sizes = COMMON_GIB if fit is None else tuple(sorted({*COMMON_GIB, fit}))
-    return verdict_lines(ph["peak_bytes"], ph["peak_source"], report["backend"],
-                         report["precision"], sizes) + [
+    lines = verdict_lines(ph["peak_bytes"], ph["peak_source"], report["backend"],
+                          report["precision"], sizes) + [
         f"  the run's largest phase: {ph['peak_phase']} (GiB: {others}; a = analytic)"]
+    host = (report.get("transfers") or {}).get("host_bytes")
+    if host:  # --offload-optimizer / --offload-params / --offload-base host
+        size = f"{host / GiB:.2f} GiB" if host >= GiB else f"{host / 2**20:.1f} MiB"
+        lines.append(f"  host: the run needs {size} of pinned host memory besides (not checked "
+                     f"against any machine; the transfers are planned above)")
+    return lines
 
 
 def phases(args, cfg, spec, compiled: dict, measured: dict | None = None, cache=None) -> dict:
