@@ -174,7 +174,8 @@ def count_state(spec: StepSpec, sizes: dict[str, int] | None = None) -> list[Com
     opt = fields.pop("opt_state", [])
     out = []
     for where in (Where.DEVICE, Where.HOST):
-        mine = lambda leaves: [y for y in leaves if (y[0] in on_host) == (where is Where.HOST)]  # noqa: E731
+        here = where is Where.HOST
+        mine = lambda leaves: [y for y in leaves if (y[0] in on_host) == here]  # noqa: E731
         host = " (host)" if where is Where.HOST else ""
         out += _group(Kind.PARAMS, f"{spec.trainable.params_name} (master){host}",
                       mine(fields.get("params", [])), where=where)

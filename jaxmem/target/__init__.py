@@ -24,7 +24,8 @@ Host memory: on jax 0.10.2 the topology's devices have no memories, so a `pinned
 of a target device loses its memory kind, and a program that moves values to host memory itself
 (`device_put(x, jax.memory.Space.Host)`) does not trace against such an argument. A one-device
 program with host-resident values is instead traced on this machine's CPU device
-(`host_device`), lowered for CUDA and compiled by the card's compiler (`lower`, jaxmem.target._host).
+(`host_device`), lowered for CUDA and compiled by the card's compiler (`lower`,
+jaxmem.target._host).
 """
 
 from __future__ import annotations
