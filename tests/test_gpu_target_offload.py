@@ -197,3 +197,22 @@ def test_offload_base_host_is_compiled_with_the_base_on_the_host():
     host = tree_bytes(abstract_frozen(s)["layers"])  # NF4 codes packed two to a byte
     assert compiled["host_source"] == "memory_analysis"
     assert compiled["host_argument_bytes"] == host > 0
+
+
+def test_in_backward_keeps_the_layer_inputs_on_the_host_with_remat_offload():
+    """--optimizer-in-backward with --remat offload:block_input: the forward's layer inputs
+    (L x B x T x D bf16) are host memory of the H100 program (its host temp), exactly what the
+    analytic breakdown counts on the host; with --remat full nothing is."""
+    from jaxmem.memory.analytic import analytic_breakdown
+    got = {}
+    with target.compiling_for("h100"):
+        for remat in ("full", "offload:block_input"):
+            s = StepSpec.of(get_preset("tiny"), get_precision("bf16-sr"),
+                            RematPolicy.parse(remat), 1, 512, optimizer="adamw8bit",
+                            in_backward=True)
+            got[remat] = compile_phase("step", s), analytic_breakdown(s)["host_bytes"]
+    m = get_preset("tiny")
+    inputs = m.num_layers * 512 * m.hidden_size * 2
+    (full, full_host), (off, off_host) = got["full"], got["offload:block_input"]
+    assert full["host_temp_bytes"] == full_host == 0
+    assert off["host_temp_bytes"] == off_host == inputs

@@ -162,7 +162,8 @@ def test_resume_is_bitwise_exact(tmp_path, corpus):
     ([*OIB, "--grad-accum", "2"], "--optimizer-in-backward cannot accumulate gradients"),
     ([*OIB, "--precision", "amp-fp16"], "--optimizer-in-backward cannot scale the loss"),
     ([*OIB, "--loss-scale", "static:128"], "--optimizer-in-backward cannot scale the loss"),
-    (["--optimizer-in-backward", "--clip", "0"], "pass --remat full, not --remat none"),
+    (["--optimizer-in-backward", "--clip", "0"], "pass --remat full, or --remat "
+     "offload:block_input to keep the inputs in host memory, not --remat none"),
     ([*OIB, "--lora-rank", "4"], "--optimizer-in-backward is for full fine-tunes"),
     ([*OIB, "--optimizer", "adafactor"], "--optimizer-in-backward updates each layer on its "
      "own, which --optimizer adafactor cannot: optax state FactoredState does not split part "

@@ -170,8 +170,8 @@ class OptimConfig:
     # Changes no state, only where the update happens: a run may resume with it (or without).
     in_backward: bool = option(False, "apply each layer's optimizer update inside the backward "
                                "pass, as soon as its gradients exist, so the gradient tree never "
-                               "exists whole (one device; needs --remat full and --clip 0; no "
-                               "--grad-accum, loss scaling or LoRA; docs/optimizers.md)",
+                               "exists whole (one device; --remat full or offload:block_input, "
+                               "--clip 0; no --grad-accum, loss scaling, LoRA; docs/optimizers.md)",
                                flags=("--optimizer-in-backward",), store_true=True, mutable=True)
     # Changes no number of the run, only where the state lives: a run may resume with it or not.
     offload_optimizer: str = option("none", "where the optimizer state lives between steps: "

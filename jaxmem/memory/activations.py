@@ -96,6 +96,16 @@ def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematP
                    if t not in ("mlp_out", "block_input")]
 
 
+def offloaded_residuals(c: ModelConfig, B: int, T: int, compute_dtype,
+                        remat: RematPolicy) -> int:
+    """Bytes per layer an `offload` policy keeps in pinned host memory: the block input where
+    offloaded, and each offloaded tag the backward reads (0 for any other policy)."""
+    tags, cb = tag_shapes(c, B, T), _nbytes(compute_dtype)
+    off = remat.offloaded_tags
+    return (B * T * c.hidden_size * cb if "block_input" in off else 0) + sum(
+        tags[t] * cb for t in off if t not in ("mlp_out", "block_input"))
+
+
 def outside_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematPolicy,
                       attention: str = "xla", loss_chunk: int = 0) -> list[tuple[str, int, str]]:
     """Residuals kept outside the layer stack: RoPE tables, final norm, loss (no padding mask);

@@ -37,7 +37,8 @@ import jax.numpy as jnp
 
 from jaxmem import target
 from jaxmem.memory.activations import (FP32, _dname, _nbytes, attention_backward, attention_half,
-                                       layer_residuals, mlp_backward, outside_residuals)
+                                       layer_residuals, mlp_backward, offloaded_residuals,
+                                       outside_residuals)
 from jaxmem.memory.counted import (Component, Kind, Phase, Where, abstract_state, compute_copy,
                                    count_state, gradient_part, head_gathered, layer_in_flight,
                                    local_bytes, params_fraction)
@@ -124,6 +125,9 @@ def analytic_breakdown(spec: StepSpec, mesh: MeshSpec | None = None) -> dict:
                   trained_bytes if spec.grad_accum > 1 else 0, pd.name, Phase.BACKWARD),
         Component(Kind.ACTIVATIONS, "saved activations", saved, _mixed(per_layer + outside),
                   Phase.BACKWARD),
+        Component(Kind.ACTIVATIONS, "saved activations offloaded (host)", c.num_layers
+                  * offloaded_residuals(c, B, T, p.compute_dtype, local.remat),
+                  _dname(p.compute_dtype), Phase.BACKWARD, Where.HOST),
         *transient, *in_flight,
         _update(spec, sizes, part, trained_bytes)]
     in_phase = {ph: sum(x.bytes for x in comps if x.live_in(ph))

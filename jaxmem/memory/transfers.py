@@ -12,21 +12,24 @@ Bytes over the link per optimizer step, from the counted host-resident component
                                                  recompute, out after the update:           3 x
     frozen base (--offload-base host)            in for the forward and the backward, per
                                                  micro-batch:                                 2 x
+    activations (--remat offload)                out in the forward, in for the backward, per
+                                                 micro-batch:                                 2 x
 
 Time: the transfers at the link's one-way bandwidth (`HostLink`, both directions summed, as if
 the link carried one at a time: PCIe is full duplex, so this is the pessimistic side), against
 the step's compute at the card's dense bf16 peak (`Card.peak_tflops`, the optimistic side:
-training FLOPs of jaxmem.perf.flops_per_token, x 4/3 under --remat full, which recomputes the
-forward). The step takes at least max(compute, transfers); the transfers hide where compute is
-the larger, from `min_tokens` tokens per step on. Activations offloaded by --remat offload are
-not counted here (their bytes are in the compiled program's host figures).
+training FLOPs of jaxmem.perf.flops_per_token, x 4/3 under --remat full or
+--optimizer-in-backward, which recompute the forward; other policies' partial recompute is not
+counted, nor that a LoRA step computes no gradient of its frozen weights). The step takes at least max(compute, transfers); the transfers hide where compute is
+the larger, from `min_tokens` tokens per step on.
 """
 
 from __future__ import annotations
 
 import math
 
-from jaxmem.memory.counted import Kind, Where, count_state
+from jaxmem.memory.activations import offloaded_residuals
+from jaxmem.memory.counted import Component, Kind, Phase, Where, count_state
 from jaxmem.memory.spec import StepSpec
 from jaxmem.perf import flops_per_token
 
@@ -34,19 +37,26 @@ from jaxmem.perf import flops_per_token
 _CROSSINGS = {Kind.OPTIMIZER: (2, "optimizer state: in and out once"),
               Kind.PARAMS: (3, "weights: in for the forward and the backward, out once"),
               Kind.FROZEN: (2, "frozen base: in for the forward and the backward, per "
-                               "micro-batch")}
+                               "micro-batch"),
+              Kind.ACTIVATIONS: (2, "activations: out in the forward, in for the backward, per "
+                                    "micro-batch")}
 
 
 def transfer_plan(spec: StepSpec, card=None) -> dict | None:
     """Host bytes, PCIe bytes per step and (with a `card`: jaxmem.target.Card) the time
     estimate of the module docstring; None where the step keeps nothing on the host."""
     host = [x for x in count_state(spec) if x.where is Where.HOST]
+    acts = spec.model.num_layers * offloaded_residuals(
+        spec.model, spec.batch_size, spec.seq_len, spec.precision.compute_dtype, spec.remat)
+    if acts:  # the analytic breakdown's own "saved activations offloaded (host)"
+        host.append(Component(Kind.ACTIVATIONS, "saved activations offloaded (host)", acts,
+                              "", Phase.BACKWARD, Where.HOST))
     if not host:
         return None
     rows = []
     for x in host:
         times, what = _CROSSINGS[x.kind]
-        times *= spec.grad_accum if x.kind is Kind.FROZEN else 1
+        times *= spec.grad_accum if x.kind in (Kind.FROZEN, Kind.ACTIVATIONS) else 1
         rows.append({"name": x.label, "host_bytes": x.bytes, "crossings": times,
                      "pcie_bytes": x.bytes * times, "why": what})
     tokens = spec.batch_size * spec.seq_len * spec.grad_accum
@@ -54,7 +64,8 @@ def transfer_plan(spec: StepSpec, card=None) -> dict | None:
            "pcie_bytes": sum(r["pcie_bytes"] for r in rows), "parts": rows, "tokens": tokens}
     if card is None:
         return out
-    recompute = 4 / 3 if spec.remat.kind == "full" else 1.0
+    # remat full and --optimizer-in-backward recompute each layer's forward in the backward
+    recompute = 4 / 3 if spec.remat.kind == "full" or spec.in_backward else 1.0
     per_token = flops_per_token(spec.model, spec.seq_len) * recompute
     peak = card.peak_tflops[0] * 1e12
     compute_s, transfer_s = tokens * per_token / peak, out["pcie_bytes"] / card.host_link.bandwidth

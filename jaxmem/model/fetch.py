@@ -13,7 +13,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem.model.remat import TAGS, RematPolicy
-from jaxmem.optim._partwise import in_host_memory
+from jaxmem.optim._partwise import in_host_memory, to_device  # noqa: F401  (re-exported: jaxmem.train.inbackward)
 
 
 def layer_to_device(layer_params):

@@ -41,8 +41,10 @@ What it cannot do, refused by `check` (one line naming the flags):
   gradient before any update. Without one, a part whose gradients are not finite is left as it
   was (weights and moments) and the others are updated; the step then counts as non-finite
   (`skipped`, skips_in_a_row, --max-consecutive-skips) though the rest of it was applied;
-- LoRA / QLoRA, a device mesh, and remat policies other than `full` (each layer is recomputed in
-  the backward, which is what `full` means).
+- LoRA / QLoRA, a device mesh, and remat policies other than `full` and `offload:block_input`
+  (each layer is recomputed in the backward from its input; `offload:block_input` keeps those
+  inputs, x_l, in pinned host memory and copies each back for its layer's backward: L x B x T
+  x D of the compute dtype off the device, 8 GiB for the 8B at 1 x 32k).
 
 grad_norm is reported from the per-part sums of squares (the same norm, summed in another order).
 """
@@ -57,12 +59,15 @@ from jaxmem.loss.chunked import chunked_cross_entropy, resolve_loss_chunk
 from jaxmem.families.decoder import (DecoderBlock, abstract_params, embed_lookup, final_norm,
                                     layer_context, layer_facts)
 from jaxmem.families.names import EMBEDDING, FINAL_NORM, HEAD, LAYERS
-from jaxmem.model.fetch import in_host_memory, layer_to_device
+from jaxmem.model.fetch import in_host_memory, layer_to_device, to_device
 from jaxmem.model.precision import cast_params
 from jaxmem.einsum import logits_einsum, project
 from jaxmem.optim import NoOpLossScale, NotSplittable, Parts, all_finite, row_chunks
 from jaxmem.train.loss import cross_entropy
 from jaxmem.train.optim import schedule
+
+
+OFFLOAD_INPUTS = "offload:block_input"  # the one remat policy besides full: x_l on the host
 
 
 def check(cfg, loss_scale=None) -> None:
@@ -81,9 +86,11 @@ def check(cfg, loss_scale=None) -> None:
                           f"--loss-scale): skipping an overflowing step needs every gradient "
                           f"before any update; use --loss-scale none or bf16 / bf16-sr")
     cfg.trainable.check_in_backward(flag)
-    if cfg.remat.kind != "full":
-        raise ConfigError(f"{flag} recomputes each layer in the backward pass (what --remat full "
-                          f"does); pass --remat full, not --remat {cfg.remat}")
+    if cfg.remat.kind != "full" and str(cfg.remat) != OFFLOAD_INPUTS:
+        raise ConfigError(f"{flag} recomputes each layer in the backward pass from its input "
+                          f"(what --remat full does); pass --remat full, or --remat "
+                          f"{OFFLOAD_INPUTS} to keep the inputs in host memory, not --remat "
+                          f"{cfg.remat}")
     opt = cfg.optimizer
     try:  # the optimizer's own refusal, by its state's type (abstract: nothing allocated)
         jax.eval_shape(lambda p: opt.split(p, opt.tx.init(p), jax.random.PRNGKey(0)).states,
@@ -199,8 +206,12 @@ class _InBackwardStep:
         x0 = embed_lookup(c, self.cast({EMBEDDING: params[EMBEDDING]})[EMBEDDING],
                           a["tokens"])  # [B, T, D]
         # --offload-params host: each layer's host-resident leaves copied in as the scan reaches it
-        xL, xs = jax.lax.scan(lambda x, lf: (self._layer(layer_to_device(lf[0]), x, a, lf[1]), x),
-                              x0, (params[LAYERS], self.facts))
+        # --remat offload:block_input: each layer's input kept in pinned host memory
+        keep = (lambda x: jax.device_put(x, jax.memory.Space.Host)) if \
+            str(self.cfg.remat) == OFFLOAD_INPUTS else (lambda x: x)
+        xL, xs = jax.lax.scan(
+            lambda x, lf: (self._layer(layer_to_device(lf[0]), x, a, lf[1]), keep(x)),
+            x0, (params[LAYERS], self.facts))
         head = {FINAL_NORM: params[FINAL_NORM]}
         head_name = EMBEDDING if c.tie_embeddings else HEAD
         head[head_name] = params[head_name]
@@ -243,7 +254,8 @@ class _InBackwardStep:
             lp = layer_to_device(treedef_l.unflatten([
                 jax.lax.dynamic_index_in_dim(ps[i], l, 0, keepdims=False)
                 if cur is None or cur[i][0] is None else cur[i][0][0] for i in stacked]))
-            x = jax.lax.dynamic_index_in_dim(xs, l, 0, keepdims=False)
+            x = to_device(jax.lax.dynamic_index_in_dim(xs, l, 0, keepdims=False),
+                          in_host_memory(xs))
             fact = jax.tree_util.tree_map(lambda f: f[l], self.facts)
             _, vjp = jax.vjp(lambda lp, x: self._layer(lp, x, a, fact), lp, x)
             d_lp, dx = vjp(dx)
