@@ -39,7 +39,7 @@ import os
 from dataclasses import dataclass
 
 from jaxmem.target._cards import CARDS, Card, HostLink, target_config
-from jaxmem.target._host import host_device, lower
+from jaxmem.target._host import Lowered
 
 __all__ = ["CARDS", "Card", "HostLink", "Target", "TargetError", "active", "card",
            "check_installed", "compiler", "compiling_for", "device_count", "devices",
@@ -229,3 +229,34 @@ def compiling_for(name: str, devices: int = 1, hosts: int = 1):
     finally:
         jax.config.update("jax_enable_compilation_cache", cache)
         _ACTIVE.reset(token)
+
+
+def host_device():
+    """The device a one-device plan places its arguments on where some live in host memory:
+    inside `compiling_for`, this machine's CPU device stands in for the card's (whose memory
+    kinds the deviceless topology does not have); else the first device."""
+    import jax  # noqa: PLC0415
+    return jax.devices("cpu")[0] if active() is not None else devices()[0]
+
+
+def lower(jitted, *args, compiler_options: dict | None = None):
+    """`jitted.lower(*args)`, or inside `compiling_for` (one device) the program traced on
+    `host_device`'s arguments, lowered for CUDA and compiled by the card's compiler when
+    `.compile()` is called (jaxmem.target._host). Arguments without a sharding are placed on
+    `host_device` too. compiler_options: the jit's own XLA options, which the card's compile
+    takes as overrides."""
+    import jax  # noqa: PLC0415
+    t = active()
+    if t is None:
+        return jitted.lower(*args)
+    if len(t.devices) != 1:
+        raise ValueError("host-resident arguments are planned on one device")
+    stand_in = jax.sharding.SingleDeviceSharding(host_device())
+
+    def placed(x):
+        if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=stand_in)
+        return x
+    args = jax.tree.map(placed, args)
+    return Lowered(jitted.trace(*args).lower(lowering_platforms=("cuda",)), t.devices[0],
+                   compiler_options)

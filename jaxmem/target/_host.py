@@ -10,47 +10,17 @@ StableHLO keeps `mhlo.memory_kind = "pinned_host"` and the annotate_device_place
 and compile that module with the target's own compiler. The executable is the card's: its
 `memory_analysis()` reports the host arguments apart and its HLO holds the host <-> device copies.
 
-    lowered = lower(jitted, *abstract_args)   # inside compiling_for, with host-resident args
-    compiled = lowered.compile()              # memory_analysis(), cost_analysis(), as_text()
+    lowered = jaxmem.target.lower(jitted, *args)  # inside compiling_for, host-resident args
+    compiled = lowered.compile()                  # memory_analysis(), cost_analysis(), as_text()
+
+This module holds the lowered program and the card's executable (`Lowered`, `Compiled`); the
+entry points, `host_device` and `lower`, are jaxmem.target's.
 """
 
 from __future__ import annotations
 
 
-def host_device():
-    """The device a one-device plan places its arguments on where some live in host memory:
-    inside `compiling_for`, this machine's CPU device stands in for the card's (whose memory
-    kinds the deviceless topology does not have); else the first device."""
-    import jax  # noqa: PLC0415
-    from jaxmem import target  # noqa: PLC0415
-    return jax.devices("cpu")[0] if target.active() is not None else target.devices()[0]
-
-
-def lower(jitted, *args, compiler_options: dict | None = None):
-    """`jitted.lower(*args)`, or inside `compiling_for` (one device) the program traced on
-    `host_device`'s arguments, lowered for CUDA and compiled by the target's compiler when
-    `.compile()` is called. Arguments without a sharding are placed on `host_device` too.
-    compiler_options: the jit's own (XLA options; `jax.jit(compiler_options=...)` of the
-    program), which the target's compile takes as overrides."""
-    import jax  # noqa: PLC0415
-    from jaxmem import target  # noqa: PLC0415
-    t = target.active()
-    if t is None:
-        return jitted.lower(*args)
-    if len(t.devices) != 1:
-        raise ValueError("host-resident arguments are planned on one device")
-    stand_in = jax.sharding.SingleDeviceSharding(host_device())
-
-    def placed(x):
-        if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=stand_in)
-        return x
-    args = jax.tree.map(placed, args)
-    return _Lowered(jitted.trace(*args).lower(lowering_platforms=("cuda",)), t.devices[0],
-                    compiler_options)
-
-
-class _Lowered:
+class Lowered:
     """A program lowered for CUDA on the CPU stand-in; `compile()` runs the card's compiler."""
 
     def __init__(self, lowered, device, compiler_options):
@@ -59,7 +29,7 @@ class _Lowered:
     def as_text(self) -> str:
         return self._lowered.as_text()
 
-    def compile(self) -> "_Compiled":
+    def compile(self) -> "Compiled":
         from jax._src import compiler  # noqa: PLC0415  (no public API for this in 0.10 / 0.11)
         from jax._src.lib import xla_client as xc  # noqa: PLC0415
         d = self._device
@@ -67,11 +37,11 @@ class _Lowered:
             num_replicas=1, num_partitions=1, device_assignment=[[d.id]],
             env_options_overrides={k: str(v) for k, v in (self._options or {}).items()} or None)
         module = self._lowered.compiler_ir("stablehlo")
-        return _Compiled(d.client.compile(module, executable_devices=xc.DeviceList((d,)),
+        return Compiled(d.client.compile(module, executable_devices=xc.DeviceList((d,)),
                                           compile_options=options), d.client)
 
 
-class _Compiled:
+class Compiled:
     """The card's executable, read as a `jax.stages.Compiled` is (what the planner reads)."""
 
     def __init__(self, executable, client):
