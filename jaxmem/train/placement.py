@@ -126,7 +126,7 @@ class Placement:
     mesh: Any = None
     offload_base: str = "none"  # "host": the frozen base's layers in pinned host memory
     offload_optimizer: str = "none"  # "host": every array of the optimizer state in pinned
-                                     # host memory (one device)
+                                     # host memory (on a mesh each device's shard)
     offload_params: str = "none"  # "host": the trained params' stacked leaves, likewise
 
     @classmethod
