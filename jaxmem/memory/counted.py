@@ -231,23 +231,24 @@ def state_on_host(spec: StepSpec) -> set:
 
 
 def _host_layer(spec: StepSpec) -> list[Component]:
-    """One layer of each host-resident stacked state leaf, as the in-backward loop copies it to
-    the device for that layer's update (the params' layer also for its forward and backward)."""
+    """Two layers of each host-resident stacked state leaf, as the in-backward loop holds them
+    on the device: the layer being updated (the params' layer also recomputed) and the one it
+    prefetches (jaxmem.train.inbackward)."""
     host = state_on_host(spec)
     if not host or not spec.in_backward:  # without it: the 8-bit update's row pieces (its
         return []                           # working set) stream, no layer
     L, out = spec.model.num_layers, []
     leaves = [(p, x, nbytes(x)) for p, x in jax.tree_util.tree_leaves_with_path(
         abstract_state(spec)) if p in host]
-    for kind, label in ((Kind.PARAMS, "one layer's weights copied from the host"),
-                        (Kind.OPTIMIZER, "one layer's optimizer state copied from the host")):
+    for kind, label in ((Kind.PARAMS, "two layers' weights copied from the host"),
+                        (Kind.OPTIMIZER, "two layers' optimizer state copied from the host")):
         mine = [y for y in leaves if (key_name(y[0][0]) == "params") == (kind is Kind.PARAMS)]
         layers = [y for y in mine if in_layers(y[0])]
         # another leaf's state comes whole, but for the 8-bit optimizer's, which comes a row
         # piece at a time (the update's working set holds that piece)
         piecewise = kind is Kind.OPTIMIZER and spec.step.optimizer.in_place is not None
         rest = 0 if piecewise else max((b for p, _, b in mine if not in_layers(p)), default=0)
-        part = max(sum(b for _, _, b in layers) // L, rest)
+        part = max(2 * sum(b for _, _, b in layers) // L, rest)
         if part:
             out.append(Component(Kind.LAYER, label, part, _dtypes(mine), Phase.BACKWARD))
     return out
