@@ -216,3 +216,15 @@ def test_in_backward_keeps_the_layer_inputs_on_the_host_with_remat_offload():
     (full, full_host), (off, off_host) = got["full"], got["offload:block_input"]
     assert full["host_temp_bytes"] == full_host == 0
     assert off["host_temp_bytes"] == off_host == inputs
+
+
+def test_mesh_report_with_remat_offload_alone(capsys):
+    """`--remat offload` on a mesh (no state or base offloaded): the per-device report shows the
+    activations' host memory and no "without offload" figure (it had raised KeyError)."""
+    from jaxmem.memory.cli import main
+    assert main(["--preset", "tiny", "--remat", "offload", "--mesh", "fsdp=2", "--devices", "2",
+                 "--target", "h100", "--batch-size", "2", "--seq-len", "128",
+                 "--analytic-only"]) == 0
+    out = capsys.readouterr().out
+    assert "analytic, host memory (pinned), per device" in out
+    assert "analytic peak without offload" not in out

@@ -6,7 +6,7 @@ from __future__ import annotations
 from jaxmem import target
 from jaxmem.memory.analytic import analytic_breakdown
 from jaxmem.xla.collectives import comm_line
-from jaxmem.memory.compiled import compile_step, placement
+from jaxmem.memory.compiled import compile_step
 from jaxmem.memory.spec import StepSpec
 from jaxmem.parallel.mesh import MeshSpec
 
@@ -50,8 +50,9 @@ def format_mesh_report(r: dict) -> str:
     lines += [f"{peak:56s} {a['total_bytes'] / mib:10.2f}"]
     if a.get("host_bytes"):
         lines += [f"{'analytic, host memory (pinned), per device':56s} "
-                  f"{a['host_bytes'] / mib:10.2f}",
-                  f"{'analytic peak without offload':56s} "
+                  f"{a['host_bytes'] / mib:10.2f}"]
+    if "analytic_without_offload" in r:  # a --remat offload policy alone has no such figure
+        lines += [f"{'analytic peak without offload':56s} "
                   f"{r['analytic_without_offload'] / mib:10.2f}  ({unit}, device)"]
     if c is None:
         return "\n".join(lines + ["", "compiled: not compiled (--analytic-only)"])
