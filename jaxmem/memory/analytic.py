@@ -125,9 +125,7 @@ def analytic_breakdown(spec: StepSpec, mesh: MeshSpec | None = None) -> dict:
                   trained_bytes if spec.grad_accum > 1 else 0, pd.name, Phase.BACKWARD),
         Component(Kind.ACTIVATIONS, "saved activations", saved, _mixed(per_layer + outside),
                   Phase.BACKWARD),
-        Component(Kind.ACTIVATIONS, "saved activations offloaded (host)", c.num_layers
-                  * offloaded_residuals(c, B, T, p.compute_dtype, local.remat),
-                  _dname(p.compute_dtype), Phase.BACKWARD, Where.HOST),
+        offloaded_activations(local),
         *transient, *in_flight,
         _update(spec, sizes, part, trained_bytes)]
     in_phase = {ph: sum(x.bytes for x in comps if x.live_in(ph))
@@ -148,6 +146,15 @@ def analytic_breakdown(spec: StepSpec, mesh: MeshSpec | None = None) -> dict:
         "total_bytes": int(in_phase[peak]),
         "host_bytes": int(sum(x.bytes for x in comps if x.where is Where.HOST)),
     }
+
+
+def offloaded_activations(spec: StepSpec) -> Component:
+    """What a `--remat offload...` policy keeps in pinned host memory over all the layers, at the
+    spec's batch and sequence (a mesh's local ones: `local_spec`)."""
+    c, cd = spec.model, spec.precision.compute_dtype
+    return Component(Kind.ACTIVATIONS, "saved activations offloaded (host)", c.num_layers
+                     * offloaded_residuals(c, spec.batch_size, spec.seq_len, cd, spec.remat),
+                     _dname(cd), Phase.BACKWARD, Where.HOST)
 
 
 def _update(spec: StepSpec, sizes: dict, part: int, trained_bytes: int) -> Component:

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import math
 
-from jaxmem.memory.activations import offloaded_residuals
-from jaxmem.memory.counted import Component, Kind, Phase, Where, count_state
+from jaxmem.memory.analytic import offloaded_activations
+from jaxmem.memory.counted import Kind, Where, count_state
 from jaxmem.memory.spec import StepSpec
 from jaxmem.perf import flops_per_token
 
@@ -46,11 +46,9 @@ def transfer_plan(spec: StepSpec, card=None) -> dict | None:
     """Host bytes, PCIe bytes per step and (with a `card`: jaxmem.target.Card) the time
     estimate of the module docstring; None where the step keeps nothing on the host."""
     host = [x for x in count_state(spec) if x.where is Where.HOST]
-    acts = spec.model.num_layers * offloaded_residuals(
-        spec.model, spec.batch_size, spec.seq_len, spec.precision.compute_dtype, spec.remat)
-    if acts:  # the analytic breakdown's own "saved activations offloaded (host)"
-        host.append(Component(Kind.ACTIVATIONS, "saved activations offloaded (host)", acts,
-                              "", Phase.BACKWARD, Where.HOST))
+    acts = offloaded_activations(spec)  # the analytic breakdown's own component
+    if acts.bytes:
+        host.append(acts)
     if not host:
         return None
     rows = []

@@ -135,8 +135,9 @@ class Placement:
 
     @property
     def host_parts(self) -> tuple[str, ...]:
-        """The train state's parts whose stacked layer leaves live in pinned host memory (one
-        device only): "params" (--offload-params), "opt_state" (--offload-optimizer)."""
+        """The train state's parts with leaves in pinned host memory on one device (`host_shardings`
+        says which): "params" (--offload-params), "opt_state" (--offload-optimizer). () on a mesh,
+        where `state_shardings` puts the optimizer state's shards there itself."""
         if self.mesh is not None:
             return ()
         return tuple(p for p, v in (("params", self.offload_params),
