@@ -81,8 +81,9 @@ def _chunk_logits(einsum, layout, xc, w):
     return constrain(logits, "logits").astype(jnp.float32)
 
 
-def _forward(chunk, einsum, layout, x, w, targets, weights):
-    """(sum of weighted token losses, logsumexp [n, B, Tc])."""
+def forward(chunk, einsum, layout, x, w, targets, weights):
+    """(sum of weighted token losses, logsumexp [n, B, Tc]): the fused loss's forward, with
+    what `over_vocab` needs (weights fp32)."""
     xs, ts, ws = _chunks(x, chunk), _chunks(targets, chunk), _chunks(weights, chunk)
 
     def body(total, c):
@@ -97,11 +98,11 @@ def _forward(chunk, einsum, layout, x, w, targets, weights):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _fused_sum(chunk, einsum, layout, x, w, targets, weights):
-    return _forward(chunk, einsum, layout, x, w, targets, weights)[0]
+    return forward(chunk, einsum, layout, x, w, targets, weights)[0]
 
 
 def _fused_sum_fwd(chunk, einsum, layout, x, w, targets, weights):
-    total, lse = _forward(chunk, einsum, layout, x, w, targets, weights)
+    total, lse = forward(chunk, einsum, layout, x, w, targets, weights)
     return total, (x, w, targets, weights, lse)  # nothing [B, T, V]
 
 
@@ -114,31 +115,47 @@ def vocab_chunk(vocab: int, tokens: int) -> int:
     return best if best * 8 >= min(vocab, target) else 0
 
 
+def over_vocab(einsum, layout, x, targets, weights, lse, g, vc: int, vocab: int, read, write,
+               carry):
+    """The fused loss's backward over vocabulary slices [start, start + vc) of the head, with
+    the head's gradient handed over a slice at a time: (d(x) [B, T, D], carry).
+
+    read(carry, start) -> the head's slice ([D, vc] or, layout "VD", [vc, D]: the head's own
+    layout); write(carry, start, d slice) -> carry, the slice's gradient in the slice's dtype.
+    `lse` is the forward's logsumexp ([n, B, Tc] chunks), `g` the cotangent of the loss sum.
+    d(x) is summed in fp32 over the slices. Reading each slice from the carry lets `write`
+    update the head in place: the slices not yet written still hold the weights as they were."""
+    T = x.shape[1]
+    lse = _unchunk(lse, T)  # [B, T]
+    wg = weights * g  # [B, T]
+
+    def body(state, start):
+        dx, carry = state
+        logits, vjp = jax.vjp(lambda x, wc: _chunk_logits(einsum, layout, x, wc), x,
+                              read(carry, start))
+        probs = jnp.exp(logits - lse[..., None])  # [B, T, Vc]
+        onehot = (targets[..., None] == start + jnp.arange(vc)).astype(jnp.float32)
+        dxc, dwc = vjp((probs - onehot) * wg[..., None])  # [B, T, D], like the slice
+        return (dx + dxc.astype(jnp.float32), write(carry, start, dwc)), None
+
+    init = (jnp.zeros(x.shape, jnp.float32), carry)
+    (dx, carry), _ = jax.lax.scan(body, init, jnp.arange(0, vocab, vc))
+    return dx.astype(x.dtype), carry
+
+
 def _bwd_over_vocab(einsum, layout, x, w, targets, weights, lse, g, vc):
     """(dx, dw) scanning vocabulary slices of w ([D, Vc] or [Vc, D], in w's own layout: a
     slice of a transposed view made XLA materialize the transpose, a head-sized copy): each
     slice of d(head) is written once into its place (an in-place dynamic_update_slice of the
     loop carry, in w's dtype), d(x) [B, T, D] is summed in fp32. No head-sized accumulator and
     no per-chunk head-sized product."""
-    T = x.shape[1]
     vaxis = 0 if layout == "VD" else 1
-    V = w.shape[vaxis]
-    lse = _unchunk(lse, T)  # [B, T]
-    wg = weights * g  # [B, T]
-
-    def body(carry, start):
-        dx, dw = carry
-        wc = jax.lax.dynamic_slice_in_dim(w, start, vc, axis=vaxis)  # [D, Vc] / [Vc, D]
-        logits, vjp = jax.vjp(lambda x, wc: _chunk_logits(einsum, layout, x, wc), x, wc)
-        probs = jnp.exp(logits - lse[..., None])  # [B, T, Vc]
-        onehot = (targets[..., None] == start + jnp.arange(vc)).astype(jnp.float32)
-        dxc, dwc = vjp((probs - onehot) * wg[..., None])  # [B, T, D], like wc
-        dw = jax.lax.dynamic_update_slice_in_dim(dw, dwc.astype(w.dtype), start, axis=vaxis)
-        return (dx + dxc.astype(jnp.float32), dw), None
-
-    init = (jnp.zeros(x.shape, jnp.float32), jnp.zeros(w.shape, w.dtype))
-    (dx, dw), _ = jax.lax.scan(body, init, jnp.arange(0, V, vc))
-    return dx.astype(x.dtype), dw
+    return over_vocab(
+        einsum, layout, x, targets, weights, lse, g, vc, w.shape[vaxis],
+        lambda dw, start: jax.lax.dynamic_slice_in_dim(w, start, vc, axis=vaxis),
+        lambda dw, start, dwc: jax.lax.dynamic_update_slice_in_dim(
+            dw, dwc.astype(w.dtype), start, axis=vaxis),
+        jnp.zeros(w.shape, w.dtype))
 
 
 def _fused_sum_bwd(chunk, einsum, layout, res, g):

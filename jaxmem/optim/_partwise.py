@@ -9,6 +9,10 @@ leaf stacked along its first axis. What an update inside the backward pass (jaxm
     p, s = parts.layer(i, l, g_l, p, s, finite)      layer l of leaf i (p, s: the whole stack)
     fetched = parts.fetch(l, p, s)                   layer l's host-resident slices on the device,
     p, s = parts.layer(i, l, g_l, p, s, finite, fetched)    fetched ahead (a prefetch)
+    parts.column_block(i)                            the multiple of columns leaf i ([R, C])
+    p, s = parts.columns(i, start, g_c, p, s, finite)   can be updated in; columns [start,
+                                                     start + w) of it (an LM head's gradient
+                                                     made a vocabulary slice at a time)
     state = parts.finish(new states)                 the counts advanced once
 
 Each part goes through the whole-tree update's own arithmetic, from the state as it was before
@@ -108,6 +112,24 @@ class Parts:
         updated from `g` (layer l's gradient, p.shape[1:]), in place. `fetched`: `fetch(l, p,
         s)` made earlier (the caller's prefetch); None: made here."""
         raise NotImplementedError
+
+    def column_block(self, i: int) -> int | None:
+        """The multiple of columns a 2-axis leaf i ([R, C]) can be updated in by `columns`
+        (1: any), None where it cannot be (another number of axes; a state whose blocks cross
+        columns)."""
+        return 1 if len(self.leaves[i].shape) == 2 else None
+
+    def columns(self, i: int, start, g, p, s, finite):
+        """(new p, new s) of the 2-axis leaf i with columns [start, start + w) (w =
+        g.shape[-1], a multiple of `column_block(i)`) updated from `g`, their gradient, in
+        place; state in host memory comes for them and goes back. bf16 rounding draws from
+        fold_in(leaf key, start // w): other bits than `leaf`'s row pieces, as unbiased."""
+        raise NotImplementedError
+
+    def column_key(self, i: int, start, width: int):
+        """The rounding key of columns [start, start + width) of leaf i (`columns`), or None."""
+        key = self.pieces(i).key
+        return None if key is None else jax.random.fold_in(key, start // width)
 
     @staticmethod
     def fetch(l, p, s) -> list:
@@ -211,6 +233,22 @@ class _OptaxParts(Parts):
         new = tuple(to_host(y, h) for y, h in zip(new, host))
         return new_p, tuple(put(x, y) for x, y in zip(s, new))
 
+    def columns(self, i, start, g, p, s, finite):
+        w = g.shape[-1]
+        host = tuple(in_host_memory(x) for x in s)
+        s_c = tuple(to_device(cols(x, start, w), h) for x, h in zip(s, host))
+        p_c = cols(p, start, w)
+        u, new = self._update(i, g, p_c, s_c)
+        key = self.column_key(i, start, w) if self.rounds else None
+        if key is not None:
+            new_p = round_bf16(p_c.astype(jnp.float32) + u.astype(jnp.float32), key)
+        else:
+            new_p = self._add(p_c, u)
+        pick = lambda a, b: jnp.where(finite, a, b)  # noqa: E731
+        return (put_cols(p, pick(new_p, p_c), start),
+                tuple(put_cols(x, to_host(pick(a, b), h), start)
+                      for x, a, b, h in zip(s, new, s_c, host)))
+
     def finish(self, states):
         tiny = self.treedef.unflatten(self._tiny)
         _, new = self.tx.update(tiny, _with_moments(
@@ -225,7 +263,8 @@ def layer_rows(fn, ins, stacked, l, shape, keys: RoundingPieces, finite, fetched
     cut by as_rows) through fn(ins rows, stacked rows, piece key, bits) -> new stacked rows,
     written back in place; `ins` are layer-l arrays (size a x last); `keys` the leaf's
     rounding keys (`pieces`), in keys.n row pieces; `fetched`: `Parts.fetch(l, *stacked)`'s
-    list (layer l of the host-resident arrays on the device; None: fetched here).
+    list (layer l of the host-resident arrays on the device, fetched ahead by the caller;
+    None: each sub-piece fetched where it is updated).
 
     The whole-tree update cuts a leaf's L * a rows (a per layer) into n pieces of P rows, piece
     j rounded with keys(j). Here the layer goes through in sub-pieces of g = gcd(a, P) rows,
@@ -240,11 +279,15 @@ def layer_rows(fn, ins, stacked, l, shape, keys: RoundingPieces, finite, fetched
     put = lambda x, y, r0: jax.lax.dynamic_update_slice_in_dim(x, y, r0, 0)  # noqa: E731
     i2, whole = rows(ins), rows(stacked)
     on_host = jax.tree_util.tree_map(in_host_memory, whole)
-    # --offload-optimizer host: the loop runs on layer l's a rows copied to the device (the
-    # carry's rows start at 0), written back into the host stack after it; else on the stack
-    # in place (they start at l * a)
-    streamed = any(jax.tree_util.tree_leaves(on_host))
-    base = 0 if streamed else l * a
+    # --offload-optimizer / --offload-params host, with layer l's host-resident slices fetched
+    # ahead (`fetched`): the loop runs on a window of layer l's a rows on the device (the
+    # carry's rows start at 0), written back into the host stacks after it. Without: on the
+    # stacks themselves (rows from l * a), each sub-piece of a host-resident one copied to the
+    # device for its update and back after it (one sub-piece on the device, not a layer)
+    windowed = fetched is not None and any(jax.tree_util.tree_leaves(on_host))
+    base = 0 if windowed else l * a
+    move = (lambda t, f: t) if windowed else (  # noqa: E731
+        lambda t, f: jax.tree_util.tree_map(f, t, on_host))
 
     def body(k, carry):
         r0 = l * a + k * g  # first row of the sub-piece in the stacked leaf
@@ -252,14 +295,14 @@ def layer_rows(fn, ins, stacked, l, shape, keys: RoundingPieces, finite, fetched
         key, bits = keys(j), None
         if key is not None and g != P:
             bits, key = take(keys.bits(j, (P, shape[-1])), r0 - j * P, g), None
-        st = jax.tree_util.tree_map(lambda x: take(x, base + k * g, g), carry)
-        out = fn(jax.tree_util.tree_map(lambda x: take(x, k * g, g), i2), st, key, bits)
+        st = move(jax.tree_util.tree_map(lambda x: take(x, base + k * g, g), carry), to_device)
+        out = move(fn(jax.tree_util.tree_map(lambda x: take(x, k * g, g), i2), st, key, bits),
+                   to_host)
         return jax.tree_util.tree_map(lambda x, y: put(x, y, base + k * g), carry, out)
 
     # a part with non-finite gradients runs no sub-piece: its rows stay bitwise
     subs = jnp.where(finite, a // g, 0)
-    if streamed:  # the window: layer l's a rows of each array on the device
-        fetched = Parts.fetch(l, stacked, ()) if fetched is None else fetched
+    if windowed:  # the window: layer l's a rows of each array on the device
         leaves, tree = jax.tree_util.tree_flatten(stacked)
         window = rows(tree.unflatten([jax.lax.dynamic_slice_in_dim(x, l, 1, 0) if f is None
                                       else f for x, f in zip(leaves, fetched)]))
@@ -269,6 +312,16 @@ def layer_rows(fn, ins, stacked, l, shape, keys: RoundingPieces, finite, fetched
     else:
         out = jax.lax.fori_loop(0, subs, body, whole)
     return jax.tree_util.tree_map(lambda x, ref: x.reshape(ref.shape), out, stacked)
+
+
+def cols(x, start, w: int):
+    """Columns [start, start + w) of x (its last axis)."""
+    return jax.lax.dynamic_slice_in_dim(x, start, w, x.ndim - 1)
+
+
+def put_cols(x, y, start):
+    """x with columns [start, start + y's width) replaced by y, in place."""
+    return jax.lax.dynamic_update_slice_in_dim(x, y, start, x.ndim - 1)
 
 
 def in_host_memory(x) -> bool:

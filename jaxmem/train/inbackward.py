@@ -55,7 +55,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem.config.model import ConfigError
-from jaxmem.loss.chunked import chunked_cross_entropy, resolve_loss_chunk
+from jaxmem.loss.chunked import (AUTO_CHUNK_BYTES, chunked_cross_entropy, forward, over_vocab,
+                                resolve_loss_chunk)
 from jaxmem.families.decoder import (DecoderBlock, abstract_params, embed_lookup, final_norm,
                                     layer_context, layer_facts)
 from jaxmem.families.names import EMBEDDING, FINAL_NORM, HEAD, LAYERS
@@ -63,6 +64,8 @@ from jaxmem.model.fetch import in_host_memory, layer_to_device, to_device
 from jaxmem.model.precision import cast_params
 from jaxmem.einsum import logits_einsum, project
 from jaxmem.optim import NoOpLossScale, NotSplittable, Parts, all_finite, row_chunks
+from jaxmem.optim._partwise import cols
+import jaxmem.optim._stochastic as sr
 from jaxmem.train.loss import cross_entropy
 from jaxmem.train.optim import schedule
 
@@ -212,14 +215,18 @@ class _InBackwardStep:
         xL, xs = jax.lax.scan(
             lambda x, lf: (self._layer(layer_to_device(lf[0]), x, a, lf[1]), keep(x)),
             x0, (params[LAYERS], self.facts))
-        head = {FINAL_NORM: params[FINAL_NORM]}
-        head_name = EMBEDDING if c.tie_embeddings else HEAD
-        head[head_name] = params[head_name]
-        loss, head_vjp = jax.vjp(lambda hp, x: self._head_loss(hp, x, a), head, xL)
-        d_head, dx = head_vjp(jnp.ones_like(loss))
-        u.leaf(FINAL_NORM, d_head[FINAL_NORM]["scale"])
-        if not c.tie_embeddings:
-            u.leaf(HEAD, d_head[HEAD])
+        d_head, vc = {}, self._head_slice(u, params, a)
+        if vc:  # the head's gradient a vocabulary slice at a time, each updated at once
+            loss, dx = self._head_in_slices(u, params, xL, a, vc)
+        else:
+            head = {FINAL_NORM: params[FINAL_NORM]}
+            head_name = EMBEDDING if c.tie_embeddings else HEAD
+            head[head_name] = params[head_name]
+            loss, head_vjp = jax.vjp(lambda hp, x: self._head_loss(hp, x, a), head, xL)
+            d_head, dx = head_vjp(jnp.ones_like(loss))
+            u.leaf(FINAL_NORM, d_head[FINAL_NORM]["scale"])
+            if not c.tie_embeddings:
+                u.leaf(HEAD, d_head[HEAD])
         dx = self._layers_backward(u, params, xs, dx, a)
         self._embedding(u, params[EMBEDDING], a["tokens"], dx, d_head)
         skips = jnp.where(u.finite, 0, state.skips_in_a_row + 1).astype(jnp.int32)
@@ -232,6 +239,59 @@ class _InBackwardStep:
                    "lr": self.lr_at(state.applied), "tokens": a["total"], "skips_in_a_row": skips}
         return new_state, metrics
 
+    def _head_slice(self, u: _Updates, params, a) -> int:
+        """The vocabulary slice the untied head's gradient is made and applied in
+        (`_head_in_slices`), or 0 where it is made whole: a tied head (its gradient joins the
+        embedding's), the unfused loss, or an optimizer state that cannot be updated in column
+        slices. The largest divisor of V that is a multiple of the state's `column_block`
+        with one slice's update at most sr.CHUNK elements and its fp32 logits [B, T, Vc] at
+        most the fused loss's AUTO_CHUNK_BYTES; 0 where that leaves over 2,048 slices."""
+        if self.c.tie_embeddings or not a["chunk"]:
+            return 0
+        D, V = params[HEAD].shape
+        block = u.parts.column_block(u.index[(HEAD,)])
+        if not block:
+            return 0
+        tokens = a["tokens"].size
+        fits = [w for w in range(block, V + 1, block) if V % w == 0 and D * w <= sr.CHUNK
+                and tokens * w * 4 <= AUTO_CHUNK_BYTES]
+        return max(fits) if fits and V // max(fits) <= 2048 else 0
+
+    def _head_in_slices(self, u: _Updates, params, xL, a, vc: int):
+        """(loss, d x_L): the final norm and the fused loss forward (its logsumexp kept), then
+        its backward over vocabulary slices of the head (jaxmem.loss.chunked.over_vocab), each
+        slice's gradient applied to the head's columns and their optimizer state at once
+        (Parts.columns): the head's whole gradient ([D, V], 0.98 GiB at 8B in bf16) never
+        exists. Then the final norm's update. A slice whose gradient is not finite is left as
+        it was (each slice is a part)."""
+        i, dtype = u.index[(HEAD,)], params[HEAD].dtype
+        cast = lambda name, x: self.cast({name: x})[name]  # noqa: E731
+        h, norm_vjp = jax.vjp(lambda s, x: self.norm.apply({"params": cast(FINAL_NORM, s)}, x),
+                              params[FINAL_NORM], xL)
+        w32 = a["weights"].astype(jnp.float32)
+        total, lse = forward(a["chunk"], logits_einsum, "DV", h, cast(HEAD, params[HEAD]),
+                             a["targets"], w32)
+
+        def read(carry, start):  # columns not yet written hold the weights as they were
+            return cast(HEAD, cols(carry[0], start, vc))
+
+        def write(carry, start, g):
+            p, s, ss, fin = carry
+            g = g.astype(dtype)
+            finite = all_finite(g)
+            p, s = u.parts.columns(i, start, g, p, s, finite)
+            return p, s, ss + jnp.sum(jnp.square(g.astype(jnp.float32))), fin & finite
+
+        carry = (params[HEAD], u.states[i], jnp.zeros((), jnp.float32), jnp.asarray(True))
+        dh, (p, s, ss, fin) = over_vocab(logits_einsum, "DV", h, a["targets"], w32, lse,
+                                         1.0 / a["total"], vc, params[HEAD].shape[1], read,
+                                         write, carry)
+        u.new_leaves[i], u.new_states[i] = p, s
+        u.add(ss, fin)
+        d_norm, dx = norm_vjp(dh)
+        u.leaf(FINAL_NORM, d_norm["scale"])
+        return total / a["total"], dx
+
     def _layers_backward(self, u: _Updates, params, xs, dx, a):
         """Backward through the layers, last first, each updated as its gradients appear (one
         loop whose carry holds the stacked params and optimizer states; where any of them lives
@@ -240,7 +300,7 @@ class _InBackwardStep:
         stacked, L = u.stacked, self.c.num_layers
         treedef_l = jax.tree_util.tree_structure(params[LAYERS])
         ps0, sts0 = {i: u.leaves[i] for i in stacked}, {i: u.states[i] for i in stacked}
-        ahead = any(map(in_host_memory, jax.tree_util.tree_leaves((ps0, sts0))))
+        ahead = any(map(in_host_memory, jax.tree_util.tree_leaves(ps0)))
 
         def fetch(at, ps, sts):  # {i: layer at[i]'s host-resident slices of leaf i, on the device}
             return {i: u.parts.fetch(at[i], ps[i], sts[i]) for i in stacked}
