@@ -86,6 +86,23 @@ def test_transfer_plan_crossings_and_time():
     assert "x3 over PCIe" in text and "x2 over PCIe" in text and "PCIe 4.0 x16" in text
 
 
+def test_state_fetched_before_its_update_is_not_hidden():
+    """Only the optimizer state on the host: each sub-piece's state comes right before its
+    update (no prefetch), so its inbound bytes add to the compute; with the weights on the host
+    too they are prefetched and nothing is exposed."""
+    card = target.CARDS["rtx4090"]
+    alone, both = transfer_plan(spec("host"), card), transfer_plan(spec("host", "host"), card)
+    _, moments = offloaded(spec("host"))
+    assert alone["exposed_bytes"] == moments and both["exposed_bytes"] == 0
+    assert alone["step_s"] == max(alone["compute_s"] + alone["exposed_s"], alone["transfer_s"])
+    bw, per_token = card.host_link.bandwidth, alone["flops_per_token"]
+    at = lambda n: n * per_token / alone["peak_flops"]  # noqa: E731
+    need = alone["min_tokens"]  # compute + exposed covers the transfers from here on
+    assert at(need) + moments / bw >= alone["transfer_s"] > at(need - 1) + moments / bw
+    assert "not overlapped" in "\n".join(format_transfers(alone))
+    assert "not overlapped" not in "\n".join(format_transfers(both))
+
+
 def test_memory_cli_prints_the_host_and_transfer_plan(capsys):
     from jaxmem.memory.cli import main
     assert main(["--preset", "tiny", "--precision", "bf16-sr", "--optimizer", "adamw8bit",

@@ -20,8 +20,15 @@ the link carried one at a time: PCIe is full duplex, so this is the pessimistic 
 the step's compute at the card's dense bf16 peak (`Card.peak_tflops`, the optimistic side:
 training FLOPs of jaxmem.perf.flops_per_token, x 4/3 under --remat full or
 --optimizer-in-backward, which recompute the forward; other policies' partial recompute is not
-counted, nor that a LoRA step computes no gradient of its frozen weights). The step takes at least max(compute, transfers); the transfers hide where compute is
-the larger, from `min_tokens` tokens per step on.
+counted, nor that a LoRA step computes no gradient of its frozen weights).
+
+What overlaps: with the weights on the host (`--offload-params host`) the in-backward loop
+fetches layer l - 1's weights and state during layer l (a prefetch), and every copy can hide
+behind compute. With only the optimizer state there, each part's state comes a sub-piece at a
+time right before that sub-piece's update (a layer of it would not fit beside the backward on
+the cards this is for: jaxmem.optim Parts.layer), so its inbound bytes are exposed: added to
+the compute, not hidden by it; the write-backs still overlap. The step takes at least
+max(compute + exposed, transfers); the transfers hide from `min_tokens` tokens per step on.
 """
 
 from __future__ import annotations
@@ -66,13 +73,20 @@ def transfer_plan(spec: StepSpec, card=None) -> dict | None:
     recompute = 4 / 3 if spec.remat.kind == "full" or spec.in_backward else 1.0
     per_token = flops_per_token(spec.model, spec.seq_len) * recompute
     peak = card.peak_tflops[0] * 1e12
-    compute_s, transfer_s = tokens * per_token / peak, out["pcie_bytes"] / card.host_link.bandwidth
+    bw = card.host_link.bandwidth
+    compute_s, transfer_s = tokens * per_token / peak, out["pcie_bytes"] / bw
+    # the optimizer state's fetches, made right before each update where no weights are
+    # prefetched with them (the module docstring)
+    exposed = 0 if spec.offload_params == "host" else sum(
+        x.bytes for x in host if x.kind is Kind.OPTIMIZER)
+    exposed_s = exposed / bw
     return {**out, "card": card.name, "link": card.host_link.describe(),
-            "link_bytes_per_s": card.host_link.bandwidth, "peak_flops": peak,
+            "link_bytes_per_s": bw, "peak_flops": peak,
             "flops_per_token": per_token, "compute_s": compute_s, "transfer_s": transfer_s,
-            "step_s": max(compute_s, transfer_s),
-            "bound": "transfers" if transfer_s > compute_s else "compute",
-            "min_tokens": math.ceil(transfer_s * peak / per_token)}
+            "exposed_bytes": exposed, "exposed_s": exposed_s,
+            "step_s": max(compute_s + exposed_s, transfer_s),
+            "bound": "transfers" if transfer_s > compute_s + exposed_s else "compute",
+            "min_tokens": math.ceil((transfer_s - exposed_s) * peak / per_token)}
 
 
 def format_transfers(t: dict) -> list[str]:
@@ -89,7 +103,10 @@ def format_transfers(t: dict) -> list[str]:
         f"  {'transfers at the link':<50}{t['transfer_s']:8.2f} s  ({t['link']})",
         f"  {'compute at the card':<50}{t['compute_s']:8.2f} s  ({t['tokens']:,} tokens x "
         f"{t['flops_per_token'] / 1e9:.1f} GFLOP at {t['peak_flops'] / 1e12:g} TFLOP/s)",
-        f"  {'estimated step time (the larger)':<50}{t['step_s']:8.2f} s  ({t['bound']}-bound)",
+        *([f"  {'not overlapped: state fetched before its update':<50}{t['exposed_s']:8.2f} s"
+           f"  ({t['exposed_bytes'] / 1e9:.3g} GB; only weights on the host are prefetched)"]
+          if t.get("exposed_bytes") else []),
+        f"  {'estimated step time':<50}{t['step_s']:8.2f} s  ({t['bound']}-bound)",
         f"  {'tokens per step from which transfers hide':<50}{t['min_tokens']:>8,}",
         "  assumed: both directions summed at the one-way bandwidth (pessimistic), compute at "
         "the dense bf16 peak (optimistic): a real step is slower than both"]
