@@ -232,16 +232,22 @@ def state_on_host(spec: StepSpec) -> set:
 
 def _host_layer(spec: StepSpec) -> list[Component]:
     """Two layers of each host-resident stacked state leaf, as the in-backward loop holds them
-    on the device: the layer being updated (the params' layer also recomputed) and the one it
-    prefetches (jaxmem.train.inbackward)."""
+    on the device where the weights live on the host: the layer being updated (the params'
+    layer also recomputed) and the one it prefetches (jaxmem.train.inbackward). The state
+    alone on the host streams by sub-piece: nothing here."""
     host = state_on_host(spec)
     if not host or not spec.in_backward:  # without it: the 8-bit update's row pieces (its
         return []                           # working set) stream, no layer
+    # the state alone on the host comes a sub-piece at a time (the update's working set holds
+    # it); the loop prefetches layers only where the weights are on the host
+    prefetch = spec.offload_params == "host"
     L, out = spec.model.num_layers, []
     leaves = [(p, x, nbytes(x)) for p, x in jax.tree_util.tree_leaves_with_path(
         abstract_state(spec)) if p in host]
     for kind, label in ((Kind.PARAMS, "two layers' weights copied from the host"),
                         (Kind.OPTIMIZER, "two layers' optimizer state copied from the host")):
+        if kind is Kind.OPTIMIZER and not prefetch:
+            continue
         mine = [y for y in leaves if (key_name(y[0][0]) == "params") == (kind is Kind.PARAMS)]
         layers = [y for y in mine if in_layers(y[0])]
         # another leaf's state comes whole, but for the 8-bit optimizer's, which comes a row
@@ -299,11 +305,15 @@ def trained_leaves(spec: StepSpec, sizes: dict[str, int]):
 
 def _part(spec: StepSpec, leaves, part: bool) -> int:
     """Bytes of `leaves`: all of them, or (part) the largest in-backward part: one layer of the
-    stacked leaves or one other leaf."""
+    stacked leaves or one other leaf whose gradient the step holds whole (not the embedding's
+    nor a head's made in pieces: jaxmem.train.inbackward.streamed_gradients)."""
     if not part:
         return sum(b for _, _, b in leaves)
+    from jaxmem.train.inbackward import streamed_gradients
+    pieces = streamed_gradients(spec.step, spec.batch_size * spec.seq_len)
     layer = sum(b for p, _, b in leaves if in_layers(p)) // spec.model.num_layers
-    return max([layer] + [b for p, _, b in leaves if not in_layers(p)])
+    return max([layer] + [b for p, _, b in leaves
+                          if not in_layers(p) and key_name(p[0]) not in pieces])
 
 
 def gradient_part(spec: StepSpec, sizes: dict[str, int]) -> int:

@@ -112,6 +112,44 @@ def make_train_step_in_backward(cfg, step_key, loss_scale=None):
     return _InBackwardStep(cfg, step_key)
 
 
+def head_slice(shape, block: int | None, tokens: int) -> int:
+    """The vocabulary slice an untied head of `shape` [D, V] has its gradient made and applied
+    in under --optimizer-in-backward (`_head_in_slices`; `block`: its optimizer state's
+    `Parts.column_block`, None where it cannot be updated in columns), or 0: made whole. The
+    largest divisor of V that is a multiple of `block` with one slice's update at most
+    sr.CHUNK elements and its fp32 logits [B, T, Vc] (`tokens` = B x T) at most the fused
+    loss's AUTO_CHUNK_BYTES; 0 where that leaves over 2,048 slices."""
+    D, V = shape
+    if not block:
+        return 0
+    fits = [w for w in range(block, V + 1, block) if V % w == 0 and D * w <= sr.CHUNK
+            and tokens * w * 4 <= AUTO_CHUNK_BYTES]
+    return max(fits) if fits and V // max(fits) <= 2048 else 0
+
+
+def streamed_gradients(cfg, tokens: int) -> set[str]:
+    """The top-level params (names) whose gradient this in-backward step (`cfg`, a StepConfig;
+    `tokens` = B x T) never holds whole: an untied embedding's (made a row piece at a time
+    where its update uses it) and an untied head's made in vocabulary slices (`head_slice`).
+    What the planner's one-part gradient leaves out."""
+    c = cfg.model
+    if c.tie_embeddings:
+        return set()
+    out = {EMBEDDING}
+    if resolve_loss_chunk(cfg.loss_chunk, 1, tokens, c):
+        got = []
+
+        def probe(params):  # abstract: the optimizer's parts of the head, nothing allocated
+            opt = cfg.optimizer
+            parts = opt.split(params, opt.tx.init(params), jax.random.PRNGKey(0))
+            names = [k[0].key for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+            got.append(parts.column_block(names.index(HEAD)))
+        jax.eval_shape(probe, abstract_params(c))
+        if head_slice((c.hidden_size, c.vocab_size), got[0], tokens):
+            out.add(HEAD)
+    return out
+
+
 class _Updates:
     """The step's new leaves and optimizer states, filled part by part as gradients appear, with
     the running sum of squared gradients and whether every part's gradients were finite."""
@@ -240,22 +278,11 @@ class _InBackwardStep:
         return new_state, metrics
 
     def _head_slice(self, u: _Updates, params, a) -> int:
-        """The vocabulary slice the untied head's gradient is made and applied in
-        (`_head_in_slices`), or 0 where it is made whole: a tied head (its gradient joins the
-        embedding's), the unfused loss, or an optimizer state that cannot be updated in column
-        slices. The largest divisor of V that is a multiple of the state's `column_block`
-        with one slice's update at most sr.CHUNK elements and its fp32 logits [B, T, Vc] at
-        most the fused loss's AUTO_CHUNK_BYTES; 0 where that leaves over 2,048 slices."""
+        """`head_slice` of this step's head (0 where it is tied or the loss unfused)."""
         if self.c.tie_embeddings or not a["chunk"]:
             return 0
-        D, V = params[HEAD].shape
-        block = u.parts.column_block(u.index[(HEAD,)])
-        if not block:
-            return 0
-        tokens = a["tokens"].size
-        fits = [w for w in range(block, V + 1, block) if V % w == 0 and D * w <= sr.CHUNK
-                and tokens * w * 4 <= AUTO_CHUNK_BYTES]
-        return max(fits) if fits and V // max(fits) <= 2048 else 0
+        return head_slice(params[HEAD].shape, u.parts.column_block(u.index[(HEAD,)]),
+                          a["tokens"].size)
 
     def _head_in_slices(self, u: _Updates, params, xL, a, vc: int):
         """(loss, d x_L): the final norm and the fused loss forward (its logsumexp kept), then
