@@ -196,7 +196,12 @@ class _InBackwardStep:
         self.dtype = cfg.precision.compute_dtype
         self.lr_at = schedule(cfg.optim)
         # the model's own parts (jaxmem.families.decoder): no second copy of the forward pass
-        self.block = DecoderBlock(self.c, model.einsum, tile_mlp=True)  # as under --remat full
+        # the MLP in sequence tiles (as under --remat full) only where its activations outweigh
+        # the tiles' fp32 weight-gradient sums (3 x D x F x 4 bytes, 672 MiB at 8B): a step of
+        # B x T > 3 D tokens (`_block`)
+        self.blocks = {tile: DecoderBlock(self.c, model.einsum, tile_mlp=tile)
+                       for tile in (False, True)}
+        self.block = self.blocks[True]
         self.norm = final_norm(self.c)
         self.facts = layer_facts(self.c)  # each layer's kind where local and global mix
 
@@ -240,6 +245,7 @@ class _InBackwardStep:
         if not isinstance(state.loss_scale, NoOpLossScale):
             check(cfg, state.loss_scale)
         a = self._inputs(batch)
+        self.block = self.blocks[a["tokens"].size > 3 * c.hidden_size]
         params = state.params
         u = _Updates(cfg.optimizer.split(params, state.opt_state,
                                          self.step_key(state.rng, state.step)), params)
