@@ -16,8 +16,12 @@ backward pass, so the gradient tree never exists whole (one device).
                                                           donated buffers: no second copy)
     d_embed = vjp(embed)(dx); update the embedding
 
-With --offload-params / --offload-optimizer host (jaxmem.train.placement) the stacked params /
-optimizer state live in pinned host memory: the forward scan copies params_l to the device
+The untied LM head's gradient is made a vocabulary slice at a time and each slice is applied at
+once (`_head_in_slices`: its whole [D, V] gradient never exists). With --offload-optimizer host
+alone (jaxmem.train.placement) the optimizer state lives in pinned host memory and each
+layer's update brings it a sub-piece at a time (jaxmem.optim's layer_rows: no layer of state
+beside the backward; the fetches are exposed). With --offload-params host the stacked params
+live there too: the forward scan copies params_l to the device
 (jaxmem.model.fetch.layer_to_device); the reverse loop is double-buffered: its carry also holds
 layer l's host-resident slices on the device (weights for the recompute and the update, the
 state's rows: Parts.fetch), fetched during iteration l + 1, and iteration l starts fetching
