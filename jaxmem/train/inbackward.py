@@ -116,6 +116,14 @@ def make_train_step_in_backward(cfg, step_key, loss_scale=None):
     return _InBackwardStep(cfg, step_key)
 
 
+def mlp_tiles(c, tokens: int) -> bool:
+    """Whether the in-backward step runs the MLP in sequence tiles (jaxmem.model.tiled, where
+    that saves memory at all): only at more than 3 D tokens per micro-batch, where its [B, T, F]
+    activations outweigh the tiles' fp32 weight-gradient sums (3 x D x F x 4 bytes, which the
+    untiled MLP's bf16 gradients, the part's own, do not need). The planner asks this too."""
+    return tokens > 3 * c.hidden_size
+
+
 def head_slice(shape, block: int | None, tokens: int) -> int:
     """The vocabulary slice an untied head of `shape` [D, V] has its gradient made and applied
     in under --optimizer-in-backward (`_head_in_slices`; `block`: its optimizer state's
@@ -249,7 +257,7 @@ class _InBackwardStep:
         if not isinstance(state.loss_scale, NoOpLossScale):
             check(cfg, state.loss_scale)
         a = self._inputs(batch)
-        self.block = self.blocks[a["tokens"].size > 3 * c.hidden_size]
+        self.block = self.blocks[mlp_tiles(c, a["tokens"].size)]
         params = state.params
         u = _Updates(cfg.optimizer.split(params, state.opt_state,
                                          self.step_key(state.rng, state.step)), params)
