@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+import jaxmem.optim._stochastic as sr
 from jaxmem.config.model import get_preset
 from jaxmem.model.precision import get_precision
 from jaxmem.model.remat import RematPolicy
@@ -43,11 +44,18 @@ def _host_arrays(state):
 
 
 # in-backward (a layer at a time); without it adamw8bit's whole-tree update streams each leaf a
-# row piece at a time, here with clipping by the global norm and two accumulated micro-batches
-@pytest.mark.parametrize("optimizer,in_backward,clip,accum", [
-    ("adamw8bit", True, 0.0, 1), ("adamw", True, 0.0, 1), ("adamw8bit", False, 1.0, 2)])
-def test_host_state_is_bitwise_the_device_run_for_10_steps(optimizer, in_backward, clip, accum):
-    cfg = StepConfig(get_preset("tiny"), get_precision("bf16-sr"), RematPolicy("full"),
+# row piece at a time, here with clipping by the global norm and two accumulated micro-batches.
+# `chunk`: a small CHUNK cuts each layer's update into several sub-pieces (each streamed on its
+# own) and a 512-token head into vocabulary slices, as 8B's 2^24 does
+@pytest.mark.parametrize("optimizer,in_backward,clip,accum,vocab,chunk", [
+    ("adamw8bit", True, 0.0, 1, 259, None), ("adamw", True, 0.0, 1, 259, None),
+    ("adamw8bit", False, 1.0, 2, 259, None), ("adamw8bit", True, 0.0, 1, 512, 2**15)])
+def test_host_state_is_bitwise_the_device_run_for_10_steps(optimizer, in_backward, clip, accum,
+                                                          vocab, chunk, monkeypatch):
+    if chunk:
+        monkeypatch.setattr(sr, "CHUNK", chunk)
+    cfg = StepConfig(get_preset("tiny", vocab_size=vocab), get_precision("bf16-sr"),
+                     RematPolicy("full"),
                      OptimConfig(optimizer=optimizer, clip=clip, lr=1e-2, warmup_steps=2,
                                  total_steps=20, in_backward=in_backward), grad_accum=accum)
     runs = {}
@@ -56,7 +64,7 @@ def test_host_state_is_bitwise_the_device_run_for_10_steps(optimizer, in_backwar
         step = par.train_step(cfg, s)
         ls = []
         for k in range(10):
-            one = synthetic_batch(jax.random.PRNGKey(k), 2, 16, 259)
+            one = synthetic_batch(jax.random.PRNGKey(k), 2, 16, vocab)
             batch = jax.tree.map(lambda x: np.stack([x] * accum), one)
             before = s
             s, m = step(s, batch)

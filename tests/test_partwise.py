@@ -117,3 +117,69 @@ def test_the_8bit_split_refuses_clipping():
     params = {"w": jnp.ones((64, 128))}
     with pytest.raises(ValueError, match="cannot clip by the global norm"):
         opt.split(opt.init(params), params)
+
+
+def _columns(parts, i, g, p, s, width, finite=True):
+    """Leaf i updated through Parts.columns, slice by slice (as the in-backward head is)."""
+    for start in range(0, p.shape[-1], width):
+        p, s = parts.columns(i, jnp.int32(start), g[:, start:start + width], p, s,
+                             jnp.asarray(finite))
+    return p, s
+
+
+@pytest.mark.parametrize("kind", ["adamw8bit", "adamw"])
+def test_columns_are_the_whole_leaf_update(kind):
+    # an LM-head-shaped leaf [D, V] updated a vocabulary slice at a time: the same numbers as
+    # the leaf updated whole (8-bit: bitwise, its blocks run along V and each slice holds whole
+    # ones; optax's element-wise chain: within an fp32 ulp, XLA fusing its arithmetic apart)
+    params = {"head": jnp.linspace(-1, 1, 8 * 1024).reshape(8, 1024)}
+    grads = {"head": jnp.cos(3 * params["head"]) * 1e-2}
+    if kind == "adamw8bit":
+        opt = AdamW8bitInPlace(1e-2)
+        state = opt.init(params)
+        make = lambda st, p: opt.split(st, p)  # noqa: E731
+    else:
+        tx = optax.adamw(1e-2)
+        state = tx.init(params)
+        make = lambda st, p: split(tx, st, p)  # noqa: E731
+    yes = jnp.asarray(True)
+    for _ in range(2):
+        parts = make(state, params)
+        block = parts.column_block(0)
+        assert block == (256 if kind == "adamw8bit" else 1)
+        whole = parts.leaf(0, grads["head"], params["head"], parts.states[0], yes)
+        sliced = jax.jit(lambda g, p, s: _columns(parts, 0, g, p, s, 512))(
+            grads["head"], params["head"], parts.states[0])
+        for x, y in zip(jax.tree.leaves(sliced), jax.tree.leaves(whole)):
+            if kind == "adamw8bit":
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+            else:
+                np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+        params = {"head": whole[0]}
+        state = parts.finish([whole[1]])
+    # a slice of width 512 is not the whole leaf: the two slices really were updated apart
+    assert not np.array_equal(np.asarray(params["head"][:, :512]),
+                              np.asarray(jnp.linspace(-1, 1, 8 * 1024).reshape(8, 1024)[:, :512]))
+
+
+def test_columns_round_bf16_with_their_own_keys_and_skip_nonfinite_slices():
+    # bf16 under stochastic rounding: each slice draws from fold_in(leaf key, slice): within a
+    # bf16 ulp of the whole update, not its bits; a slice whose `finite` is False stays as it was
+    opt = AdamW8bitInPlace(1e-2, stochastic_rounding=True)
+    p = (jnp.linspace(-1, 1, 8 * 1024).reshape(8, 1024) + 2).astype(jnp.bfloat16)
+    params = {"head": p}
+    state = opt.init(params)
+    parts = opt.split(state, params, key=jax.random.PRNGKey(1))
+    g = jnp.cos(3 * p.astype(jnp.float32)) * 1e-2
+    yes = jnp.asarray(True)
+    whole = parts.leaf(0, g, p, parts.states[0], yes)
+    sliced = _columns(parts, 0, g, p, parts.states[0], 512)
+    a, b = np.asarray(sliced[0], np.float32), np.asarray(whole[0], np.float32)
+    np.testing.assert_allclose(a, b, rtol=2**-7)
+    assert not np.array_equal(a, b)  # other bits
+    for x, y in zip(jax.tree.leaves(sliced[1]), jax.tree.leaves(whole[1])):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # moments: value-hashed
+    same = parts.columns(0, jnp.int32(512), g[:, 512:], p, parts.states[0], jnp.asarray(False))
+    np.testing.assert_array_equal(np.asarray(same[0], np.float32), np.asarray(p, np.float32))
+    for x, y in zip(jax.tree.leaves(same[1]), jax.tree.leaves(parts.states[0])):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
