@@ -6,8 +6,12 @@ backward pass, so the gradient tree never exists whole (one device).
 
     x_0 = embed(tokens)
     for l in 0..L-1:  x_{l+1} = block(params_l, x_l)     keep x_l only (what --remat full keeps)
-    loss, (d_norm, d_head), dx = vjp(final norm + fused LM-head loss)(x_L)
-    update norm and head now                              (their gradients die here)
+    loss, lse = fused LM-head loss(final norm(x_L))
+    for each vocabulary slice v of the head:              an untied head: each slice's gradient
+        d_head_v, dh += backward of the loss over v       applied to its columns at once (a
+        update the head's columns v in place              tied one, or a state that cannot be
+    dx = vjp(final norm)(dh); update the norm             cut so: its whole gradient, then the
+                                                          update)
     for l in L-1..0:                                      one loop whose carry holds the stacked
         d_params_l, dx = vjp(block)(params_l, x_l)(dx)    params and optimizer state: layer l
         update layer l in place                           is recomputed, differentiated and
@@ -210,7 +214,7 @@ class _InBackwardStep:
         # the model's own parts (jaxmem.families.decoder): no second copy of the forward pass
         # the MLP in sequence tiles (as under --remat full) only where its activations outweigh
         # the tiles' fp32 weight-gradient sums (3 x D x F x 4 bytes, 672 MiB at 8B): a step of
-        # B x T > 3 D tokens (`_block`)
+        # B x T > 3 D tokens (`mlp_tiles`; chosen per call, by the batch's shape)
         self.blocks = {tile: DecoderBlock(self.c, model.einsum, tile_mlp=tile)
                        for tile in (False, True)}
         self.block = self.blocks[True]
