@@ -42,6 +42,27 @@ def _configs(optimizer, precision="fp32", tie=False, family="llama", **optim):
         ordinary, optim=dataclasses.replace(ordinary.optim, in_backward=True))
 
 
+def _both(ordinary, oib, steps: int, vocab: int):
+    """`steps` steps of the ordinary and the in-backward step from one seed on the same batches:
+    their fp32 losses (1e-6), grad norms (1e-5) and learning rates (equal) agree, and it
+    trained; -> (ordinary state, in-backward state)."""
+    s1, s2 = create_train_state(ordinary, seed=1), create_train_state(oib, seed=1)
+    f1, f2 = jax.jit(make_train_step(ordinary)), jax.jit(make_train_step(oib))
+    l1, l2 = [], []
+    for k in range(steps):
+        batch = jax.tree.map(lambda x: x[None],
+                             synthetic_batch(jax.random.PRNGKey(k), 2, 16, vocab))
+        s1, m1 = f1(s1, batch)
+        s2, m2 = f2(s2, batch)
+        l1.append(float(m1["loss"]))
+        l2.append(float(m2["loss"]))
+        np.testing.assert_allclose(float(m2["grad_norm"]), float(m1["grad_norm"]), rtol=1e-5)
+        np.testing.assert_allclose(float(m2["lr"]), float(m1["lr"]), rtol=0)
+    np.testing.assert_allclose(l2, l1, rtol=1e-6)
+    assert l1[-1] != l1[0]  # it trained
+    return s1, s2
+
+
 @pytest.mark.slow  # two tiny steps compiled per case, 10 steps each
 @pytest.mark.parametrize("optimizer,tie,family", [
     ("adamw", False, "llama"), ("adamw8bit", False, "llama"), ("lion", True, "llama"),
@@ -51,19 +72,7 @@ def test_fp32_losses_equal_the_ordinary_step_for_10_steps(optimizer, tie, family
     QK-norm, Qwen2's biases, Gemma 3's scaled embedding, sandwich norms and local and global
     layers), gives the ordinary step's losses."""
     ordinary, oib = _configs(optimizer, tie=tie, family=family)
-    s1, s2 = create_train_state(ordinary, seed=1), create_train_state(oib, seed=1)
-    f1, f2 = jax.jit(make_train_step(ordinary)), jax.jit(make_train_step(oib))
-    l1, l2 = [], []
-    for k in range(10):
-        batch = jax.tree.map(lambda x: x[None], synthetic_batch(jax.random.PRNGKey(k), 2, 16, 259))
-        s1, m1 = f1(s1, batch)
-        s2, m2 = f2(s2, batch)
-        l1.append(float(m1["loss"]))
-        l2.append(float(m2["loss"]))
-        np.testing.assert_allclose(float(m2["grad_norm"]), float(m1["grad_norm"]), rtol=1e-5)
-        np.testing.assert_allclose(float(m2["lr"]), float(m1["lr"]), rtol=0)
-    np.testing.assert_allclose(l2, l1, rtol=1e-6)
-    assert l1[-1] != l1[0]  # it trained
+    s1, s2 = _both(ordinary, oib, 10, 259)
     assert int(s2.step) == int(s2.applied) == 10 and int(s2.skips_in_a_row) == 0
     for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
@@ -87,17 +96,7 @@ def test_the_head_updated_a_vocabulary_slice_at_a_time_gives_the_ordinary_losses
     ordinary, oib = (dataclasses.replace(c, model=model) for c in (ordinary, oib))
     vc = head_slice((model.hidden_size, 512), 1, 32)
     assert 0 < vc < 512, vc  # several slices
-    s1, s2 = create_train_state(ordinary, seed=1), create_train_state(oib, seed=1)
-    f1, f2 = jax.jit(make_train_step(ordinary)), jax.jit(make_train_step(oib))
-    l1, l2 = [], []
-    for k in range(steps):
-        batch = jax.tree.map(lambda x: x[None], synthetic_batch(jax.random.PRNGKey(k), 2, 16, 512))
-        s1, m1 = f1(s1, batch)
-        s2, m2 = f2(s2, batch)
-        l1.append(float(m1["loss"]))
-        l2.append(float(m2["loss"]))
-        np.testing.assert_allclose(float(m2["grad_norm"]), float(m1["grad_norm"]), rtol=1e-5)
-    np.testing.assert_allclose(l2, l1, rtol=1e-6)
+    s1, s2 = _both(ordinary, oib, steps, 512)
     # d(x) is summed over the slices in another order: Adam's m / (sqrt(v) + eps) moves an
     # element whose gradient is at rounding level by a fraction of lr (1e-2) either way; seen:
     # 2 of 65,536 head elements 9e-5 apart after 5 steps, so 1% of lr
