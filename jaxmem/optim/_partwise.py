@@ -200,6 +200,14 @@ class _OptaxParts(Parts):
             return (p.astype(jnp.float32) + u.astype(jnp.float32)).astype(p.dtype)
         return jnp.asarray(p + u).astype(p.dtype)  # optax.apply_updates
 
+    def _apply(self, p, u, key=None, bits=None):
+        """p + u as the whole-tree update applies it: rounded stochastically with `key` or the
+        given `bits` where there are any (a bf16 leaf under bf16-sr), else `_add`."""
+        if key is None and bits is None:
+            return self._add(p, u)
+        total = p.astype(jnp.float32) + u.astype(jnp.float32)
+        return round_bf16_bits(total, bits) if bits is not None else round_bf16(total, key)
+
     def leaf(self, i, g, p, s, finite):
         if callable(g):
             g = g(1, 0).reshape(p.shape)
@@ -222,11 +230,7 @@ class _OptaxParts(Parts):
 
         def fn(ins, st, pkey, bits):
             (u,), (p,) = ins, st
-            if pkey is None and bits is None:
-                return (self._add(p, u),)
-            total = p.astype(jnp.float32) + u.astype(jnp.float32)
-            return ((round_bf16_bits(total, bits) if bits is not None
-                     else round_bf16(total, pkey)),)
+            return (self._apply(p, u, pkey, bits),)
 
         (new_p,) = layer_rows(fn, (u,), (p,), l, p.shape, self.pieces(i), finite, fetched[:1])
         new = tuple(jnp.where(finite, a, b) for a, b in zip(new, s_l))
@@ -239,11 +243,7 @@ class _OptaxParts(Parts):
         s_c = tuple(to_device(cols(x, start, w), h) for x, h in zip(s, host))
         p_c = cols(p, start, w)
         u, new = self._update(i, g, p_c, s_c)
-        key = self.column_key(i, start, w) if self.rounds else None
-        if key is not None:
-            new_p = round_bf16(p_c.astype(jnp.float32) + u.astype(jnp.float32), key)
-        else:
-            new_p = self._add(p_c, u)
+        new_p = self._apply(p_c, u, self.column_key(i, start, w) if self.rounds else None)
         pick = lambda a, b: jnp.where(finite, a, b)  # noqa: E731
         return (put_cols(p, pick(new_p, p_c), start),
                 tuple(put_cols(x, to_host(pick(a, b), h), start)
