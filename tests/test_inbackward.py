@@ -89,7 +89,7 @@ def test_the_head_updated_a_vocabulary_slice_at_a_time_gives_the_ordinary_losses
     (tests/test_partwise.py) and host against device with sliced heads
     (tests/test_offload_optimizer.py)."""
     optimizer, steps = "adamw", 5
-    from jaxmem.train.inbackward import head_slice
+    from jaxmem.train.inbackward_rules import head_slice
     monkeypatch.setattr(sr, "CHUNK", 2**15)  # D x Vc <= 2^15: slices of 256 of the 512
     ordinary, oib = _configs(optimizer)
     model = dataclasses.replace(ordinary.model, vocab_size=512)

@@ -129,12 +129,12 @@ def outside_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: Rema
 def mlp_tiled(spec: StepSpec) -> int:
     """The MLP's sequence tile when the step runs it tiled (jaxmem.model.tiled, by
     jaxmem.families.decoder's rule: `tiles_under` the policy, the plain einsum; in-backward
-    only where jaxmem.train.inbackward.mlp_tiles says), else 0."""
+    only where jaxmem.train.inbackward_rules.mlp_tiles says), else 0."""
     c = spec.model
     if not tiles_under(spec.remat):
         return 0
     if spec.in_backward:
-        from jaxmem.train.inbackward import mlp_tiles
+        from jaxmem.train.inbackward_rules import mlp_tiles
         if not mlp_tiles(c, spec.batch_size * spec.seq_len):
             return 0
     if spec.precision.fp8:  # another einsum: never tiled (LoRA's: trainable.mlp_tile)

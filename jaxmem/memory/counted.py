@@ -306,10 +306,10 @@ def trained_leaves(spec: StepSpec, sizes: dict[str, int]):
 def _part(spec: StepSpec, leaves, part: bool) -> int:
     """Bytes of `leaves`: all of them, or (part) the largest in-backward part: one layer of the
     stacked leaves or one other leaf whose gradient the step holds whole (not the embedding's
-    nor a head's made in pieces: jaxmem.train.inbackward.streamed_gradients)."""
+    nor a head's made in pieces: jaxmem.train.inbackward_rules.streamed_gradients)."""
     if not part:
         return sum(b for _, _, b in leaves)
-    from jaxmem.train.inbackward import streamed_gradients
+    from jaxmem.train.inbackward_rules import streamed_gradients
     pieces = streamed_gradients(spec.step, spec.batch_size * spec.seq_len)
     layer = sum(b for p, _, b in leaves if in_layers(p)) // spec.model.num_layers
     return max([layer] + [b for p, _, b in leaves

@@ -63,8 +63,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem.config.model import ConfigError
-from jaxmem.loss.chunked import (AUTO_CHUNK_BYTES, chunked_cross_entropy, forward, over_vocab,
-                                resolve_loss_chunk)
+from jaxmem.loss.chunked import chunked_cross_entropy, forward, over_vocab, resolve_loss_chunk
 from jaxmem.families.decoder import (DecoderBlock, abstract_params, embed_lookup, final_norm,
                                     layer_context, layer_facts)
 from jaxmem.families.names import EMBEDDING, FINAL_NORM, HEAD, LAYERS
@@ -73,8 +72,8 @@ from jaxmem.model.precision import cast_params
 from jaxmem.einsum import logits_einsum, project
 from jaxmem.optim import NoOpLossScale, NotSplittable, Parts, all_finite, row_chunks
 from jaxmem.optim._partwise import cols
-import jaxmem.optim._stochastic as sr
 from jaxmem.train.loss import cross_entropy
+from jaxmem.train.inbackward_rules import head_slice, mlp_tiles
 from jaxmem.train.optim import schedule
 
 
@@ -118,52 +117,6 @@ def make_train_step_in_backward(cfg, step_key, loss_scale=None):
     with `optimizer_in_backward`, and `jit_train_step` jits it with the state donated."""
     check(cfg, loss_scale)
     return _InBackwardStep(cfg, step_key)
-
-
-def mlp_tiles(c, tokens: int) -> bool:
-    """Whether the in-backward step runs the MLP in sequence tiles (jaxmem.model.tiled, where
-    that saves memory at all): only at more than 3 D tokens per micro-batch, where its [B, T, F]
-    activations outweigh the tiles' fp32 weight-gradient sums (3 x D x F x 4 bytes, which the
-    untiled MLP's bf16 gradients, the part's own, do not need). The planner asks this too."""
-    return tokens > 3 * c.hidden_size
-
-
-def head_slice(shape, block: int | None, tokens: int) -> int:
-    """The vocabulary slice an untied head of `shape` [D, V] has its gradient made and applied
-    in under --optimizer-in-backward (`_head_in_slices`; `block`: its optimizer state's
-    `Parts.column_block`, None where it cannot be updated in columns), or 0: made whole. The
-    largest divisor of V that is a multiple of `block` with one slice's update at most
-    sr.CHUNK elements and its fp32 logits [B, T, Vc] (`tokens` = B x T) at most the fused
-    loss's AUTO_CHUNK_BYTES; 0 where that leaves over 2,048 slices."""
-    D, V = shape
-    if not block:
-        return 0
-    fits = [w for w in range(block, V + 1, block) if V % w == 0 and D * w <= sr.CHUNK
-            and tokens * w * 4 <= AUTO_CHUNK_BYTES]
-    return max(fits) if fits and V // max(fits) <= 2048 else 0
-
-
-def streamed_gradients(cfg, tokens: int) -> set[str]:
-    """The top-level params (names) whose gradient this in-backward step (`cfg`, a StepConfig;
-    `tokens` = B x T) never holds whole: an untied embedding's (made a row piece at a time
-    where its update uses it) and an untied head's made in vocabulary slices (`head_slice`).
-    What the planner's one-part gradient leaves out."""
-    c = cfg.model
-    if c.tie_embeddings:
-        return set()
-    out = {EMBEDDING}
-    if resolve_loss_chunk(cfg.loss_chunk, 1, tokens, c):
-        got = []
-
-        def probe(params):  # abstract: the optimizer's parts of the head, nothing allocated
-            opt = cfg.optimizer
-            parts = opt.split(params, opt.tx.init(params), jax.random.PRNGKey(0))
-            names = [k[0].key for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-            got.append(parts.column_block(names.index(HEAD)))
-        jax.eval_shape(probe, abstract_params(c))
-        if head_slice((c.hidden_size, c.vocab_size), got[0], tokens):
-            out.add(HEAD)
-    return out
 
 
 class _Updates:
@@ -217,7 +170,6 @@ class _InBackwardStep:
         # B x T > 3 D tokens (`mlp_tiles`; chosen per call, by the batch's shape)
         self.blocks = {tile: DecoderBlock(self.c, model.einsum, tile_mlp=tile)
                        for tile in (False, True)}
-        self.block = self.blocks[True]
         self.norm = final_norm(self.c)
         self.facts = layer_facts(self.c)  # each layer's kind where local and global mix
 
@@ -235,11 +187,12 @@ class _InBackwardStep:
         return {"tokens": tokens, "targets": mb["targets"], "weights": weights,
                 "total": jnp.maximum(jnp.sum(batch["mask"]).astype(jnp.float32), 1.0),
                 "ctx": layer_context(c, (B, T), mb.get("positions"), pad, mb.get("segment_ids")),
-                "chunk": resolve_loss_chunk(cfg.loss_chunk, B, T, c)}
+                "chunk": resolve_loss_chunk(cfg.loss_chunk, B, T, c),
+                "block": self.blocks[mlp_tiles(c, B * T)]}
 
     def _layer(self, lp, x, a, fact=None):
         """Layer `lp` on x; fact: its scanned kind (`layer_facts`) or None."""
-        return self.block.apply({"params": self.cast(lp)}, x, a["ctx"], fact)[0]
+        return a["block"].apply({"params": self.cast(lp)}, x, a["ctx"], fact)[0]
 
     def _head_loss(self, hp, x, a):
         """Final norm, LM head and the loss: the Decoder's return_hidden path."""
@@ -261,7 +214,6 @@ class _InBackwardStep:
         if not isinstance(state.loss_scale, NoOpLossScale):
             check(cfg, state.loss_scale)
         a = self._inputs(batch)
-        self.block = self.blocks[mlp_tiles(c, a["tokens"].size)]
         params = state.params
         u = _Updates(cfg.optimizer.split(params, state.opt_state,
                                          self.step_key(state.rng, state.step)), params)
