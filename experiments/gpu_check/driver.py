@@ -17,6 +17,9 @@ flags. Rows (`--rows` picks some; experiments.gpu_check.rows has the exact flags
     1b-fp8        the same with --precision fp8              metrics.jsonl) against the plan
     8b-1x2048     llama-3-8b bf16-sr + adamw8bit remat full, 1x2048 and 4x2048
     8b-4x2048
+    8b-opt-host   8b-1x2048 with --optimizer-in-backward and --offload-optimizer host; both-host:
+    8b-both-host  + --offload-params host; both-host-4x: the same at 4x2048 (docs/memory.md's
+    8b-both-host-4x  full fine-tune on one card, measured)
     qlora-nf4     LoRA r16 (7 targets) on a random 1B-shaped HF checkpoint made on the spot: NF4 +
     lora-bf16     double quant base, and a bf16 base; amp-bf16 remat full 1x2048
     fp8-diag      python -m experiments.fp8_diag --json: fp8 einsums traced vs f8 cuBLAS calls in
@@ -207,7 +210,7 @@ def run_plan(row: Row, out: Path, where: str, card: str | None = None) -> dict:
 
 def train_cmd(row: Row, args, run_dir: Path, hf_dir: Path | None) -> list[str]:
     init = ["--init-from", str(hf_dir)] if row.hf else []
-    return [sys.executable, "-m", "jaxmem.train", *init, *row.shape, "--steps", str(args.steps),
+    return [sys.executable, "-m", "jaxmem.train", *init, *row.shape, *row.train, "--steps", str(args.steps),
             "--warmup-steps", "1", "--eval-batches", "1", "--eval-every", "0", "--save-every", "0",
             "--max-new-tokens", "0", "--no-progress", "--no-tensorboard", "--out", str(run_dir)]
 

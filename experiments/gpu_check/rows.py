@@ -46,6 +46,7 @@ class Row:
     model: tuple[str, ...] = ()
     hf: bool = False
     args: tuple[str, ...] = ()  # compare: its flags
+    train: tuple[str, ...] = ()  # train: flags jaxmem.train takes and jaxmem.memory has no flag for
     timeout: float = 300.0
     needs: tuple[str, ...] = ()  # importable modules the row needs (skipped without them)
 
@@ -85,6 +86,16 @@ def rows(smoke: bool) -> list[Row]:
             f"full 1x{seq8[1]}", (*b8, *sr8, "--batch-size", "1", *seq8), timeout=420),
         Row("8b-4x2048", "train", f"same, 4x{seq8[1]}", (*b8, *sr8, "--batch-size", "4", *seq8),
             timeout=420),
+        *(Row(f"8b-{name}", "train", f"8b-1x2048 with --optimizer-in-backward, {what} on the "
+              f"host, {bs}x{seq8[1]}", (*b8, *sr8, "--batch-size", bs, *seq8,
+                                       "--optimizer-in-backward", *flags),
+              train=("--clip", "0"), timeout=420)
+          for name, what, bs, flags in (
+              ("opt-host", "optimizer state", "1", ("--offload-optimizer", "host")),
+              ("both-host", "optimizer state and weights", "1",
+               ("--offload-optimizer", "host", "--offload-params", "host")),
+              ("both-host-4x", "optimizer state and weights", "4",
+               ("--offload-optimizer", "host", "--offload-params", "host")))),
         Row("qlora-nf4", "train", f"LoRA r16 on a random {size}-shaped HF checkpoint, NF4 base + "
             f"double quant, amp-bf16 remat full {_bt(lora_seq)}",
             (*lora, "--quantize-base", "nf4", "--double-quant"), hf_flags, hf=True,
