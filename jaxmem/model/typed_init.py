@@ -23,6 +23,8 @@ tests/test_state_init.py checks the values bitwise against Flax's init.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -34,6 +36,21 @@ _CALLS = ("jit", "pjit", "closed_call")
 _SCAN_PARAMS = {"jaxpr", "num_consts", "num_carry", "length", "reverse", "unroll"}
 _DROP = getattr(jex, "DropVar", ())  # isinstance(v, ()) is False: nothing dropped
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+_STACKS_TO_HOST = contextvars.ContextVar("stacks_to_host", default=False)
+
+
+@contextlib.contextmanager
+def stacks_to_host():
+    """Inside it, `init_in_dtype` puts each returned scan output (the stacked layers' params)
+    in host memory one layer at a time, as the scan makes it: a state whose layers live on the
+    host (--offload-params host) is then created without the whole stack on the device."""
+    token = _STACKS_TO_HOST.set(True)
+    try:
+        yield
+    finally:
+        _STACKS_TO_HOST.reset(token)
 
 
 def init_in_dtype(init, key, dtype):
@@ -121,6 +138,9 @@ class _Eval:
         def step(carry, xs):
             out = self.run(body.jaxpr, body.consts, [*consts, *carry, *xs])
             ys = [_cast(y, self.dtype) if c else y for y, c in zip(out[nk:], casts)]
+            if _STACKS_TO_HOST.get():  # each layer's slice to the host as it is made
+                ys = [jax.device_put(y, jax.memory.Space.Host) if c else y
+                      for y, c in zip(ys, casts)]
             return list(out[:nk]), ys
 
         carry, ys = jax.lax.scan(step, list(vals[nc:nc + nk]), list(vals[nc + nk:]),

@@ -48,6 +48,7 @@ import jaxmem.parallel.rules as R
 from jaxmem.peft.offload import (HOST_KIND, abstract_in_host_memory, host_memory_kind,
                                  host_sharding, offload_shardings, one_device_shardings)
 from jaxmem.quant import gather_packed
+from jaxmem.train.host_state import create_on_host
 from jaxmem.train.run import make_eval_fn
 from jaxmem.train.step import (create_train_state, jit_train_step, make_train_step,
                                state_creation_fn)
@@ -200,11 +201,15 @@ class Placement:
         donated to the jit, so they are not copied again."""
         if self.mesh is None and not self.host_parts:
             return create_train_state(step_cfg, loss_scale, seed, params=params)
+        shardings = self._placed_shardings(
+            jax.eval_shape(state_creation_fn(step_cfg, loss_scale, seed)))
+        placed = () if params is None else (jax.device_put(params, shardings.params),)
+        if self.host_parts:  # never the host parts whole on the device (jaxmem.train.host_state)
+            fn = state_creation_fn(step_cfg, loss_scale, seed, with_params=params is not None)
+            return create_on_host(fn, shardings, placed)
         if params is None:
             return self.state_creation(step_cfg, loss_scale, seed)()
-        abstract = jax.eval_shape(state_creation_fn(step_cfg, loss_scale, seed))
-        placed = jax.device_put(params, self._placed_shardings(abstract).params)
-        return self.state_creation(step_cfg, loss_scale, seed, with_params=True)(placed)
+        return self.state_creation(step_cfg, loss_scale, seed, with_params=True)(*placed)
 
     def base_shardings(self, step_cfg):
         """LoRA: the frozen base's shardings on this mesh (jaxmem.parallel.rules.lora_base_shardings),
