@@ -14,6 +14,8 @@ here is a number of the real program, not of a look-alike.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 
@@ -31,7 +33,10 @@ from jaxmem.model.remat import RematPolicy
 from jaxmem.parallel.mesh import MeshSpec, run_mesh
 from jaxmem.parallel.rules import batch_sharding
 from jaxmem.train.loss import abstract_batch, token_loss
+from jaxmem.model.typed_init import stacks_to_host
+from jaxmem.train import host_state
 from jaxmem.train.placement import Placement
+from jaxmem.train.step import state_creation_fn
 
 
 def compiled_stats(compiled) -> tuple[dict, float]:
@@ -105,6 +110,28 @@ _LOWER = {"step": _lower_step, "sample": _lower_sample,
               par.abstract_base(spec.step, abstract_frozen(spec)))}
 
 
+def _compile_host_state(spec, par):
+    """The state creation of a one-device run with parts on the host (jaxmem.train.host_state):
+    its device-leaf program, its largest row piece and its largest layer-by-layer params stack,
+    each compiled; the one with the largest peak (the others run before, on an empty device)."""
+    fn = state_creation_fn(*spec.step_config(), seed=0)
+    shardings = par._placed_shardings(jax.eval_shape(fn))
+    progs = host_state.programs(fn, shardings)
+    leaves = jax.tree_util.tree_leaves(jax.eval_shape(fn))
+    largest = {}
+    for kind, i, jitted, _ in progs[:-1]:
+        if kind not in largest or leaves[i].size > leaves[largest[kind][0]].size:
+            largest[kind] = (i, jitted)
+    best = None
+    for kind, (_, jitted) in [*largest.items(), ("device", (None, progs[-1][2]))]:
+        args = (jax.ShapeDtypeStruct((), jnp.int32),) if kind == "piece" else ()
+        with stacks_to_host() if kind == "stack" else contextlib.nullcontext():
+            stats, flops = compiled_stats(_lower(par, jitted, *args).compile())
+        if best is None or stats["peak_bytes"] > best[0]["peak_bytes"]:
+            best = (stats, flops)
+    return best
+
+
 def compile_phase(name: str, spec: StepSpec, mesh: MeshSpec | None = None, sample=None,
                   keep_hlo: bool = False) -> dict:
     """XLA's memory numbers (and "flops") of phase `name`'s program for a placement (`mesh`: per
@@ -115,7 +142,11 @@ def compile_phase(name: str, spec: StepSpec, mesh: MeshSpec | None = None, sampl
         return _compile_import(spec)
     if mesh is not None and name in ("sample", "eval"):
         raise ValueError(f"the {name} phase is planned on one device")
-    compiled = _LOWER[name](spec, placement(spec, mesh), sample).compile()
+    par = placement(spec, mesh)
+    if name == "state" and par.mesh is None and par.host_parts:
+        stats, flops = _compile_host_state(spec, par)
+        return {**stats, "flops": flops}
+    compiled = _LOWER[name](spec, par, sample).compile()
     stats, flops = compiled_stats(compiled)
     out = {**stats, "flops": flops}
     if name != "step":

@@ -32,6 +32,7 @@ from jaxmem.model.roles import param_role
 from jaxmem.model.tiled import mlp_tile, tiles_under
 from jaxmem.quant import QuantizedWeight
 from jaxmem.loss.chunked import resolve_loss_chunk
+from jaxmem.train.host_state import PIECE_BYTES
 from jaxmem.train.step import EVAL_REMAT
 
 PHASES = ("import", "state", "step", "eval", "sample")
@@ -121,9 +122,16 @@ def analytic_phases(spec: StepSpec, sample: SampleShape | None = None) -> dict:
         out["import"] = {"total": tree_bytes(base) + 3 * largest * FP32,
                          "what": "importing the frozen base: " + (
                              "quantized one layer at a time" if largest else "put as stored")}
+    if "host" in (spec.offload_optimizer, spec.offload_params):  # jaxmem.train.host_state
+        made = {"total": state + max(PIECE_BYTES, largest_param_leaf(spec) // c.num_layers
+                                     * FP32),
+                "what": "making the train state: its device bytes + one piece of a host leaf "
+                        "or one layer of a params leaf in fp32"}
+    else:
+        made = {"total": state + largest_param_leaf(spec) * FP32,
+                "what": "making the train state: its bytes + one fp32 params leaf"}
     out.update({
-        "state": {"total": state + largest_param_leaf(spec) * FP32,
-                  "what": "making the train state: its bytes + one fp32 params leaf"},
+        "state": made,
         "step": {"total": a["total_bytes"],
                  "what": f"one train step ({a['peak_phase']} phase at the peak)"},
         "eval": {"total": state + 3 * B * T * 4 + compute_copy(spec, {})
