@@ -210,7 +210,8 @@ def run_plan(row: Row, out: Path, where: str, card: str | None = None) -> dict:
 
 def train_cmd(row: Row, args, run_dir: Path, hf_dir: Path | None) -> list[str]:
     init = ["--init-from", str(hf_dir)] if row.hf else []
-    return [sys.executable, "-m", "jaxmem.train", *init, *row.shape, *row.train, "--steps", str(args.steps),
+    return [sys.executable, "-m", "jaxmem.train", *init, *row.shape, *row.train,
+            "--steps", str(args.steps),
             "--warmup-steps", "1", "--eval-batches", "1", "--eval-every", "0", "--save-every", "0",
             "--max-new-tokens", "0", "--no-progress", "--no-tensorboard", "--out", str(run_dir)]
 

@@ -1,0 +1,69 @@
+"""The device's memory phase by phase for one `python -m jaxmem.train` configuration, on a GPU:
+after the fresh state, after each of a few steps, after the evaluation forward. Each line gives
+the device's peak so far and what it holds then (`memory_stats`: a process's peak never goes
+down, so each phase's own peak is the first line where it rises), and the step's seconds.
+
+    PYTHONPATH=. python -m experiments.offload_peak [--steps 3] [--one-program] -- TRAIN FLAGS
+
+`--one-program` makes the fresh state as one jit (`Placement.state_creation`), as jaxmem did before
+it made an offloaded state in groups (`jaxmem.train.placement.create_in_groups`). Nothing is
+saved: the run directory is a temporary one. For the figures jaxmem.train prints for the whole run
+(tok/s over --steps, the peak including the save), see experiments.gpu_check's 8b-*-host rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.offload_peak",
+                                description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--steps", type=int, default=3, help="train steps to time (default 3)")
+    p.add_argument("--one-program", action="store_true",
+                   help="make the fresh state as one jit, as before create_in_groups")
+    p.add_argument("train", nargs=argparse.REMAINDER, help="-- then jaxmem.train's flags")
+    args = p.parse_args(argv)
+    flags = [f for f in args.train if f != "--"]
+
+    import jax
+    from jaxmem.train import placement
+    from jaxmem.train.cli import build_parser, setup
+    from jaxmem.train.loop import _Run
+
+    if args.one_program:
+        placement.create_in_groups = lambda fn, shardings: jax.jit(fn, out_shardings=shardings)()
+
+    def say(what, t=None):
+        st = jax.devices()[0].memory_stats() or {}
+        gib = lambda k: f"{st[k] / 2**30:6.2f} GiB" if k in st else "   n/a"  # noqa: E731
+        print(f"{what:<12} peak {gib('peak_bytes_in_use')}  in use {gib('bytes_in_use')}"
+              + (f"  {t:7.2f} s" if t is not None else ""), flush=True)
+
+    with tempfile.TemporaryDirectory() as out:
+        parser = build_parser()
+        s = setup(parser.parse_args([*flags, "--out", out, "--no-progress", "--no-tensorboard",
+                                     "--steps", str(args.steps + 1)]), parser)
+        par = s.placement or placement.Placement.single()
+        t = time.perf_counter()
+        run = _Run(s, par)
+        jax.block_until_ready(run.state)
+        say("state", time.perf_counter() - t)
+        for i in range(args.steps):
+            t = time.perf_counter()
+            run.state, m = run.train_step(run.state, run.batches.at(run.position + i), *run.frozen)
+            jax.block_until_ready(m)
+            say(f"step {i + 1}", time.perf_counter() - t)
+        t = time.perf_counter()
+        run.evaluate()
+        say("eval", time.perf_counter() - t)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
