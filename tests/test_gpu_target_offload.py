@@ -257,3 +257,26 @@ def test_mesh_report_with_remat_offload_alone(capsys):
     out = capsys.readouterr().out
     assert "analytic, host memory (pinned), per device" in out
     assert "analytic peak without offload" not in out
+
+
+@pytest.mark.parametrize("offload_params", ["none", "host"])
+def test_state_phase_is_the_pieces_not_one_program(offload_params):
+    """The planner's state phase compiles jaxmem.train.host_state's programs: its device peak is
+    the device-resident leaves, below the one program's, which made the host leaves on the
+    device first (as a real GPU did: docs/memory.md, "Measured on a GPU")."""
+    from jaxmem.memory.compiled import _lower, compiled_stats, placement
+    s = spec(offload_params)
+    with target.compiling_for("h100"):
+        par = placement(s, None)
+        pieces = compile_phase("state", s)
+        one, _ = compiled_stats(_lower(par, par.state_creation(*s.step_config(), seed=0))
+                                .compile())
+    device = sum(x.size * x.dtype.itemsize for x, sh in zip(
+        jax.tree_util.tree_leaves(abstract_state(s)),
+        jax.tree_util.tree_leaves(par._placed_shardings(abstract_state(s))))
+        if sh.memory_kind != "pinned_host")
+    # at most one layer of the largest params leaf in fp32 (and its bf16 slice) beside them
+    layer = max(x.size for x in jax.tree_util.tree_leaves(abstract_state(s).params)) \
+        // s.model.num_layers
+    assert device <= pieces["peak_bytes"] <= device + 6 * layer
+    assert pieces["peak_bytes"] < one["peak_bytes"]
