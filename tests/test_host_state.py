@@ -59,3 +59,12 @@ def test_given_params_pass_through(monkeypatch):
         np.testing.assert_array_equal(_bits(x), _bits(y))
     assert {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(made.params["layers"])} \
         == {"pinned_host"}
+
+
+def test_progress_bar_counts_the_host_bytes(capsys):
+    cfg = _cfg("adamw8bit")
+    fn = state_creation_fn(cfg, None, 3)
+    shardings = Placement.single("host", "host")._placed_shardings(jax.eval_shape(fn))
+    host_state.create_on_host(fn, shardings, progress=True)
+    err = capsys.readouterr().err
+    assert "state to host memory" in err and "100%" in err

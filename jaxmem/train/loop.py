@@ -35,7 +35,7 @@ from jaxmem.train.placement import Placement
 from jaxmem.train.run import make_eval_fn
 from jaxmem.train.step import create_train_state, jit_train_step
 from jaxmem.train.records import Records, fmt_bytes
-from jaxmem.train.trackers import eval_metrics
+from jaxmem.train.trackers import eval_metrics, plain_progress
 from jaxmem.train.setup import Setup
 
 
@@ -183,7 +183,8 @@ class _Run:
         step_cfg, seed = s.step_cfg, s.cfg.data.seed
         self.state = s.state if self.resumed else (
             create_train_state(step_cfg, s.loss_scale, seed, params=s.init_params) if self.one
-            else par.init_state(step_cfg, s.loss_scale, seed, params=s.init_params))
+            else par.init_state(step_cfg, s.loss_scale, seed, params=s.init_params,
+                                progress=par.is_main and not plain_progress(self.r.no_progress)))
         s.init_params = None  # --init-from's host copy: the state holds the weights now
         self.steps = self.cfg.optim.total_steps
         self.start = int(par.host(self.state.step))

@@ -193,12 +193,13 @@ class Placement:
         return jax.jit(fn, in_shardings=(shardings.params,), out_shardings=shardings,
                        donate_argnums=0)
 
-    def init_state(self, step_cfg, loss_scale, seed: int, params=None):
+    def init_state(self, step_cfg, loss_scale, seed: int, params=None, progress: bool = False):
         """A fresh state, created under jit (on a mesh: directly split, with out_shardings).
         `params` (host arrays in the storage dtype, e.g. from --init-from) are put on the
         device(s) piece by piece (`device_put` with the params' shardings: no device receives
         the whole checkpoint; --offload-params host: the layers go to pinned host memory) and
-        donated to the jit, so they are not copied again."""
+        donated to the jit, so they are not copied again. progress: a bar while a state with
+        parts on the host is made (jaxmem.train.host_state)."""
         if self.mesh is None and not self.host_parts:
             return create_train_state(step_cfg, loss_scale, seed, params=params)
         shardings = self._placed_shardings(
@@ -206,7 +207,7 @@ class Placement:
         placed = () if params is None else (jax.device_put(params, shardings.params),)
         if self.host_parts:  # never the host parts whole on the device (jaxmem.train.host_state)
             fn = state_creation_fn(step_cfg, loss_scale, seed, with_params=params is not None)
-            return create_on_host(fn, shardings, placed)
+            return create_on_host(fn, shardings, placed, progress)
         if params is None:
             return self.state_creation(step_cfg, loss_scale, seed)()
         return self.state_creation(step_cfg, loss_scale, seed, with_params=True)(*placed)
