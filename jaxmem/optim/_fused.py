@@ -41,8 +41,7 @@ from jaxmem.optim._adamw8bit import (BLOCK, KeepFp32, LayerAxes, Quantized, Scal
                                      adam_piece, adamw_8bit, as_rows, bias_corrections,
                                      moment_pieces, step_salt)
 from jaxmem.optim._blockwise import _axes
-from jaxmem.optim._partwise import (Parts, cols, in_host_memory, layer_rows, put_cols, to_device,
-                                    to_host)
+from jaxmem.optim._partwise import Parts, in_host_memory, layer_rows, to_device, to_host
 
 # (path, leaf shape) -> the leaf's NamedSharding on a mesh, or None where it is not split
 Placement = Callable[[Any, tuple], Any]
@@ -352,31 +351,9 @@ class _InPlaceParts(Parts):
         # blocks along the last axis, whole in every column slice of a multiple of the block
         return m.block if _axes(m) == 1 and shape[-1] % m.block == 0 else None
 
-    def columns(self, i, start, g, p, s, finite):
-        w = g.shape[-1]
-
-        def take(x):  # a moment's columns; a Quantized's codes and their blocks' scales
-            if isinstance(x, Quantized):
-                return Quantized(codes=cols(x.codes, start, w),
-                                 scale=cols(x.scale, start // x.block, w // x.block),
-                                 block=x.block)
-            return cols(x, start, w)
-
-        def put(x, y):
-            if isinstance(x, Quantized):
-                return Quantized(codes=put_cols(x.codes, y.codes, start),
-                                 scale=put_cols(x.scale, y.scale, start // x.block), block=x.block)
-            return put_cols(x, y, start)
-
-        q = lambda x: isinstance(x, Quantized)  # noqa: E731
-        host = jax.tree_util.tree_map(in_host_memory, s)
-        s_c = jax.tree_util.tree_map(to_device, jax.tree_util.tree_map(take, s, is_leaf=q), host)
-        p_c = cols(p, start, w)
-        new_p, m, v = self.piece(g, *s_c, p_c, self.decays[i], self.column_key(i, start, w))
-        pick = lambda a, b: jnp.where(finite, a, b)  # noqa: E731
-        new_s = jax.tree_util.tree_map(to_host, jax.tree_util.tree_map(pick, (m, v), s_c), host)
-        return (put_cols(p, pick(new_p, p_c), start),
-                tuple(put(x, y) for x, y in zip(s, new_s)))
+    def _column_update(self, i, g, p, s, key):
+        new_p, m, v = self.piece(g, *s, p, self.decays[i], key)
+        return new_p, (m, v)
 
     def finish(self, states):
         return self._finish(self.treedef.unflatten([s[0] for s in states]),

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxmem.optim._adamw8bit import as_rows
+from jaxmem.optim._adamw8bit import Quantized, as_rows
 from jaxmem.optim._stochastic import (RoundingPieces, apply_leaf_sr, pieces, round_bf16,
                                       round_bf16_bits)
 
@@ -123,7 +123,23 @@ class Parts:
         """(new p, new s) of the 2-axis leaf i with columns [start, start + w) (w =
         g.shape[-1], a multiple of `column_block(i)`) updated from `g`, their gradient, in
         place; state in host memory comes for them and goes back. bf16 rounding draws from
-        fold_in(leaf key, start // w): other bits than `leaf`'s row pieces, as unbiased."""
+        fold_in(leaf key, start // w): other bits than `leaf`'s row pieces, as unbiased. A
+        slice whose gradient is not `finite` keeps its weights and state."""
+        w = g.shape[-1]
+        q = lambda x: isinstance(x, Quantized)  # noqa: E731
+        host = jax.tree_util.tree_map(in_host_memory, s)
+        s_c = jax.tree_util.tree_map(to_device, jax.tree_util.tree_map(
+            lambda x: _cut(x, start, w), s, is_leaf=q), host)
+        p_c = cols(p, start, w)
+        new_p, new_s = self._column_update(i, g, p_c, s_c, self.column_key(i, start, w))
+        pick = lambda a, b: jnp.where(finite, a, b)  # noqa: E731
+        new_s = jax.tree_util.tree_map(to_host, jax.tree_util.tree_map(pick, new_s, s_c), host)
+        return (put_cols(p, pick(new_p, p_c), start),
+                jax.tree_util.tree_map(lambda x, y: _paste(x, y, start), s, new_s, is_leaf=q))
+
+    def _column_update(self, i: int, g, p, s, key):
+        """(new p, new s) of columns p of leaf i and their state s (on the device), rounded
+        with `key` where the leaf is (`columns` cuts, keeps or replaces, and writes back)."""
         raise NotImplementedError
 
     def column_key(self, i: int, start, width: int):
@@ -237,17 +253,9 @@ class _OptaxParts(Parts):
         new = tuple(to_host(y, h) for y, h in zip(new, host))
         return new_p, tuple(put(x, y) for x, y in zip(s, new))
 
-    def columns(self, i, start, g, p, s, finite):
-        w = g.shape[-1]
-        host = tuple(in_host_memory(x) for x in s)
-        s_c = tuple(to_device(cols(x, start, w), h) for x, h in zip(s, host))
-        p_c = cols(p, start, w)
-        u, new = self._update(i, g, p_c, s_c)
-        new_p = self._apply(p_c, u, self.column_key(i, start, w) if self.rounds else None)
-        pick = lambda a, b: jnp.where(finite, a, b)  # noqa: E731
-        return (put_cols(p, pick(new_p, p_c), start),
-                tuple(put_cols(x, to_host(pick(a, b), h), start)
-                      for x, a, b, h in zip(s, new, s_c, host)))
+    def _column_update(self, i, g, p, s, key):
+        u, new = self._update(i, g, p, tuple(s))
+        return self._apply(p, u, key if self.rounds else None), type(s)(new)
 
     def finish(self, states):
         tiny = self.treedef.unflatten(self._tiny)
@@ -255,6 +263,23 @@ class _OptaxParts(Parts):
             self.state, [self.treedef.unflatten(t) for t in self._tiny_moments]), tiny)
         return _with_moments(new, [self.treedef.unflatten([s[k] for s in states])
                                    for k in range(len(self._tiny_moments))])
+
+
+def _cut(x, start, w):
+    """Columns [start, start + w) of a state array; of a Quantized its codes and their blocks'
+    scales (w and start multiples of its block)."""
+    if isinstance(x, Quantized):
+        return Quantized(codes=cols(x.codes, start, w),
+                         scale=cols(x.scale, start // x.block, w // x.block), block=x.block)
+    return cols(x, start, w)
+
+
+def _paste(x, y, start):
+    """`x` with `_cut`'s columns from `start` replaced by `y`, in place."""
+    if isinstance(x, Quantized):
+        return Quantized(codes=put_cols(x.codes, y.codes, start),
+                         scale=put_cols(x.scale, y.scale, start // x.block), block=x.block)
+    return put_cols(x, y, start)
 
 
 def layer_rows(fn, ins, stacked, l, shape, keys: RoundingPieces, finite, fetched=None):
