@@ -23,6 +23,7 @@ programs (`programs`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 
@@ -39,11 +40,13 @@ def _leaves(fn, args):
     return jax.tree_util.tree_leaves(fn(*args))
 
 
-def programs(fn, shardings, args=()):
+def programs(fn, shardings, args=(), pieces: bool = True):
     """The state creation's programs in the order they run, as (kind, leaf index, jitted, rows):
     "piece" (a leaf's rows [a, a + rows), `jitted(a, *args)`), "stack" (a params leaf made a layer
     at a time into host memory, `jitted(*args)`; trace and lower it inside `stacks_to_host`), and
-    last "device" (index None: every other leaf, `jitted(*args)`, args donated)."""
+    last "device" (index None: every other leaf, `jitted(*args)`, args donated). pieces=False (a
+    mesh, whose leaves are split over devices and processes): each optimizer leaf whole, "leaf"
+    (`jitted(*args)`; one device's shard of it on that device at a time)."""
     abstract = jax.eval_shape(fn, *args)
     paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     shards = treedef.flatten_up_to(shardings)
@@ -53,9 +56,9 @@ def programs(fn, shardings, args=()):
         is_param = getattr(path[0], "name", None) == "params"
         if not on_host or (is_param and args):  # given params: passed through by "device"
             rest.append(i)
-        elif is_param:
-            out.append(("stack", i, jax.jit(lambda *a, i=i: _leaves(fn, a)[i],
-                                             out_shardings=s), None))
+        elif is_param or not pieces:
+            out.append(("stack" if is_param else "leaf", i, jax.jit(
+                lambda *a, i=i: _leaves(fn, a)[i], out_shardings=s), None))
         else:
             rows = min(x.shape[0], max(1, PIECE_BYTES // (x.dtype.itemsize
                                                           * math.prod(x.shape[1:]))))
@@ -68,25 +71,25 @@ def programs(fn, shardings, args=()):
     return out
 
 
-def create_on_host(fn, shardings, args=(), progress: bool = False):
+def create_on_host(fn, shardings, args=(), progress: bool = False, pieces: bool = True):
     """`fn(*args)`'s pytree with `shardings`, made by `programs` one after another (each waited
     for, so no two programs' device buffers are live at once). args: the given params, placed
     with the state's params shardings; donated. progress: a bar of the host bytes made (stderr;
-    a 70B state's 267 GiB take minutes)."""
+    a 70B state's 267 GiB take minutes). pieces: `programs`'."""
     from tqdm import tqdm
 
     abstract = jax.eval_shape(fn, *args)
     leaves, treedef = jax.tree_util.tree_flatten(abstract)
     shards = treedef.flatten_up_to(shardings)
     made = [None] * len(leaves)
-    progs = programs(fn, shardings, args)
+    progs = programs(fn, shardings, args, pieces)
     nbytes = [0 if i is None else leaves[i].size * leaves[i].dtype.itemsize
               for _, i, _, _ in progs]
     with tqdm(total=sum(nbytes), unit="B", unit_scale=True, unit_divisor=1024, leave=False,
               desc="state to host memory", disable=not progress, file=sys.stderr) as bar:
         for (kind, i, jitted, extra), n in zip(progs, nbytes):
-            if kind == "stack":
-                with stacks_to_host():
+            if kind in ("stack", "leaf"):
+                with stacks_to_host() if kind == "stack" else contextlib.nullcontext():
                     made[i] = jax.block_until_ready(jitted(*args))
             elif kind == "piece":
                 x, rows = leaves[i], extra

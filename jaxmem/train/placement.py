@@ -205,9 +205,10 @@ class Placement:
         shardings = self._placed_shardings(
             jax.eval_shape(state_creation_fn(step_cfg, loss_scale, seed)))
         placed = () if params is None else (jax.device_put(params, shardings.params),)
-        if self.host_parts:  # never the host parts whole on the device (jaxmem.train.host_state)
+        if self.host_parts or self.offload_optimizer == "host":  # never the host parts whole
+            # on the device (jaxmem.train.host_state; on a mesh a leaf's shards at a time)
             fn = state_creation_fn(step_cfg, loss_scale, seed, with_params=params is not None)
-            return create_on_host(fn, shardings, placed, progress)
+            return create_on_host(fn, shardings, placed, progress, pieces=self.mesh is None)
         if params is None:
             return self.state_creation(step_cfg, loss_scale, seed)()
         return self.state_creation(step_cfg, loss_scale, seed, with_params=True)(*placed)
