@@ -111,12 +111,13 @@ _LOWER = {"step": _lower_step, "sample": _lower_sample,
 
 
 def _compile_host_state(spec, par):
-    """The state creation of a one-device run with parts on the host (jaxmem.train.host_state):
-    its device-leaf program, its largest row piece and its largest layer-by-layer params stack,
-    each compiled; the one with the largest peak (the others run before, on an empty device)."""
+    """The state creation of a run with parts on the host (jaxmem.train.host_state): its
+    device-leaf program, its largest row piece and its largest layer-by-layer params stack (on
+    a mesh: its largest optimizer leaf), each compiled; the one with the largest peak (the
+    others run before, on an empty device)."""
     fn = state_creation_fn(*spec.step_config(), seed=0)
     shardings = par._placed_shardings(jax.eval_shape(fn))
-    progs = host_state.programs(fn, shardings)
+    progs = host_state.programs(fn, shardings, pieces=par.mesh is None)
     leaves = jax.tree_util.tree_leaves(jax.eval_shape(fn))
     largest = {}
     for kind, i, jitted, _ in progs[:-1]:
@@ -143,7 +144,7 @@ def compile_phase(name: str, spec: StepSpec, mesh: MeshSpec | None = None, sampl
     if mesh is not None and name in ("sample", "eval"):
         raise ValueError(f"the {name} phase is planned on one device")
     par = placement(spec, mesh)
-    if name == "state" and par.mesh is None and par.host_parts:
+    if name == "state" and (par.host_parts or par.offload_optimizer == "host"):
         stats, flops = _compile_host_state(spec, par)
         return {**stats, "flops": flops}
     compiled = _LOWER[name](spec, par, sample).compile()
