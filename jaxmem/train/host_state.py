@@ -29,11 +29,21 @@ import sys
 
 import jax
 import numpy as np
+from jax.extend.core import jaxpr_as_fun
 
 from jaxmem.model.typed_init import stacks_to_host
 from jaxmem.peft.offload import HOST_KIND
 
 PIECE_BYTES = 256 << 20  # one piece of a host leaf made on the device at a time, at most
+
+
+def _traced(fn, args):
+    """`fn` traced once, as a function of its args returning its flat outputs: the pieces' and
+    the device leaves' programs evaluate it, so `fn` (a whole model's init) is not traced again
+    for each. (A "stack" program traces `fn` itself, inside `stacks_to_host`: evaluated from a
+    jaxpr, the scan's copies to the host were lost.)"""
+    run = jaxpr_as_fun(jax.make_jaxpr(fn)(*args))
+    return lambda a: run(*jax.tree_util.tree_leaves(a))
 
 
 def _leaves(fn, args):
@@ -51,22 +61,25 @@ def programs(fn, shardings, args=(), pieces: bool = True):
     paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     shards = treedef.flatten_up_to(shardings)
     out, rest = [], []
+    flat = _traced(fn, args)
     for i, ((path, x), s) in enumerate(zip(paths, shards)):
         on_host = s.memory_kind == HOST_KIND and x.ndim > 0
         is_param = getattr(path[0], "name", None) == "params"
         if not on_host or (is_param and args):  # given params: passed through by "device"
             rest.append(i)
-        elif is_param or not pieces:
-            out.append(("stack" if is_param else "leaf", i, jax.jit(
-                lambda *a, i=i: _leaves(fn, a)[i], out_shardings=s), None))
+        elif is_param:
+            out.append(("stack", i, jax.jit(lambda *a, i=i: _leaves(fn, a)[i],
+                                             out_shardings=s), None))
+        elif not pieces:
+            out.append(("leaf", i, jax.jit(lambda *a, i=i: flat(a)[i], out_shardings=s), None))
         else:
             rows = min(x.shape[0], max(1, PIECE_BYTES // (x.dtype.itemsize
                                                           * math.prod(x.shape[1:]))))
             out.append(("piece", i, jax.jit(
                 lambda a, *args, i=i, rows=rows: jax.lax.dynamic_slice_in_dim(
-                    _leaves(fn, args)[i], a, rows, 0)), rows))
+                    flat(args)[i], a, rows, 0)), rows))
     out.append(("device", None, jax.jit(
-        lambda *a: [_leaves(fn, a)[i] for i in rest], out_shardings=[shards[i] for i in rest],
+        lambda *a: [flat(a)[i] for i in rest], out_shardings=[shards[i] for i in rest],
         donate_argnums=tuple(range(len(args)))), rest))
     return out
 
