@@ -5,8 +5,8 @@ down, so each phase's own peak is the first line where it rises), and the step's
 
     PYTHONPATH=. python -m experiments.offload_peak [--steps 3] [--one-program] -- TRAIN FLAGS
 
-`--one-program` makes the fresh state as one jit (`Placement.state_creation`), as jaxmem did before
-it made an offloaded state in groups (`jaxmem.train.placement.create_in_groups`). Nothing is
+`--one-program` makes the fresh state as one jit, as jaxmem did before it made an offloaded state
+by several programs (`jaxmem.train.host_state.create_on_host`). Nothing is
 saved: the run directory is a temporary one. For the figures jaxmem.train prints for the whole run
 (tok/s over --steps, the peak including the save), see experiments.gpu_check's 8b-*-host rows.
 """
@@ -26,7 +26,7 @@ def main(argv=None) -> int:
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--steps", type=int, default=3, help="train steps to time (default 3)")
     p.add_argument("--one-program", action="store_true",
-                   help="make the fresh state as one jit, as before create_in_groups")
+                   help="make the fresh state as one jit, as before create_on_host")
     p.add_argument("train", nargs=argparse.REMAINDER, help="-- then jaxmem.train's flags")
     args = p.parse_args(argv)
     flags = [f for f in args.train if f != "--"]
@@ -36,8 +36,11 @@ def main(argv=None) -> int:
     from jaxmem.train.cli import build_parser, setup
     from jaxmem.train.loop import _Run
 
-    if args.one_program:
-        placement.create_in_groups = lambda fn, shardings: jax.jit(fn, out_shardings=shardings)()
+    if args.one_program:  # what Placement.init_state calls, replaced by the old one program
+        def one_program(fn, shardings, args=(), progress=False, pieces=True):
+            return jax.jit(fn, out_shardings=shardings,
+                           donate_argnums=tuple(range(len(args))))(*args)
+        placement.create_on_host = one_program
 
     def say(what, t=None):
         st = jax.devices()[0].memory_stats() or {}
