@@ -33,9 +33,9 @@ def test_state_made_in_pieces_is_bitwise_one_program(monkeypatch, optimizer, par
     # per leaf, the last one clamped to the leaf's end (512 = 3 * 170 + 2)
     monkeypatch.setattr(host_state, "PIECE_BYTES", 1)
     cfg, par = _cfg(optimizer), Placement.single(*parts)
-    kinds = [p[0] for p in host_state.programs(
+    kinds = [p.kind for p in host_state.programs(
         state_creation_fn(cfg, None, 3), par._placed_shardings(
-            jax.eval_shape(state_creation_fn(cfg, None, 3))))]
+            jax.eval_shape(state_creation_fn(cfg, None, 3))))[0]]
     assert kinds[-1] == "device"
     assert ("piece" in kinds) == (parts[0] == "host")
     assert ("stack" in kinds) == (parts[1] == "host")

@@ -116,18 +116,17 @@ def _compile_host_state(spec, par):
     a mesh: its largest optimizer leaf), each compiled; the one with the largest peak (the
     others run before, on an empty device)."""
     fn = state_creation_fn(*spec.step_config(), seed=0)
-    shardings = par._placed_shardings(jax.eval_shape(fn))
-    progs = host_state.programs(fn, shardings, pieces=par.mesh is None)
-    leaves = jax.tree_util.tree_leaves(jax.eval_shape(fn))
+    progs, _ = host_state.programs(fn, par._placed_shardings(jax.eval_shape(fn)),
+                                   pieces=par.mesh is None)
     largest = {}
-    for kind, i, jitted, _ in progs[:-1]:
-        if kind not in largest or leaves[i].size > leaves[largest[kind][0]].size:
-            largest[kind] = (i, jitted)
+    for p in progs[:-1]:
+        if p.kind not in largest or p.leaf.size > largest[p.kind].leaf.size:
+            largest[p.kind] = p
     best = None
-    for kind, (_, jitted) in [*largest.items(), ("device", (None, progs[-1][2]))]:
-        args = (jax.ShapeDtypeStruct((), jnp.int32),) if kind == "piece" else ()
-        with stacks_to_host() if kind == "stack" else contextlib.nullcontext():
-            stats, flops = compiled_stats(_lower(par, jitted, *args).compile())
+    for p in [*largest.values(), progs[-1]]:
+        args = (jax.ShapeDtypeStruct((), jnp.int32),) if p.kind == "piece" else ()
+        with stacks_to_host() if p.kind == "stack" else contextlib.nullcontext():
+            stats, flops = compiled_stats(_lower(par, p.jitted, *args).compile())
         if best is None or stats["peak_bytes"] > best[0]["peak_bytes"]:
             best = (stats, flops)
     return best
@@ -144,7 +143,7 @@ def compile_phase(name: str, spec: StepSpec, mesh: MeshSpec | None = None, sampl
     if mesh is not None and name in ("sample", "eval"):
         raise ValueError(f"the {name} phase is planned on one device")
     par = placement(spec, mesh)
-    if name == "state" and (par.host_parts or par.offload_optimizer == "host"):
+    if name == "state" and par.state_on_host:
         stats, flops = _compile_host_state(spec, par)
         return {**stats, "flops": flops}
     compiled = _LOWER[name](spec, par, sample).compile()

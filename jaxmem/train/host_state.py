@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -37,13 +38,20 @@ from jaxmem.peft.offload import HOST_KIND
 PIECE_BYTES = 256 << 20  # one piece of a host leaf made on the device at a time, at most
 
 
-def _traced(fn, args):
-    """`fn` traced once, as a function of its args returning its flat outputs: the pieces' and
-    the device leaves' programs evaluate it, so `fn` (a whole model's init) is not traced again
-    for each. (A "stack" program traces `fn` itself, inside `stacks_to_host`: evaluated from a
-    jaxpr, the scan's copies to the host were lost.)"""
-    run = jaxpr_as_fun(jax.make_jaxpr(fn)(*args))
-    return lambda a: run(*jax.tree_util.tree_leaves(a))
+class Program(NamedTuple):
+    """One program of a state's creation (`programs`)."""
+
+    kind: str  # "piece", "stack", "leaf" or "device"
+    index: Any  # the leaf's index among the state's leaves; "device": the list of its leaves
+    jitted: Any
+    leaf: Any = None  # the leaf's abstract value ("device": None)
+    sharding: Any = None  # the leaf's sharding ("device": None)
+    rows: int = 0  # "piece": the rows of one piece
+
+    @property
+    def nbytes(self) -> int:
+        """The host bytes it makes (0 for "device")."""
+        return 0 if self.leaf is None else self.leaf.size * self.leaf.dtype.itemsize
 
 
 def _leaves(fn, args):
@@ -51,37 +59,47 @@ def _leaves(fn, args):
 
 
 def programs(fn, shardings, args=(), pieces: bool = True):
-    """The state creation's programs in the order they run, as (kind, leaf index, jitted, rows):
+    """(the state creation's programs in the order they run, the state's treedef). Kinds:
     "piece" (a leaf's rows [a, a + rows), `jitted(a, *args)`), "stack" (a params leaf made a layer
     at a time into host memory, `jitted(*args)`; trace and lower it inside `stacks_to_host`), and
-    last "device" (index None: every other leaf, `jitted(*args)`, args donated). pieces=False (a
-    mesh, whose leaves are split over devices and processes): each optimizer leaf whole, "leaf"
-    (`jitted(*args)`; one device's shard of it on that device at a time)."""
-    abstract = jax.eval_shape(fn, *args)
+    last "device" (every other leaf, `jitted(*args)`, args donated). pieces=False (a mesh, whose
+    leaves are split over devices and processes): each optimizer leaf whole, "leaf"
+    (`jitted(*args)`; one device's shard of it on that device at a time).
+
+    `fn` is traced once here (its abstract value and its jaxpr), and the pieces', leaves' and
+    device leaves' programs evaluate that jaxpr instead of tracing `fn` (a whole model's init)
+    again. A "stack" program traces `fn` itself, inside `stacks_to_host`: evaluated from a jaxpr,
+    the scan's copies to the host were lost."""
+    closed, abstract = jax.make_jaxpr(fn, return_shape=True)(*args)
+    run = jaxpr_as_fun(closed)
+
+    def flat(a):  # fn's flat outputs, from its jaxpr
+        return run(*jax.tree_util.tree_leaves(a))
+
     paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     shards = treedef.flatten_up_to(shardings)
     out, rest = [], []
-    flat = _traced(fn, args)
     for i, ((path, x), s) in enumerate(zip(paths, shards)):
         on_host = s.memory_kind == HOST_KIND and x.ndim > 0
         is_param = getattr(path[0], "name", None) == "params"
         if not on_host or (is_param and args):  # given params: passed through by "device"
             rest.append(i)
         elif is_param:
-            out.append(("stack", i, jax.jit(lambda *a, i=i: _leaves(fn, a)[i],
-                                             out_shardings=s), None))
+            out.append(Program("stack", i, jax.jit(lambda *a, i=i: _leaves(fn, a)[i],
+                                                   out_shardings=s), x, s))
         elif not pieces:
-            out.append(("leaf", i, jax.jit(lambda *a, i=i: flat(a)[i], out_shardings=s), None))
+            out.append(Program("leaf", i, jax.jit(lambda *a, i=i: flat(a)[i], out_shardings=s),
+                               x, s))
         else:
             rows = min(x.shape[0], max(1, PIECE_BYTES // (x.dtype.itemsize
                                                           * math.prod(x.shape[1:]))))
-            out.append(("piece", i, jax.jit(
+            out.append(Program("piece", i, jax.jit(
                 lambda a, *args, i=i, rows=rows: jax.lax.dynamic_slice_in_dim(
-                    flat(args)[i], a, rows, 0)), rows))
-    out.append(("device", None, jax.jit(
+                    flat(args)[i], a, rows, 0)), x, s, rows))
+    out.append(Program("device", rest, jax.jit(
         lambda *a: [flat(a)[i] for i in rest], out_shardings=[shards[i] for i in rest],
-        donate_argnums=tuple(range(len(args)))), rest))
-    return out
+        donate_argnums=tuple(range(len(args))))))
+    return out, treedef
 
 
 def create_on_host(fn, shardings, args=(), progress: bool = False, pieces: bool = True):
@@ -91,29 +109,25 @@ def create_on_host(fn, shardings, args=(), progress: bool = False, pieces: bool 
     a 70B state's 267 GiB take minutes). pieces: `programs`'."""
     from tqdm import tqdm
 
-    abstract = jax.eval_shape(fn, *args)
-    leaves, treedef = jax.tree_util.tree_flatten(abstract)
-    shards = treedef.flatten_up_to(shardings)
-    made = [None] * len(leaves)
-    progs = programs(fn, shardings, args, pieces)
-    nbytes = [0 if i is None else leaves[i].size * leaves[i].dtype.itemsize
-              for _, i, _, _ in progs]
-    with tqdm(total=sum(nbytes), unit="B", unit_scale=True, unit_divisor=1024, leave=False,
-              desc="state to host memory", disable=not progress, file=sys.stderr) as bar:
-        for (kind, i, jitted, extra), n in zip(progs, nbytes):
-            if kind in ("stack", "leaf"):
-                with stacks_to_host() if kind == "stack" else contextlib.nullcontext():
-                    made[i] = jax.block_until_ready(jitted(*args))
-            elif kind == "piece":
-                x, rows = leaves[i], extra
-                buf = np.empty(x.shape, x.dtype)
-                for start in range(0, x.shape[0], rows):
-                    a = min(start, x.shape[0] - rows)  # the last piece ends at the leaf's end
-                    buf[a:a + rows] = np.asarray(jitted(np.int32(a), *args))
-                made[i] = jax.block_until_ready(jax.device_put(buf, shards[i]))
+    progs, treedef = programs(fn, shardings, args, pieces)
+    made = [None] * treedef.num_leaves
+    with tqdm(total=sum(p.nbytes for p in progs), unit="B", unit_scale=True,
+              unit_divisor=1024, leave=False, desc="state to host memory",
+              disable=not progress, file=sys.stderr) as bar:
+        for p in progs:
+            if p.kind in ("stack", "leaf"):
+                with stacks_to_host() if p.kind == "stack" else contextlib.nullcontext():
+                    made[p.index] = jax.block_until_ready(p.jitted(*args))
+            elif p.kind == "piece":
+                n = p.leaf.shape[0]
+                buf = np.empty(p.leaf.shape, p.leaf.dtype)
+                for start in range(0, n, p.rows):
+                    a = min(start, n - p.rows)  # the last piece ends at the leaf's end
+                    buf[a:a + p.rows] = np.asarray(p.jitted(np.int32(a), *args))
+                made[p.index] = jax.block_until_ready(jax.device_put(buf, p.sharding))
                 del buf
             else:
-                for j, y in zip(extra, jitted(*args)):
+                for j, y in zip(p.index, p.jitted(*args)):
                     made[j] = y
-            bar.update(n)
+            bar.update(p.nbytes)
     return treedef.unflatten(made)

@@ -144,6 +144,14 @@ class Placement:
         return tuple(p for p, v in (("params", self.offload_params),
                                     ("opt_state", self.offload_optimizer)) if v == "host")
 
+    @property
+    def state_on_host(self) -> bool:
+        """Whether parts of the train state live in pinned host memory (one device's
+        `host_parts`, or a mesh's optimizer state): then a fresh state is made by
+        jaxmem.train.host_state's programs, never those parts whole on the device (on a mesh,
+        one leaf's shards at a time)."""
+        return bool(self.host_parts) or self.offload_optimizer == "host"
+
     @classmethod
     def on(cls, mesh, offload_base: str = "none", offload_optimizer: str = "none") -> "Placement":
         return cls(mesh, offload_base, offload_optimizer)
@@ -202,15 +210,14 @@ class Placement:
         parts on the host is made (jaxmem.train.host_state)."""
         if self.mesh is None and not self.host_parts:
             return create_train_state(step_cfg, loss_scale, seed, params=params)
+        if params is None and not self.state_on_host:
+            return self.state_creation(step_cfg, loss_scale, seed)()
         shardings = self._placed_shardings(
             jax.eval_shape(state_creation_fn(step_cfg, loss_scale, seed)))
         placed = () if params is None else (jax.device_put(params, shardings.params),)
-        if self.host_parts or self.offload_optimizer == "host":  # never the host parts whole
-            # on the device (jaxmem.train.host_state; on a mesh a leaf's shards at a time)
+        if self.state_on_host:
             fn = state_creation_fn(step_cfg, loss_scale, seed, with_params=params is not None)
             return create_on_host(fn, shardings, placed, progress, pieces=self.mesh is None)
-        if params is None:
-            return self.state_creation(step_cfg, loss_scale, seed)()
         return self.state_creation(step_cfg, loss_scale, seed, with_params=True)(*placed)
 
     def base_shardings(self, step_cfg):
