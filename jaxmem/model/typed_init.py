@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import warnings
 
 import jax
 import jax.extend.core as jex
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 _CALLS = ("jit", "pjit", "closed_call")
-_SCAN_PARAMS = {"jaxpr", "num_consts", "num_carry", "length", "reverse", "unroll"}
+_SCAN_PARAMS = {"jaxpr", "length", "reverse", "unroll"}
 _DROP = getattr(jex, "DropVar", ())  # isinstance(v, ()) is False: nothing dropped
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 
@@ -96,6 +97,27 @@ def _random_bits(key, bit_width: int, shape):
     return b1 ^ b2
 
 
+def _scan_counts(p):
+    """A scan equation's (constants, carries) counts, or None where its params are not known:
+    jax 0.10 names them num_consts / num_carry; jax 0.11 packs the operands as a flat tree
+    (consts, carry, xs) in ft_in, whose parts' lengths are the counts."""
+    if "ft_in" in p:
+        parts = p["ft_in"].unpack()
+        return (len(parts[0]), len(parts[1])) if len(parts) == 3 else None
+    if "num_consts" in p and "num_carry" in p:
+        return p["num_consts"], p["num_carry"]
+    return None
+
+
+def _unrecognised_scan(p):
+    """A top-level scan this module cannot re-run: the init still gives the right values, but
+    holds each stacked fp32 leaf whole (7 GiB for llama-3-8b's gate projection), so say so."""
+    warnings.warn(f"jaxmem.model.typed_init: a scan with params {sorted(p)} (jax "
+                  f"{jax.__version__}) is not re-run layer by layer; the init is correct but "
+                  "holds its fp32 stacks whole (more device memory)", RuntimeWarning,
+                  stacklevel=3)
+
+
 class _Eval:
     def __init__(self, dtype):
         self.dtype = dtype
@@ -116,9 +138,12 @@ class _Eval:
             if name in _CALLS and isinstance(p.get("jaxpr", p.get("call_jaxpr")), jex.ClosedJaxpr):
                 sub = p.get("jaxpr", p.get("call_jaxpr"))
                 outs = self.run(sub.jaxpr, sub.consts, vals)
-            elif name == "scan" and _SCAN_PARAMS <= set(p):
-                casts = [cast_returned and v not in used for v in eqn.outvars[p["num_carry"]:]]
+            elif name == "scan" and _SCAN_PARAMS <= set(p) and _scan_counts(p) is not None:
+                nk = _scan_counts(p)[1]
+                casts = [cast_returned and v not in used for v in eqn.outvars[nk:]]
                 outs = self._scan(p, vals, casts)
+            elif name == "scan" and cast_returned:
+                _unrecognised_scan(p)
             elif name == "random_bits":
                 bits = _random_bits(vals[0], p["bit_width"], tuple(p["shape"]))
                 outs = None if bits is None else [bits]
@@ -132,7 +157,7 @@ class _Eval:
         return [read(v) for v in jaxpr.outvars]
 
     def _scan(self, p, vals, casts):
-        nc, nk, body = p["num_consts"], p["num_carry"], p["jaxpr"]
+        (nc, nk), body = _scan_counts(p), p["jaxpr"]
         consts = vals[:nc]
 
         def step(carry, xs):
