@@ -73,3 +73,23 @@ def test_progress_bar_counts_the_host_bytes(capsys):
         jax.tree_util.tree_leaves(jax.eval_shape(fn)), jax.tree_util.tree_leaves(shardings))
         if s.memory_kind == "pinned_host" and x.ndim)
     assert "state to host memory:   0%" in err and f"/{total / 2**20:.2f}M" in err
+
+
+def test_each_program_is_reported_with_its_compiled_memory(capsys):
+    # experiments.offload_peak --programs prints through create_on_host's report: one line per
+    # program, in the order they ran, each with XLA's compiled memory
+    cfg = _cfg("adamw8bit")
+    fn = state_creation_fn(cfg, None, 3)
+    shardings = Placement.single("host", "host")._placed_shardings(jax.eval_shape(fn))
+    seen = []
+    host_state.create_on_host(fn, shardings, report=lambda p, c, s: seen.append(
+        (p.kind, c.memory_analysis().output_size_in_bytes, s)))
+    kinds = [p.kind for p in host_state.programs(fn, shardings)[0]]
+    assert [k for k, _, _ in seen] == kinds and kinds[-1] == "device"
+    assert seen[-1][1] > 0 and all(s >= 0 for _, _, s in seen)  # the device leaves are output
+
+    from experiments.offload_peak.programs import create_printing
+    create_printing(fn, shardings)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("program") and len(lines) == 1 + len(kinds)
+    assert lines[-1].split()[:2] == ["device", "rest"] and "temp" in lines[-1]

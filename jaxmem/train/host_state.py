@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -102,11 +103,13 @@ def programs(fn, shardings, args=(), pieces: bool = True):
     return out, treedef
 
 
-def create_on_host(fn, shardings, args=(), progress: bool = False, pieces: bool = True):
+def create_on_host(fn, shardings, args=(), progress: bool = False, pieces: bool = True,
+                   report=None):
     """`fn(*args)`'s pytree with `shardings`, made by `programs` one after another (each waited
     for, so no two programs' device buffers are live at once). args: the given params, placed
     with the state's params shardings; donated. progress: a bar of the host bytes made (stderr;
-    a 70B state's 267 GiB take minutes). pieces: `programs`'."""
+    a 70B state's 267 GiB take minutes). pieces: `programs`'. report: called after each program
+    as report(program, its compiled executable, seconds) (experiments.offload_peak --programs)."""
     from tqdm import tqdm
 
     progs, treedef = programs(fn, shardings, args, pieces)
@@ -115,19 +118,24 @@ def create_on_host(fn, shardings, args=(), progress: bool = False, pieces: bool 
               unit_divisor=1024, leave=False, desc="state to host memory",
               disable=not progress, file=sys.stderr) as bar:
         for p in progs:
-            if p.kind in ("stack", "leaf"):
-                with stacks_to_host() if p.kind == "stack" else contextlib.nullcontext():
-                    made[p.index] = jax.block_until_ready(p.jitted(*args))
-            elif p.kind == "piece":
+            t = time.perf_counter()
+            with stacks_to_host() if p.kind == "stack" else contextlib.nullcontext():
+                first = (np.int32(0),) if p.kind == "piece" else ()
+                compiled = p.jitted.lower(*first, *args).compile()
+                if p.kind in ("stack", "leaf"):
+                    made[p.index] = jax.block_until_ready(compiled(*args))
+                elif p.kind == "device":
+                    for j, y in zip(p.index, jax.block_until_ready(compiled(*args))):
+                        made[j] = y
+            if p.kind == "piece":
                 n = p.leaf.shape[0]
                 buf = np.empty(p.leaf.shape, p.leaf.dtype)
                 for start in range(0, n, p.rows):
                     a = min(start, n - p.rows)  # the last piece ends at the leaf's end
-                    buf[a:a + p.rows] = np.asarray(p.jitted(np.int32(a), *args))
+                    buf[a:a + p.rows] = np.asarray(compiled(np.int32(a), *args))
                 made[p.index] = jax.block_until_ready(jax.device_put(buf, p.sharding))
                 del buf
-            else:
-                for j, y in zip(p.index, p.jitted(*args)):
-                    made[j] = y
             bar.update(p.nbytes)
+            if report is not None:
+                report(p, compiled, time.perf_counter() - t)
     return treedef.unflatten(made)
