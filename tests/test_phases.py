@@ -148,7 +148,8 @@ def test_phases_compiled_and_the_largest_decides():
 
 def test_analytic_phases_follow_the_config():
     """No sample when max_new_tokens is 0; the sample's buffer is capped at the model's positions;
-    the state phase is the state plus one fp32 params leaf."""
+    the state phase is the state plus three fp32 layers of the largest params leaf (what
+    jaxmem.model.typed_init holds of it at a time: random bits, fp32 values, their cast)."""
     c = get_preset("tiny")
     spec = StepSpec.of(c, get_precision("fp32"), RematPolicy.parse("full"), 2, 64)
     assert "sample" not in analytic_phases(spec, SampleShape(max_new_tokens=0))
@@ -156,8 +157,11 @@ def test_analytic_phases_follow_the_config():
     assert SampleShape(max_new_tokens=10).total(512) == 74
     a = analytic_phases(spec, SampleShape())
     state = tree_bytes(abstract_state(spec)) - 0  # params, mu, nu, counters, loss scale
-    largest = max(x.size for x in jax.tree_util.tree_leaves(abstract_state(spec).params)) * 4
-    assert abs(a["state"]["total"] - (state + largest)) <= 64  # counters/keys: a few bytes
+    largest = max(x.size for x in jax.tree_util.tree_leaves(abstract_state(spec).params))
+    layer = largest // c.num_layers * 4
+    assert abs(a["state"]["total"] - (state + 3 * layer)) <= 64  # counters/keys: a few bytes
+    # and the compiled state program holds no more than that beside the state (CPU's compiler)
+    assert compile_phase("state", spec)["peak_bytes"] <= a["state"]["total"]
 
 
 def test_sampler_lowering_is_the_sampler():

@@ -344,6 +344,6 @@ def params_fraction(spec: StepSpec, sizes: dict[str, int]) -> float:
 
 
 def largest_param_leaf(spec: StepSpec) -> int:
-    """Elements of the largest leaf of the state's trained params (the state program makes each
-    whole in fp32 before casting it)."""
+    """Elements of the largest leaf of the state's trained params (the state program makes a
+    stacked one a layer's fp32 slice at a time: jaxmem.model.typed_init)."""
     return max(int(x.size) for x in jax.tree_util.tree_leaves(abstract_state(spec).params))
