@@ -214,6 +214,17 @@ def test_compare_and_diag_cells():
                     "loop_convert_fusion 12.5 ms; steps 3")
 
 
+def test_the_peak_cell_names_the_states_peak():
+    from experiments.gpu_check.table import row_cells
+    rec = {"tokens_per_sec": 896.0, "peak_bytes_in_use": 10.5 * 2**30,
+           "state_peak_bytes_in_use": 10.5 * 2**30}
+    r = {"name": "8b-both-host", "kind": "train", "status": "ok", "what": "x",
+         **gr.train_metrics(rec)}
+    assert row_cells(r)[4] == "10.50 GiB (state 10.50 GiB)"
+    r["state_peak_bytes"] = None  # a record written before the field existed
+    assert row_cells(r)[4] == "10.50 GiB"
+
+
 def test_error_line_prefers_the_error():
     res = {"timed_out": False, "rc": 1, "text": "$ cmd\nstep 1\njaxlib.XlaRuntimeError: "
            "RESOURCE_EXHAUSTED: Out of memory allocating 7.00GiB\n\nTry python -m jaxmem.memory"}

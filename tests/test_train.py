@@ -39,6 +39,29 @@ def test_short_run_end_to_end(tmp_path, corpus, capsys):
     assert sorted(os.listdir(out / "checkpoints")) == ["6"]
 
 
+@pytest.mark.slow  # a CLI run: 17 s on 2 cores
+def test_records_carry_the_peak_once_the_state_was_made(tmp_path, corpus, capsys, monkeypatch):
+    # a CPU reports no device memory: a fake one whose peak grows by 1 GiB each time it is read,
+    # so the state's peak (read first) and each record's process peak differ
+    import jaxmem.train.loop as loop
+    import jaxmem.train.records as records
+    reads = []
+
+    def memory(device):
+        reads.append(device)
+        return {"bytes_in_use": 2**30, "peak_bytes_in_use": len(reads) * 2**30}
+
+    monkeypatch.setattr(loop, "device_memory", memory)
+    monkeypatch.setattr(records, "device_memory", memory)
+    out = tmp_path / "run"
+    assert main([*SMALL, "--data", corpus, "--out", str(out), "--steps", "2",
+                 "--sample-tokens", "0"]) == 0
+    recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["state_peak_bytes_in_use"] for r in recs] == [2**30, 2**30]
+    assert all(r["peak_bytes_in_use"] > 2**30 for r in recs)
+    assert "(1.00 GiB once the state was made)" in capsys.readouterr().out
+
+
 @pytest.mark.slow  # three CLI runs (amp-fp16)
 def test_resume_is_bitwise_exact_even_after_a_skipped_step(tmp_path, corpus):
     # A scale of 2**40 overflows fp16: the first steps are skipped until the scale has backed

@@ -78,7 +78,7 @@ def rows(smoke: bool) -> list[Row]:
         Row("gpu-tests", "pytest", "pytest -m gpu (the tests marked gpu)", timeout=300),
         Row("1b-adamw", "train", f"{size} amp-bf16 remat full {_bt(b1)} AdamW", (*b1, *amp),
             timeout=300),
-        Row("1b-adamw8bit", "train", f"same, --optimizer adamw8bit",
+        Row("1b-adamw8bit", "train", "same, --optimizer adamw8bit",
             (*b1, *amp, "--optimizer", "adamw8bit"), timeout=300),
         Row("1b-fp8", "train", "same as 1b-adamw, --precision fp8",
             (*b1, "--precision", "fp8", "--remat", "full"), timeout=300),
@@ -131,10 +131,12 @@ def last_record(metrics_file: Path) -> dict:
 
 
 def train_metrics(rec: dict) -> dict:
-    """tok/s, MFU and measured peak from a run's last record (jaxmem.train.loop writes `mfu` and
-    `peak_bytes_in_use` where the backend has them: a GPU)."""
+    """tok/s, MFU and measured peak from a run's last record (jaxmem.train.loop writes `mfu`,
+    `peak_bytes_in_use` and `state_peak_bytes_in_use`, the peak once the state was made, where
+    the backend has them: a GPU)."""
     return {"tokens_per_s": rec.get("tokens_per_sec"), "mfu": rec.get("mfu"),
-            "peak_bytes": rec.get("peak_bytes_in_use"), "loss": rec.get("loss"),
+            "peak_bytes": rec.get("peak_bytes_in_use"),
+            "state_peak_bytes": rec.get("state_peak_bytes_in_use"), "loss": rec.get("loss"),
             "eval_loss": rec.get("eval_loss")}
 
 

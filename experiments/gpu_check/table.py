@@ -46,7 +46,9 @@ def row_cells(r: dict) -> list[str]:
                                     else "") + ")" if plan.get("where") and not plan.get("error") else ""
     pending = "pending" if r.get("kind") == "train" and "plan" not in r else "n/a"
     return [r["name"], status, "n/a" if tps is None else f"{tps:,.0f}",
-            "n/a" if mfu is None else f"{100 * mfu:.1f}%", _gib(peak),
+            "n/a" if mfu is None else f"{100 * mfu:.1f}%",
+            _gib(peak) + (f" (state {_gib(r['state_peak_bytes'])})"
+                          if peak and r.get("state_peak_bytes") else ""),
             _gib(plan.get("analytic_bytes")) if plan else pending,
             _gib(compiled) + where if compiled else (pending if not plan else "n/a"),
             f"{peak / compiled:.2f}" if peak and compiled else "n/a",
@@ -61,7 +63,7 @@ def markdown(doc: dict) -> str:
              f"Machine: {doc['gpu'] or 'no GPU (nvidia-smi absent)'}; host {doc['host']}; "
              f"project commit {doc['commit'] or 'unknown (no git)'}; {v}. Total: {total}.",
              "Measured peak: the row process's GPU `peak_bytes_in_use` (state creation, steps and "
-             "the evaluation); plan: `python -m jaxmem.memory --json` for the same flags "
+             "the evaluation; in brackets, the peak once the state was made); plan: `python -m jaxmem.memory --json` for the same flags "
              "(analytic total; XLA's compiled peak, compiled where named: a card's name is its own "
              "compiler run deviceless on the host, `--target`; with the run's largest compiled "
              "phase).", "",

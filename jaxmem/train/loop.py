@@ -186,6 +186,10 @@ class _Run:
             else par.init_state(step_cfg, s.loss_scale, seed, params=s.init_params,
                                 progress=par.is_main and not plain_progress(self.r.no_progress)))
         s.init_params = None  # --init-from's host copy: the state holds the weights now
+        # the device's peak once the state exists: what making (or restoring) it took, which a
+        # GPU run's process peak alone cannot tell from its steps' (experiments.gpu_check)
+        jax.block_until_ready(self.state)
+        self.state_memory = device_memory(jax.devices()[0])
         self.steps = self.cfg.optim.total_steps
         self.start = int(par.host(self.state.step))
         self.end = min(self.steps, self.r.stop_at or self.steps)
@@ -268,7 +272,8 @@ def train(s: Setup) -> int:
         print(f"{s.out}: already at step {run.start} of {run.steps}"
               + (f" (--stop-at {run.r.stop_at})" if run.end < run.steps else "") + "; nothing to do")
         return 0
-    rec = Records(s, par, run.start, run.end, int(run.state.skips_in_a_row))
+    rec = Records(s, par, run.start, run.end, int(run.state.skips_in_a_row),
+                  state_peak=run.state_memory and run.state_memory["peak_bytes_in_use"])
     saves = _Saves(ckpt, s.cfg, run.start if run.resumed else None)
     rec.say(_banner(s, run.state, run.start, run.resumed, rec.device), flush=True)
     t_start = time.perf_counter()
@@ -302,7 +307,9 @@ def _done_line(s, rec: Records, step: int, eval_loss: float | None, wall_s: floa
     return (f"done: step {step}, train loss {rec.last.get('loss', float('nan')):.4f}, {ev}, "
             f"{f'{tps:,.0f}' if tps else 'n/a'} tokens/s, "
             f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, "
-            f"peak memory {fmt_bytes(mem and mem['peak_bytes_in_use'])}, wall {wall_s:.0f} s")
+            f"peak memory {fmt_bytes(mem and mem['peak_bytes_in_use'])}"
+            + (f" ({fmt_bytes(rec.state_peak)} once the state was made)" if rec.state_peak else "")
+            + f", wall {wall_s:.0f} s")
 
 
 def _sample(s, state) -> None:

@@ -26,7 +26,10 @@ class Records:
     (TensorBoard, W&B, console), throughput and MFU, and the count of non-finite steps in a row
     as the last step's metrics report it. Process 0 writes; the others only count."""
 
-    def __init__(self, s, par: Placement, start: int, end: int, skips_in_a_row: int):
+    def __init__(self, s, par: Placement, start: int, end: int, skips_in_a_row: int,
+                 state_peak: int | None = None):
+        """state_peak: the device's peak once the state was made or restored (GPU; else None),
+        written beside each record's process peak."""
         from tqdm import tqdm
 
         cfg, d = s.cfg, s.cfg.data
@@ -48,6 +51,7 @@ class Records:
         self.tokens_per_step = d.batch_size * d.seq_len * d.grad_accum
         self.timed_steps, self.seconds = 0, 0.0
         self.skips_in_a_row, self.last = skips_in_a_row, {}
+        self.state_peak = state_peak
 
     def tokens_per_sec(self) -> float:
         return self.tokens_per_step * self.timed_steps / self.seconds if self.seconds else 0.0
@@ -75,6 +79,8 @@ class Records:
             rec["mfu"] = self.mfu(rec["tokens_per_sec"])
         if mem:  # the process's peak so far (experiments.gpu_check reads it from the record)
             rec["peak_bytes_in_use"] = mem["peak_bytes_in_use"]
+        if self.state_peak is not None:  # and what it was once the state existed
+            rec["state_peak_bytes_in_use"] = self.state_peak
         # a skipped (non-finite) step is always recorded: plots and audits count them
         if (step % self.log_every == 0 or step == self.steps or evaluated is not None
                 or rec["skipped"] or save_pause is not None):
