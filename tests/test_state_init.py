@@ -154,3 +154,20 @@ def test_state_creation_compiles_to_the_state_plus_at_most_5_percent(preset, mod
     assert peak <= bound * state, (peak / 2**30, state / 2**30)
     if preset == "llama-3-8b":
         np.testing.assert_allclose(state / 2**30, 33.09, atol=0.01)  # the GPU's measured state
+
+
+def test_scan_operand_counts_of_both_jax_layouts():
+    """jax 0.10's num_consts / num_carry and jax 0.11's ft_in (a flat tree of (consts, carry,
+    xs), whose parts' lengths are the counts: jax/_src/flattree.py); anything else is not
+    known, so the scan falls back (and warns) rather than being re-run wrongly."""
+    from jaxmem.model.typed_init import _scan_counts
+
+    class Parts(tuple):  # what ft_in.unpack() gives: parts whose len() counts their leaves
+        def unpack(self):
+            return self
+
+    assert _scan_counts({"num_consts": 2, "num_carry": 1}) == (2, 1)
+    assert _scan_counts({"ft_in": Parts(([None] * 3, [None], [None] * 4))}) == (3, 1)
+    assert _scan_counts({"ft_in": Parts(([None], [None]))}) is None
+    assert _scan_counts({"ft_in": object()}) is None
+    assert _scan_counts({"jaxpr": None}) is None

@@ -102,8 +102,11 @@ def _scan_counts(p):
     jax 0.10 names them num_consts / num_carry; jax 0.11 packs the operands as a flat tree
     (consts, carry, xs) in ft_in, whose parts' lengths are the counts."""
     if "ft_in" in p:
-        parts = p["ft_in"].unpack()
-        return (len(parts[0]), len(parts[1])) if len(parts) == 3 else None
+        try:
+            parts = p["ft_in"].unpack()
+            return (len(parts[0]), len(parts[1])) if len(parts) == 3 else None
+        except (AttributeError, TypeError):  # another flat tree than jax 0.11's: not known
+            return None
     if "num_consts" in p and "num_carry" in p:
         return p["num_consts"], p["num_carry"]
     return None
