@@ -63,7 +63,8 @@ def markdown(doc: dict) -> str:
              f"Machine: {doc['gpu'] or 'no GPU (nvidia-smi absent)'}; host {doc['host']}; "
              f"project commit {doc['commit'] or 'unknown (no git)'}; {v}. Total: {total}.",
              "Measured peak: the row process's GPU `peak_bytes_in_use` (state creation, steps and "
-             "the evaluation; in brackets, the peak once the state was made); plan: `python -m jaxmem.memory --json` for the same flags "
+             "the evaluation; in brackets, the peak once the state was made); plan: "
+             "`python -m jaxmem.memory --json` for the same flags "
              "(analytic total; XLA's compiled peak, compiled where named: a card's name is its own "
              "compiler run deviceless on the host, `--target`; with the run's largest compiled "
              "phase).", "",

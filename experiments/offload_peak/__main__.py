@@ -3,14 +3,16 @@ after the fresh state, after each of a few steps, after the evaluation forward. 
 the device's peak so far and what it holds then (`memory_stats`: a process's peak never goes
 down, so each phase's own peak is the first line where it rises), and the step's seconds.
 
-    PYTHONPATH=. python -m experiments.offload_peak [--steps 3] [--one-program | --programs] -- TRAIN FLAGS
+    PYTHONPATH=. python -m experiments.offload_peak [--steps 3] [--one-program | --programs] \
+        -- TRAIN FLAGS
 
 `--one-program` makes the fresh state as one jit, as jaxmem did before it made an offloaded state
 by several programs (`jaxmem.train.host_state.create_on_host`). `--programs` prints each of those
 programs as it runs: XLA's compiled temp / output / host output, and the device's peak and bytes
-in use after it (it found that on jax 0.11 each 8B layer stack's program held 10.50 GiB). Nothing is
-saved: the run directory is a temporary one. For the figures jaxmem.train prints for the whole run
-(tok/s over --steps, the peak including the save), see experiments.gpu_check's 8b-*-host rows.
+in use after it (it found that on jax 0.11 each 8B layer stack's program held 10.50 GiB).
+Nothing is saved: the run directory is a temporary one. For the figures jaxmem.train prints for
+the whole run (tok/s over --steps, the peak including the save), see experiments.gpu_check's
+8b-*-host rows.
 """
 
 from __future__ import annotations

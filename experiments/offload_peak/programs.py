@@ -38,4 +38,3 @@ def create_printing(fn, shardings, args=(), progress=False, pieces=True):
     print(f"{'program':<8} {'leaf':>5} {'shape':<24} {'compiled (GiB)':<39}device after it",
           flush=True)
     return create_on_host(fn, shardings, args, progress, pieces, report=_print)
-
