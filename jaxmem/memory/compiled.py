@@ -14,7 +14,7 @@ here is a number of the real program, not of a look-alike.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,6 @@ from jaxmem.model.remat import RematPolicy
 from jaxmem.parallel.mesh import MeshSpec, run_mesh
 from jaxmem.parallel.rules import batch_sharding
 from jaxmem.train.loss import abstract_batch, token_loss
-from jaxmem.model.typed_init import stacks_to_host
 from jaxmem.train import host_state
 from jaxmem.train.placement import Placement
 from jaxmem.train.step import state_creation_fn
@@ -124,9 +123,7 @@ def _compile_host_state(spec, par):
             largest[p.kind] = p
     best = None
     for p in [*largest.values(), progs[-1]]:
-        args = (jax.ShapeDtypeStruct((), jnp.int32),) if p.kind == "piece" else ()
-        with stacks_to_host() if p.kind == "stack" else contextlib.nullcontext():
-            stats, flops = compiled_stats(_lower(par, p.jitted, *args).compile())
+        stats, flops = compiled_stats(p.lower(lower=functools.partial(_lower, par)).compile())
         if best is None or stats["peak_bytes"] > best[0]["peak_bytes"]:
             best = (stats, flops)
     return best

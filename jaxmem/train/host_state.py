@@ -54,6 +54,16 @@ class Program(NamedTuple):
         """The host bytes it makes (0 for "device")."""
         return 0 if self.leaf is None else self.leaf.size * self.leaf.dtype.itemsize
 
+    def lower(self, *args, lower=None):
+        """`jitted` lowered for `args` (a piece's int32 row offset put first), a stack's inside
+        `stacks_to_host`; lower(jitted, *args): how (None: jitted.lower; the planner's lowers
+        for the target). Its executable then runs outside the context."""
+        first = (jax.ShapeDtypeStruct((), np.int32),) if self.kind == "piece" else ()
+        with stacks_to_host() if self.kind == "stack" else contextlib.nullcontext():
+            if lower is None:
+                return self.jitted.lower(*first, *args)
+            return lower(self.jitted, *first, *args)
+
 
 def _leaves(fn, args):
     return jax.tree_util.tree_leaves(fn(*args))
@@ -119,15 +129,13 @@ def create_on_host(fn, shardings, args=(), progress: bool = False, pieces: bool 
               disable=not progress, file=sys.stderr) as bar:
         for p in progs:
             t = time.perf_counter()
-            with stacks_to_host() if p.kind == "stack" else contextlib.nullcontext():
-                first = (np.int32(0),) if p.kind == "piece" else ()
-                compiled = p.jitted.lower(*first, *args).compile()
-                if p.kind in ("stack", "leaf"):
-                    made[p.index] = jax.block_until_ready(compiled(*args))
-                elif p.kind == "device":
-                    for j, y in zip(p.index, jax.block_until_ready(compiled(*args))):
-                        made[j] = y
-            if p.kind == "piece":
+            compiled = p.lower(*args).compile()
+            if p.kind in ("stack", "leaf"):
+                made[p.index] = jax.block_until_ready(compiled(*args))
+            elif p.kind == "device":
+                for j, y in zip(p.index, jax.block_until_ready(compiled(*args))):
+                    made[j] = y
+            else:  # "piece"
                 n = p.leaf.shape[0]
                 buf = np.empty(p.leaf.shape, p.leaf.dtype)
                 for start in range(0, n, p.rows):
