@@ -29,10 +29,12 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--steps", type=int, default=3, help="train steps to time (default 3)")
-    p.add_argument("--one-program", action="store_true",
-                   help="make the fresh state as one jit, as before create_on_host")
-    p.add_argument("--programs", action="store_true",
-                   help="print each state-creation program's compiled memory and the peak after it")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--one-program", action="store_true",
+                     help="make the fresh state as one jit, as before create_on_host")
+    how.add_argument("--programs", action="store_true",
+                     help="print each state-creation program's compiled memory and the "
+                          "peak after it")
     p.add_argument("train", nargs=argparse.REMAINDER, help="-- then jaxmem.train's flags")
     args = p.parse_args(argv)
     flags = [f for f in args.train if f != "--"]

@@ -141,12 +141,13 @@ class _Eval:
             if name in _CALLS and isinstance(p.get("jaxpr", p.get("call_jaxpr")), jex.ClosedJaxpr):
                 sub = p.get("jaxpr", p.get("call_jaxpr"))
                 outs = self.run(sub.jaxpr, sub.consts, vals)
-            elif name == "scan" and _SCAN_PARAMS <= set(p) and _scan_counts(p) is not None:
-                nk = _scan_counts(p)[1]
-                casts = [cast_returned and v not in used for v in eqn.outvars[nk:]]
-                outs = self._scan(p, vals, casts)
-            elif name == "scan" and cast_returned:
-                _unrecognised_scan(p)
+            elif name == "scan":
+                counts = _scan_counts(p) if _SCAN_PARAMS <= set(p) else None
+                if counts is not None:
+                    casts = [cast_returned and v not in used for v in eqn.outvars[counts[1]:]]
+                    outs = self._scan(p, counts, vals, casts)
+                elif cast_returned:
+                    _unrecognised_scan(p)
             elif name == "random_bits":
                 bits = _random_bits(vals[0], p["bit_width"], tuple(p["shape"]))
                 outs = None if bits is None else [bits]
@@ -159,8 +160,8 @@ class _Eval:
             env.update((v, x) for v, x in zip(eqn.outvars, outs) if not isinstance(v, _DROP))
         return [read(v) for v in jaxpr.outvars]
 
-    def _scan(self, p, vals, casts):
-        (nc, nk), body = _scan_counts(p), p["jaxpr"]
+    def _scan(self, p, counts, vals, casts):
+        (nc, nk), body = counts, p["jaxpr"]
         consts = vals[:nc]
 
         def step(carry, xs):

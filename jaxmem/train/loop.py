@@ -189,7 +189,7 @@ class _Run:
         # the device's peak once the state exists: what making (or restoring) it took, which a
         # GPU run's process peak alone cannot tell from its steps' (experiments.gpu_check)
         jax.block_until_ready(self.state)
-        self.state_memory = device_memory(jax.devices()[0])
+        self.state_peak = (device_memory(jax.devices()[0]) or {}).get("peak_bytes_in_use")
         self.steps = self.cfg.optim.total_steps
         self.start = int(par.host(self.state.step))
         self.end = min(self.steps, self.r.stop_at or self.steps)
@@ -273,7 +273,7 @@ def train(s: Setup) -> int:
               + (f" (--stop-at {run.r.stop_at})" if run.end < run.steps else "") + "; nothing to do")
         return 0
     rec = Records(s, par, run.start, run.end, int(run.state.skips_in_a_row),
-                  state_peak=run.state_memory and run.state_memory["peak_bytes_in_use"])
+                  state_peak=run.state_peak)
     saves = _Saves(ckpt, s.cfg, run.start if run.resumed else None)
     rec.say(_banner(s, run.state, run.start, run.resumed, rec.device), flush=True)
     t_start = time.perf_counter()
