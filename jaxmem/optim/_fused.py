@@ -351,6 +351,16 @@ class _InPlaceParts(Parts):
         # blocks along the last axis, whole in every column slice of a multiple of the block
         return m.block if _axes(m) == 1 and shape[-1] % m.block == 0 else None
 
+    def slab_block(self, i, axis):
+        m, shape = self.states[i][0], self.leaves[i].shape
+        if not 0 < axis < len(shape) or not isinstance(m, Quantized):
+            return super().slab_block(i, axis)
+        if _axes(m) != 1:  # blocks over several axes: not cut here
+            return None
+        if axis < len(shape) - 1:
+            return 1
+        return m.block if shape[-1] % m.block == 0 else None
+
     def _column_update(self, i, g, p, s, key):
         new_p, m, v = self.piece(g, *s, p, self.decays[i], key)
         return new_p, (m, v)

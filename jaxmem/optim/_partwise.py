@@ -13,6 +13,9 @@ leaf stacked along its first axis. What an update inside the backward pass (jaxm
     p, s = parts.columns(i, start, g_c, p, s, finite)   can be updated in; columns [start,
                                                      start + w) of it (an LM head's gradient
                                                      made a vocabulary slice at a time)
+    p, s = parts.slab(i, l, axis, start, g_s, p, s, finite)   indices [start, start + w) along
+                                                     `axis` of layer l of a stacked leaf (the
+                                                     in-backward MLP's slabs of F; slab_block)
     state = parts.finish(new states)                 the counts advanced once
 
 Each part goes through the whole-tree update's own arithmetic, from the state as it was before
@@ -136,6 +139,32 @@ class Parts:
         new_s = jax.tree_util.tree_map(to_host, jax.tree_util.tree_map(pick, new_s, s_c), host)
         return (put_cols(p, pick(new_p, p_c), start),
                 jax.tree_util.tree_map(lambda x, y: _paste(x, y, start), s, new_s, is_leaf=q))
+
+    def slab_block(self, i: int, axis: int) -> int | None:
+        """The multiple of indices along `axis` (1 or more) that `slab` can cut a stacked leaf
+        i at (1: any), None where it cannot (a state whose blocks span that axis and others)."""
+        return 1 if 0 < axis < len(self.leaves[i].shape) else None
+
+    def slab(self, i: int, l, axis: int, start, g, p, s, finite):
+        """(new p, new s) of the stacked leaf i ([L, ...]) with indices [start, start + w)
+        along `axis` of its layer `l` (w = g.shape[axis]; g [1, ...] their gradient; start and
+        w multiples of `slab_block(i, axis)`) updated in place: `columns` for a layer of a
+        stack, the in-backward MLP's slabs along F. bf16 rounding draws from fold_in(fold_in(
+        leaf key, l), start // w). A slab whose gradient is not `finite` stays as it was."""
+        w = g.shape[axis]
+        q = lambda x: isinstance(x, Quantized)  # noqa: E731
+        host = jax.tree_util.tree_map(in_host_memory, s)
+        s_c = jax.tree_util.tree_map(to_device, jax.tree_util.tree_map(
+            lambda x: _slab_at(x, l, axis, start, w), s, is_leaf=q), host)
+        p_c = _slab_at(p, l, axis, start, w)
+        key = self.pieces(i).key
+        if key is not None:
+            key = jax.random.fold_in(jax.random.fold_in(key, l), start // w)
+        new_p, new_s = self._column_update(i, g, p_c, s_c, key)
+        pick = lambda a, b: jnp.where(finite, a, b)  # noqa: E731
+        new_s = jax.tree_util.tree_map(to_host, jax.tree_util.tree_map(pick, new_s, s_c), host)
+        return (_slab_at(p, l, axis, start, w, pick(new_p, p_c)), jax.tree_util.tree_map(
+            lambda x, y: _slab_at(x, l, axis, start, w, y), s, new_s, is_leaf=q))
 
     def _column_update(self, i: int, g, p, s, key):
         """(new p, new s) of columns p of leaf i and their state s (on the device), rounded
@@ -280,6 +309,25 @@ def _paste(x, y, start):
         return Quantized(codes=put_cols(x.codes, y.codes, start),
                          scale=put_cols(x.scale, y.scale, start // x.block), block=x.block)
     return put_cols(x, y, start)
+
+
+def _slab_at(x, l, axis: int, start, w: int, y=None):
+    """Indices [start, start + w) along `axis` of layer `l` of a stacked array x ([1, ...]),
+    or, given y, x with them replaced by y in place; of a Quantized its codes and their blocks'
+    scales (blocks along the last axis: start and w multiples of its block there)."""
+    if isinstance(x, Quantized):
+        last = axis == x.codes.ndim - 1
+        b = x.block if last else 1
+        ys = (None, None) if y is None else (y.codes, y.scale)
+        return Quantized(codes=_slab_at(x.codes, l, axis, start, w, ys[0]),
+                         scale=_slab_at(x.scale, l, axis, start // b, w // b, ys[1]),
+                         block=x.block)
+    at = [jnp.asarray(0, jnp.int32)] * x.ndim
+    at[0], at[axis] = jnp.asarray(l, jnp.int32), jnp.asarray(start, jnp.int32)
+    if y is not None:
+        return jax.lax.dynamic_update_slice(x, y.astype(x.dtype), at)
+    return jax.lax.dynamic_slice(x, at, (1,) + tuple(w if a == axis else n
+                                                     for a, n in enumerate(x.shape) if a))
 
 
 def layer_rows(fn, ins, stacked, l, shape, keys: RoundingPieces, finite, fetched=None):
