@@ -161,6 +161,10 @@ class DecoderBlock(nn.Module):
     config: ModelConfig
     einsum: Einsum = default_einsum
     tile_mlp: bool = False
+    # "attention": x -> the residual stream after the attention; "mlp": that stream -> the
+    # MLP's output, before any post-norm and the residual (the in-backward step's MLP, run in
+    # slabs of F by a block whose config has the slab's F); "all": the block
+    part: str = "all"
 
     @nn.compact
     def __call__(self, x, ctx: dict, layer: dict | None = None, cache=None):
@@ -175,15 +179,20 @@ class DecoderBlock(nn.Module):
         local = layer["local"] if layer and "local" in layer else c.local_layers[0]
         if layer is not None and "slot" in layer:
             ctx = {**ctx, "slot": layer["slot"]}
-        x = checkpoint_name(x, "block_input")  # the scan's per-layer residual, named: offloadable
-        h = checkpoint_name(norm(name="input_layernorm")(x), "attn_norm")
-        a, cache = Attention(c, self.einsum, name="self_attn")(h, ctx, local, cache)
-        if c.sandwich_norms:
-            a = norm(name="post_attention_layernorm")(a)
-        x = x + checkpoint_name(a, "attn_out")
+        if self.part != "mlp":
+            x = checkpoint_name(x, "block_input")  # the scan's per-layer residual: offloadable
+            h = checkpoint_name(norm(name="input_layernorm")(x), "attn_norm")
+            a, cache = Attention(c, self.einsum, name="self_attn")(h, ctx, local, cache)
+            if c.sandwich_norms:
+                a = norm(name="post_attention_layernorm")(a)
+            x = x + checkpoint_name(a, "attn_out")
+            if self.part == "attention":
+                return x, cache
         pre_mlp = "pre_feedforward_layernorm" if c.sandwich_norms else "post_attention_layernorm"
         h = checkpoint_name(norm(name=pre_mlp)(x), "mlp_norm")
         m = MLP(c, self.einsum, self.tile_mlp, name="mlp")(h)
+        if self.part == "mlp":
+            return m, None
         if c.sandwich_norms:
             m = norm(name="post_feedforward_layernorm")(m)
         x = x + checkpoint_name(m, "mlp_out")
