@@ -20,8 +20,12 @@ backward pass, so the gradient tree never exists whole (one device).
                                                           donated buffers: no second copy)
     d_embed = vjp(embed)(dx); update the embedding
 
-The untied LM head's gradient is made a vocabulary slice at a time and each slice is applied at
-once (`_head_in_slices`: its whole [D, V] gradient never exists). With --offload-optimizer host
+Where `inbackward_rules.mlp_slabs` says (the 8B: 14 slabs of 1,024), a layer's MLP goes in
+slabs of F inside that loop, each slab's weight gradients applied at once
+(jaxmem.train.inbackward_slabs): neither the layer's MLP weights copied out of their stacks
+whole nor its MLP gradients exist. The untied LM head's gradient is made a vocabulary slice at
+a time and each slice is applied at once (`_head_in_slices`: its whole [D, V] gradient never
+exists). With --offload-optimizer host
 alone (jaxmem.train.placement) the optimizer state lives in pinned host memory and each
 layer's update brings it a sub-piece at a time (jaxmem.optim's layer_rows: no layer of state
 beside the backward; the fetches are exposed). With --offload-params host the stacked params
@@ -73,7 +77,8 @@ from jaxmem.einsum import logits_einsum, project
 from jaxmem.optim import NoOpLossScale, NotSplittable, Parts, all_finite, row_chunks
 from jaxmem.optim._partwise import cols
 from jaxmem.train.loss import cross_entropy
-from jaxmem.train.inbackward_rules import head_slice, mlp_tiles
+from jaxmem.train.inbackward_rules import head_slice, mlp_slabs, mlp_tiles
+from jaxmem.train.inbackward_slabs import layer_in_slabs, plan as slab_plan
 from jaxmem.train.optim import schedule
 
 
@@ -168,6 +173,7 @@ class _InBackwardStep:
         # the MLP in sequence tiles (as under --remat full) only where its activations outweigh
         # the tiles' fp32 weight-gradient sums (3 x D x F x 4 bytes, 672 MiB at 8B): a step of
         # B x T > 3 D tokens (`mlp_tiles`; chosen per call, by the batch's shape)
+        self.einsum = model.einsum
         self.blocks = {tile: DecoderBlock(self.c, model.einsum, tile_mlp=tile)
                        for tile in (False, True)}
         self.norm = final_norm(self.c)
@@ -302,6 +308,9 @@ class _InBackwardStep:
         treedef_l = jax.tree_util.tree_structure(params[LAYERS])
         ps0, sts0 = {i: u.leaves[i] for i in stacked}, {i: u.states[i] for i in stacked}
         ahead = any(map(in_host_memory, jax.tree_util.tree_leaves(ps0)))
+        # the MLP in slabs of F where the rule says (jaxmem.train.inbackward_slabs)
+        slabs = slab_plan(self.c, params[LAYERS], stacked,
+                          mlp_slabs(self.cfg, a["tokens"].size, ahead))
 
         def fetch(at, ps, sts):  # {i: layer at[i]'s host-resident slices of leaf i, on the device}
             return {i: u.parts.fetch(at[i], ps[i], sts[i]) for i in stacked}
@@ -312,12 +321,16 @@ class _InBackwardStep:
         def back(k, carry):
             (dx, ps, sts, ss, fin), cur = carry[:5], (carry[5] if ahead else None)
             l = L - 1 - k
-            lp = layer_to_device(treedef_l.unflatten([
-                jax.lax.dynamic_index_in_dim(ps[i], l, 0, keepdims=False)
-                if cur is None or cur[i][0] is None else cur[i][0][0] for i in stacked]))
             x = to_device(jax.lax.dynamic_index_in_dim(xs, l, 0, keepdims=False),
                           in_host_memory(xs))
             fact = jax.tree_util.tree_map(lambda f: f[l], self.facts)
+            if slabs is not None:
+                dx, ps, sts, ss_l, fin_l = layer_in_slabs(self, u, slabs, l, ps, sts, x, dx, a,
+                                                          fact)
+                return dx, ps, sts, ss + ss_l, fin & fin_l
+            lp = layer_to_device(treedef_l.unflatten([
+                jax.lax.dynamic_index_in_dim(ps[i], l, 0, keepdims=False)
+                if cur is None or cur[i][0] is None else cur[i][0][0] for i in stacked]))
             _, vjp = jax.vjp(lambda lp, x: self._layer(lp, x, a, fact), lp, x)
             d_lp, dx = vjp(dx)
             grads = dict(zip(stacked, jax.tree_util.tree_leaves(d_lp)))
