@@ -143,6 +143,15 @@ def mlp_tiled(spec: StepSpec) -> int:
     return tile if tile < spec.seq_len else 0
 
 
+def mlp_slab(spec: StepSpec) -> int:
+    """The width of the slabs of F the in-backward step runs each layer's MLP in
+    (jaxmem.train.inbackward_rules.mlp_slabs), 0: whole (and for any other step)."""
+    if not spec.in_backward:
+        return 0
+    from jaxmem.train.inbackward_rules import mlp_slabs
+    return mlp_slabs(spec.step, spec.batch_size * spec.seq_len, spec.offload_params == "host")
+
+
 def mlp_backward_buffers(saved: bool) -> int:
     """[B, T, F] buffers the MLP's backward holds besides its 3 recomputed activations (gate, up,
     their product), read off each compiler's buffer report (docs/memory.md). A GPU: 3 (the
@@ -172,6 +181,9 @@ def mlp_backward(spec: StepSpec) -> int:
     if tile:
         # tiled only where no policy saves an MLP tag: the 3 are in the recomputed set
         return (3 + buffers) * B * tile * F * cb - 3 * B * T * F * cb
+    w = mlp_slab(spec)
+    if w:  # in-backward slabs: one slab's [B, T, w] each, the 3 recomputed ones too
+        return buffers * B * T * w * cb - 3 * B * T * (F - w) * cb
     return buffers * B * T * F * cb
 
 

@@ -305,13 +305,19 @@ def trained_leaves(spec: StepSpec, sizes: dict[str, int]):
 
 def _part(spec: StepSpec, leaves, part: bool) -> int:
     """Bytes of `leaves`: all of them, or (part) the largest in-backward part: one layer of the
-    stacked leaves or one other leaf whose gradient the step holds whole (not the embedding's
-    nor a head's made in pieces: jaxmem.train.inbackward_rules.streamed_gradients)."""
+    stacked leaves (its MLP weights' by one slab of F where the step cuts them,
+    jaxmem.train.inbackward_slabs) or one other leaf whose gradient the step holds whole (not
+    the embedding's nor a head's made in pieces: inbackward_rules.streamed_gradients)."""
     if not part:
         return sum(b for _, _, b in leaves)
     from jaxmem.train.inbackward_rules import streamed_gradients
     pieces = streamed_gradients(spec.step, spec.batch_size * spec.seq_len)
     layer = sum(b for p, _, b in leaves if in_layers(p)) // spec.model.num_layers
+    from jaxmem.memory.activations import mlp_slab
+    w, F = mlp_slab(spec), spec.model.intermediate_size
+    if w:  # the MLP's weight gradients made and applied a slab of F at a time
+        mlp = sum(b for p, _, b in leaves if in_layers(p) and "mlp" in map(key_name, p))
+        layer -= mlp // spec.model.num_layers * (F - w) // F
     return max([layer] + [b for p, _, b in leaves
                           if not in_layers(p) and key_name(p[0]) not in pieces])
 
