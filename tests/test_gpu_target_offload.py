@@ -285,3 +285,33 @@ def test_state_phase_is_the_pieces_not_one_program(offload_params):
         abstract_state(s).opt_state) if x.ndim)
     assert device <= pieces["peak_bytes"] <= device + max(piece, 6 * layer) < device + 24 * layer
     assert pieces["peak_bytes"] < one["peak_bytes"]
+
+
+def test_the_mlp_in_slabs_streams_each_slabs_state_asynchronously(monkeypatch):
+    """The in-backward MLP in slabs of F (jaxmem.train.inbackward_slabs; forced on the tiny
+    widths by a lower SLAB, as the 8B's 4096 x 14336 weights are cut): each MLP weight's state
+    comes to the device a slab at a time inside a loop of the layer loop's body and goes back
+    after its update; every copy is async, every write-back has compute in flight, and per
+    layer the state moves once each way: the attention's and norms' by sub-piece, the MLP's
+    one slab in the slab loop's body, which runs twice."""
+    import jaxmem.train.inbackward_rules as rules
+    monkeypatch.setattr(rules, "SLAB", 128 * 256)
+    s = StepSpec.of(get_preset("tiny", intermediate_size=512), get_precision("bf16-sr"),
+                    RematPolicy("full"), 1, 256, optimizer="adamw8bit", in_backward=True,
+                    offload_optimizer="host")
+    assert rules.mlp_slabs(s.step, 256) == 256  # 2 slabs of F = 512
+    with target.compiling_for("h100"):
+        hlo = compile_phase("step", s, keep_hlo=True)["hlo"]
+    layers = s.model.num_layers
+    transfers, inner = host_transfers(hlo), nested_in(hlo, layer_loop_bodies(hlo, layers))
+    flat = jax.tree_util.tree_flatten_with_path(abstract_state(s).opt_state)[0]
+    size = lambda want: sum(x.size * x.dtype.itemsize for p, x in flat  # noqa: E731
+                            if _in_layers(p) and want(jax.tree_util.keystr(p)))
+    mlp, other = size(lambda k: "['mlp']" in k), size(lambda k: "['mlp']" not in k)
+    for direction in ("H2D", "D2H"):
+        moved = [t for t in transfers if t["direction"] == direction and t["computation"] in inner]
+        assert sum(t["bytes"] for t in moved) * layers == other + mlp // 2, direction
+    sync = [t for t in transfers if not t["async"]]
+    assert not sync, f"synchronous copies: {summary(sync)}"
+    backs = [t for t in transfers if t["direction"] == "D2H" and t["computation"] in inner]
+    assert backs and all(t["compute_between"] > 0 for t in backs), summary(backs)
