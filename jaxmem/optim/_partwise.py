@@ -155,16 +155,16 @@ class Parts:
         q = lambda x: isinstance(x, Quantized)  # noqa: E731
         host = jax.tree_util.tree_map(in_host_memory, s)
         s_c = jax.tree_util.tree_map(to_device, jax.tree_util.tree_map(
-            lambda x: _slab_at(x, l, axis, start, w), s, is_leaf=q), host)
-        p_c = _slab_at(p, l, axis, start, w)
+            lambda x: slab_at(x, l, axis, start, w), s, is_leaf=q), host)
+        p_c = slab_at(p, l, axis, start, w)
         key = self.pieces(i).key
         if key is not None:
             key = jax.random.fold_in(jax.random.fold_in(key, l), start // w)
         new_p, new_s = self._column_update(i, g, p_c, s_c, key)
         pick = lambda a, b: jnp.where(finite, a, b)  # noqa: E731
         new_s = jax.tree_util.tree_map(to_host, jax.tree_util.tree_map(pick, new_s, s_c), host)
-        return (_slab_at(p, l, axis, start, w, pick(new_p, p_c)), jax.tree_util.tree_map(
-            lambda x, y: _slab_at(x, l, axis, start, w, y), s, new_s, is_leaf=q))
+        return (slab_at(p, l, axis, start, w, pick(new_p, p_c)), jax.tree_util.tree_map(
+            lambda x, y: slab_at(x, l, axis, start, w, y), s, new_s, is_leaf=q))
 
     def _column_update(self, i: int, g, p, s, key):
         """(new p, new s) of columns p of leaf i and their state s (on the device), rounded
@@ -311,7 +311,7 @@ def _paste(x, y, start):
     return put_cols(x, y, start)
 
 
-def _slab_at(x, l, axis: int, start, w: int, y=None):
+def slab_at(x, l, axis: int, start, w: int, y=None):
     """Indices [start, start + w) along `axis` of layer `l` of a stacked array x ([1, ...]),
     or, given y, x with them replaced by y in place; of a Quantized its codes and their blocks'
     scales (blocks along the last axis: start and w multiples of its block there)."""
@@ -319,8 +319,8 @@ def _slab_at(x, l, axis: int, start, w: int, y=None):
         last = axis == x.codes.ndim - 1
         b = x.block if last else 1
         ys = (None, None) if y is None else (y.codes, y.scale)
-        return Quantized(codes=_slab_at(x.codes, l, axis, start, w, ys[0]),
-                         scale=_slab_at(x.scale, l, axis, start // b, w // b, ys[1]),
+        return Quantized(codes=slab_at(x.codes, l, axis, start, w, ys[0]),
+                         scale=slab_at(x.scale, l, axis, start // b, w // b, ys[1]),
                          block=x.block)
     at = [jnp.asarray(0, jnp.int32)] * x.ndim
     at[0], at[axis] = jnp.asarray(l, jnp.int32), jnp.asarray(start, jnp.int32)

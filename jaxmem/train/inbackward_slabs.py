@@ -1,6 +1,6 @@
 """The `--optimizer-in-backward` step's layer backward with the MLP in slabs of F: what
-jaxmem.train.inbackward's reverse loop runs for a layer where `mlp_slab_width` says so (the
-8B: 14 slabs of 1,024).
+jaxmem.train.inbackward's reverse loop runs for a layer where `inbackward_rules.mlp_slabs` says
+so (the 8B: 14 slabs of 1,024).
 
     mid, vjp_attn = vjp(attention half)(attention params_l, x_l)     the family's block, part
                                                                      "attention"
@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from jaxmem.families.decoder import DecoderBlock
 from jaxmem.optim import all_finite
+from jaxmem.optim._partwise import slab_at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +99,8 @@ def layer_in_slabs(step, u, slabs: Slabs, l, ps: dict, sts: dict, x, dx, a, fact
     def slab(j, carry):
         d_mid, d_scale, pm, sm, ss, fin = carry
         start = j * w
-        ws = {slabs.names[i]: _cut(pm[i], l, ax, start, w) for i, ax in slabs.axes.items()}
+        ws = {slabs.names[i]: slab_at(pm[i], l, ax, start, w)[0]  # a copy of w / F of it
+              for i, ax in slabs.axes.items()}
         _, vjp = jax.vjp(lambda p, h: mlp.apply({"params": step.cast(p)}, h, a["ctx"])[0],
                          {norm_path[0]: scale, "mlp": ws}, mid)
         dp, dm = vjp(dx)
@@ -119,9 +121,7 @@ def layer_in_slabs(step, u, slabs: Slabs, l, ps: dict, sts: dict, x, dx, a, fact
     d_mid, d_scale, pm, sm, ss, fin = jax.lax.fori_loop(0, n, slab, carry)
     ps, sts = {**ps, **pm}, {**sts, **sm}
     # the pre-MLP norm (its gradient summed over the slabs), then the attention half
-    grads = {}
-    g_norm = jax.tree_util.tree_leaves(d_scale)[0].astype(ps[i_norm].dtype)
-    grads[i_norm] = g_norm
+    grads = {i_norm: jax.tree_util.tree_leaves(d_scale)[0].astype(ps[i_norm].dtype)}
     d_attn, dx = vjp_attn(dx + d_mid.astype(dx.dtype))
     grads.update({i: functools.reduce(lambda t, k: t[k], path, d_attn)
                   for i, path in slabs.paths.items() if i not in slabs.axes and i != i_norm})
@@ -131,11 +131,3 @@ def layer_in_slabs(step, u, slabs: Slabs, l, ps: dict, sts: dict, x, dx, a, fact
         ps[i], sts[i] = u.parts.layer(i, l, g, ps[i], sts[i], finite)
     return dx, ps, sts, ss, fin & finite
 
-
-def _cut(x, l, axis: int, start, w: int):
-    """Indices [start, start + w) along `axis` of layer l of the stack x, without the layer
-    axis: a slab of one MLP weight of layer l (a copy of w / F of it)."""
-    at = [jnp.asarray(0, jnp.int32)] * x.ndim
-    at[0], at[axis] = jnp.asarray(l, jnp.int32), jnp.asarray(start, jnp.int32)
-    size = (1,) + tuple(w if k == axis else s for k, s in enumerate(x.shape) if k)
-    return jax.lax.dynamic_slice(x, at, size)[0]
