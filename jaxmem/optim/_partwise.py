@@ -312,8 +312,8 @@ def _paste(x, y, start):
 
 
 def slab_at(x, l, axis: int, start, w: int, y=None):
-    """Indices [start, start + w) along `axis` of layer `l` of a stacked array x ([1, ...]),
-    or, given y, x with them replaced by y in place; of a Quantized its codes and their blocks'
+    """Indices [start, start + w) along `axis` of layer `l` of a stacked array x ([L, ...]), as
+    [1, ...], or, given y, x with them replaced by y in place; of a Quantized its codes and their blocks'
     scales (blocks along the last axis: start and w multiples of its block there)."""
     if isinstance(x, Quantized):
         last = axis == x.codes.ndim - 1

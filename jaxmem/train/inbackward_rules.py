@@ -35,10 +35,9 @@ def mlp_slab_width(c, block: int | None) -> int:
     """The width w of the slabs of F the in-backward step runs a layer's MLP in
     (`inbackward_slabs`: each slab recomputed, differentiated and its weights' slabs updated at
     once, so neither the layer's MLP weights copied whole nor their gradients exist), or 0: the
-    MLP whole. The
-    largest divisor of F that is a multiple of `block` (the weights' states' `slab_block`,
-    None: they cannot be cut) with D x w at most SLAB elements, where that makes 2 or more
-    slabs; 0 with sandwich norms (the MLP's post-norm needs its whole output)."""
+    MLP whole. The largest divisor of F that is a multiple of `block` (the weights' states'
+    `slab_block`, None: they cannot be cut) with D x w at most SLAB elements, where that makes
+    2 or more slabs; 0 with sandwich norms (the MLP's post-norm needs its whole output)."""
     D, F = c.hidden_size, c.intermediate_size
     if not block or c.sandwich_norms or D * F <= SLAB:
         return 0

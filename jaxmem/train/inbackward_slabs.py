@@ -65,7 +65,7 @@ def mlp_weights(c, params_layers) -> dict | None:
 def plan(c, params_layers, stacked: list, width: int) -> Slabs | None:
     """`Slabs` of width `width` (inbackward_rules.mlp_slabs) for the stacked layer leaves
     `params_layers` (their indices among all the params' leaves `stacked`), or None where
-    `width` is 0."""
+    `width` is 0 or the layer is not one it knows how to cut."""
     weights = mlp_weights(c, params_layers) if width else None
     if not weights:
         return None
@@ -73,6 +73,8 @@ def plan(c, params_layers, stacked: list, width: int) -> Slabs | None:
              jax.tree_util.tree_flatten_with_path(params_layers)[0]]
     pre = "pre_feedforward_layernorm" if c.sandwich_norms else "post_attention_layernorm"
     norm = [(i, path) for i, path in zip(stacked, paths) if path[0] == pre]
+    if len(norm) != 1:  # a block without one pre-MLP norm: not one this module knows
+        return None
     return Slabs({stacked[k]: ax for k, (_, ax) in weights.items()},
                  {stacked[k]: name for k, (name, _) in weights.items()}, width, norm[0],
                  dict(zip(stacked, paths)), jax.tree_util.tree_structure(params_layers))
