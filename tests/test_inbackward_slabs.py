@@ -5,7 +5,6 @@ tiny preset's MLP is below the rule's SLAB, so the tests lower SLAB (as 8B's 409
 weights are cut: 14 slabs of 1,024)."""
 
 import dataclasses
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +22,7 @@ from jaxmem.train.optim import OptimConfig, make_optimizer, build_optimizer
 from jaxmem.train.placement import Placement
 from jaxmem.train.step import StepConfig
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from test_inbackward import _both, _configs  # noqa: E402
+from test_inbackward import _both, _configs
 
 
 def _step_config(optimizer="adamw8bit", precision="bf16-sr", **model):
