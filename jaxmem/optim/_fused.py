@@ -41,7 +41,8 @@ from jaxmem.optim._adamw8bit import (BLOCK, KeepFp32, LayerAxes, Quantized, Scal
                                      adam_piece, adamw_8bit, as_rows, bias_corrections,
                                      moment_pieces, step_salt)
 from jaxmem.optim._blockwise import _axes
-from jaxmem.optim._partwise import Parts, in_host_memory, layer_rows, to_device, to_host
+from jaxmem.optim._cuts import in_host_memory, to_device, to_host
+from jaxmem.optim._partwise import Parts, layer_rows
 
 # (path, leaf shape) -> the leaf's NamedSharding on a mesh, or None where it is not split
 Placement = Callable[[Any, tuple], Any]

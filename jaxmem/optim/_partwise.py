@@ -49,6 +49,8 @@ import jax.numpy as jnp
 import optax
 
 from jaxmem.optim._adamw8bit import Quantized, as_rows
+from jaxmem.optim._cuts import (cut_cols, in_host_memory, paste_cols, slab_at, to_device,
+                                to_host)
 from jaxmem.optim._stochastic import (RoundingPieces, apply_leaf_sr, pieces, round_bf16,
                                       round_bf16_bits)
 
@@ -129,16 +131,9 @@ class Parts:
         fold_in(leaf key, start // w): other bits than `leaf`'s row pieces, as unbiased. A
         slice whose gradient is not `finite` keeps its weights and state."""
         w = g.shape[-1]
-        q = lambda x: isinstance(x, Quantized)  # noqa: E731
-        host = jax.tree_util.tree_map(in_host_memory, s)
-        s_c = jax.tree_util.tree_map(to_device, jax.tree_util.tree_map(
-            lambda x: _cut(x, start, w), s, is_leaf=q), host)
-        p_c = cols(p, start, w)
-        new_p, new_s = self._column_update(i, g, p_c, s_c, self.column_key(i, start, w))
-        pick = lambda a, b: jnp.where(finite, a, b)  # noqa: E731
-        new_s = jax.tree_util.tree_map(to_host, jax.tree_util.tree_map(pick, new_s, s_c), host)
-        return (put_cols(p, pick(new_p, p_c), start),
-                jax.tree_util.tree_map(lambda x, y: _paste(x, y, start), s, new_s, is_leaf=q))
+        return self._cut_update(i, g, p, s, finite, lambda x: cut_cols(x, start, w),
+                                lambda x, y: paste_cols(x, y, start),
+                                self.column_key(i, start, w))
 
     def slab_block(self, i: int, axis: int) -> int | None:
         """The multiple of indices along `axis` (1 or more) that `slab` can cut a stacked leaf
@@ -152,19 +147,25 @@ class Parts:
         stack, the in-backward MLP's slabs along F. bf16 rounding draws from fold_in(fold_in(
         leaf key, l), start // w). A slab whose gradient is not `finite` stays as it was."""
         w = g.shape[axis]
-        q = lambda x: isinstance(x, Quantized)  # noqa: E731
-        host = jax.tree_util.tree_map(in_host_memory, s)
-        s_c = jax.tree_util.tree_map(to_device, jax.tree_util.tree_map(
-            lambda x: slab_at(x, l, axis, start, w), s, is_leaf=q), host)
-        p_c = slab_at(p, l, axis, start, w)
         key = self.pieces(i).key
         if key is not None:
             key = jax.random.fold_in(jax.random.fold_in(key, l), start // w)
+        return self._cut_update(i, g, p, s, finite, lambda x: slab_at(x, l, axis, start, w),
+                                lambda x, y: slab_at(x, l, axis, start, w, y), key)
+
+    def _cut_update(self, i: int, g, p, s, finite, cut, paste, key):
+        """`columns` and `slab`: the part cut(x) of p and of each array of its state s (a
+        Quantized's codes with their blocks' scales), host-resident state fetched, updated from
+        `g` by `_column_update` with `key`, kept where not `finite`, written back with
+        paste(x, new part) in place (state to the host where it lives)."""
+        q = lambda x: isinstance(x, Quantized)  # noqa: E731
+        host = jax.tree_util.tree_map(in_host_memory, s)
+        s_c = jax.tree_util.tree_map(to_device, jax.tree_util.tree_map(cut, s, is_leaf=q), host)
+        p_c = cut(p)
         new_p, new_s = self._column_update(i, g, p_c, s_c, key)
         pick = lambda a, b: jnp.where(finite, a, b)  # noqa: E731
         new_s = jax.tree_util.tree_map(to_host, jax.tree_util.tree_map(pick, new_s, s_c), host)
-        return (slab_at(p, l, axis, start, w, pick(new_p, p_c)), jax.tree_util.tree_map(
-            lambda x, y: slab_at(x, l, axis, start, w, y), s, new_s, is_leaf=q))
+        return paste(p, pick(new_p, p_c)), jax.tree_util.tree_map(paste, s, new_s, is_leaf=q)
 
     def _column_update(self, i: int, g, p, s, key):
         """(new p, new s) of columns p of leaf i and their state s (on the device), rounded
@@ -294,42 +295,6 @@ class _OptaxParts(Parts):
                                    for k in range(len(self._tiny_moments))])
 
 
-def _cut(x, start, w):
-    """Columns [start, start + w) of a state array; of a Quantized its codes and their blocks'
-    scales (w and start multiples of its block)."""
-    if isinstance(x, Quantized):
-        return Quantized(codes=cols(x.codes, start, w),
-                         scale=cols(x.scale, start // x.block, w // x.block), block=x.block)
-    return cols(x, start, w)
-
-
-def _paste(x, y, start):
-    """`x` with `_cut`'s columns from `start` replaced by `y`, in place."""
-    if isinstance(x, Quantized):
-        return Quantized(codes=put_cols(x.codes, y.codes, start),
-                         scale=put_cols(x.scale, y.scale, start // x.block), block=x.block)
-    return put_cols(x, y, start)
-
-
-def slab_at(x, l, axis: int, start, w: int, y=None):
-    """Indices [start, start + w) along `axis` of layer `l` of a stacked array x ([L, ...]), as
-    [1, ...], or, given y, x with them replaced by y in place; of a Quantized its codes and their blocks'
-    scales (blocks along the last axis: start and w multiples of its block there)."""
-    if isinstance(x, Quantized):
-        last = axis == x.codes.ndim - 1
-        b = x.block if last else 1
-        ys = (None, None) if y is None else (y.codes, y.scale)
-        return Quantized(codes=slab_at(x.codes, l, axis, start, w, ys[0]),
-                         scale=slab_at(x.scale, l, axis, start // b, w // b, ys[1]),
-                         block=x.block)
-    at = [jnp.asarray(0, jnp.int32)] * x.ndim
-    at[0], at[axis] = jnp.asarray(l, jnp.int32), jnp.asarray(start, jnp.int32)
-    if y is not None:
-        return jax.lax.dynamic_update_slice(x, y.astype(x.dtype), at)
-    return jax.lax.dynamic_slice(x, at, (1,) + tuple(w if a == axis else n
-                                                     for a, n in enumerate(x.shape) if a))
-
-
 def layer_rows(fn, ins, stacked, l, shape, keys: RoundingPieces, finite, fetched=None):
     """Layer `l` of the stacked arrays `stacked` (of `shape` [L, ..., last], seen as rows of
     `last`: an 8-bit leaf's `shape` is its moment_pieces' rows, its moments' codes and scales
@@ -385,29 +350,3 @@ def layer_rows(fn, ins, stacked, l, shape, keys: RoundingPieces, finite, fetched
     else:
         out = jax.lax.fori_loop(0, subs, body, whole)
     return jax.tree_util.tree_map(lambda x, ref: x.reshape(ref.shape), out, stacked)
-
-
-def cols(x, start, w: int):
-    """Columns [start, start + w) of x (its last axis)."""
-    return jax.lax.dynamic_slice_in_dim(x, start, w, x.ndim - 1)
-
-
-def put_cols(x, y, start):
-    """x with columns [start, start + y's width) replaced by y, in place."""
-    return jax.lax.dynamic_update_slice_in_dim(x, y, start, x.ndim - 1)
-
-
-def in_host_memory(x) -> bool:
-    """Whether a traced array lives in host memory (its aval's memory space; --offload-optimizer,
-    --offload-params and --offload-base host)."""
-    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
-
-
-def to_device(x, on_host: bool):
-    """x copied to the device where it sits in host memory (`on_host`), else x."""
-    return jax.device_put(x, jax.memory.Space.Device) if on_host else x
-
-
-def to_host(x, on_host: bool):
-    """x copied back to host memory where its stack lives there (`on_host`), else x."""
-    return jax.device_put(x, jax.memory.Space.Host) if on_host else x

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from jaxmem.families.decoder import DecoderBlock
 from jaxmem.optim import all_finite
-from jaxmem.optim._partwise import slab_at
+from jaxmem.optim._cuts import slab_at
 
 
 @dataclasses.dataclass(frozen=True)
