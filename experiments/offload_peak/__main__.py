@@ -43,6 +43,7 @@ def main(argv=None) -> int:
     from jaxmem.train import placement
     from jaxmem.train.cli import build_parser, setup
     from jaxmem.train.loop import _Run
+    from experiments.offload_peak.programs import device_line
 
     if args.one_program:  # what Placement.init_state calls, replaced by the old one program
         def one_program(fn, shardings, args=(), progress=False, pieces=True):
@@ -54,10 +55,8 @@ def main(argv=None) -> int:
         placement.create_on_host = create_printing
 
     def say(what, t=None):
-        st = jax.devices()[0].memory_stats() or {}
-        gib = lambda k: f"{st[k] / 2**30:6.2f} GiB" if k in st else "   n/a"  # noqa: E731
-        print(f"{what:<12} peak {gib('peak_bytes_in_use')}  in use {gib('bytes_in_use')}"
-              + (f"  {t:7.2f} s" if t is not None else ""), flush=True)
+        print(f"{what:<12} {device_line()}" + (f"  {t:7.2f} s" if t is not None else ""),
+              flush=True)
 
     with tempfile.TemporaryDirectory() as out:
         parser = build_parser()

@@ -13,10 +13,11 @@ def _gib(n) -> str:
     return f"{(n or 0) / 2**30:6.2f}"
 
 
-def _device() -> str:
+def device_line() -> str:
+    """The device's peak so far and the bytes it holds now ("n/a" where it reports none)."""
     st = jax.devices()[0].memory_stats() or {}
-    return (f"peak {_gib(st.get('peak_bytes_in_use'))} GiB  "
-            f"in use {_gib(st.get('bytes_in_use'))} GiB")
+    gib = lambda k: f"{st[k] / 2**30:6.2f} GiB" if k in st else "   n/a"  # noqa: E731
+    return f"peak {gib('peak_bytes_in_use')}  in use {gib('bytes_in_use')}"
 
 
 def _compiled(c) -> str:
@@ -29,7 +30,7 @@ def _compiled(c) -> str:
 def _print(p, compiled, seconds):
     where = "rest" if p.kind == "device" else str(p.index)
     shape = "" if p.leaf is None else str(tuple(p.leaf.shape))
-    print(f"{p.kind:<8} {where:>5} {shape:<24} {_compiled(compiled)}  {_device()}"
+    print(f"{p.kind:<8} {where:>5} {shape:<24} {_compiled(compiled)}  {device_line()}"
           f"  {seconds:5.1f} s", flush=True)
 
 
