@@ -148,12 +148,19 @@ class _Updates:
                                                                  self.states[i], finite)
 
     def layer(self, l, grads: dict, ps: dict, sts: dict, finite, fetched: dict | None = None):
-        """Layer `l` of every stacked leaf i: grads {i: layer l's gradient}, ps and sts {i: the
-        whole stacked leaf / state}, fetched {i: Parts.fetch's list} or None -> (ps, sts) with
-        layer l updated in place."""
+        """Layer `l` of each stacked leaf i in grads {i: layer l's gradient} (every one, or a
+        part's), ps and sts {i: the whole stacked leaf / state}, fetched {i: Parts.fetch's list}
+        or None -> (ps, sts) with layer l of those leaves updated in place."""
         new = {i: self.parts.layer(i, l, grads[i], ps[i], sts[i], finite,
-                                   *([fetched[i]] if fetched else [])) for i in self.stacked}
-        return {i: p for i, (p, _) in new.items()}, {i: s for i, (_, s) in new.items()}
+                                   *([fetched[i]] if fetched else [])) for i in grads}
+        return ({**ps, **{i: p for i, (p, _) in new.items()}},
+                {**sts, **{i: s for i, (_, s) in new.items()}})
+
+    @staticmethod
+    def stats(grads: dict):
+        """(the sum of squares in fp32, all finite) of a part's gradients {i: array}."""
+        return (sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads.values()),
+                all_finite(grads))
 
     def add(self, sumsq, finite) -> None:
         self.sumsq, self.finite = self.sumsq + sumsq, self.finite & finite
@@ -334,8 +341,8 @@ class _InBackwardStep:
             _, vjp = jax.vjp(lambda lp, x: self._layer(lp, x, a, fact), lp, x)
             d_lp, dx = vjp(dx)
             grads = dict(zip(stacked, jax.tree_util.tree_leaves(d_lp)))
-            finite = all_finite(grads)
-            ss = ss + sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads.values())
+            ss_l, finite = u.stats(grads)
+            ss = ss + ss_l
             nxt = ()
             if ahead:  # layer l - 1's slices of leaf i start coming in once layer l's gradient
                 # of leaf i exists (the last trip fetches layer 0 again); the barrier orders all

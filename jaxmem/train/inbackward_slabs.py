@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem.families.decoder import DecoderBlock
-from jaxmem.optim import all_finite
 from jaxmem.optim._cuts import slab_at
 
 
@@ -107,13 +106,12 @@ def layer_in_slabs(step, u, slabs: Slabs, l, ps: dict, sts: dict, x, dx, a, fact
                          {norm_path[0]: scale, "mlp": ws}, mid)
         dp, dm = vjp(dx)
         grads = {i: dp["mlp"][slabs.names[i]] for i in slabs.axes}
-        finite = all_finite(grads)
-        ss = ss + sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads.values())
+        ss_s, finite = u.stats(grads)
         for i, ax in slabs.axes.items():
             pm[i], sm[i] = u.parts.slab(i, l, ax, start, grads[i][None], pm[i], sm[i], finite)
         d_scale = jax.tree_util.tree_map(lambda s, g: s + g.astype(jnp.float32), d_scale,
                                          dp[norm_path[0]])
-        return (d_mid + dm.astype(jnp.float32), d_scale, pm, sm, ss, fin & finite)
+        return (d_mid + dm.astype(jnp.float32), d_scale, pm, sm, ss + ss_s, fin & finite)
 
     zeros32 = lambda t: jax.tree_util.tree_map(  # noqa: E731
         lambda y: jnp.zeros(y.shape, jnp.float32), t)
@@ -127,9 +125,7 @@ def layer_in_slabs(step, u, slabs: Slabs, l, ps: dict, sts: dict, x, dx, a, fact
     d_attn, dx = vjp_attn(dx + d_mid.astype(dx.dtype))
     grads.update({i: functools.reduce(lambda t, k: t[k], path, d_attn)
                   for i, path in slabs.paths.items() if i not in slabs.axes and i != i_norm})
-    finite = all_finite(grads)
-    ss = ss + sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads.values())
-    for i, g in grads.items():
-        ps[i], sts[i] = u.parts.layer(i, l, g, ps[i], sts[i], finite)
-    return dx, ps, sts, ss, fin & finite
+    ss_a, finite = u.stats(grads)
+    ps, sts = u.layer(l, grads, ps, sts, finite)
+    return dx, ps, sts, ss + ss_a, fin & finite
 
