@@ -65,6 +65,12 @@ class OptimConfig:
                                  "layer copied to the device when used (one device; needs "
                                  "--optimizer-in-backward)", choices=["none", "host"], mutable=True)
 
+    @property
+    def params_on_host(self) -> bool:
+        """--offload-params host: the weights' stacked layer leaves live in pinned host memory
+        (the in-backward step streams them whole layers at a time)."""
+        return self.offload_params == "host"
+
     def __post_init__(self):
         checks = [("lr", self.lr >= 0), ("min_lr", 0 <= self.min_lr),
                   ("warmup_steps", self.warmup_steps >= 0), ("total_steps", self.total_steps > 0),
@@ -86,10 +92,11 @@ class OptimConfig:
                             ("--offload-params", self.offload_params)):
             if value not in ("none", "host"):
                 raise ConfigError(f"{flag} {value!r} is not one of none, host")
-        if self.offload_params == "host" and not self.in_backward:
+        if self.params_on_host and not self.in_backward:
             raise ConfigError("--offload-params host needs --optimizer-in-backward: the weights "
                               "are streamed layer by layer by the in-backward update")
         # without in-backward only adamw8bit's update streams a host-resident state (in pieces)
-        if self.offload_optimizer == "host" and not (self.in_backward or self.optimizer == "adamw8bit"):
+        streams = self.in_backward or self.optimizer == "adamw8bit"
+        if self.offload_optimizer == "host" and not streams:
             raise ConfigError(f"--offload-optimizer host with --optimizer {self.optimizer} needs "
                               f"--optimizer-in-backward (only adamw8bit's update streams without)")

@@ -149,7 +149,7 @@ def mlp_slab(spec: StepSpec) -> int:
     if not spec.in_backward:
         return 0
     from jaxmem.train.inbackward_rules import mlp_slabs
-    return mlp_slabs(spec.step, spec.batch_size * spec.seq_len, spec.offload_params == "host")
+    return mlp_slabs(spec.step, spec.batch_size * spec.seq_len, spec.step.optim.params_on_host)
 
 
 def mlp_backward_buffers(saved: bool) -> int:

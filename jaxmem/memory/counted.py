@@ -240,7 +240,7 @@ def _host_layer(spec: StepSpec) -> list[Component]:
         return []                           # working set) stream, no layer
     # the state alone on the host comes a sub-piece at a time (the update's working set holds
     # it); the loop prefetches layers only where the weights are on the host
-    prefetch = spec.offload_params == "host"
+    prefetch = spec.step.optim.params_on_host
     L, out = spec.model.num_layers, []
     leaves = [(p, x, nbytes(x)) for p, x in jax.tree_util.tree_leaves_with_path(
         abstract_state(spec)) if p in host]

@@ -77,7 +77,7 @@ def transfer_plan(spec: StepSpec, card=None) -> dict | None:
     compute_s, transfer_s = tokens * per_token / peak, out["pcie_bytes"] / bw
     # the optimizer state's fetches, made right before each update where no weights are
     # prefetched with them (the module docstring)
-    exposed = 0 if spec.offload_params == "host" else sum(
+    exposed = 0 if spec.step.optim.params_on_host else sum(
         x.bytes for x in host if x.kind is Kind.OPTIMIZER)
     exposed_s = exposed / bw
     return {**out, "card": card.name, "link": card.host_link.describe(),
