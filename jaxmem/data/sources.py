@@ -2,7 +2,7 @@
 
 The pipeline, top to bottom:
 
-    load_tokenizer(path | None)              -> ByteTokenizer (default) or HFTokenizer
+    load_tokenizer(path | None)              -> ByteTokenizer (default) or the checkpoint's HFTokenizer
     load_corpus(data | None, tok, vocab)     -> (train_tokens, eval_tokens, stats)
     Batcher(train_tokens, B, T, seed).batch_at(position)  -> {"inputs", "targets", "mask"}
     eval_batches(eval_tokens, B, T, max_batches)           -> [batch, ...]
