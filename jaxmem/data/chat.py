@@ -253,17 +253,3 @@ class ChatPromptTokenizer:
         ids = [int(i) for i in ids]
         n = len(self._prompt)
         return self._tok.decode(ids[n:] if n and ids[:n] == self._prompt else ids)
-
-
-def copy_chat_files(run_dir, tokenizer_path) -> None:
-    """Copy the tokenizer directory's chat template and special-token files into the run
-    directory (beside its tokenizer.json copy), so a resumed run and `jaxmem.generate --chat`
-    find the same template there; existing copies are kept."""
-    import shutil  # noqa: PLC0415
-
-    if not tokenizer_path:
-        return
-    for name in (TEMPLATE_FILE, TOKENIZER_CONFIG, "special_tokens_map.json"):
-        src, dst = Path(tokenizer_path).parent / name, Path(run_dir) / name
-        if src.is_file() and not dst.exists() and src.resolve() != dst.resolve():
-            shutil.copyfile(src, dst)
