@@ -206,20 +206,19 @@ def _from_hf(args, overrides: dict) -> _Job:
     import jax  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
-    from jaxmem.config.run import ModelSection, RunConfig  # noqa: PLC0415
-    from jaxmem.io.hf import (config_from_hf, hf_tokenizer, load_hf_params,  # noqa: PLC0415
-                              read_hf_config)
+    from jaxmem.config.run import RunConfig  # noqa: PLC0415
+    from jaxmem.io.hf import hf_tokenizer, load_hf_params  # noqa: PLC0415
+    from jaxmem.train.init_from import init_from_overrides  # noqa: PLC0415
     from jaxmem.train.run import abstract_train_state  # noqa: PLC0415
 
-    hf_dir = str(Path(args.hf).resolve())
-    model = config_from_hf(read_hf_config(hf_dir), note=lambda m: print(m, file=sys.stderr))
-    fields = {f"model.{f.name}": getattr(model, f.name) for f in dataclasses.fields(ModelSection)
-              if f.name != "preset"}
+    # the checkpoint's model section and tokenizer, as jaxmem.train --init-from takes them
+    given = init_from_overrides({**overrides, "init.init_from": args.hf})
+    hf_dir = given["init.init_from"]
     shape = {"data.batch_size": HF_BATCH,
-             "data.seq_len": min(HF_SEQ, model.max_position_embeddings)}
+             "data.seq_len": min(HF_SEQ, given["model.max_position_embeddings"])}
     quantized = overrides.get("peft.quantize_base", "none") != "none"
     lora = {"peft.lora_rank": 1, "peft.lora_targets": "q"} if quantized else {}
-    cfg = RunConfig().replace({**shape, **fields, **lora, **overrides, "init.init_from": hf_dir})
+    cfg = RunConfig().replace({**shape, **lora, **given})
     d = cfg.data
     tokenizer = hf_tokenizer(hf_dir, bos_token=d.bos_token, eos_token=d.eos_token,
                              pad_token=d.pad_token)
