@@ -148,7 +148,8 @@ def test_qlora_chat_run_eval_equals_its_logged_eval_loss(tmp_path, capsys):
 @pytest.mark.torch
 def test_hf_eval_equals_transformers_loss(tmp_path):
     """--hf on a tiny random LlamaForCausalLM: the mean loss over the stride-T windows of the
-    document (BOS + text + EOS as transformers' tokenizer gives them) that torch computes."""
+    document (BOS + text + EOS as transformers' tokenizer gives them) that torch computes; and
+    the eval_loss jaxmem.train logs for the same weights and data."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from hf_files import SPECIALS, write_tokenizer
@@ -192,6 +193,14 @@ def test_hf_eval_equals_transformers_loss(tmp_path):
     assert_reordered_fp32(np.float32(got["loss"]), np.float32(want), terms=terms)
     # negative control: the same windows without the last one's targets fall outside it
     assert abs(per_token[:-(per_token.size % T or T)].mean() - want) > largest_allowed(want, terms)
+    # and jaxmem.train --init-from logs the same eval_loss for these weights (lr 0) and data
+    run = tmp_path / "run"
+    assert train_main(["--init-from", str(hf), "--data", str(data), "--eval-data", str(data),
+                       "--out", str(run), "--steps", "1", "--lr", "0", "--min-lr", "0",
+                       "--warmup-steps", "0", "--batch-size", "2", "--seq-len", str(T),
+                       "--eval-batches", "1000", "--sample-tokens", "0", "--no-progress",
+                       "--no-tensorboard"]) == 0
+    assert logged_eval_loss(run) == got["loss"]
 
 
 @pytest.mark.parametrize("argv, needle", [
