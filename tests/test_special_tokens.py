@@ -109,3 +109,31 @@ def test_train_cli_names_the_file_and_the_flags_for_a_bare_tokenizer(tmp_path):
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and "tokenizer.json: no tokenizer_config.json beside it" in lines[0]
     assert "--bos-token / --eos-token" in lines[0] and not (tmp_path / "run").exists()
+
+
+def test_a_run_directory_keeps_the_checkpoints_files_and_an_older_run_reads_its_stops(tmp_path):
+    """copy_tokenizer keeps what the checkpoint's tokenizer needs, and a config.json-only
+    checkpoint's ids become the run's generation_config.json; a run directory made before it
+    kept one stops at its --init-from checkpoint's ids (load_run)."""
+    from jaxmem.config.run import RunConfig
+    from jaxmem.train.rundir import _older_run_stops, copy_tokenizer
+
+    ckpt = _tokenizer_json(tmp_path / "ckpt", ["<pad>", "<eos>", "<bos>", "<unk>",
+                                               "<end_of_turn>"], "<bos>")
+    _json(ckpt / "tokenizer_config.json", {"bos_token": "<bos>", "eos_token": "<eos>"})
+    _json(ckpt / "config.json", {"model_type": "gemma3_text", "bos_token_id": 2,
+                                 "eos_token_id": [1, 6]})
+    cfg = RunConfig().replace({"data.tokenizer": str(ckpt / "tokenizer.json"),
+                               "init.init_from": str(ckpt)})
+    run = tmp_path / "run"
+    run.mkdir()
+    copy_tokenizer(run, cfg)
+    assert sorted(p.name for p in run.iterdir()) == [
+        "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    assert json.loads((run / "generation_config.json").read_text()) == {
+        "bos_token_id": 2, "eos_token_id": [1, 6]}
+    assert load_tokenizer(run).stop_ids == (1, 6)
+    (run / "generation_config.json").unlink()  # as an older run directory
+    older = load_tokenizer(run)
+    assert older.stop_ids == (1,)
+    assert _older_run_stops(older, cfg, run).stop_ids == (1, 6)

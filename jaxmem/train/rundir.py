@@ -163,7 +163,23 @@ def load_run(run_dir: Path, step: int | None = None) -> LoadedRun:
         except CheckpointError as e:
             raise CheckpointError(str(e).splitlines()[0] + restore_hint(
                 steps, step, str(e), cfg.optim.optimizer, "--step")) from e
-    return LoadedRun(cfg, record, model_cfg, step_cfg, state, section_tokenizer(cfg.data, run_tokenizer(run_dir, cfg)))
+    tokenizer = section_tokenizer(cfg.data, run_tokenizer(run_dir, cfg))
+    return LoadedRun(cfg, record, model_cfg, step_cfg, state, _older_run_stops(tokenizer, cfg,
+                                                                               Path(run_dir)))
+
+
+def _older_run_stops(tokenizer, cfg: RunConfig, run_dir: Path):
+    """`tokenizer`, with the stop ids of its --init-from checkpoint where the run directory
+    keeps no generation_config.json (a run made before the directory kept one, 2026-11-28):
+    what generation stopped at then."""
+    init_from = cfg.init.init_from
+    if (getattr(tokenizer, "files", None) is None or (run_dir / GENERATION_CONFIG).exists()
+            or not init_from or not Path(init_from).is_dir()):
+        return tokenizer
+    files = TokenizerFiles.read(init_from)
+    tokenizer.stop_ids = files.stop_ids(tokenizer.eos_id)
+    tokenizer.generation_ids = files.generation_ids()
+    return tokenizer
 
 
 TOKENIZER_FILE = "tokenizer.json"
