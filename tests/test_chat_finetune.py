@@ -88,7 +88,7 @@ def test_generate_chat_answers_a_user_turn(chat_run, capsys):
     assert run.tokenizer.decode(prompt_ids).endswith(q + "assistant\n\n")  # specials skipped
     from jaxmem.decode.stopping import eos_ids  # the CLI also stops at the checkpoint's EOS ids
     want = generate_text(CFG, lora_params(run), chat, q, 6, temperature=0.0,
-                         eos_ids=eos_ids(run.tokenizer, run.config.init.init_from))
+                         eos_ids=eos_ids(run.tokenizer))
     assert text == want.strip()
     # the reply alone: the prompt's ids are not decoded back (--chat prints what the model said)
     assert q not in text and chat.decode(prompt_ids + [5, 6]) == run.tokenizer.decode([5, 6])
@@ -138,7 +138,7 @@ def test_transformers_generate_on_the_merged_export_equals_generate_chat(chat_ru
     chat = ChatPromptTokenizer(tok, find_chat_template(str(merged / "tokenizer.json")))
     prompt = chat.encode_prompt(q)
     model = transformers.LlamaForCausalLM.from_pretrained(str(merged), dtype=torch.float32).eval()
-    eos = list(eos_ids(tok, str(merged)))
+    eos = list(eos_ids(tok))
     with torch.no_grad():
         ids = model.generate(torch.as_tensor([prompt]), max_new_tokens=n, do_sample=False,
                              eos_token_id=eos, pad_token_id=eos[0])[0].tolist()

@@ -68,7 +68,8 @@ def test_hf_tokenizer_round_trip(tmp_path):
     write(tmp_path / "doc.txt", "world hello")
     train, _, stats = load_corpus(str(tmp_path / "doc.txt"), hf, 6, eval_fraction=0.0)
     assert train.tolist() == [1, 5, 4, 2] and stats["tokenizer"] == str(tmp_path / "tok.json")
-    with pytest.raises(DataError, match=r"tokenizer .*tok\.json has no BOS token \(tried: <x>\)"):
+    with pytest.raises(DataError, match=r"tokenizer .*tok\.json: --bos-token '<x>' is not in its "
+                                        r"vocabulary"):
         HFTokenizer(tmp_path / "tok.json", bos_token="<x>")
 
 

@@ -84,21 +84,20 @@ def test_stop_string_ends_the_text(hf_dir, tmp_path, capsys):
     assert row["stop"] == "stop" and row["completion"] == tail[:tail.index(stop)]
 
 
-def test_eos_ids_include_generation_config_json(hf_dir, tmp_path):
+def test_stop_ids_follow_generation_config_json(hf_dir, tmp_path):
     import shutil
 
     from jaxmem.decode.stopping import eos_ids
-    from jaxmem.io.hf import hf_tokenizer
+    from jaxmem.io.hf import HFError, hf_tokenizer
 
     d = tmp_path / "hf"
     shutil.copytree(hf_dir, d)
-    tok = hf_tokenizer(d)
-    assert eos_ids(tok, d) == (1,)
+    assert eos_ids(hf_tokenizer(d)) == (1,)  # config.json's eos_token_id
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7, 9]}))
-    assert eos_ids(tok, d) == (1, 7, 9)
+    assert eos_ids(hf_tokenizer(d)) == (1, 7, 9)  # transformers' generate stops at these
     (d / "generation_config.json").write_text("{not json")
-    with pytest.raises(ValueError, match="generation_config.json: unreadable"):
-        eos_ids(tok, d)
+    with pytest.raises(HFError, match="generation_config.json: unreadable"):
+        hf_tokenizer(d)
 
 
 @pytest.mark.parametrize("content,needle", [

@@ -126,15 +126,16 @@ def test_batches_pad_with_the_tokenizers_own_pad_id(tmp_path, corpus, monkeypatc
         pad_id = 0  # not the byte tokenizer's 256
 
     seen = []
-    real_batcher, real_eval = loop.Batcher, loop.eval_batches
-    monkeypatch.setattr("jaxmem.train.cli.load_tokenizer", lambda path: Tok())
+    real_batcher, real_evals = loop.Batcher, loop.EvalBatches
+    monkeypatch.setattr("jaxmem.train.cli.section_tokenizer", lambda section, path: Tok())
     monkeypatch.setattr(loop, "Batcher", lambda *a, pad_id, **k: seen.append(("train", pad_id))
                         or real_batcher(*a, pad_id=pad_id, **k))
-    monkeypatch.setattr(loop, "eval_batches", lambda *a, pad_id, **k: seen.append(("eval", pad_id))
-                        or real_eval(*a, pad_id=pad_id, **k))
+    # EvalBatches(split, batch_size, seq_len, pad_id, max_batches): jaxmem.train.evaluate
+    monkeypatch.setattr(loop, "EvalBatches", lambda *a: seen.append(("eval", a[3]))
+                        or real_evals(*a))
     assert main([*SMALL, "--steps", "1", "--data", corpus, "--out", str(tmp_path / "r")]) == 0
     assert seen == [("train", 0), ("eval", 0)]
-    batch = real_eval(np.arange(1, 11, dtype=np.int32), 2, 8, pad_id=Tok.pad_id)[0]
+    batch = real_evals(np.arange(1, 11, dtype=np.int32), 2, 8, Tok.pad_id)[0]
     # row 1 is window 1: tokens 9, 10, then padding with id 0 (masked out of the loss)
     np.testing.assert_array_equal(batch["inputs"][1], [9, 10, 0, 0, 0, 0, 0, 0])
     np.testing.assert_array_equal(batch["mask"][1], [1, 0, 0, 0, 0, 0, 0, 0])

@@ -27,8 +27,17 @@ class DataSection:
     eval_data: str | None = option(None, "held-out data for evaluation, in --data's forms (default: "
                                    "the last 5%% of --data, at least one window or example)",
                                    metavar="DATA")
-    tokenizer: str | None = option(None, "a Hugging Face `tokenizers` JSON file, copied into the run "
-                                   "directory (default: byte-level)")
+    tokenizer: str | None = option(None, "a Hugging Face tokenizer.json, or the checkpoint directory "
+                                   "holding it; it and its tokenizer_config.json, "
+                                   "special_tokens_map.json, chat template and generation config "
+                                   "are copied into the run directory (default: byte-level)")
+    bos_token: str | None = option(None, "the tokenizer's BOS token (default: the checkpoint's, from "
+                                   "tokenizer_config.json; a bare tokenizer.json's is guessed by "
+                                   "name)", metavar="TOKEN")
+    eos_token: str | None = option(None, "the tokenizer's EOS token, which ends each text document "
+                                   "(default: the checkpoint's, as --bos-token)", metavar="TOKEN")
+    pad_token: str | None = option(None, "the tokenizer's PAD token (default: the checkpoint's, else "
+                                   "EOS)", metavar="TOKEN")
     data_field: str | None = option(None, "example rows: train on this string field as plain text "
                                     "(for layouts other than text / messages / prompt + completion)",
                                     metavar="NAME")

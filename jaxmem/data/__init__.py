@@ -1,6 +1,6 @@
 """Tokenizers, sources and the built-in corpus, packed resumable batches.
 
-    load_tokenizer(path | None)              -> ByteTokenizer (default) or HFTokenizer
+    load_tokenizer(path | None)              -> ByteTokenizer (default) or the checkpoint's HFTokenizer
     load_corpus(data | None, tok, vocab)     -> (train_tokens, eval_tokens, stats)
     Batcher(train_tokens, B, T, seed, pad_id=tok.pad_id).batch_at(position) -> batch dict
     eval_batches(eval_tokens, B, T, max_batches, pad_id=tok.pad_id)          -> [batch, ...]

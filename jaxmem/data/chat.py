@@ -29,11 +29,9 @@ from datetime import datetime
 from pathlib import Path
 
 from jaxmem.data.errors import DataError
+from jaxmem.data.special_tokens import TOKENIZER_CONFIG, TokenizerFiles, read_json
 
-TEMPLATE_FILE, TOKENIZER_CONFIG = "chat_template.jinja", "tokenizer_config.json"
-# transformers' SPECIAL_TOKENS_ATTRIBUTES: the names a template may read
-SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-                  "mask_token")
+TEMPLATE_FILE = "chat_template.jinja"
 HOW_TO_GIVE_ONE = (f"give one with --chat-template FILE, or put {TEMPLATE_FILE} (or a "
                    f"chat_template in {TOKENIZER_CONFIG}) beside the tokenizer.json")
 
@@ -184,37 +182,15 @@ class ChatTemplate:
         return "".join(blocks), spans
 
 
-def _token_text(value):
-    """A special token as tokenizer_config.json stores it: a string or an AddedToken dict."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path}: unreadable ({str(e).splitlines()[0]})") from None
-    if not isinstance(d, dict):
-        raise DataError(f"{path}: expected a JSON object")
-    return d
-
-
 def special_tokens(directory) -> dict:
-    """{bos_token: "<|begin_of_text|>", ...} from tokenizer_config.json (and the legacy
-    special_tokens_map.json, which transformers merges in) of `directory`."""
-    out = {}
-    for name in ("special_tokens_map.json", TOKENIZER_CONFIG):
-        path = Path(directory) / name
-        if path.is_file():
-            d = _read_json(path)
-            out.update({k: t for k in SPECIAL_TOKENS if (t := _token_text(d.get(k))) is not None})
-    return out
+    """{bos_token: "<|begin_of_text|>", ...}: the names the tokenizer files of `directory` give
+    (tokenizer_config.json, and the legacy special_tokens_map.json as transformers merges it:
+    jaxmem.data.special_tokens), as transformers passes them to a template."""
+    return {k: v for k, v in TokenizerFiles.read(directory).tokens.items() if v is not None}
 
 
 def _config_template(path: Path):
-    value = _read_json(path).get("chat_template")
+    value = read_json(path).get("chat_template")
     if isinstance(value, list):  # named templates: transformers picks "default"
         value = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}.get("default")
     return value if isinstance(value, str) and value.strip() else None
@@ -245,14 +221,12 @@ def find_chat_template(tokenizer_path=None, explicit=None) -> ChatTemplate | Non
 
 
 def with_tokenizer_specials(template: ChatTemplate | None, tokenizer) -> ChatTemplate | None:
-    """`template` with bos_token / eos_token filled from the tokenizer where tokenizer_config.json
-    named none (a directory with only tokenizer.json); the file's names take precedence."""
-    id_to_token = getattr(getattr(tokenizer, "_tok", None), "id_to_token", None)
-    if template is None or id_to_token is None:
+    """`template` with the tokenizer's special-token names filled in where the tokenizer files
+    named none (a bare tokenizer.json, or --bos-token and the like); the files' names win."""
+    names = getattr(tokenizer, "special_names", None)
+    if template is None or not names:
         return template
-    names = {k: id_to_token(getattr(tokenizer, k.replace("token", "id")))
-             for k in ("bos_token", "eos_token")}
-    filled = {k: v for k, v in names.items() if v is not None and k not in template.special_tokens}
+    filled = {k: v for k, v in names.items() if k not in template.special_tokens}
     return dataclasses.replace(template, special_tokens={**filled, **template.special_tokens})
 
 
@@ -279,17 +253,3 @@ class ChatPromptTokenizer:
         ids = [int(i) for i in ids]
         n = len(self._prompt)
         return self._tok.decode(ids[n:] if n and ids[:n] == self._prompt else ids)
-
-
-def copy_chat_files(run_dir, tokenizer_path) -> None:
-    """Copy the tokenizer directory's chat template and special-token files into the run
-    directory (beside its tokenizer.json copy), so a resumed run and `jaxmem.generate --chat`
-    find the same template there; existing copies are kept."""
-    import shutil  # noqa: PLC0415
-
-    if not tokenizer_path:
-        return
-    for name in (TEMPLATE_FILE, TOKENIZER_CONFIG, "special_tokens_map.json"):
-        src, dst = Path(tokenizer_path).parent / name, Path(run_dir) / name
-        if src.is_file() and not dst.exists() and src.resolve() != dst.resolve():
-            shutil.copyfile(src, dst)

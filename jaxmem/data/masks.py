@@ -12,7 +12,8 @@ token i from tokens < i; token 0 is never a target). With `train_on="assistant"`
     prompt is a prefix of the text rendered for messages[:i + 1]; the difference is the turn.
     For Llama 3 that is the content and its `<|eot_id|>`; the header that opens the turn is
     part of the generation prompt, so it is not trained.
-  * prompt + completion: the completion (and, for text pairs, the EOS after it). A message-list
+  * prompt + completion: the completion (and, for text pairs, the EOS after it; a text pair's
+    prompt starts with BOS where the tokenizer adds one, as a text row does). A message-list
     prompt is rendered with the generation prompt; the completion (a string becomes one
     assistant message) is the difference to the whole conversation's rendering.
   * text: every token.
@@ -80,13 +81,13 @@ def _encode_text(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
 def encode_row(row, tokenizer, template, train_on: str = "assistant"):
     """(ids int32 [n], trained bool [n]) of one Row (see the module docstring)."""
     train_all = train_on == "all"
+    before, after = tokenizer.document_ids()  # BOS where the tokenizer adds one; EOS
     if row.kind == "text":
-        ids = np.concatenate([[tokenizer.bos_id], tokenizer.encode_array(row.value),
-                              [tokenizer.eos_id]]).astype(np.int32)
+        ids = np.concatenate([before, tokenizer.encode_array(row.value), after]).astype(np.int32)
         return ids, np.ones(ids.size, bool)
     if row.kind == "pair" and isinstance(row.value[0], str) and isinstance(row.value[1], str):
-        prompt = np.concatenate([[tokenizer.bos_id], tokenizer.encode_array(row.value[0])])
-        completion = np.concatenate([tokenizer.encode_array(row.value[1]), [tokenizer.eos_id]])
+        prompt = np.concatenate([before, tokenizer.encode_array(row.value[0])])
+        completion = np.concatenate([tokenizer.encode_array(row.value[1]), after])
         ids = np.concatenate([prompt, completion]).astype(np.int32)
         trained = np.concatenate([np.full(prompt.size, train_all), np.ones(completion.size, bool)])
         return ids, trained

@@ -2,7 +2,7 @@
 
 The pipeline, top to bottom:
 
-    load_tokenizer(path | None)              -> ByteTokenizer (default) or HFTokenizer
+    load_tokenizer(path | None)              -> ByteTokenizer (default) or the checkpoint's HFTokenizer
     load_corpus(data | None, tok, vocab)     -> (train_tokens, eval_tokens, stats)
     Batcher(train_tokens, B, T, seed).batch_at(position)  -> {"inputs", "targets", "mask"}
     eval_batches(eval_tokens, B, T, max_batches)           -> [batch, ...]
@@ -277,11 +277,10 @@ class _Read(NamedTuple):
 
 
 def _token_stream(files: list[Path], tokenizer, vocab_size: int) -> tuple[np.ndarray, _Read]:
-    """One int32 stream of every file in order: a text file as BOS, its tokens, EOS; a token
-    file as it is."""
+    """One int32 stream of every file in order: a text file as the tokenizer's document prefix
+    (BOS where the checkpoint's tokenizer adds one), its tokens, EOS; a token file as it is."""
     pieces: list[np.ndarray] = []
-    bos = np.asarray([tokenizer.bos_id], np.int32)
-    eos = np.asarray([tokenizer.eos_id], np.int32)
+    before, after = (np.asarray(x, np.int32) for x in tokenizer.document_ids())
     n_bytes = n_docs = n_bad = 0
     bad_files: list[str] = []
     binary_looking: dict[str, float] = {}
@@ -304,7 +303,7 @@ def _token_stream(files: list[Path], tokenizer, vocab_size: int) -> tuple[np.nda
                             f"{vocab_size}")
         n_bytes += len(raw)
         n_docs += 1
-        pieces.extend([bos, ids, eos])
+        pieces.extend([before, ids, after])
     stream = np.concatenate(pieces).astype(np.int32, copy=False)
     return stream, _Read(n_docs, n_bytes, n_bad, bad_files, binary_looking)
 

@@ -238,16 +238,20 @@ def cut_at_stop(text: str, stops) -> tuple[str, bool]:
 def generate_text(config, params, tokenizer, prompt: str, max_new_tokens: int = 200,
                   temperature: float = 0.8, top_k: int = 40, seed: int = 0,
                   compute_dtype=jnp.float32, note=None, eos_ids=None, stop=()) -> str:
-    """The prompt and its continuation as text, ended at an EOS id (default: the tokenizer's)
-    or before a stop string. `note(msg)` is told when the model's context
-    (max_position_embeddings) shortens the output below `max_new_tokens`."""
+    """The prompt and its continuation as text, ended at an EOS id (default: the tokenizer's
+    stop ids, jaxmem.decode.stopping.eos_ids) or before a stop string. `note(msg)` is told when
+    the model's context (max_position_embeddings) shortens the output below `max_new_tokens`."""
     ids = tokenizer.encode_prompt(prompt or "")  # BOS, or the special tokens a post-processor adds
     budget = new_token_budget(len(ids), max_new_tokens, config.max_position_embeddings)
     if budget < max_new_tokens and note is not None:
         note(f"note: output shortened to {budget} new tokens (asked {max_new_tokens}): the "
              f"prompt's {len(ids)} tokens + the new ones fill the model's "
              f"{config.max_position_embeddings} positions")
-    eos = (tokenizer.eos_id,) if eos_ids is None else tuple(eos_ids)
+    if eos_ids is None:
+        from jaxmem.decode.stopping import eos_ids as stop_ids  # noqa: PLC0415
+        eos = stop_ids(tokenizer)
+    else:
+        eos = tuple(eos_ids)
     new = generate_ids(config, params, [ids], max_new_tokens, temperature,
                        min(top_k, config.vocab_size), seed, compute_dtype, eos)[0]
     return complete_text(tokenizer, ids, new, stop)[0]

@@ -1,48 +1,28 @@
 """What ends generation and what it computes in: EOS ids, stop strings, the sampling dtype.
 
-    eos_ids(tokenizer, hf_dir)   the tokenizer's EOS plus every `eos_token_id` of the checkpoint's
-                                 config.json and generation_config.json (Llama 3 Instruct lists
-                                 <|end_of_text|>, <|eom_id|> and <|eot_id|> there)
+    eos_ids(tokenizer)           the ids its checkpoint stops at, as transformers' generate: its
+                                 generation_config.json's eos_token_id (Llama 3.1 Instruct lists
+                                 <|end_of_text|>, <|eom_id|> and <|eot_id|> there), else its
+                                 config.json's, else the tokenizer's EOS
     sample_dtype(given, run)     --dtype, else bf16 on a GPU (fp16 for an fp16 run), else the
                                  run's compute dtype
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import jax.numpy as jnp
 
 from jaxmem import target
 
-GENERATION_CONFIG = "generation_config.json"
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _ids(value) -> list[int]:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return [value]
-    if isinstance(value, list):
-        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
-    return []
-
-
-def eos_ids(tokenizer, hf_dir=None) -> tuple[int, ...]:
-    """Sorted EOS ids: the tokenizer's, and those of hf_dir's config.json and
-    generation_config.json where present (unreadable files raise ValueError naming them)."""
-    ids = set(_ids(getattr(tokenizer, "eos_id", None)))
-    if hf_dir is not None:
-        for name in ("config.json", GENERATION_CONFIG):
-            path = Path(hf_dir) / name
-            if not path.is_file():
-                continue
-            try:
-                d = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError) as e:
-                raise ValueError(f"{path}: unreadable ({e})") from None
-            ids.update(_ids(d.get("eos_token_id")) if isinstance(d, dict) else ())
-    return tuple(sorted(ids))
+def eos_ids(tokenizer) -> tuple[int, ...]:
+    """Sorted ids generation stops at: the tokenizer's `stop_ids` (its checkpoint's
+    generation_config.json eos_token_id, else config.json's, else its EOS:
+    jaxmem.data.special_tokens), else its EOS."""
+    stops = getattr(tokenizer, "stop_ids", None) or (tokenizer.eos_id,)
+    return tuple(sorted(set(int(i) for i in stops)))
 
 
 def sample_dtype(given: str | None, run_dtype=jnp.float32):

@@ -98,7 +98,7 @@ def _from_hf(p, args, overrides):
     try:
         model_config, params = load_hf(args.hf, note=lambda m: print(m, file=sys.stderr))
         tokenizer = _chat(p, args, hf_tokenizer(args.hf), None)
-        eos = eos_ids(tokenizer, args.hf)
+        eos = eos_ids(tokenizer)
     except (DataError, ValueError) as e:  # HFError is a ValueError
         fail(p, str(e).splitlines()[0])
     return (model_config, params, tokenizer, eos,
@@ -111,7 +111,7 @@ def _from_run(p, args, overrides):
         run = load_run(Path(args.run), step=args.step)
         # LoRA: the adapters on the run's own base, built (quantized) once per call
         params = run.step_config.trainable.run_params(run)
-        eos = eos_ids(run.tokenizer, run.config.init.init_from)
+        eos = eos_ids(run.tokenizer)
     except CheckpointError as e:
         exit_after_failed_restore(p, str(e).splitlines()[0])
     except (RunError, DataError, ValueError) as e:

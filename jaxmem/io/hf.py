@@ -7,7 +7,7 @@ Qwen3, Qwen2 / Qwen2.5, Mistral): the config mapping and reading the weights.
     read_hf_config(dir) -> dict           config.json of a checkpoint directory
     load_hf_params(dir, config, dtype)    the jaxmem params tree, read tensor by tensor
     load_hf(dir, dtype) -> (ModelConfig, params)
-    hf_tokenizer(dir)                     tokenizer.json with the checkpoint's BOS/EOS ids
+    hf_tokenizer(dir)                     the checkpoint's tokenizer (jaxmem.data.load_tokenizer)
 
 numpy + safetensors + ml_dtypes only (no torch). The two config mappings are the one reviewed
 place where jaxmem's ModelConfig meets a transformers config (each family adds its keys;
@@ -266,32 +266,16 @@ def load_hf(hf_dir, dtype=np.float32, note=None) -> tuple[ModelConfig, dict]:
 
 # ----------------------------------------------------------------------------- tokenizer
 
-def _first_id(value):
-    return value[0] if isinstance(value, list) and value else value
+def hf_tokenizer(hf_dir, bos_token=None, eos_token=None, pad_token=None):
+    """The checkpoint's tokenizer (jaxmem.data.tokenizers.load_tokenizer: its tokenizer.json,
+    special tokens, chat template and stop ids as its own files say), HFError naming the file
+    when it cannot be loaded."""
+    from jaxmem.data.errors import DataError  # noqa: PLC0415
+    from jaxmem.data.tokenizers import load_tokenizer  # noqa: PLC0415
 
-
-def hf_tokenizer(hf_dir):
-    """The directory's tokenizer.json, BOS/EOS taken from config.json's ids where it has them.
-
-    Prompts are encoded with the special tokens its post-processor adds (`encode_prompt`).
-    """
-    from jaxmem.data.tokenizers import HFTokenizer  # noqa: PLC0415
-
-    path = Path(hf_dir) / TOKENIZER
-    if not path.is_file():
+    if not (Path(hf_dir) / TOKENIZER).is_file():
         raise HFError(f"{hf_dir}: no {TOKENIZER}")
-    d = read_hf_config(hf_dir)
-    names = {}  # config.json's ids, as the token strings HFTokenizer takes
     try:
-        import tokenizers  # noqa: PLC0415
-
-        raw = tokenizers.Tokenizer.from_file(str(path))
-        for what, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id")):
-            idx = _first_id(d.get(key))
-            if isinstance(idx, int) and raw.id_to_token(idx) is not None:
-                names[what] = raw.id_to_token(idx)
-    except ImportError:
-        pass  # HFTokenizer below names the missing package
-    except Exception as e:  # the Rust side raises plain Exception subclasses
-        raise HFError(f"{path}: invalid tokenizer ({str(e).splitlines()[0] if str(e) else e})")
-    return HFTokenizer(path, **names)
+        return load_tokenizer(hf_dir, bos_token=bos_token, eos_token=eos_token, pad_token=pad_token)
+    except DataError as e:
+        raise HFError(str(e)) from None

@@ -36,7 +36,8 @@ from pathlib import Path
 
 from jaxmem.config.flags import add_run_flags, given_overrides
 from jaxmem.config.run import RunConfig, is_mutable
-from jaxmem.data import DataError, load_corpus, load_tokenizer
+from jaxmem.data import DataError, load_corpus
+from jaxmem.data.tokenizers import TOKEN_NAMES, load_tokenizer, section_tokenizer
 from jaxmem.data.checks import data_warnings
 from jaxmem.data.examples import example_options
 from jaxmem.io.checkpoint import CheckpointError, Checkpointer
@@ -134,13 +135,17 @@ def setup(args, parser) -> Setup:
         _check_writable(out)
         if "data.tokenizer" in overrides and "model.vocab_size" not in overrides:
             # the model's vocabulary is the tokenizer's (an explicit smaller one is refused below)
-            overrides["model.vocab_size"] = load_tokenizer(overrides["data.tokenizer"]).vocab_size
+            overrides["model.vocab_size"] = load_tokenizer(overrides["data.tokenizer"], **{
+                k: overrides.get(f"data.{k}") for k in TOKEN_NAMES}).vocab_size
         cfg, continuing, record, changes = _choose_config(overrides, args.resume, out)
+        tokenizer = section_tokenizer(cfg.data, run_tokenizer(out, cfg) if continuing
+                                      else cfg.data.tokenizer)
+        for line in tokenizer.notes:  # a bare tokenizer.json: its special tokens were guessed
+            print(line, file=sys.stderr)
         if cfg.precision.mode == "fp8":  # fp8 GEMMs need these XLA flags (jaxmem.model.fp8)
             from jaxmem.model.fp8_compile import set_xla_flags
             set_xla_flags()
         model_cfg, step_cfg, loss_scale = build_step_config(cfg)
-        tokenizer = load_tokenizer(run_tokenizer(out, cfg) if continuing else cfg.data.tokenizer)
         if tokenizer.vocab_size > model_cfg.vocab_size:
             raise RunError(f"--tokenizer has {tokenizer.vocab_size} ids but --vocab-size is "
                            f"{model_cfg.vocab_size} (leave it out to use the tokenizer's)")

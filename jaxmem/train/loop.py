@@ -21,8 +21,7 @@ import time
 import jax
 import numpy as np
 
-from jaxmem.data import Batcher, PackedData, eval_batches
-from jaxmem.data.chat import copy_chat_files
+from jaxmem.data import Batcher, PackedData
 from jaxmem.data.examples import describe
 from jaxmem.decode.sampling import generate_text
 from jaxmem.decode.stopping import eos_ids, sample_dtype
@@ -32,6 +31,7 @@ from jaxmem.train.rundir import (CKPT_DIR, copy_tokenizer,
 from jaxmem.perf import device_memory
 from jaxmem.train import failures
 from jaxmem.train.placement import Placement
+from jaxmem.train.evaluate import EvalBatches, evaluate
 from jaxmem.train.run import make_eval_fn
 from jaxmem.train.step import create_train_state, jit_train_step
 from jaxmem.train.records import Records, fmt_bytes
@@ -103,13 +103,12 @@ class _Batches:
         self.par, self.grad_accum = par, d.grad_accum
         if isinstance(s.train_tokens, PackedData):  # example rows, packed (jaxmem.data.examples)
             self.batcher = s.train_tokens.batcher(d.batch_size, d.seq_len, d.seed, pad)
-            self.evals = s.eval_tokens.eval_batches(d.batch_size, d.seq_len,
-                                                    s.cfg.run.eval_batches, pad)
         else:
             self.batcher = Batcher(s.train_tokens, d.batch_size, d.seq_len, seed=d.seed,
                                    pad_id=pad)
-            self.evals = eval_batches(s.eval_tokens, d.batch_size, d.seq_len,
-                                      s.cfg.run.eval_batches, pad_id=pad)
+        # the first --eval-batches of the held-out split, built once (jaxmem.train.evaluate)
+        self.evals = list(EvalBatches(s.eval_tokens, d.batch_size, d.seq_len, pad,
+                                      s.cfg.run.eval_batches))
 
     def at(self, position: int) -> dict:
         """The step that starts at batch `position` (batches consumed so far)."""
@@ -155,8 +154,7 @@ def _prepare(s, par: Placement, start: int) -> Checkpointer:
     s.out.mkdir(parents=True, exist_ok=True)
     if par.is_main:
         _write_config(s, start)
-        copy_tokenizer(s.out, s.cfg)  # generate then works from any directory
-        copy_chat_files(s.out, s.cfg.data.tokenizer)  # and finds the chat template there
+        copy_tokenizer(s.out, s.cfg)  # generate, eval and export need only the run directory
     return s.ckpt or Checkpointer(s.out / CKPT_DIR, keep=s.cfg.run.keep)
 
 
@@ -209,15 +207,23 @@ class _Run:
                         (self.state, self.batches.at(self.position), *self.frozen))
 
     def evaluate(self) -> float | None:
+        """The mean token loss on the held-out batches (None: there are none), by the function
+        `python -m jaxmem.eval` calls too."""
         if not self.batches.evals:
             return None
-        totals = self.par.host([self.eval_fn(self.state.params, self.par.eval_batch(b), *self.frozen)
-                                for b in self.batches.evals])
-        return float(sum(t for t, _ in totals) / max(sum(c for _, c in totals), 1.0))
+        return evaluate(self.eval_fn, self.state.params, self.batches.evals, self.frozen,
+                        self.par.eval_batch, self.par.host).loss
 
     def loop(self, rec: Records, saves: _Saves, stop: _Stop) -> tuple[int, float | None]:
         """Steps until the end, a signal or too many non-finite steps in a row; each step's
-        metrics are read while the next one runs. Returns the last step and eval loss."""
+        metrics are read while the next one runs. Returns the last step and eval loss.
+
+        Step time (Records' tokens/s): every second of the loop belongs to one step except the
+        evaluations and saves. A step's time runs from where the previous one's ended to this
+        step's dispatch; while steps are queued on the device that is one step's work. Before
+        an eval or a save, after the last untimed (compiling) step and at the end, the loop
+        waits for the step's result first and takes the time then, so the device's work in
+        flight is counted to its step and never hidden in the eval or save that waits for it."""
         r, steps = self.r, self.steps
         step, pending, eval_loss, t_last = self.start, None, None, time.perf_counter()
         max_skips = self.cfg.precision.max_consecutive_skips
@@ -225,22 +231,27 @@ class _Run:
             self.state, metrics = self.train_step(self.state, self.batches.at(self.position),
                                                   *self.frozen)
             step, self.position = step + 1, self.position + self.batches.grad_accum
+            due_eval = step == steps or (r.eval_every and step % r.eval_every == 0)
+            due_save = r.save_every and step % r.save_every == 0 and step < steps
+            if due_eval or due_save or step == rec.first_timed - 1 or step == self.end:
+                jax.block_until_ready(metrics)  # the step's time ends with its result
             now = time.perf_counter()
             if pending is not None:  # read the previous step's metrics while this one runs
                 rec.record(*pending)
             pending, t_last = (step, metrics, now - t_last), now
             rec.bar.update(1)
             saves.written(saves.ckpt.poll())  # a background write committed: its time, no waiting
-            due_eval = step == steps or (r.eval_every and step % r.eval_every == 0)
-            due_save = r.save_every and step % r.save_every == 0 and step < steps
             if due_eval or due_save:
+                paused = time.perf_counter()
                 if due_eval:
                     eval_loss = self.evaluate()
                 pause = saves.save(self.state, step) if due_save else None
+                t_last += time.perf_counter() - paused  # eval and saving are not step time
                 rec.record(*pending, evaluated=eval_loss if due_eval else None, save_pause=pause)
-                pending, t_last = None, time.perf_counter()  # eval and saving are not step time
-        if pending is not None:
-            rec.record(*pending)
+                pending = None
+        if pending is not None:  # the last step (end, --stop-at, signal, skip limit): to its result
+            jax.block_until_ready(pending[1])
+            rec.record(*pending[:2], pending[2] + time.perf_counter() - t_last)
         rec.bar.close()
         return step, eval_loss
 
@@ -324,7 +335,7 @@ def _sample(s, state) -> None:
                                max_new_tokens=sm.max_new_tokens, temperature=sm.temperature,
                                top_k=sm.top_k, seed=s.cfg.data.seed, note=print,
                                compute_dtype=sample_dtype(sm.dtype, step_cfg.precision.compute_dtype),
-                               eos_ids=eos_ids(s.tokenizer, s.cfg.init.init_from),
+                               eos_ids=eos_ids(s.tokenizer),
                                stop=(sm.stop,) if sm.stop else ())
     except ValueError as e:  # a --prompt longer than the model's context: the run is saved
         print(f"sample skipped: {e}")

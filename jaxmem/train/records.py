@@ -49,11 +49,17 @@ class Records:
         self.peak = peak_flops(self.device, s.step_cfg.precision.compute_dtype)
         self.flops_per_token = flops_per_token(s.model_cfg, d.seq_len)
         self.tokens_per_step = d.batch_size * d.seq_len * d.grad_accum
+        # a process's first two steps include compilation: not timed (the loop waits for the
+        # second's result, so the first timed step starts with the device idle)
+        self.first_timed = start + 3
         self.timed_steps, self.seconds = 0, 0.0
         self.skips_in_a_row, self.last = skips_in_a_row, {}
         self.state_peak = state_peak
 
     def tokens_per_sec(self) -> float:
+        """Tokens trained per second of the timed steps' time (jaxmem.train.loop: the loop's
+        wall time less evaluations and saves, each step timed up to its result on the device
+        wherever the loop waits for one)."""
         return self.tokens_per_step * self.timed_steps / self.seconds if self.seconds else 0.0
 
     def mfu(self, tokens_per_sec: float) -> float | None:
@@ -61,9 +67,10 @@ class Records:
 
     def record(self, step, metrics, seconds, evaluated=None, save_pause=None) -> dict:
         """A finished step: its metrics read from the device, the bar, and (every --log-every
-        steps, on evaluation, saves and skipped steps) a metrics.jsonl line and the trackers."""
+        steps, on evaluation, saves and skipped steps) a metrics.jsonl line and the trackers.
+        seconds: the step's share of the loop's time (jaxmem.train.loop._Run.loop)."""
         m = {k: float(v) for k, v in self.par.host(metrics).items()}
-        if step > self.start + 2:  # a process's first steps include compilation and dispatch lag
+        if step >= self.first_timed:
             self.timed_steps += 1
             self.seconds += seconds
         self.skips_in_a_row = int(m["skips_in_a_row"])

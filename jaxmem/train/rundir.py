@@ -5,6 +5,8 @@
                           "changes": [{"step", "field", "from", "to"}, ...]}  (rewritten on resume)
     <run>/metrics.jsonl   one JSON object per logged step
     <run>/checkpoints/    Orbax steps (jaxmem.io.checkpoint)
+    <run>/tokenizer.json, tokenizer_config.json, special_tokens_map.json, chat_template.jinja,
+        generation_config.json: the run's tokenizer as its checkpoint had it (`copy_tokenizer`)
 
 `load_run` restores the newest committed step with the run's own config; a config.json written
 before RunConfig existed (schema 1: the flat flags) is read too (jaxmem.config.run).
@@ -19,7 +21,8 @@ from typing import Any
 
 from jaxmem.config.model import ConfigError
 from jaxmem.config.run import RunConfig
-from jaxmem.data import load_tokenizer
+from jaxmem.data.special_tokens import GENERATION_CONFIG, TOKENIZER_FILES, TokenizerFiles
+from jaxmem.data.tokenizers import section_tokenizer
 from jaxmem.io.checkpoint import CheckpointError, Checkpointer
 from jaxmem.train.run import abstract_train_state, build_step_config
 
@@ -160,19 +163,51 @@ def load_run(run_dir: Path, step: int | None = None) -> LoadedRun:
         except CheckpointError as e:
             raise CheckpointError(str(e).splitlines()[0] + restore_hint(
                 steps, step, str(e), cfg.optim.optimizer, "--step")) from e
-    return LoadedRun(cfg, record, model_cfg, step_cfg, state, load_tokenizer(run_tokenizer(run_dir, cfg)))
+    tokenizer = section_tokenizer(cfg.data, run_tokenizer(run_dir, cfg))
+    return LoadedRun(cfg, record, model_cfg, step_cfg, state, _older_run_stops(tokenizer, cfg,
+                                                                               Path(run_dir)))
+
+
+def _older_run_stops(tokenizer, cfg: RunConfig, run_dir: Path):
+    """`tokenizer`, with the stop ids of its --init-from checkpoint where the run directory
+    keeps no generation_config.json (a run made before the directory kept one, 2026-11-28):
+    what generation stopped at then."""
+    init_from = cfg.init.init_from
+    if (getattr(tokenizer, "files", None) is None or (run_dir / GENERATION_CONFIG).exists()
+            or not init_from or not Path(init_from).is_dir()):
+        return tokenizer
+    files = TokenizerFiles.read(init_from)
+    tokenizer.stop_ids = files.stop_ids(tokenizer.eos_id)
+    tokenizer.generation_ids = files.generation_ids()
+    return tokenizer
 
 
 TOKENIZER_FILE = "tokenizer.json"
 
 
 def copy_tokenizer(run_dir: Path, cfg: RunConfig) -> None:
-    """Copy the run's tokenizer file into the run directory (once; an existing copy is kept)."""
+    """Copy the run's tokenizer into the run directory, once (existing copies are kept): its
+    tokenizer.json, and the checkpoint's files beside it that say its special tokens, chat
+    template and stop ids (tokenizer_config.json, special_tokens_map.json, chat_template.jinja,
+    generation_config.json). A checkpoint whose stop ids are in its config.json alone gets a
+    generation_config.json of those ids, as transformers derives one
+    (GenerationConfig.from_model_config): the run directory then needs nothing of the checkpoint
+    to load its tokenizer, generate or export."""
     import shutil  # noqa: PLC0415
 
-    copy = Path(run_dir) / TOKENIZER_FILE
-    if cfg.data.tokenizer is not None and not copy.exists():
-        shutil.copyfile(cfg.data.tokenizer, copy)
+    if cfg.data.tokenizer is None:
+        return
+    src = Path(cfg.data.tokenizer)
+    src = src / TOKENIZER_FILE if src.is_dir() else src
+    run_dir = Path(run_dir)
+    for name in TOKENIZER_FILES:
+        file, copy = (src if name == TOKENIZER_FILE else src.parent / name), run_dir / name
+        if file.is_file() and not copy.exists() and file.resolve() != copy.resolve():
+            shutil.copyfile(file, copy)
+    gen = run_dir / GENERATION_CONFIG
+    ids = TokenizerFiles.read(src.parent).generation_ids()
+    if not gen.exists() and ids and src.parent.resolve() != run_dir.resolve():
+        gen.write_text(json.dumps(ids, indent=2) + "\n")
 
 
 def run_tokenizer(run_dir: Path, cfg: RunConfig) -> str | None:

@@ -1,0 +1,5 @@
+import sys
+
+from jaxmem.eval.cli import main
+
+sys.exit(main())
