@@ -103,5 +103,6 @@ def test_gemma3_export_carries_the_checkpoints_special_ids(tmp_path):
     assert config["bos_token_id"] == gen.bos_token_id == info.ids["<bos>"]
     assert set(config["eos_token_id"]) == set(gen.eos_token_id) == {
         info.ids["<eos>"], info.ids["<end_of_turn>"]}
+    assert config["pad_token_id"] == gen.pad_token_id == info.ids["<pad>"]
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
     assert (hf_tok.bos_token, hf_tok.eos_token) == ("<bos>", "<eos>")

@@ -100,18 +100,18 @@ def write_hf(run, out, args, params, dtype: str, items=None):
     if tokenizer is None:
         print(f"{out}: no tokenizer files written: the run uses jaxmem's byte-level tokenizer, "
               "which transformers does not have")
-    bos, eos = export_token_ids(tok)
+    bos, eos, pad = export_token_ids(tok)
     return save_hf(out, run.model_config, params, dtype=dtype,
                    max_shard_bytes=int(args.max_shard_mb * 2**20), tokenizer=tokenizer,
-                   bos_token_id=bos, eos_token_id=eos, items=items)
+                   bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, items=items)
 
 
 def export_token_ids(tok) -> tuple:
-    """(bos_token_id, eos_token_id) for an export's config.json: the checkpoint's generation
-    config's where the run keeps one (its generation_config.json is copied as it is), else the
-    tokenizer's BOS and its stop ids (one id, or the list), so the export stops where the
-    original stops."""
+    """(bos_token_id, eos_token_id, pad_token_id) for an export's config.json: the checkpoint's
+    generation config's where the run keeps one (its generation_config.json is copied as it is),
+    else the tokenizer's BOS and its stop ids (one id, or the list), so the export stops where
+    the original stops; a PAD only where the checkpoint's generation config names one."""
     gen = getattr(tok, "generation_ids", {}) or {}
     stops = list(getattr(tok, "stop_ids", ()) or [tok.eos_id])
     eos = gen.get("eos_token_id", stops[0] if len(stops) == 1 else stops)
-    return gen.get("bos_token_id", tok.bos_id), eos
+    return gen.get("bos_token_id", tok.bos_id), eos, gen.get("pad_token_id")

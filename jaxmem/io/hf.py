@@ -148,7 +148,7 @@ def hf_dtype_name(d: dict) -> str:
 
 
 def config_to_hf(c: ModelConfig, dtype: str = "float32", bos_token_id: int | None = None,
-                 eos_token_id=None) -> dict:
+                 eos_token_id=None, pad_token_id: int | None = None) -> dict:
     """config.json's dict for the transformers model of `c`'s family equal to `c`."""
     family = families.get(c.family)
     act = {v: k for k, v in _ACTIVATIONS.items()}[c.mlp_activation]
@@ -165,6 +165,8 @@ def config_to_hf(c: ModelConfig, dtype: str = "float32", bos_token_id: int | Non
         llama3 = {k: getattr(c, f) for f, k in _LLAMA3_KEYS.items()}
         d["rope_scaling"] = {"rope_type": "llama3", **llama3}
         d["rope_parameters"].update(llama3)
+    if pad_token_id is not None:
+        d["pad_token_id"] = pad_token_id
     d.update(family.hf_keys(c))  # last: a family's spelling of a shared key wins (Gemma's RoPE)
     return d
 

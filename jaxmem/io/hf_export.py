@@ -85,13 +85,13 @@ def write_safetensors(path, names: list[str], shapes: dict, dtype, arrays) -> in
 
 def save_hf(out, config: ModelConfig, params, dtype: str = "float32",
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer: str | None = None,
-            bos_token_id: int | None = None, eos_token_id=None,
+            bos_token_id: int | None = None, eos_token_id=None, pad_token_id: int | None = None,
             items=None) -> list[Path]:
     """Write params (jaxmem layout; arrays, no weight objects) as an HF directory; returns files.
 
     tokenizer: path of a tokenizer.json; it and its sibling files (TOKENIZER_FILES) are copied.
-    bos_token_id, eos_token_id (an id or a list of stop ids): config.json's, and a
-        generation_config.json's of these ids where the tokenizer brought none.
+    bos_token_id, eos_token_id (an id or a list of stop ids), pad_token_id: config.json's, and
+        a generation_config.json's of these ids where the tokenizer brought none.
     items: instead of params, an iterator of (HF name, HF-layout array) in hf_names order (a
         merged LoRA export computes each tensor as it is written: jaxmem.export.merged).
     Each tensor is written as it comes (write_safetensors): the host holds one tensor beyond
@@ -132,11 +132,11 @@ def save_hf(out, config: ModelConfig, params, dtype: str = "float32",
             if src.is_file():
                 shutil.copyfile(src, out / file)
                 written.append(out / file)
-    ids = {k: v for k, v in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id))
-           if v is not None}
+    ids = {k: v for k, v in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id),
+                             ("pad_token_id", pad_token_id)) if v is not None}
     if ids and not (out / GENERATION_CONFIG).exists():  # transformers' generate stops at its ids
         (out / GENERATION_CONFIG).write_text(json.dumps(ids, indent=2) + "\n")
         written.append(out / GENERATION_CONFIG)
-    d = config_to_hf(config, dtype, bos_token_id, eos_token_id)
+    d = config_to_hf(config, dtype, bos_token_id, eos_token_id, pad_token_id)
     (out / CONFIG).write_text(json.dumps(d, indent=2))
     return written + [out / CONFIG]
