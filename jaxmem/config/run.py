@@ -115,6 +115,12 @@ class PrecisionSection:
     max_consecutive_skips: int = option(100, "stop with an error after this many non-finite steps "
                                         "in a row", type="positive_int", mutable=True)
 
+    @property
+    def fp8_gemms(self) -> bool:
+        """The mode's GEMMs are fp8: XLA's flags for them are set before the backend starts
+        (jaxmem.model.fp8_compile.set_xla_flags)."""
+        return self.mode == "fp8"
+
 
 @dataclass(frozen=True)
 class RematSection:

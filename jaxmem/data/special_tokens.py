@@ -1,8 +1,9 @@
 """A checkpoint's special tokens, read from its own files as transformers reads them.
 
     files = TokenizerFiles.read(directory)        # what the directory's files say
-    names = files.names()                         # {"bos_token": "<bos>" | None, ...}
+    files.tokens                                  # {"bos_token": "<bos>" | None, ...}
     files.stop_ids(eos_id)                        # the ids generation stops at
+    tokenizer_json(path)                          # a tokenizer.json, or the one in a directory
 
 The files, beside a tokenizer.json (a checkpoint directory, or a run directory that keeps
 copies of them):
@@ -36,6 +37,7 @@ from pathlib import Path
 
 from jaxmem.data.errors import DataError
 
+TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP = "tokenizer_config.json", "special_tokens_map.json"
 GENERATION_CONFIG, HF_CONFIG = "generation_config.json", "config.json"
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the names a chat template may read
@@ -43,8 +45,14 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
                   "mask_token")
 ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # A tokenizer as a run directory keeps it and an export writes it: tokenizer.json and these
-TOKENIZER_FILES = ("tokenizer.json", TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, "chat_template.jinja",
+TOKENIZER_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, "chat_template.jinja",
                    GENERATION_CONFIG)
+
+
+def tokenizer_json(path) -> Path:
+    """`path` itself, or the tokenizer.json in it when it is a directory (a checkpoint's)."""
+    path = Path(path)
+    return path / TOKENIZER_JSON if path.is_dir() else path
 
 
 def read_json(path: Path) -> dict:

@@ -16,9 +16,7 @@ import numpy as np
 
 from jaxmem.config.model import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID
 from jaxmem.data.errors import DataError
-from jaxmem.data.special_tokens import TokenizerFiles, ids_of
-
-TOKENIZER_JSON = "tokenizer.json"
+from jaxmem.data.special_tokens import TokenizerFiles, ids_of, tokenizer_json
 
 # ----------------------------------------------------------------------------- tokenizers
 
@@ -31,6 +29,10 @@ class ByteTokenizer:
     pad_id = PAD_TOKEN_ID
     bos_id = BOS_TOKEN_ID
     eos_id = EOS_TOKEN_ID
+    prefix_ids = [BOS_TOKEN_ID]
+    stop_ids = (EOS_TOKEN_ID,)
+    generation_ids = {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID}
+    notes: tuple = ()
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -47,11 +49,6 @@ class ByteTokenizer:
             ids.extend(b)
             offsets.extend([(i, i + 1)] * len(b))
         return ids, offsets
-
-    prefix_ids = [BOS_TOKEN_ID]
-    stop_ids = (EOS_TOKEN_ID,)
-    generation_ids = {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID}
-    notes: tuple = ()
 
     def encode_prompt(self, text: str) -> list[int]:
         """A prompt's ids: BOS, then the text (as the corpus's documents start)."""
@@ -101,8 +98,7 @@ class HFTokenizer:
 
     def __init__(self, path, bos_token: str | None = None, eos_token: str | None = None,
                  pad_token: str | None = None):
-        path = Path(path)
-        self.path = str(path / TOKENIZER_JSON if path.is_dir() else path)
+        self.path = str(tokenizer_json(path))
         if not os.path.isfile(self.path):
             raise DataError(f"tokenizer file not found: {self.path}")
         try:
@@ -166,13 +162,14 @@ class HFTokenizer:
         if name is None:
             return None
         idx = self._tok.token_to_id(name)
-        if idx is None:
-            where = (f"--{what.lower()}-token {given!r}" if given is not None else
-                     f"{self.files.tokens_from or 'config.json'} names {what} {name!r}, which")
-            raise DataError(f"tokenizer {self.path}: {where} is not in its vocabulary"
-                            if given is not None else f"tokenizer {self.path}: {where} is not "
-                            f"in its vocabulary (name the token with --{what.lower()}-token)")
-        return int(idx)
+        if idx is not None:
+            return int(idx)
+        flag = f"--{what.lower()}-token"
+        if given is not None:
+            raise DataError(f"tokenizer {self.path}: {flag} {given!r} is not in its vocabulary")
+        raise DataError(f"tokenizer {self.path}: {self.files.tokens_from or 'config.json'} names "
+                        f"{what} {name!r}, which is not in its vocabulary (name the token with "
+                        f"{flag})")
 
     def _added_by_post_processor(self) -> tuple[list[int], list[int]]:
         """(ids put before, ids put after) a text by the file's post-processor; a bare file

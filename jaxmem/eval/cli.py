@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 from jaxmem.config.flags import add_run_flags, given_overrides
+from jaxmem.config.run import flag_names
 from jaxmem.data import DataError, load_corpus, resolve_sources
 from jaxmem.data.examples import example_options
 from jaxmem.io.checkpoint import CheckpointError
@@ -123,12 +124,12 @@ def _check(p, args, overrides: dict) -> None:
         fail(p, "--step needs --run (a Hugging Face checkpoint has one set of weights)")
     for path in HF_ONLY:
         if args.run is not None and path in overrides:
-            fail(p, f"--{path.split('.')[1].replace('_', '-')} is for --hf; a --run is evaluated "
-                    f"with its own base and tokenizer")
+            fail(p, f"{flag_names(path)[0]} is for --hf; a --run is evaluated with its own base "
+                    f"and tokenizer")
     if overrides.get("peft.quantize_base", "none") == "none":
         for path in ("peft.quant_block", "peft.double_quant"):
             if path in overrides:
-                fail(p, f"--{path.split('.')[1].replace('_', '-')} needs --quantize-base")
+                fail(p, f"{flag_names(path)[0]} needs --quantize-base")
     for flag, value in (("--run", args.run), ("--hf", args.hf)):
         if value is not None and not Path(value).is_dir():
             fail(p, f"{flag} {value}: no such directory")
@@ -158,9 +159,9 @@ def _placement(cfg, model_cfg):
     return Placement.single() if mesh is None else Placement.on(mesh, cfg.peft.offload_base)
 
 
-def _fp8_flags(mode: str) -> None:
+def _fp8_flags(precision) -> None:
     """fp8 GEMMs need XLA flags set before JAX's backend starts (jaxmem.model.fp8_compile)."""
-    if mode == "fp8":
+    if precision.fp8_gemms:
         from jaxmem.model.fp8_compile import set_xla_flags  # noqa: PLC0415
         set_xla_flags()
 
@@ -169,7 +170,7 @@ def _set_up(cfg):
     """(ModelConfig, StepConfig, loss scale, placement) of `cfg`."""
     from jaxmem.train.run import build_step_config  # noqa: PLC0415
 
-    _fp8_flags(cfg.precision.mode)
+    _fp8_flags(cfg.precision)
     model_cfg, step_cfg, loss_scale = build_step_config(cfg)
     return model_cfg, step_cfg, loss_scale, _placement(cfg, model_cfg)
 
@@ -189,7 +190,7 @@ def _from_run(args, overrides: dict) -> _Job:
     from jaxmem.train.rundir import load_run, read_run_config  # noqa: PLC0415
 
     saved, _ = read_run_config(Path(args.run))
-    _fp8_flags(overrides.get("precision.mode", saved.precision.mode))  # before the restore
+    _fp8_flags(saved.replace(overrides).precision)  # before the restore
     run = load_run(Path(args.run), step=args.step)
     # the mesh and the progress bar are this invocation's, never the run's
     cfg = run.config.replace({"parallel.mesh": None, "run.no_progress": False, **overrides})

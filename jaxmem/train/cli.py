@@ -133,16 +133,20 @@ def setup(args, parser) -> Setup:
         out = Path(overrides["run.out"])
         overrides = init_from_overrides(overrides)  # --init-from: the checkpoint's model, tokenizer
         _check_writable(out)
+        given_tokenizer = None
         if "data.tokenizer" in overrides and "model.vocab_size" not in overrides:
             # the model's vocabulary is the tokenizer's (an explicit smaller one is refused below)
-            overrides["model.vocab_size"] = load_tokenizer(overrides["data.tokenizer"], **{
-                k: overrides.get(f"data.{k}") for k in TOKEN_NAMES}).vocab_size
+            given_tokenizer = load_tokenizer(overrides["data.tokenizer"], **{
+                k: overrides.get(f"data.{k}") for k in TOKEN_NAMES})
+            overrides["model.vocab_size"] = given_tokenizer.vocab_size
         cfg, continuing, record, changes = _choose_config(overrides, args.resume, out)
-        tokenizer = section_tokenizer(cfg.data, run_tokenizer(out, cfg) if continuing
-                                      else cfg.data.tokenizer)
+        # a new run's tokenizer is the one just loaded (the same file and names); a continued
+        # run's is its directory's copy
+        tokenizer = (section_tokenizer(cfg.data, run_tokenizer(out, cfg)) if continuing
+                     else given_tokenizer or section_tokenizer(cfg.data, cfg.data.tokenizer))
         for line in tokenizer.notes:  # a bare tokenizer.json: its special tokens were guessed
             print(line, file=sys.stderr)
-        if cfg.precision.mode == "fp8":  # fp8 GEMMs need these XLA flags (jaxmem.model.fp8)
+        if cfg.precision.fp8_gemms:  # fp8 GEMMs need these XLA flags (jaxmem.model.fp8)
             from jaxmem.model.fp8_compile import set_xla_flags
             set_xla_flags()
         model_cfg, step_cfg, loss_scale = build_step_config(cfg)

@@ -21,7 +21,8 @@ from typing import Any
 
 from jaxmem.config.model import ConfigError
 from jaxmem.config.run import RunConfig
-from jaxmem.data.special_tokens import GENERATION_CONFIG, TOKENIZER_FILES, TokenizerFiles
+from jaxmem.data.special_tokens import (GENERATION_CONFIG, TOKENIZER_FILES, TOKENIZER_JSON,
+                                        TokenizerFiles, tokenizer_json)
 from jaxmem.data.tokenizers import section_tokenizer
 from jaxmem.io.checkpoint import CheckpointError, Checkpointer
 from jaxmem.train.run import abstract_train_state, build_step_config
@@ -182,9 +183,6 @@ def _older_run_stops(tokenizer, cfg: RunConfig, run_dir: Path):
     return tokenizer
 
 
-TOKENIZER_FILE = "tokenizer.json"
-
-
 def copy_tokenizer(run_dir: Path, cfg: RunConfig) -> None:
     """Copy the run's tokenizer into the run directory, once (existing copies are kept): its
     tokenizer.json, and the checkpoint's files beside it that say its special tokens, chat
@@ -197,17 +195,16 @@ def copy_tokenizer(run_dir: Path, cfg: RunConfig) -> None:
 
     if cfg.data.tokenizer is None:
         return
-    src = Path(cfg.data.tokenizer)
-    src = src / TOKENIZER_FILE if src.is_dir() else src
-    run_dir = Path(run_dir)
+    src, run_dir = tokenizer_json(cfg.data.tokenizer), Path(run_dir)
     for name in TOKENIZER_FILES:
-        file, copy = (src if name == TOKENIZER_FILE else src.parent / name), run_dir / name
+        file, copy = (src if name == TOKENIZER_JSON else src.parent / name), run_dir / name
         if file.is_file() and not copy.exists() and file.resolve() != copy.resolve():
             shutil.copyfile(file, copy)
     gen = run_dir / GENERATION_CONFIG
-    ids = TokenizerFiles.read(src.parent).generation_ids()
-    if not gen.exists() and ids and src.parent.resolve() != run_dir.resolve():
-        gen.write_text(json.dumps(ids, indent=2) + "\n")
+    if not gen.exists() and src.parent.resolve() != run_dir.resolve():
+        ids = TokenizerFiles.read(src.parent).generation_ids()  # config.json's, as transformers
+        if ids:
+            gen.write_text(json.dumps(ids, indent=2) + "\n")
 
 
 def run_tokenizer(run_dir: Path, cfg: RunConfig) -> str | None:
@@ -215,5 +212,5 @@ def run_tokenizer(run_dir: Path, cfg: RunConfig) -> str | None:
     relative --tokenizer path no longer matters), else the configured path, else None (bytes)."""
     if cfg.data.tokenizer is None:
         return None
-    copy = Path(run_dir) / TOKENIZER_FILE
+    copy = Path(run_dir) / TOKENIZER_JSON
     return str(copy) if copy.is_file() else cfg.data.tokenizer
