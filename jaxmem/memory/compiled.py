@@ -26,6 +26,7 @@ from jaxmem.xla.collectives import comm_report
 from jaxmem.xla.hlo import entry_argument_bytes
 from jaxmem.memory.counted import (abstract_frozen, abstract_state,  # noqa: F401
                                    abstract_step_batch, count_state, tree_bytes)
+from jaxmem.memory.seconds import predict, step_card
 from jaxmem.memory.spec import StepSpec
 from jaxmem import families
 from jaxmem.families.decoder import abstract_params, count_params
@@ -133,8 +134,9 @@ def compile_phase(name: str, spec: StepSpec, mesh: MeshSpec | None = None, sampl
                   keep_hlo: bool = False) -> dict:
     """XLA's memory numbers (and "flops") of phase `name`'s program for a placement (`mesh`: per
     device; eval, sample and import on one device); sample: the run's SampleShape. The step also
-    gives "collectives", "communication" (jaxmem.xla.collectives.comm_report) and its host
-    arguments apart (`host_split`); keep_hlo: the optimized HLO text ("hlo")."""
+    gives "collectives", "communication" (jaxmem.xla.collectives.comm_report), its host
+    arguments apart (`host_split`) and, compiled for a GPU the planner knows, its predicted
+    "time" (jaxmem.memory.seconds.predict); keep_hlo: the optimized HLO text ("hlo")."""
     if name == "import":
         return _compile_import(spec)
     if mesh is not None and name in ("sample", "eval"):
@@ -150,8 +152,10 @@ def compile_phase(name: str, spec: StepSpec, mesh: MeshSpec | None = None, sampl
         return out
     hlo = compiled.as_text()
     comm = comm_report(hlo)
+    card = step_card()
     return {**out, "collectives": {k: r["ops"] for k, r in comm["by_kind"].items()},
             "communication": comm, **host_split(compiled, stats, hlo),
+            **({"time": predict(hlo, card)} if card is not None else {}),
             **({"hlo": hlo} if keep_hlo else {})}
 
 

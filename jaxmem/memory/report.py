@@ -12,6 +12,7 @@ from jaxmem import target
 from jaxmem.config.run import RunConfig, all_paths, field_metadata, flag_names
 from jaxmem.memory.analytic import analytic_breakdown, rule_of_thumb
 from jaxmem.memory.compiled import compile_step
+from jaxmem.memory.seconds import format_seconds, seconds_report
 from jaxmem.memory.spec import StepSpec
 from jaxmem.memory.transfers import format_transfers, transfer_plan
 
@@ -43,7 +44,8 @@ def step_report(spec: StepSpec, compiled: dict | None = None,
         "measured": measured or {"peak_bytes": None, "note": "not measured (pass --measure)"},
         "rule_of_thumb": {k: {"bytes": v, f"ratio_to_{ref_name}": v / ref}
                           for k, v in rule_of_thumb(analytic["params"]).items()},
-        "transfers": transfer_plan(spec, target.active().card if target.active() else None),
+        "transfers": transfer_plan(spec),
+        "time": seconds_report(spec, compiled.get("time")),
     }
 
 
@@ -81,7 +83,8 @@ def format_report(r: dict, unit: str | None = None) -> str:
               for k in ("temp", "argument", "output", "alias", "peak")]
     if c.get("host_bytes"):  # --remat offload: residuals in pinned host memory
         lines += [f"  {'host memory (offloaded; not in the peak)':<44}{_mb(c['host_bytes']):>18}"]
-    lines += [f"  {'flops':<44}{r['flops']:>18.4g}"]
+    if r["flops"] == r["flops"]:  # XLA's cost_analysis: None in a deviceless compile (nan)
+        lines += [f"  {'flops (XLA cost_analysis)':<44}{r['flops']:>18.4g}"]
     if "analytic" in r:
         lines += [f"  {'analytic / compiled':<44}{r['analytic_over_compiled']:>18.3f}"]
         m = r["measured"]
@@ -92,6 +95,11 @@ def format_report(r: dict, unit: str | None = None) -> str:
             lines += [f"  {k:<34}{_mb(v['bytes']):>16}  {ratio:6.2f}x {ratio_key[9:]}"]
     if r.get("transfers"):
         lines += [""] + format_transfers(r["transfers"])
+    if r.get("time"):
+        lines += [""] + format_seconds(r["time"])
+    elif "analytic" in r:
+        lines += ["", "predicted time: none for a CPU program (pass --target CARD: the time "
+                      "model reads the card's own compiled step)"]
     width = max(len(k) for k, _ in rows)
     return "\n".join([f"{k:<{width}}  {v}" for k, v in rows] + lines)
 

@@ -134,6 +134,7 @@ class StepTime:
     kernels: list
     machine: Machine
     efficiency: Efficiency
+    unknown_loops: tuple = ()  # whiles counted once: no trip count could be read
 
     def costliest(self, n: int = 10) -> list[Kernel]:
         merged = {}
@@ -148,6 +149,7 @@ class StepTime:
                     v for c, v in self.busy.items() if c not in ("host transfer", "collective"))),
                 "machine": dataclasses.asdict(self.machine),
                 "efficiency": dataclasses.asdict(self.efficiency),
+                "unknown_loops": list(self.unknown_loops),
                 "costliest": [dataclasses.asdict(k) | {"total_seconds": k.total}
                               for k in self.costliest(top)]}
 
@@ -461,7 +463,7 @@ def step_time(text: str, machine: Machine, efficiency: Efficiency = Efficiency()
     busy = dict.fromkeys(CLASSES, 0.0)
     for k in w.kernels:
         busy[k.klass] += k.total
-    return StepTime(seconds, busy, w.kernels, machine, efficiency)
+    return StepTime(seconds, busy, w.kernels, machine, efficiency, tuple(w.unknown_loops))
 
 
 def dumps(t: StepTime) -> str:
