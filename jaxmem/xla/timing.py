@@ -48,8 +48,8 @@ import math
 import re
 
 from jaxmem.xla.collectives import kind_of, ring_bytes, group_size
-from jaxmem.xla.hlo import attr, called, entry_name, module_devices, parse_hlo, shape_bytes, \
-    tuple_elements
+from jaxmem.xla.hlo import attr, called, direction, entry_name, module_devices, parse_hlo, \
+    shape_bytes, tuple_elements
 
 # Kernel classes, in the order reports list them.
 CLASSES = ("gemm", "attention", "fusion", "rng", "copy", "host transfer", "collective")
@@ -311,15 +311,11 @@ def _transfer(ins: dict, start_type: str, done_type: str | None, instrs: dict, d
         nbytes = ring_bytes(kind, data, n)
         bw = m.interconnect * eff.interconnect
         return "collective", "net", (nbytes / bw if bw else 0.0) + 10e-6, nbytes
-    result = done_type or start_type
-    operands = [instrs.get(o, {}).get("type", "") for o in ins["operands"]]
-    if "S(5)" in result and not any("S(5)" in t for t in operands):
-        engine, nbytes = "d2h", sum(shape_bytes(t) for t in operands if "[]" not in t)
-    elif "S(5)" not in result and any("S(5)" in t for t in operands):
-        engine, nbytes = "h2d", shape_bytes(tuple_elements(result)[-1] if result.startswith("(")
-                                            else result)
-    else:
+    moved = direction(done_type or start_type,
+                      [instrs.get(o, {}).get("type", "") for o in ins["operands"]])
+    if moved is None:
         return None
+    engine, nbytes = moved[0].lower(), moved[1]
     return "host transfer", engine, nbytes / (m.host_link * eff.link), nbytes
 
 
