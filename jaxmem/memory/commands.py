@@ -11,7 +11,7 @@ import sys
 from jaxmem import target
 from jaxmem.memory.measure import measure_in_subprocess
 from jaxmem.memory.phases import SampleShape, format_phases, run_phases
-from jaxmem.memory.search import plan
+from jaxmem.memory.search import plan, predicted_seconds
 from jaxmem.memory.report import (format_plan, format_report, header_line, step_report,
                                   train_command)
 from jaxmem.memory.spec import GiB
@@ -226,10 +226,13 @@ def fit(parser, args, cfg, spec, global_batch: int, max_micro: int | None) -> in
     result = plan(spec, global_batch, usable_bytes(args.fit),
                   mu_dtypes=(spec.mu_dtype,) if spec.mu_dtype else ("fp32", "bf16"),
                   max_micro=max_micro, log=log,
-                  phases_fn=lambda c, compiled: phases(args, cfg, c, compiled, cache=cache))
+                  phases_fn=lambda c, compiled: phases(args, cfg, c, compiled, cache=cache),
+                  timed=target.card_here() is not None)
     chosen, out = result["spec"], {
         "budget_gib": args.fit, "usable_bytes": usable_bytes(args.fit),
-        "global_batch": global_batch, "tried": [without(t, "compiled") for t in result["tried"]],
+        "global_batch": global_batch, "tried": [
+            {**without(t, "compiled"), "predicted_seconds": predicted_seconds(t)}
+            for t in result["tried"]],
         "chosen": None}
     if chosen is not None:
         measured = measure_in_subprocess(chosen) if args.measure else None
@@ -243,7 +246,7 @@ def fit(parser, args, cfg, spec, global_batch: int, max_micro: int | None) -> in
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        print(format_plan(result, args.fit))
+        print(format_plan(result, args.fit, timed=target.card_here() is not None))
         print(f"  (a {args.fit:g} GiB GPU: {usable_bytes(args.fit) / GiB:.3f} GiB usable, "
               f"jaxmem.xla.verdict.usable_bytes)")
         if chosen is not None:

@@ -26,7 +26,7 @@ from jaxmem.xla.collectives import comm_report
 from jaxmem.xla.hlo import entry_argument_bytes
 from jaxmem.memory.counted import (abstract_frozen, abstract_state,  # noqa: F401
                                    abstract_step_batch, count_state, tree_bytes)
-from jaxmem.memory.seconds import predict, step_card
+from jaxmem.memory.seconds import predict
 from jaxmem.memory.spec import StepSpec
 from jaxmem import families
 from jaxmem.families.decoder import abstract_params, count_params
@@ -152,7 +152,7 @@ def compile_phase(name: str, spec: StepSpec, mesh: MeshSpec | None = None, sampl
         return out
     hlo = compiled.as_text()
     comm = comm_report(hlo)
-    card = step_card()
+    card = target.card_here()
     return {**out, "collectives": {k: r["ops"] for k, r in comm["by_kind"].items()},
             "communication": comm, **host_split(compiled, stats, hlo),
             **({"time": predict(hlo, card)} if card is not None else {}),

@@ -104,15 +104,26 @@ def format_report(r: dict, unit: str | None = None) -> str:
     return "\n".join([f"{k:<{width}}  {v}" for k, v in rows] + lines)
 
 
-def format_plan(result: dict, budget_gib: float) -> str:
-    """One line per candidate `plan` tried, in order, with its verdict."""
-    lines = [f"planner: budget {budget_gib:g} GiB; candidates fastest first "
-             f"(micro-batch desc, then remat none > dots_no_batch > names > full > offload, "
-             f"then mu fp32 > bf16)"]
+def format_plan(result: dict, budget_gib: float, timed: bool = False) -> str:
+    """One line per candidate `plan` tried, in order, with its verdict (and its predicted tok/s
+    where the step's time is predicted: `timed`)."""
+    if timed:
+        head = ("for each remat policy (none > dots_no_batch > names > full > offload) the "
+                "largest micro-batch that fits (then mu fp32 > bf16); the fastest predicted "
+                "is chosen")
+    else:
+        head = ("candidates in a fixed order, the first that fits chosen (micro-batch desc, "
+                "then remat none > dots_no_batch > names > full > offload, then mu fp32 > bf16;"
+                " no predicted time without a card: --target)")
+    lines = [f"planner: budget {budget_gib:g} GiB; {head}"]
+    chosen = result.get("chosen")
     for t in result["tried"]:
-        lines.append(f"  {'FITS ' if t['fits'] else 'no   '} micro {t['batch_size']:>4} x accum "
-                     f"{t['grad_accum']:>3}  remat {t['remat']:<40} mu {str(t['mu_dtype']):<5} "
-                     f"{t['reason']}")
+        seconds = ((t.get("compiled") or {}).get("time") or {}).get("seconds")
+        tokens = t["batch_size"] * t["grad_accum"] * t["seq_len"]
+        speed = f"; predicted {tokens / seconds:,.0f} tok/s" if seconds and t["fits"] else ""
+        mark = "CHOSE" if chosen is not None and t is chosen else "FITS " if t["fits"] else "no   "
+        lines.append(f"  {mark} micro {t['batch_size']:>4} x accum {t['grad_accum']:>3}  remat "
+                     f"{t['remat']:<40} mu {str(t['mu_dtype']):<5} {t['reason']}{speed}")
     return "\n".join(lines)
 
 

@@ -1,7 +1,7 @@
 """Seconds as well as bytes: the planner's prediction of a step's time, read from the card's own
 compiled step (jaxmem.xla.timing), with tokens per second and MFU.
 
-    card = step_card()                      # the --target card, or this machine's GPU; else None
+    card = target.card_here()               # the --target card, or this machine's GPU; else None
     t = predict(compiled_hlo_text, card)    # compile_phase("step") puts this under "time"
     seconds_report(spec, t)                 # + tokens, tok/s, MFU: the report's "time"
     format_seconds(r)                       # the lines the planner prints
@@ -13,37 +13,15 @@ FLOPs the kernels run (recompute included) are printed beside it.
 
 from __future__ import annotations
 
-from jaxmem import target
 from jaxmem.memory.spec import StepSpec
 from jaxmem.perf import flops_per_token
 from jaxmem.xla.timing import CLASSES, Efficiency, Machine, step_time
 
 
-def machine(card) -> Machine:
-    """The time model's facts of a jaxmem.target.Card (the interconnect: NVLink where the card
-    has it, else the PCIe link)."""
-    return Machine(card.name, card.peak_tflops[0] * 1e12, card.peak_tflops[1] * 1e12,
-                   card.bandwidth, card.host_link.bandwidth,
-                   card.nvlink or card.host_link.bandwidth, card.sms)
-
-
-def step_card():
-    """The card the programs are compiled for: `--target`'s, or the GPU this process runs on
-    when jaxmem.target knows its name; None on a CPU (a CPU program's time is not modelled)."""
-    t = target.active()
-    if t is not None:
-        return t.card
-    if target.platform() != "gpu":
-        return None
-    import jax  # noqa: PLC0415
-    kind = jax.devices()[0].device_kind
-    return next((c for c in target.CARDS.values() if c.device_name == kind), None)
-
-
 def predict(hlo: str, card, top: int = 10) -> dict:
     """The time model on a compiled program's text for `card`: seconds, busy seconds per kernel
     class, the `top` costliest kernels, the card's facts and the constants used."""
-    t = step_time(hlo, machine(card), Efficiency())
+    t = step_time(hlo, Machine.of_card(card), Efficiency())
     kernel_flops = sum(k.flops * k.runs for k in t.kernels)
     return {**t.to_dict(top), "card": card.name, "kernel_flops": kernel_flops,
             "kernels": sum(k.runs for k in t.kernels)}
