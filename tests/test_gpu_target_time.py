@@ -75,3 +75,25 @@ def test_the_planner_prints_and_writes_the_time(capsys):
     r = json.loads(capsys.readouterr().out)
     assert r["time"]["card"] == "h100" and r["time"]["seconds"] > 0
     assert 0 < r["time"]["mfu"] < 1 and len(r["time"]["costliest"]) == 10
+
+
+def test_the_trainer_prints_the_runs_predicted_time():
+    """jaxmem.train's banner line on a known card: the step's and the whole run's predicted
+    time from its own compiled step (here the H100's, as a run there would compile it)."""
+    from types import SimpleNamespace
+
+    import jax
+
+    from jaxmem.memory.counted import abstract_state, abstract_step_batch
+    from jaxmem.train.loop import _predicted
+    from jaxmem.train.step import jit_train_step
+    s = spec("full", 4)
+    run = SimpleNamespace(cfg=SimpleNamespace(data=SimpleNamespace(
+        batch_size=4, seq_len=512, grad_accum=1)), model_cfg=s.model)
+    with target.compiling_for("h100"):
+        compiled = jit_train_step(s.step).lower(abstract_state(s), abstract_step_batch(s)).compile()
+        line = _predicted(run, compiled, 1000)
+        t = predicted(s)
+    assert line.startswith("predicted on the h100") and "1,000 steps ~ " in line
+    assert f"{t['tokens_per_s']:,.0f} tokens/s" in line
+    assert jax.default_backend() == "cpu" and _predicted(run, compiled, 10) is None
