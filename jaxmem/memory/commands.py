@@ -9,9 +9,13 @@ import json
 import sys
 
 from jaxmem import target
+from jaxmem.memory.analytic import analytic_breakdown
+from jaxmem.memory.compiled import compile_step
 from jaxmem.memory.measure import measure_in_subprocess
+from jaxmem.memory.mesh import format_mesh_report, mesh_report, resolve
 from jaxmem.memory.phases import SampleShape, format_phases, run_phases
-from jaxmem.memory.search import plan, predicted_seconds
+from jaxmem.memory.search import fit_mesh as search_fit_mesh, fit_seq as search_fit_seq, \
+    mesh_candidates, plan, plan_mesh, predicted_seconds
 from jaxmem.memory.report import (format_plan, format_report, header_line, step_report,
                                   train_command)
 from jaxmem.memory.spec import GiB
@@ -73,9 +77,6 @@ def plot(parser, path, reports, labels, budget=None) -> None:
 def fit_mesh_and_step(args, spec, global_batch: int, max_micro: int | None) -> int:
     """`--fit GIB --devices N` with a frozen base or --global-batch: the first mesh x
     micro-batch x remat x loss chunk whose per-device peak fits (search.plan_mesh)."""
-    from jaxmem.memory.analytic import analytic_breakdown
-    from jaxmem.memory.compiled import compile_step
-    from jaxmem.memory.search import mesh_candidates, plan_mesh
     whole = spec.replace(batch_size=global_batch, grad_accum=1)
     here = target.device_count() > 1 and not args.analytic_only
     result = plan_mesh(spec, mesh_candidates(whole, args.devices), global_batch,
@@ -103,8 +104,6 @@ def fit_mesh_and_step(args, spec, global_batch: int, max_micro: int | None) -> i
 
 def fit_mesh(args, spec) -> int:
     """`--fit GIB --devices N`: the first mesh whose per-device peak fits (search.fit_mesh)."""
-    from jaxmem.memory.compiled import compile_step
-    from jaxmem.memory.search import fit_mesh as search_fit_mesh, mesh_candidates
     result = search_fit_mesh(spec, mesh_candidates(spec, target.device_count()),
                              usable_bytes(args.fit), compile_step,
                              log=progress(args, lambda t: f"  mesh {t['mesh']}: {t['reason']}"))
@@ -127,9 +126,6 @@ def fit_seq(parser, args, cfg, spec, mesh_text) -> int:
     per-device compiled peak decides, on one device the run's largest phase. The answer says
     what it assumed: the micro-batch (1 unless --batch-size was given: cli._resolve) and the
     share of the card XLA may use (`xla_fraction`, the verdict's rule)."""
-    from jaxmem.memory.compiled import compile_step
-    from jaxmem.memory.mesh import resolve
-    from jaxmem.memory.search import fit_seq as search_fit_seq
     if args.fit is not None:
         parser.error("--fit-seq searches the sequence length, --fit the batch: drop one")
     log = progress(args, lambda e: f"  {e['seq_len']:,} tokens: {e['reason']}")
@@ -186,7 +182,6 @@ def fit_seq(parser, args, cfg, spec, mesh_text) -> int:
 
 def mesh_breakdown(parser, args, spec, mesh) -> int:
     """`--mesh` / `--devices`: the per-device breakdown (jaxmem.memory.mesh)."""
-    from jaxmem.memory.mesh import format_mesh_report, mesh_report
     try:
         report = mesh_report(spec, mesh, compile=not args.analytic_only)
     except ValueError as e:  # MeshError names --mesh

@@ -33,10 +33,10 @@ from jaxmem.families.decoder import abstract_params, count_params
 from jaxmem.model.remat import RematPolicy
 from jaxmem.parallel.mesh import MeshSpec, run_mesh
 from jaxmem.parallel.rules import batch_sharding
-from jaxmem.train.loss import abstract_batch, token_loss
-from jaxmem.train import host_state
-from jaxmem.train.placement import Placement
-from jaxmem.train.step import state_creation_fn
+from jaxmem.decode.sampling import lower_sample
+from jaxmem.peft.base import import_programs
+from jaxmem.train import (Placement, abstract_batch, state_creation_fn, state_programs,
+                          token_loss)
 
 
 def compiled_stats(compiled) -> tuple[dict, float]:
@@ -89,7 +89,6 @@ def _lower_step(spec, par, sample):
 
 
 def _lower_sample(spec, par, sample):
-    from jaxmem.decode.sampling import lower_sample
     limit = spec.model.max_position_embeddings
     # the trained weights where the run keeps them (--offload-params host: a full fine-tune,
     # whose sample takes the state's params)
@@ -116,7 +115,7 @@ def _compile_host_state(spec, par):
     a mesh: its largest optimizer leaf), each compiled; the one with the largest peak (the
     others run before, on an empty device)."""
     fn = state_creation_fn(*spec.step_config(), seed=0)
-    progs, _ = host_state.programs(fn, par._placed_shardings(jax.eval_shape(fn)),
+    progs, _ = state_programs(fn, par._placed_shardings(jax.eval_shape(fn)),
                                    pieces=par.mesh is None)
     largest = {}
     for p in progs[:-1]:
@@ -215,7 +214,6 @@ def _compile_import(spec: StepSpec) -> dict:
     the donated stacked result): {"peak_bytes": the largest (program peak - its stacked
     result's bytes), what the import needs beyond the finished base (0 where nothing is
     quantized), "roles": {role: the program's stats}}."""
-    from jaxmem.peft.base import import_programs
     roles, extra = {}, 0
     for prog in import_programs(spec.model, spec.trainable):
         stats = compiled_stats(prog["fn"].lower(*prog["args"]).compile())[0]

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jaxmem.loss.chunked import resolve_loss_chunk
+from jaxmem.memory.analytic import analytic_breakdown
+from jaxmem.memory.compiled import compile_step
 from jaxmem.memory.counted import Kind, Where, count_state
 from jaxmem.memory.spec import GiB, StepSpec
 from jaxmem.model.remat import RematPolicy, check_offload_supported
@@ -168,7 +171,6 @@ def mesh_candidates_for(base: StepSpec, meshes, global_batch: int,
     meshes as given, micro-batch (largest first; only those data x fsdp divides), remat, the
     fused loss's chunk: the automatic one (<= 256 MiB of fp32 logits at the local batch), then a
     quarter of it. The step's other settings stay as given."""
-    from jaxmem.loss.chunked import resolve_loss_chunk
 
     def chunks(mesh, b):
         auto = resolve_loss_chunk(base.loss_chunk, b // mesh.batch_shards, base.seq_len,
@@ -281,8 +283,6 @@ def plan(base: StepSpec, global_batch: int, budget_bytes: int, mu_dtypes=("fp32"
     """--fit: the first of `by_speed`'s candidates whose compiled run fits `budget_bytes`; with
     `timed` (the steps' time is predicted: a card), the fastest predicted of `by_time`'s.
     compile_fn(spec) -> the compiled step (default: jaxmem.memory.compiled.compile_step)."""
-    from jaxmem.memory.analytic import analytic_breakdown
-    from jaxmem.memory.compiled import compile_step
     one = compile_fn or compile_step
     decide = Decider(budget_bytes, lambda s, m: one(s), lambda s, m: analytic_breakdown(s),
                      phases_fn, analytic_first, band)
@@ -306,7 +306,6 @@ def fit_seq(spec: StepSpec, budget_bytes: int, phases_fn, granule: int = GRANULE
             compile_fn=None, log=None, mesh: MeshSpec | None = None) -> dict:
     """--fit-seq: the longest multiple of `granule` tokens whose run fits (its largest phase, by
     phases_fn; on a mesh the per-device step). compile_fn(spec) or (spec, mesh)."""
-    from jaxmem.memory.compiled import compile_step
     cap = spec.model.max_position_embeddings
     granule = min(granule, cap)
     one = compile_fn or compile_step

@@ -5,7 +5,8 @@ takes and the bytes it moves over the card's PCIe link per optimizer step.
     format_transfers(t)         # the lines the planner prints
 
 Bytes over the link per optimizer step, from the counted host-resident components
-(jaxmem.memory.counted: `Where.HOST`):
+(jaxmem.memory.counted: `Where.HOST`) times the crossings the step states
+(jaxmem.train.footprint):
 
     optimizer state (--offload-optimizer host)  in for its layer's update, out after: 2 x
     trained weights on the host                  in for the forward, in again for the backward's
@@ -28,13 +29,9 @@ from jaxmem.memory.analytic import offloaded_activations
 from jaxmem.memory.counted import Kind, Where, count_state
 from jaxmem.memory.spec import StepSpec
 
-# how many times a host-resident component crosses the link per optimizer step
-_CROSSINGS = {Kind.OPTIMIZER: (2, "optimizer state: in and out once"),
-              Kind.PARAMS: (3, "weights: in for the forward and the backward, out once"),
-              Kind.FROZEN: (2, "frozen base: in for the forward and the backward, per "
-                               "micro-batch"),
-              Kind.ACTIVATIONS: (2, "activations: out in the forward, in for the backward, per "
-                                    "micro-batch")}
+# the step's name of each host-resident part (jaxmem.train.footprint states its crossings)
+_PART = {Kind.OPTIMIZER: "optimizer", Kind.PARAMS: "params", Kind.FROZEN: "frozen",
+         Kind.ACTIVATIONS: "activations"}
 
 
 def transfer_plan(spec: StepSpec) -> dict | None:
@@ -48,8 +45,7 @@ def transfer_plan(spec: StepSpec) -> dict | None:
         return None
     rows = []
     for x in host:
-        times, what = _CROSSINGS[x.kind]
-        times *= spec.grad_accum if x.kind in (Kind.FROZEN, Kind.ACTIVATIONS) else 1
+        times, what = spec.footprint.crossings(_PART[x.kind])
         rows.append({"name": x.label, "host_bytes": x.bytes, "crossings": times,
                      "pcie_bytes": x.bytes * times, "why": what})
     tokens = spec.batch_size * spec.seq_len * spec.grad_accum

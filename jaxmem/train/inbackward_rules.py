@@ -17,7 +17,7 @@ import jax
 from jaxmem.families.decoder import abstract_params
 from jaxmem.families.names import EMBEDDING, HEAD, LAYERS
 from jaxmem.loss.chunked import AUTO_CHUNK_BYTES, resolve_loss_chunk
-import jaxmem.optim._stochastic as sr
+from jaxmem.optim import SR_CHUNK
 
 
 def mlp_tiles(c, tokens: int) -> bool:
@@ -90,12 +90,12 @@ def head_slice(shape, block: int | None, tokens: int) -> int:
     in under --optimizer-in-backward (`_head_in_slices`; `block`: its optimizer state's
     `Parts.column_block`, None where it cannot be updated in columns), or 0: made whole. The
     largest divisor of V that is a multiple of `block` with one slice's update at most
-    sr.CHUNK elements and its fp32 logits [B, T, Vc] (`tokens` = B x T) at most the fused
+    SR_CHUNK elements and its fp32 logits [B, T, Vc] (`tokens` = B x T) at most the fused
     loss's AUTO_CHUNK_BYTES; 0 where that leaves over 2,048 slices."""
     D, V = shape
     if not block:
         return 0
-    fits = [w for w in range(block, V + 1, block) if V % w == 0 and D * w <= sr.CHUNK
+    fits = [w for w in range(block, V + 1, block) if V % w == 0 and D * w <= SR_CHUNK
             and tokens * w * 4 <= AUTO_CHUNK_BYTES]
     return max(fits) if fits and V // max(fits) <= 2048 else 0
 
