@@ -148,8 +148,12 @@ def fit_seq(parser, args, cfg, spec, mesh_text) -> int:
             return run_phases(s, sample, args.compile, step, cache=cache)
         result = search_fit_seq(spec, budget, run, log=log)
     result.pop("spec")
-    result["tried"] = [without(t, "compiled", "phases") for t in result["tried"]]
-    c = result["chosen"] = result["chosen"] and without(result["chosen"], "compiled", "phases")
+    result["tried"] = [{**without(t, "compiled", "phases"), "predicted_seconds":
+                        predicted_seconds(t)} for t in result["tried"]]
+    c = result["chosen"] = result["chosen"] and {**without(result["chosen"], "compiled",
+                                                           "phases"),
+                                                 "predicted_seconds": predicted_seconds(
+                                                     result["chosen"])}
     given = "data.batch_size" in given_overrides(args)
     assumed = {"batch_size": spec.batch_size, "batch_size_given": given,
                "mem_fraction": xla_fraction(), "compiler": target.compiler()}
@@ -170,9 +174,12 @@ def fit_seq(parser, args, cfg, spec, mesh_text) -> int:
     if c is None:
         print(f"nothing fits: not even {result['granule']} tokens\n{share}")
         return 1
+    tokens = spec.batch_size * spec.grad_accum * c['seq_len']
+    speed = (f"; predicted {tokens / c['predicted_seconds']:,.0f} "
+             f"tok/s" if c["predicted_seconds"] else "")
     print(f"chosen: --seq-len {c['seq_len']} --batch-size {spec.batch_size} "
           f"({c.get('peak_phase', 'step')} {c['run_peak_bytes'] / GiB:.2f} GiB of "
-          f"{budget / GiB:.2f} usable)\n{share}")
+          f"{budget / GiB:.2f} usable{speed})\n{share}")
     if result["limit"] == "max_position_embeddings":
         print(f"  limited by the model's max_position_embeddings "
               f"({result['max_position_embeddings']:,}), not by memory: "
