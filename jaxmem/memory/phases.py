@@ -83,7 +83,7 @@ def _forward_working_set(spec: StepSpec, B: int, T: int, fused: bool,
     D, V, N, F = c.hidden_size, c.vocab_size, c.num_heads, c.intermediate_size
     layer = sum(b for n, b, _ in layer_residuals(c, B, T, p.compute_dtype, RematPolicy("none"),
                                                  "xla") if not n.startswith("SwiGLU"))
-    tile = mlp_tile(B, T, F) if remat is not None and tiles_under(remat) else T
+    tile = mlp_tile(B, T, F, D) if remat is not None and tiles_under(remat) else T
     layer += (3 * B * T * F * cb if tile >= T else
               3 * B * tile * F * cb + 2 * B * -(-T // tile) * tile * D * cb)
     attn = B * N * query_chunk((B, T, N), T) * T * (FP32 + cb)  # probabilities fp32 + copy

@@ -66,7 +66,9 @@ def _mlp_tile(cfg: StepConfig, batch_size: int, seq_len: int) -> int:
         return 0
     if cfg.optim.in_backward and not mlp_tiles(cfg.model, batch_size * seq_len):
         return 0
-    tile = cfg.trainable.mlp_tile(mlp_tile(batch_size, seq_len, cfg.model.intermediate_size))
+    c = cfg.model
+    tile = cfg.trainable.mlp_tile(mlp_tile(batch_size, seq_len, c.intermediate_size,
+                                           c.hidden_size))
     return tile if tile < seq_len else 0
 
 

@@ -17,6 +17,7 @@ import jax
 from jaxmem.families.decoder import abstract_params
 from jaxmem.families.names import EMBEDDING, HEAD, LAYERS
 from jaxmem.loss.chunked import AUTO_CHUNK_BYTES, resolve_loss_chunk
+from jaxmem.model.tiled import tiling_pays
 from jaxmem.optim import SR_CHUNK
 
 
@@ -25,7 +26,7 @@ def mlp_tiles(c, tokens: int) -> bool:
     that saves memory at all): only at more than 3 D tokens per micro-batch, where its [B, T, F]
     activations outweigh the tiles' fp32 weight-gradient sums (3 x D x F x 4 bytes, which the
     untiled MLP's bf16 gradients, the part's own, do not need). The planner asks this too."""
-    return tokens > 3 * c.hidden_size
+    return tiling_pays(tokens, c.hidden_size)
 
 
 SLAB = 2**22  # elements of one MLP weight's slab at most (its update's temporaries: ~25 B each)
