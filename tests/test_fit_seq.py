@@ -62,7 +62,7 @@ def test_cli_fit_seq_says_its_batch_and_the_cards_share(flags, batch, monkeypatc
     --batch-size is searched and said. (The step's compile faked: its peak grows with B x T.)"""
     import json
 
-    from jaxmem.memory import compiled
+    from jaxmem.memory import commands, search
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
     seen = []
@@ -70,7 +70,8 @@ def test_cli_fit_seq_says_its_batch_and_the_cards_share(flags, batch, monkeypatc
     def fake_step(spec, mesh=None):
         seen.append(spec.batch_size)
         return {"peak_bytes": 1000 * spec.batch_size * spec.seq_len, "host_bytes": 0}
-    monkeypatch.setattr(compiled, "compile_step", fake_step)
+    for module in (commands, search):  # the step compile of both search paths
+        monkeypatch.setattr(module, "compile_step", fake_step)
     argv = ["--preset", "tiny", "--max-position-embeddings", "4096", *flags, "--fit-seq", "40"]
     assert main(argv + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)

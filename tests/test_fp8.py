@@ -442,6 +442,7 @@ def test_fp8_model_tiles_its_mlp_under_full_remat(monkeypatch):
 
     cfg = get_preset("tiny")
     monkeypatch.setattr(tiled, "TILE_BYTES", 2 * 8 * cfg.intermediate_size * 4)
+    monkeypatch.setattr(tiled, "TILE_MIN_TOKENS_PER_WIDTH", 0)  # tiny: tiled anyway
     assert tiled.mlp_tile(2, 32, cfg.intermediate_size) == 8  # 4 tiles of 8
     tokens = jnp.zeros((2, 32), jnp.int32)
     model = Decoder(cfg, RematPolicy.parse("full"), fp8_einsum)

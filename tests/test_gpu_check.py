@@ -25,7 +25,8 @@ def _doc(out):
 @pytest.mark.slow  # two tiny train runs and a CPU plan: ~70 s on 2 busy cores
 def test_smoke_train_row_with_plan_and_skipped_diag(tmp_path, capsys):
     out = tmp_path / "g"
-    assert gpu_check.main(["--smoke", "--out", str(out), "--rows", "1b-adamw", "fp8-diag"]) == 0
+    assert gpu_check.main(["--smoke", "--out", str(out), "--rows", "1b-adamw", "fp8-diag",
+                           "--profile"]) == 0
     doc = _doc(out)
     assert doc["mode"] == "smoke" and doc["total_s"] > 0
     assert doc["cpu_isa"]["var"] == "ONEDNN_MAX_CPU_ISA" and doc["cpu_isa"]["reason"]
@@ -44,6 +45,14 @@ def test_smoke_train_row_with_plan_and_skipped_diag(tmp_path, capsys):
     assert not (out / "runs" / "1b-adamw" / "checkpoints").exists()
     assert (out / "runs" / "1b-adamw" / "metrics.jsonl").is_file()
     assert "gpu_check: 2 rows in" in capsys.readouterr().err
+    # --profile: the trace of the run's last step read by HLO instruction, each class's
+    # measured seconds beside the time model's on the program the run compiled (XLA's dump)
+    prof = json.loads((out / "1b-adamw.profile.json").read_text())
+    measured = {r["class"]: r["measured_s"] for r in prof["by_class"]}
+    assert measured["gemm"] > 0 and measured["fusion"] > 0  # named by the predicted kernels
+    assert measured.get("unmatched", 0) < 0.2 * sum(measured.values())
+    assert prof["costliest"][0]["predicted_s"] is not None and prof["predicted_s"] > 0
+    assert "| gemm |" in (out / "1b-adamw.profile.md").read_text()
 
 
 @pytest.mark.gpu_target  # a tiny train row and its plan from the H100's compiler: ~60 s
@@ -166,7 +175,7 @@ def test_help_names_every_row_and_flag(capsys):
     for r in gr.rows(False):
         assert r.name in text
     for flag in ("--out", "--rows", "--suite", "--smoke", "--steps", "--plan", "--budget",
-                 "--keep-runs"):
+                 "--keep-runs", "--profile"):
         assert flag in text
 
 

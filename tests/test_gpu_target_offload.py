@@ -122,8 +122,11 @@ def test_the_state_alone_streams_by_sub_piece_with_write_backs_overlapped(step):
     """Only the optimizer state on the host: no prefetch (a layer of state would not fit beside
     the backward on a 24 GB card at 8B); each stacked leaf's sub-piece comes to the device
     right before its update, inside a loop of the layer loop's body, and goes back
-    asynchronously with compute in flight. Every copy is async; fetches are exposed (the
-    planner adds them to the step time: jaxmem.memory.transfers)."""
+    asynchronously, most write-backs with compute in flight. Every copy is async; fetches are
+    exposed (the time model counts them: jaxmem.xla.timing). Not every write-back overlaps
+    since the 8-bit code search became one kernel (c549620: 8 kernels per moment before): a
+    sub-piece's last write-back may follow that kernel directly, 8 of 32 on the tiny H100
+    program, which the time model counts as exposed."""
     hlo, layers = step["hlo"], get_preset("tiny").num_layers
     transfers = host_transfers(hlo)
     loop = layer_loop_bodies(hlo, layers)
@@ -139,7 +142,7 @@ def test_the_state_alone_streams_by_sub_piece_with_write_backs_overlapped(step):
     sync = [t for t in transfers if not t["async"]]
     assert not sync, f"synchronous copies: {summary(sync)}"
     backs = [t for t in transfers if t["direction"] == "D2H" and t["computation"] in inner]
-    assert all(t["compute_between"] > 0 for t in backs), summary(backs)
+    assert 2 * sum(t["compute_between"] > 0 for t in backs) > len(backs), summary(backs)
 
 
 def test_with_the_weights_on_the_host_the_loop_prefetches():
@@ -291,8 +294,8 @@ def test_the_mlp_in_slabs_streams_each_slabs_state_asynchronously(monkeypatch):
     """The in-backward MLP in slabs of F (jaxmem.train.inbackward_slabs; forced on the tiny
     widths by a lower SLAB, as the 8B's 4096 x 14336 weights are cut): each MLP weight's state
     comes to the device a slab at a time inside a loop of the layer loop's body and goes back
-    after its update; every copy is async, every write-back has compute in flight, and per
-    layer the state moves once each way: the attention's and norms' by sub-piece, the MLP's
+    after its update; every copy is async, most write-backs have compute in flight (as in
+    the test above), and per layer the state moves once each way: the attention's and norms' by sub-piece, the MLP's
     one slab in the slab loop's body, which runs twice."""
     import jaxmem.train.inbackward_rules as rules
     monkeypatch.setattr(rules, "SLAB", 128 * 256)
@@ -314,4 +317,5 @@ def test_the_mlp_in_slabs_streams_each_slabs_state_asynchronously(monkeypatch):
     sync = [t for t in transfers if not t["async"]]
     assert not sync, f"synchronous copies: {summary(sync)}"
     backs = [t for t in transfers if t["direction"] == "D2H" and t["computation"] in inner]
-    assert backs and all(t["compute_between"] > 0 for t in backs), summary(backs)
+    assert backs and 2 * sum(t["compute_between"] > 0 for t in backs) > len(backs), \
+        summary(backs)

@@ -102,6 +102,7 @@ def test_tiled_mlp_and_chunked_attention_under_full_remat(monkeypatch):
 
     v0, g0 = grads("none")
     monkeypatch.setattr(tiled, "TILE_BYTES", 2 * 7 * cfg.intermediate_size * 4)
+    monkeypatch.setattr(tiled, "TILE_MIN_TOKENS_PER_WIDTH", 0)  # tiny: tiled anyway
     monkeypatch.setattr(attention, "ATTENTION_CHUNK_BYTES", 2 * cfg.num_heads * 20 * 4 * 7)
     assert tiled.mlp_tile(2, 20, cfg.intermediate_size) == 7
     v1, g1 = grads("full")

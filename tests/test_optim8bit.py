@@ -126,6 +126,50 @@ def test_round_trip_error_per_block(shape, signed):
     np.testing.assert_allclose(back, nearest, rtol=1e-6, atol=0)
 
 
+def _search_values(top, rng, qmap, mids):
+    return np.concatenate(
+        [(top | rng.integers(0, 65536, 65536).astype(np.uint32)).view(np.float32)
+         for _ in range(4)]
+        + [qmap, mids[:-1], *(np.nextafter(v, d) for v in (qmap, mids[:-1])
+                              for d in (np.inf, -np.inf)),
+           rng.uniform(-1, 1, 2_000_000), rng.standard_normal(1_000_000)
+           * 10.0 ** rng.uniform(-9, 0, 1_000_000), [0.0, -0.0, 1.0, -1.0, np.inf, -np.inf]]
+    ).astype(np.float32)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_code_search_is_numpys_searchsorted(signed):
+    """The code search (one gather from a table of the fp32 values' top 16 bits, one
+    refinement: jaxmem.optim._blockwise) against numpy's searchsorted over the same sorted
+    boundaries and map values: the nearest code is the number of decision boundaries below a
+    value, the stochastic lower neighbour the last map value at or below it. Every top-16-bit
+    interval of fp32 (random low bits, 4 draws), every boundary and map value and their fp32
+    neighbours, and 3M values in [-1, 1] and across scales; NaNs left out (a NaN compares false,
+    code 0, as `_interval_table` says). A device may flush subnormals to zero (XLA:CPU does):
+    numpy's side then compares them as 0."""
+    from jaxmem.optim import _blockwise as bw
+    qmap = SIGNED_MAP if signed else UNSIGNED_MAP
+    mids = bw._boundaries(qmap)
+    rng = np.random.default_rng(1)
+    top = np.arange(65536, dtype=np.uint64).astype(np.uint32) << np.uint32(16)
+    with np.errstate(invalid="ignore"):  # the NaN intervals' bits, cast, then left out
+        x = _search_values(top, rng, qmap, mids)
+    x = x[~np.isnan(x)]
+    got = jax.jit(lambda v: (bw._nearest_code(v, qmap),
+                             bw._stochastic_code(v, qmap, jnp.uint32(0))))(jnp.asarray(x))
+    flushes = not bool(jax.jit(lambda v: v > 0)(jnp.float32(1e-40)))  # compares as 0?
+    ref = np.where(np.abs(x) < np.finfo(np.float32).tiny, np.float32(0), x) if flushes else x
+    nearest = np.minimum(np.searchsorted(mids, ref, side="left"), 255)
+    np.testing.assert_array_equal(np.asarray(got[0]), nearest)
+    # the stochastic code is the lower neighbour or the one above it
+    lower = np.maximum(np.searchsorted(qmap, ref, side="right") - 1, 0)
+    code = np.asarray(got[1])
+    upper = np.minimum(lower + 1, 255)
+    if not signed:  # a positive second moment never rounds to 0 (`_boundaries`)
+        lower = np.where((ref > 0) & (lower == 0), 1, lower)
+    assert np.all((code == lower) | (code == upper))
+
+
 @pytest.mark.slow  # eager state creation: 6.5 s of CPU cold
 def test_which_leaves_stay_fp32():
     state = create_train_state(StepConfig(CFG, get_precision("fp32"),

@@ -74,6 +74,7 @@ def test_eval_runs_the_mlp_in_tiles_whatever_the_remat(monkeypatch):
     assert tiled.mlp_tile(1, 512, 8192) == 512  # the default limit: one tile, untiled
     (total0, count0), temp0, analytic0 = run()
     monkeypatch.setattr(tiled, "TILE_BYTES", 64 * 8192 * 4)
+    monkeypatch.setattr(tiled, "TILE_MIN_TOKENS_PER_WIDTH", 0)  # tiny: tiled anyway
     assert tiled.mlp_tile(1, 512, 8192) == 64
     (total1, count1), temp1, analytic1 = run()
     assert float(count1) == float(count0) > 0

@@ -8,7 +8,6 @@ import math
 import jax
 import pytest
 
-from jaxmem import target
 from jaxmem.config.model import get_preset
 from jaxmem.memory.analytic import analytic_breakdown
 from jaxmem.memory.compiled import compile_phase
@@ -18,7 +17,6 @@ from jaxmem.memory.transfers import format_transfers, transfer_plan
 from jaxmem.model.precision import get_precision
 from jaxmem.model.remat import RematPolicy
 from jaxmem.paths import in_layers
-from jaxmem.perf import flops_per_token
 
 
 def spec(optimizer="none", params="none", name="adamw8bit") -> StepSpec:
@@ -63,44 +61,17 @@ def test_xla_cpu_takes_the_same_bytes_as_host_arguments():
     assert compiled["host_argument_bytes"] == sum(offloaded(s)) > 0
 
 
-def test_transfer_plan_crossings_and_time():
+def test_transfer_plan_crossings():
     """Weights cross three times (in for the forward and the backward, out), the optimizer
-    state twice; the time at the card's link and dense bf16 peak; the transfers hide from
-    min_tokens on."""
+    state twice. (Their seconds are the time model's: tests/test_timing.py.)"""
     s = spec("host", "host")
     weights, moments = offloaded(s)
-    card = target.CARDS["rtx4090"]
-    t = transfer_plan(s, card)
+    t = transfer_plan(s)
     assert t["host_bytes"] == weights + moments
     assert t["pcie_bytes"] == 3 * weights + 2 * moments
-    assert t["transfer_s"] == pytest.approx(t["pcie_bytes"] / card.host_link.bandwidth)
-    per_token = flops_per_token(s.model, s.seq_len) * 4 / 3  # remat full recomputes the forward
-    assert t["compute_s"] == pytest.approx(128 * per_token / (card.peak_tflops[0] * 1e12))
-    assert t["step_s"] == max(t["compute_s"], t["transfer_s"])
-    need = t["min_tokens"]
-    at = lambda n: n * per_token / (card.peak_tflops[0] * 1e12)  # noqa: E731
-    assert at(need) >= t["transfer_s"] > at(need - 1)
-    assert t["bound"] == ("transfers" if need > 128 else "compute")
-    assert math.isclose(json.loads(json.dumps(t))["transfer_s"], t["transfer_s"])
+    assert math.isclose(json.loads(json.dumps(t))["pcie_bytes"], t["pcie_bytes"])
     text = "\n".join(format_transfers(t))
-    assert "x3 over PCIe" in text and "x2 over PCIe" in text and "PCIe 4.0 x16" in text
-
-
-def test_state_fetched_before_its_update_is_not_hidden():
-    """Only the optimizer state on the host: each sub-piece's state comes right before its
-    update (no prefetch), so its inbound bytes add to the compute; with the weights on the host
-    too they are prefetched and nothing is exposed."""
-    card = target.CARDS["rtx4090"]
-    alone, both = transfer_plan(spec("host"), card), transfer_plan(spec("host", "host"), card)
-    _, moments = offloaded(spec("host"))
-    assert alone["exposed_bytes"] == moments and both["exposed_bytes"] == 0
-    assert alone["step_s"] == max(alone["compute_s"] + alone["exposed_s"], alone["transfer_s"])
-    bw, per_token = card.host_link.bandwidth, alone["flops_per_token"]
-    at = lambda n: n * per_token / alone["peak_flops"]  # noqa: E731
-    need = alone["min_tokens"]  # compute + exposed covers the transfers from here on
-    assert at(need) + moments / bw >= alone["transfer_s"] > at(need - 1) + moments / bw
-    assert "not overlapped" in "\n".join(format_transfers(alone))
-    assert "not overlapped" not in "\n".join(format_transfers(both))
+    assert "x3 over PCIe" in text and "x2 over PCIe" in text
 
 
 def test_memory_cli_prints_the_host_and_transfer_plan(capsys):
@@ -113,7 +84,7 @@ def test_memory_cli_prints_the_host_and_transfer_plan(capsys):
     s = spec("host", "host")
     assert r["transfers"]["host_bytes"] == r["analytic"]["host_bytes"] == sum(offloaded(s))
     assert r["compiled"]["host_argument_bytes"] == sum(offloaded(s))
-    assert "card" not in r["transfers"]  # no --target: no card, no time estimate
+    assert r["time"] is None  # no --target: a CPU program, no time
     assert any("MiB of pinned host memory besides" in line for line in r["verdict"])
 
 

@@ -67,6 +67,7 @@ from experiments.common import cpu_isa
 from experiments.gpu_check.rows import (ROOT, Row, compare_numbers, diag_note, last_record,
                                         plan_numbers, pytest_counts, rows, target_card,
                                         target_installed, train_metrics)
+from experiments.gpu_check.profiled import profile_row
 from experiments.gpu_check.table import commit, gpu_name, markdown, versions, write_report
 
 PROG = "python -m experiments.gpu_check"
@@ -103,6 +104,12 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                    help="skip rows that would start after this many seconds (0: no limit; "
                         "default: 540, with --smoke 0); the suite is exempt")
+    p.add_argument("--profile", action="store_true",
+                   help="train rows: a jax.profiler trace of the last 3 steps (jaxmem.train "
+                        "--profile) and the GPU's own optimized HLO of the step (XLA dump); "
+                        "writes DIR/ROW.profile.md and .json: measured seconds per kernel class "
+                        "and the 30 costliest kernels beside the time model's prediction for the "
+                        "same program (jaxmem.xla.profile)")
     p.add_argument("--keep-runs", action="store_true",
                    help="keep the train rows' checkpoints (default: delete them after each row)")
     p.add_argument("--make-hf", default=None, help=argparse.SUPPRESS)  # worker: the HF checkpoint
@@ -210,7 +217,8 @@ def run_plan(row: Row, out: Path, where: str, card: str | None = None) -> dict:
 
 def train_cmd(row: Row, args, run_dir: Path, hf_dir: Path | None) -> list[str]:
     init = ["--init-from", str(hf_dir)] if row.hf else []
-    return [sys.executable, "-m", "jaxmem.train", *init, *row.shape, *row.train,
+    profile = ["--profile", str(run_dir / "profile")] if args.profile else []
+    return [sys.executable, "-m", "jaxmem.train", *init, *row.shape, *row.train, *profile,
             "--steps", str(args.steps),
             "--warmup-steps", "1", "--eval-batches", "1", "--eval-every", "0", "--save-every", "0",
             "--max-new-tokens", "0", "--no-progress", "--no-tensorboard", "--out", str(run_dir)]
@@ -282,8 +290,14 @@ def run_row(row: Row, args, hf: dict) -> dict:
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a fresh run, never a continuation of an earlier check
     env = child_env(args.smoke, XLA_PYTHON_CLIENT_MEM_FRACTION=".95")
+    if args.profile:  # the step's own optimized HLO, for the prediction beside the profile
+        env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), f"--xla_dump_to={run_dir / 'hlo'}",
+                                     "--xla_dump_hlo_as_text",
+                                     "--xla_dump_hlo_module_re=.*train_step.*"]).strip()
     res = run(train_cmd(row, args, run_dir, hf.get("dir")), log, row.timeout, env)
     metrics = train_metrics(last_record(run_dir / "metrics.jsonl"))
+    if args.profile and res["rc"] == 0:
+        metrics["profile"] = profile_row(row, run_dir, out, args.plan_card)
     if not args.keep_runs:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     ok = res["rc"] == 0 and not res["timed_out"]

@@ -21,8 +21,8 @@ The 12 and 24 GB columns are judged on the RTX 4090's program, the 48 and 80 GB 
 H100's (the first two `--cards`): "yes" within jaxmem.xla.verdict.usable_bytes at XLA's default
 share (.75), "pre-off" only with XLA_PYTHON_CLIENT_PREALLOCATE=false (the whole card less 0.5 GiB
 of CUDA context), else "no". Beside them: the pinned host memory, the bytes over PCIe per step
-and the transfer vs compute time (jaxmem.memory.transfers, at the card's link and dense bf16
-peak). Prints markdown and writes experiments/results/full_finetune_<date>.json.
+(jaxmem.memory.transfers) and the predicted step time of the card's compiled step with its
+seconds on the host link (jaxmem.memory.seconds). Prints markdown and writes experiments/results/full_finetune_<date>.json.
 """
 
 from __future__ import annotations
@@ -52,14 +52,15 @@ def cell(r: dict) -> dict:
     return {"peak_bytes": step, "phases_analytic": {
                 p["name"]: p["analytic_bytes"] for p in r["phases"]["phases"]},
             "host_bytes": t.get("host_bytes", 0), "pcie_bytes": t.get("pcie_bytes", 0),
-            "transfer_s": t.get("transfer_s"), "compute_s": t.get("compute_s"),
-            "min_tokens": t.get("min_tokens"), "seconds": r.get("seconds")}
+            "step_s": (r.get("time") or {}).get("seconds"),
+            "transfer_s": ((r.get("time") or {}).get("busy_seconds") or {}).get("host transfer"),
+            "seconds": r.get("seconds")}
 
 
 def markdown(rows: list[dict], cards: list[str]) -> str:
     head = ("| model | state | " + " | ".join(f"{g} GB" for g in BUDGETS)
             + f" | step peak ({cards[0]} / {cards[1]}), GiB | host RAM | PCIe / step "
-            f"| transfers vs compute ({cards[0]} / {cards[1]}) |")
+            f"| predicted step ({cards[0]} / {cards[1]}) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in rows:
         c = row["cells"]
@@ -68,8 +69,8 @@ def markdown(rows: list[dict], cards: list[str]) -> str:
             lines.append(f"| {row['preset']} | {row['variant']} | error: {err} |")
             continue
         judged = [verdict(c[cards[i]]["peak_bytes"], g) for g, i in BUDGETS.items()]
-        times = " / ".join(f"{c[k]['transfer_s']:.2f} vs {c[k]['compute_s']:.2f} s"
-                           if c[k]["transfer_s"] is not None else "-" for k in cards)
+        times = " / ".join(f"{c[k]['step_s']:.2f} s ({c[k]['transfer_s']:.2f} s on the link)"
+                           if c[k]["step_s"] is not None else "-" for k in cards)
         lines.append(
             f"| {row['preset']} | {row['variant']} | " + " | ".join(judged)
             + f" | {c[cards[0]]['peak_bytes'] / GiB:.2f} / {c[cards[1]]['peak_bytes'] / GiB:.2f}"

@@ -66,6 +66,12 @@ class OptimConfig:
                                  "--optimizer-in-backward)", choices=["none", "host"], mutable=True)
 
     @property
+    def state_on_host(self) -> bool:
+        """Any part of the train state in pinned host memory (--offload-optimizer or
+        --offload-params host): the state is then made program by program (host_state)."""
+        return self.offload_optimizer == "host" or self.params_on_host
+
+    @property
     def params_on_host(self) -> bool:
         """--offload-params host: the weights' stacked layer leaves live in pinned host memory
         (the in-backward step streams them whole layers at a time)."""

@@ -167,6 +167,11 @@ class RunSection:
                                    "that does not fit exits 2 with the planner command); for "
                                    "this invocation only: --resume does not inherit it",
                                    store_true=True, mutable=True)
+    profile: str | None = option(None, "write a jax.profiler trace of the run's last 3 steps "
+                                 "(after compilation) to DIR: perfetto_trace.json.gz, read by "
+                                 "ui.perfetto.dev, TensorBoard's profile plugin or "
+                                 "experiments.gpu_check; for this invocation only: --resume does "
+                                 "not inherit it", metavar="DIR", mutable=True)
     wandb_project: str | None = option(None, "log to this Weights & Biases project (needs wandb; "
                                        "WANDB_MODE=offline keeps it local)", metavar="PROJECT",
                                        mutable=True)

@@ -137,7 +137,7 @@ class MLP(nn.Module):
         D, F = self.config.hidden_size, self.config.intermediate_size
         gated = GATED[self.config.mlp_activation]
         proj = functools.partial(Projection, einsum=self.einsum)  # name, subscripts, shape, fan_in
-        chunk = mlp_tile(local_rows(x.shape[0]), x.shape[1], F)  # sized by a device's rows
+        chunk = mlp_tile(local_rows(x.shape[0]), x.shape[1], F, D)  # sized by a device's rows
         tileable = self.einsum is default_einsum or hasattr(self.einsum, "prepare_weight")  # fp8
         if self.tile and tileable and chunk < x.shape[1]:
             ws = [proj(n, "", shape, fan_in).weight() for n, shape, fan_in in

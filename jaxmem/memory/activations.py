@@ -11,8 +11,7 @@ import jax.numpy as jnp
 from jaxmem import target
 from jaxmem.config.model import ModelConfig
 from jaxmem.memory.spec import StepSpec
-from jaxmem.model.attention import query_chunk
-from jaxmem.model.tiled import mlp_tile, tiles_under
+from jaxmem.model.attention import on_xla, query_chunk
 from jaxmem.model.remat import RematPolicy
 
 FP32 = 4
@@ -78,7 +77,7 @@ def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematP
             out += [("q, k before the QK-norm", (tags["query"] + tags["key"]) * cb, cd)]
         out += [("q, k, v after RoPE", (tags["query"] + tags["key"] + tags["value"]) * cb, cd),
                 ("attention context [B,T,N,H]", tags["attn_context"] * cb, cd)]
-        if attention != "xla":  # XLA: the probabilities are recomputed, nothing [B,N,T] kept
+        if not on_xla(attention):  # XLA: the probabilities are recomputed, nothing [B,N,T] kept
             out += [("softmax statistics [B,N,T] x2", 2 * BNT * FP32, "float32")]
         out += [("SwiGLU [B,T,F] x3", 3 * B * T * F * cb, cd)]
         return out
@@ -86,7 +85,7 @@ def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematP
         out = [block_input, ("o_proj output [B,T,D]", BTD * cb, cd),
                ("q, k, v projections", (tags["query"] + tags["key"] + tags["value"]) * cb, cd),
                ("gate, up [B,T,F] x2", 2 * B * T * F * cb, cd)]
-        if remat.saves_batched_dots and attention == "xla":
+        if remat.saves_batched_dots and on_xla(attention):
             out += [("PV output [B,T,N,H]", tags["attn_context"] * cb, cd)]
         return out
     # names / offload: the block input (unless offloaded) and the tags kept on the device
@@ -127,29 +126,15 @@ def outside_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: Rema
 
 
 def mlp_tiled(spec: StepSpec) -> int:
-    """The MLP's sequence tile when the step runs it tiled (jaxmem.model.tiled, by
-    jaxmem.families.decoder's rule: `tiles_under` the policy, the plain einsum; in-backward
-    only where jaxmem.train.inbackward_rules.mlp_tiles says), else 0."""
-    c = spec.model
-    if not tiles_under(spec.remat):
-        return 0
-    if spec.in_backward:
-        from jaxmem.train.inbackward_rules import mlp_tiles
-        if not mlp_tiles(c, spec.batch_size * spec.seq_len):
-            return 0
-    if spec.precision.fp8:  # another einsum: never tiled (LoRA's: trainable.mlp_tile)
-        return 0
-    tile = spec.trainable.mlp_tile(mlp_tile(spec.batch_size, spec.seq_len, c.intermediate_size))
-    return tile if tile < spec.seq_len else 0
+    """The MLP's sequence tile where the step runs it tiled, else 0 (the step's footprint,
+    jaxmem.train.footprint)."""
+    return spec.footprint.mlp_tile
 
 
 def mlp_slab(spec: StepSpec) -> int:
-    """The width of the slabs of F the in-backward step runs each layer's MLP in
-    (jaxmem.train.inbackward_rules.mlp_slabs), 0: whole (and for any other step)."""
-    if not spec.in_backward:
-        return 0
-    from jaxmem.train.inbackward_rules import mlp_slabs
-    return mlp_slabs(spec.step, spec.batch_size * spec.seq_len, spec.step.optim.params_on_host)
+    """The width of the slabs of F the in-backward step runs each layer's MLP in, 0: whole (and
+    for any other step): the step's footprint."""
+    return spec.footprint.mlp_slab
 
 
 def mlp_backward_buffers(saved: bool) -> int:

@@ -43,6 +43,7 @@ from jaxmem.memory.counted import (Component, Kind, Phase, Where, abstract_state
                                    count_state, gradient_part, head_gathered, layer_in_flight,
                                    local_bytes, params_fraction)
 from jaxmem.memory.spec import StepSpec
+from jaxmem.model.attention import on_xla
 from jaxmem.model.remat import RematPolicy
 from jaxmem.loss.chunked import resolve_loss_chunk, vocab_chunk
 from jaxmem.parallel.mesh import AXES, MeshSpec
@@ -73,6 +74,40 @@ def local_spec(spec: StepSpec, mesh: MeshSpec) -> StepSpec:
                                seq_len=spec.seq_len // mesh.context, model=narrow)
 
 
+def _transients(spec: StepSpec, sizes: dict, loss_chunk: int, logits_group: int,
+                layer_bwd: int, layer_dtype: str) -> tuple[list, list]:
+    """(the backward's transients: the larger of the logits group and one layer's backward, and
+    a frozen LM head gathered for the loss where that is larger still; the weights a layer's
+    backward holds beyond the state: a gathered or copied-in layer)."""
+    if logits_group >= layer_bwd:
+        label = "fused loss: one chunk's logits group" if loss_chunk else "logits + dlogits [B,T,V]"
+        transient = [Component(Kind.TRANSIENT, label, logits_group, "float32", Phase.BACKWARD)]
+    else:
+        transient = [Component(Kind.TRANSIENT, "one layer's backward", layer_bwd, layer_dtype,
+                               Phase.BACKWARD)]
+    in_flight = layer_in_flight(spec, sizes)
+    head = head_gathered(spec, sizes)
+    extra = logits_group + head - max(logits_group, layer_bwd) - sum(x.bytes for x in in_flight)
+    if head and extra > 0:
+        transient.append(Component(Kind.TRANSIENT, "frozen LM head gathered (fsdp)", extra,
+                                   _dname(spec.precision.compute_dtype), Phase.BACKWARD))
+    return transient, in_flight
+
+
+def _gradients(spec: StepSpec, part: int, copy: int) -> tuple[int, str]:
+    """(bytes, dtype) of the gradients the step holds: `part` in the params' dtype; where a
+    compute copy is cast (`copy`) and a GPU's compiler builds the step, the cast params'
+    gradients in the compute dtype: it fuses their cast to the params' dtype into the update
+    (the 1B amp-bf16 step, remat full, 1x2048, H100 compiler, holds the bf16 weight copies in
+    its 5.14 GiB temp but no fp32 gradient tree: XLA's buffer report); XLA:CPU holds the fp32
+    one."""
+    pd = jnp.dtype(spec.precision.param_dtype)
+    if not (copy and target.fuses_elementwise()):
+        return part, pd.name
+    cd = jnp.dtype(spec.precision.compute_dtype)
+    return part - copy // cd.itemsize * pd.itemsize + copy, f"{cd.name}+{pd.name}"
+
+
 def analytic_breakdown(spec: StepSpec, mesh: MeshSpec | None = None) -> dict:
     """Bytes per component (with dtype) and the modelled peak on one device of `mesh` (None:
     one device); see the module docstring."""
@@ -88,41 +123,21 @@ def analytic_breakdown(spec: StepSpec, mesh: MeshSpec | None = None) -> dict:
     saved = c.num_layers * _sum(per_layer) + _sum(outside)
     logits_group = _logits_group(c, B, T, loss_chunk, p.compute_dtype)
     layer_bwd = _layer_backward(local, attention, per_layer)
-    if logits_group >= layer_bwd:
-        label = "fused loss: one chunk's logits group" if loss_chunk else "logits + dlogits [B,T,V]"
-        transient = [Component(Kind.TRANSIENT, label, logits_group, "float32", Phase.BACKWARD)]
-    else:
-        transient = [Component(Kind.TRANSIENT, "one layer's backward", layer_bwd,
-                               _mixed(per_layer + outside), Phase.BACKWARD)]
-    # the weights a layer's backward holds beyond the state (a gathered or copied-in layer);
-    # a frozen LM head gathered for the loss where the logits group with it is larger still
-    in_flight = layer_in_flight(spec, sizes)
-    head = head_gathered(spec, sizes)
-    extra = logits_group + head - max(logits_group, layer_bwd) - sum(x.bytes for x in in_flight)
-    if head and extra > 0:
-        transient.append(Component(Kind.TRANSIENT, "frozen LM head gathered (fsdp)", extra,
-                                   _dname(p.compute_dtype), Phase.BACKWARD))
-    pd = jnp.dtype(spec.precision.param_dtype)
+    transient, in_flight = _transients(spec, sizes, loss_chunk, logits_group, layer_bwd,
+                                       _mixed(per_layer + outside))
     part = gradient_part(spec, sizes)
     trained = count_state(spec, sizes)
     trained_bytes = sum(x.bytes for x in trained if x.kind is Kind.PARAMS)
     copy = compute_copy(spec, sizes, spec.in_backward)
-    grads, grad_dtype = part, pd.name
-    if copy and target.fuses_elementwise():
-        # a GPU's compiler keeps the gradients of the cast params in the compute dtype and fuses
-        # their cast to the params' dtype into the update: the 1B amp-bf16 step (remat full,
-        # 1x2048, H100 compiler) holds the bf16 weight copies in its 5.14 GiB temp but no fp32
-        # gradient tree (XLA's buffer report); XLA:CPU holds the fp32 one
-        cd = jnp.dtype(p.compute_dtype)
-        grads = part - copy // cd.itemsize * pd.itemsize + copy
-        grad_dtype = f"{cd.name}+{pd.name}"
+    grads, grad_dtype = _gradients(spec, part, copy)
     comps = trained + [
         Component(Kind.COMPUTE_COPY, "params (compute copy)", copy, _dname(p.compute_dtype),
                   Phase.BACKWARD),
         Component(Kind.GRADIENTS, "gradients" if not spec.in_backward else "gradients (one part)",
                   grads, grad_dtype),
         Component(Kind.ACCUMULATOR, "grad accumulator",
-                  trained_bytes if spec.grad_accum > 1 else 0, pd.name, Phase.BACKWARD),
+                  trained_bytes if spec.grad_accum > 1 else 0,
+                  jnp.dtype(spec.precision.param_dtype).name, Phase.BACKWARD),
         Component(Kind.ACTIVATIONS, "saved activations", saved, _mixed(per_layer + outside),
                   Phase.BACKWARD),
         offloaded_activations(local),
@@ -202,7 +217,7 @@ def _layer_backward(spec: StepSpec, attention: str, per_layer: list) -> int:
     B, T, cd = spec.batch_size, spec.seq_len, p.compute_dtype
     full_layer = _sum(layer_residuals(c, B, T, cd, RematPolicy("none"), attention))
     recomputed = full_layer - _sum(per_layer)
-    probs = attention_backward(c, B, T, cd) if attention == "xla" else 0
+    probs = attention_backward(c, B, T, cd) if on_xla(attention) else 0
     mlp = recomputed + mlp_backward(spec)
     if target.fuses_elementwise():
         layer_bwd = max(mlp, probs + min(recomputed, attention_half(c, B, T, cd)))

@@ -30,8 +30,10 @@ from jaxmem.config.flags import (PLANNER_ONLY, PLANNER_SECTIONS, number_type, ad
 from jaxmem.config.run import RunConfig
 from jaxmem.model.precision import get_precision
 from jaxmem.memory import commands, measure
+from jaxmem.memory.counted import abstract_frozen
 from jaxmem.memory.spec import StepSpec
-from jaxmem.train.run import build_step_config
+from jaxmem.model.fp8_compile import set_xla_flags
+from jaxmem.train import build_step_config
 
 
 positive_gib = number_type(float, lambda v: 0 < v < float("inf"), "a positive number of GiB")
@@ -128,7 +130,6 @@ def main(argv=None) -> int:
                          "compiles for a GPU that is not here: drop one of them")
         mode = given_overrides(args).get("precision.mode", RunConfig().precision.mode)
         if get_precision(mode).fp8:  # the XLA flags an fp8 run gets (train CLI), before start
-            from jaxmem.model.fp8_compile import set_xla_flags
             set_xla_flags()
         target.prepare()
         try:
@@ -162,7 +163,6 @@ def _main(parser, args) -> int:
     if args.fit is not None and args.devices is not None:
         # a full fine-tune at its micro-batch searches meshes; with --global-batch, or with a
         # frozen base (the state is small: the micro-batch decides), meshes and micro-batches
-        from jaxmem.memory.counted import abstract_frozen
         if args.global_batch is None and abstract_frozen(spec) is None:
             return commands.fit_mesh(args, spec)
         return commands.fit_mesh_and_step(args, spec, global_batch, max_micro)

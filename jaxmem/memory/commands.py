@@ -9,9 +9,13 @@ import json
 import sys
 
 from jaxmem import target
+from jaxmem.memory.analytic import analytic_breakdown
+from jaxmem.memory.compiled import compile_step
 from jaxmem.memory.measure import measure_in_subprocess
+from jaxmem.memory.mesh import format_mesh_report, mesh_report, resolve
 from jaxmem.memory.phases import SampleShape, format_phases, run_phases
-from jaxmem.memory.search import plan
+from jaxmem.memory.search import fit_mesh as search_fit_mesh, fit_seq as search_fit_seq, \
+    mesh_candidates, plan, plan_mesh, predicted_seconds
 from jaxmem.memory.report import (format_plan, format_report, header_line, step_report,
                                   train_command)
 from jaxmem.memory.spec import GiB
@@ -73,9 +77,6 @@ def plot(parser, path, reports, labels, budget=None) -> None:
 def fit_mesh_and_step(args, spec, global_batch: int, max_micro: int | None) -> int:
     """`--fit GIB --devices N` with a frozen base or --global-batch: the first mesh x
     micro-batch x remat x loss chunk whose per-device peak fits (search.plan_mesh)."""
-    from jaxmem.memory.analytic import analytic_breakdown
-    from jaxmem.memory.compiled import compile_step
-    from jaxmem.memory.search import mesh_candidates, plan_mesh
     whole = spec.replace(batch_size=global_batch, grad_accum=1)
     here = target.device_count() > 1 and not args.analytic_only
     result = plan_mesh(spec, mesh_candidates(whole, args.devices), global_batch,
@@ -103,8 +104,6 @@ def fit_mesh_and_step(args, spec, global_batch: int, max_micro: int | None) -> i
 
 def fit_mesh(args, spec) -> int:
     """`--fit GIB --devices N`: the first mesh whose per-device peak fits (search.fit_mesh)."""
-    from jaxmem.memory.compiled import compile_step
-    from jaxmem.memory.search import fit_mesh as search_fit_mesh, mesh_candidates
     result = search_fit_mesh(spec, mesh_candidates(spec, target.device_count()),
                              usable_bytes(args.fit), compile_step,
                              log=progress(args, lambda t: f"  mesh {t['mesh']}: {t['reason']}"))
@@ -127,9 +126,6 @@ def fit_seq(parser, args, cfg, spec, mesh_text) -> int:
     per-device compiled peak decides, on one device the run's largest phase. The answer says
     what it assumed: the micro-batch (1 unless --batch-size was given: cli._resolve) and the
     share of the card XLA may use (`xla_fraction`, the verdict's rule)."""
-    from jaxmem.memory.compiled import compile_step
-    from jaxmem.memory.mesh import resolve
-    from jaxmem.memory.search import fit_seq as search_fit_seq
     if args.fit is not None:
         parser.error("--fit-seq searches the sequence length, --fit the batch: drop one")
     log = progress(args, lambda e: f"  {e['seq_len']:,} tokens: {e['reason']}")
@@ -152,8 +148,12 @@ def fit_seq(parser, args, cfg, spec, mesh_text) -> int:
             return run_phases(s, sample, args.compile, step, cache=cache)
         result = search_fit_seq(spec, budget, run, log=log)
     result.pop("spec")
-    result["tried"] = [without(t, "compiled", "phases") for t in result["tried"]]
-    c = result["chosen"] = result["chosen"] and without(result["chosen"], "compiled", "phases")
+    result["tried"] = [{**without(t, "compiled", "phases"), "predicted_seconds":
+                        predicted_seconds(t)} for t in result["tried"]]
+    c = result["chosen"] = result["chosen"] and {**without(result["chosen"], "compiled",
+                                                           "phases"),
+                                                 "predicted_seconds": predicted_seconds(
+                                                     result["chosen"])}
     given = "data.batch_size" in given_overrides(args)
     assumed = {"batch_size": spec.batch_size, "batch_size_given": given,
                "mem_fraction": xla_fraction(), "compiler": target.compiler()}
@@ -174,9 +174,12 @@ def fit_seq(parser, args, cfg, spec, mesh_text) -> int:
     if c is None:
         print(f"nothing fits: not even {result['granule']} tokens\n{share}")
         return 1
+    tokens = spec.batch_size * spec.grad_accum * c['seq_len']
+    speed = (f"; predicted {tokens / c['predicted_seconds']:,.0f} "
+             f"tok/s" if c["predicted_seconds"] else "")
     print(f"chosen: --seq-len {c['seq_len']} --batch-size {spec.batch_size} "
           f"({c.get('peak_phase', 'step')} {c['run_peak_bytes'] / GiB:.2f} GiB of "
-          f"{budget / GiB:.2f} usable)\n{share}")
+          f"{budget / GiB:.2f} usable{speed})\n{share}")
     if result["limit"] == "max_position_embeddings":
         print(f"  limited by the model's max_position_embeddings "
               f"({result['max_position_embeddings']:,}), not by memory: "
@@ -186,7 +189,6 @@ def fit_seq(parser, args, cfg, spec, mesh_text) -> int:
 
 def mesh_breakdown(parser, args, spec, mesh) -> int:
     """`--mesh` / `--devices`: the per-device breakdown (jaxmem.memory.mesh)."""
-    from jaxmem.memory.mesh import format_mesh_report, mesh_report
     try:
         report = mesh_report(spec, mesh, compile=not args.analytic_only)
     except ValueError as e:  # MeshError names --mesh
@@ -226,10 +228,13 @@ def fit(parser, args, cfg, spec, global_batch: int, max_micro: int | None) -> in
     result = plan(spec, global_batch, usable_bytes(args.fit),
                   mu_dtypes=(spec.mu_dtype,) if spec.mu_dtype else ("fp32", "bf16"),
                   max_micro=max_micro, log=log,
-                  phases_fn=lambda c, compiled: phases(args, cfg, c, compiled, cache=cache))
+                  phases_fn=lambda c, compiled: phases(args, cfg, c, compiled, cache=cache),
+                  timed=target.card_here() is not None)
     chosen, out = result["spec"], {
         "budget_gib": args.fit, "usable_bytes": usable_bytes(args.fit),
-        "global_batch": global_batch, "tried": [without(t, "compiled") for t in result["tried"]],
+        "global_batch": global_batch, "tried": [
+            {**without(t, "compiled"), "predicted_seconds": predicted_seconds(t)}
+            for t in result["tried"]],
         "chosen": None}
     if chosen is not None:
         measured = measure_in_subprocess(chosen) if args.measure else None
@@ -243,7 +248,7 @@ def fit(parser, args, cfg, spec, global_batch: int, max_micro: int | None) -> in
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        print(format_plan(result, args.fit))
+        print(format_plan(result, args.fit, timed=target.card_here() is not None))
         print(f"  (a {args.fit:g} GiB GPU: {usable_bytes(args.fit) / GiB:.3f} GiB usable, "
               f"jaxmem.xla.verdict.usable_bytes)")
         if chosen is not None:

@@ -26,16 +26,17 @@ from jaxmem.xla.collectives import comm_report
 from jaxmem.xla.hlo import entry_argument_bytes
 from jaxmem.memory.counted import (abstract_frozen, abstract_state,  # noqa: F401
                                    abstract_step_batch, count_state, tree_bytes)
+from jaxmem.memory.seconds import predict
 from jaxmem.memory.spec import StepSpec
 from jaxmem import families
 from jaxmem.families.decoder import abstract_params, count_params
 from jaxmem.model.remat import RematPolicy
 from jaxmem.parallel.mesh import MeshSpec, run_mesh
 from jaxmem.parallel.rules import batch_sharding
-from jaxmem.train.loss import abstract_batch, token_loss
-from jaxmem.train import host_state
-from jaxmem.train.placement import Placement
-from jaxmem.train.step import state_creation_fn
+from jaxmem.decode.sampling import lower_sample
+from jaxmem.peft.base import import_programs
+from jaxmem.train import (Placement, abstract_batch, state_creation_fn, state_programs,
+                          token_loss)
 
 
 def compiled_stats(compiled) -> tuple[dict, float]:
@@ -88,7 +89,6 @@ def _lower_step(spec, par, sample):
 
 
 def _lower_sample(spec, par, sample):
-    from jaxmem.decode.sampling import lower_sample
     limit = spec.model.max_position_embeddings
     # the trained weights where the run keeps them (--offload-params host: a full fine-tune,
     # whose sample takes the state's params)
@@ -115,7 +115,7 @@ def _compile_host_state(spec, par):
     a mesh: its largest optimizer leaf), each compiled; the one with the largest peak (the
     others run before, on an empty device)."""
     fn = state_creation_fn(*spec.step_config(), seed=0)
-    progs, _ = host_state.programs(fn, par._placed_shardings(jax.eval_shape(fn)),
+    progs, _ = state_programs(fn, par._placed_shardings(jax.eval_shape(fn)),
                                    pieces=par.mesh is None)
     largest = {}
     for p in progs[:-1]:
@@ -133,8 +133,9 @@ def compile_phase(name: str, spec: StepSpec, mesh: MeshSpec | None = None, sampl
                   keep_hlo: bool = False) -> dict:
     """XLA's memory numbers (and "flops") of phase `name`'s program for a placement (`mesh`: per
     device; eval, sample and import on one device); sample: the run's SampleShape. The step also
-    gives "collectives", "communication" (jaxmem.xla.collectives.comm_report) and its host
-    arguments apart (`host_split`); keep_hlo: the optimized HLO text ("hlo")."""
+    gives "collectives", "communication" (jaxmem.xla.collectives.comm_report), its host
+    arguments apart (`host_split`) and, compiled for a GPU the planner knows, its predicted
+    "time" (jaxmem.memory.seconds.predict); keep_hlo: the optimized HLO text ("hlo")."""
     if name == "import":
         return _compile_import(spec)
     if mesh is not None and name in ("sample", "eval"):
@@ -150,8 +151,10 @@ def compile_phase(name: str, spec: StepSpec, mesh: MeshSpec | None = None, sampl
         return out
     hlo = compiled.as_text()
     comm = comm_report(hlo)
+    card = target.card_here()
     return {**out, "collectives": {k: r["ops"] for k, r in comm["by_kind"].items()},
             "communication": comm, **host_split(compiled, stats, hlo),
+            **({"time": predict(hlo, card)} if card is not None else {}),
             **({"hlo": hlo} if keep_hlo else {})}
 
 
@@ -211,7 +214,6 @@ def _compile_import(spec: StepSpec) -> dict:
     the donated stacked result): {"peak_bytes": the largest (program peak - its stacked
     result's bytes), what the import needs beyond the finished base (0 where nothing is
     quantized), "roles": {role: the program's stats}}."""
-    from jaxmem.peft.base import import_programs
     roles, extra = {}, 0
     for prog in import_programs(spec.model, spec.trainable):
         stats = compiled_stats(prog["fn"].lower(*prog["args"]).compile())[0]

@@ -23,7 +23,7 @@ import jaxmem.parallel.rules as rules
 from jaxmem.memory.spec import StepSpec
 from jaxmem.model.roles import param_role
 from jaxmem.paths import in_layers, key_name
-from jaxmem.train.placement import Placement
+from jaxmem.train import Placement, abstract_batch, abstract_train_state
 
 
 class Kind(enum.Enum):
@@ -125,9 +125,7 @@ def abstract_state(spec: StepSpec):
     the spec's StepConfig and loss scale (once per StepConfig: the batch does not change it)."""
     step, loss_scale = spec.step_config()
     if step not in _STATES:
-        from jaxmem.train.run import abstract_train_state
-        if len(_STATES) >= 32:  # bounded as the lru_cache it replaced (a search tries many)
-            _STATES.clear()
+        _STATES.clear() if len(_STATES) >= 32 else None  # bounded: a search tries many
         _STATES[step] = abstract_train_state(step, loss_scale)
     return _STATES[step]
 
@@ -147,7 +145,6 @@ def _abstract_frozen(trainable, model, dtype):
 
 def abstract_step_batch(spec: StepSpec):
     """The step's batch [K, B, T] as ShapeDtypeStructs."""
-    from jaxmem.train.loss import abstract_batch
     return {k: jax.ShapeDtypeStruct((spec.grad_accum,) + v.shape, v.dtype)
             for k, v in abstract_batch(spec.batch_size, spec.seq_len).items()}
 
@@ -307,14 +304,12 @@ def _part(spec: StepSpec, leaves, part: bool) -> int:
     """Bytes of `leaves`: all of them, or (part) the largest in-backward part: one layer of the
     stacked leaves (its MLP weights' by one slab of F where the step cuts them,
     jaxmem.train.inbackward_slabs) or one other leaf whose gradient the step holds whole (not
-    the embedding's nor a head's made in pieces: inbackward_rules.streamed_gradients)."""
+    the embedding's nor a head's made in pieces: the step's footprint, jaxmem.train.footprint)."""
     if not part:
         return sum(b for _, _, b in leaves)
-    from jaxmem.train.inbackward_rules import streamed_gradients
-    pieces = streamed_gradients(spec.step, spec.batch_size * spec.seq_len)
+    pieces = spec.footprint.streamed
     layer = sum(b for p, _, b in leaves if in_layers(p)) // spec.model.num_layers
-    from jaxmem.memory.activations import mlp_slab
-    w, F = mlp_slab(spec), spec.model.intermediate_size
+    w, F = spec.footprint.mlp_slab, spec.model.intermediate_size
     if w:  # the MLP's weight gradients made and applied a slab of F at a time
         mlp = sum(b for p, _, b in leaves if in_layers(p) and "mlp" in map(key_name, p))
         layer -= mlp // spec.model.num_layers * (F - w) // F

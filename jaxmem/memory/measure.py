@@ -20,8 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem.memory.spec import StepSpec
-from jaxmem.train.loss import synthetic_batch
-from jaxmem.train.step import create_train_state, jit_train_step
+from jaxmem.train import create_train_state, jit_train_step, synthetic_batch
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

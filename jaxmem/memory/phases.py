@@ -32,8 +32,7 @@ from jaxmem.model.roles import param_role
 from jaxmem.model.tiled import mlp_tile, tiles_under
 from jaxmem.quant import QuantizedWeight
 from jaxmem.loss.chunked import resolve_loss_chunk
-from jaxmem.train.host_state import PIECE_BYTES
-from jaxmem.train.step import EVAL_REMAT
+from jaxmem.decode.stopping import sample_dtype
 
 PHASES = ("import", "state", "step", "eval", "sample")
 # The end-of-run sample's prompt, in tokens: its default is the first line of the eval data cut
@@ -61,7 +60,6 @@ class SampleShape:
 
     def compute_dtype(self, run_dtype):
         """The dtype the sampler computes and caches in for a run computing in `run_dtype`."""
-        from jaxmem.decode.stopping import sample_dtype
         return sample_dtype(self.dtype, run_dtype)
 
     def total(self, limit: int) -> int:  # positions of its token buffer, capped by the model's
@@ -72,12 +70,12 @@ class SampleShape:
         return min(self.prompt_tokens, limit - 1)
 
 
-def _forward_working_set(spec: StepSpec, B: int, T: int, logits: str,
+def _forward_working_set(spec: StepSpec, B: int, T: int, fused: bool,
                          remat: RematPolicy | None = None) -> int:
     """What a forward pass without a backward holds besides its arguments: the residual stream,
     one layer's activations (freed with the layer), the attention probabilities of one query
-    chunk, and the head: the fused loss's one chunk of logits (eval) or all [B, T, V] logits
-    (today's sampler). remat: the policy the forward's model is built under (the eval's
+    chunk, and the head: the fused loss's one chunk of logits (eval: `fused`) or all [B, T, V]
+    logits (today's sampler). remat: the policy the forward's model is built under (the eval's
     EVAL_REMAT); where it tiles the MLP (jaxmem.model.tiled) and a tile is shorter than T, the
     layer holds 3 [B, Tc, F] and the tiles' input and output [B, n Tc, D], not 3 [B, T, F]."""
     c, p = spec.model, spec.precision
@@ -85,13 +83,13 @@ def _forward_working_set(spec: StepSpec, B: int, T: int, logits: str,
     D, V, N, F = c.hidden_size, c.vocab_size, c.num_heads, c.intermediate_size
     layer = sum(b for n, b, _ in layer_residuals(c, B, T, p.compute_dtype, RematPolicy("none"),
                                                  "xla") if not n.startswith("SwiGLU"))
-    tile = mlp_tile(B, T, F) if remat is not None and tiles_under(remat) else T
+    tile = mlp_tile(B, T, F, D) if remat is not None and tiles_under(remat) else T
     layer += (3 * B * T * F * cb if tile >= T else
               3 * B * tile * F * cb + 2 * B * -(-T // tile) * tile * D * cb)
     attn = B * N * query_chunk((B, T, N), T) * T * (FP32 + cb)  # probabilities fp32 + copy
     stream = 2 * B * T * D * cb + sum(b for n, b, _ in outside_residuals(
         c, B, T, p.compute_dtype, RematPolicy("full"), "xla", 0) if n.startswith("RoPE"))
-    if logits == "fused":
+    if fused:
         chunk = resolve_loss_chunk(spec.loss_chunk, B, T, c) or T
         head = 2 * B * chunk * V * FP32 + 2 * B * T * FP32  # logits, exp; logsumexp, weights
     else:
@@ -126,8 +124,8 @@ def analytic_phases(spec: StepSpec, sample: SampleShape | None = None) -> dict:
     # bits, fp32 values and cast, which XLA:CPU holds apart (8B: 0.58 GiB of temporaries, 2.6
     # fp32 layers of the gate projection; a GPU compile fuses them)
     layer = largest_param_leaf(spec) // c.num_layers * FP32
-    if "host" in (spec.offload_optimizer, spec.offload_params):  # jaxmem.train.host_state
-        made = {"total": state + max(PIECE_BYTES, layer),
+    if spec.step.optim.state_on_host:  # jaxmem.train.host_state: piece by piece
+        made = {"total": state + max(spec.footprint.piece_bytes, layer),
                 "what": "making the train state: its device bytes + one piece of a host leaf "
                         "or one layer of a params leaf in fp32"}
     else:
@@ -138,7 +136,7 @@ def analytic_phases(spec: StepSpec, sample: SampleShape | None = None) -> dict:
         "step": {"total": a["total_bytes"],
                  "what": f"one train step ({a['peak_phase']} phase at the peak)"},
         "eval": {"total": state + 3 * B * T * 4 + compute_copy(spec, {})
-                 + _forward_working_set(spec, B, T, "fused", EVAL_REMAT),
+                 + _forward_working_set(spec, B, T, True, spec.footprint.eval_remat),
                  "what": f"evaluation, batch {B} x {T}, fused loss (with the whole state)"},
     })
     if sample is not None and sample.max_new_tokens > 0:
@@ -149,7 +147,7 @@ def analytic_phases(spec: StepSpec, sample: SampleShape | None = None) -> dict:
                    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype) != sd
                    and param_role(q) != "norm") + _largest_quantized(params) * sd.itemsize
         total = sample.total(c.max_position_embeddings)
-        out["sample"] = {"total": state + cast + _forward_working_set(spec, 1, total, "full"),
+        out["sample"] = {"total": state + cast + _forward_working_set(spec, 1, total, False),
                          "what": f"end-of-run sample, 1 x {total} tokens (with the whole state)"}
     return out
 

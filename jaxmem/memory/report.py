@@ -12,6 +12,7 @@ from jaxmem import target
 from jaxmem.config.run import RunConfig, all_paths, field_metadata, flag_names
 from jaxmem.memory.analytic import analytic_breakdown, rule_of_thumb
 from jaxmem.memory.compiled import compile_step
+from jaxmem.memory.seconds import format_seconds, seconds_report
 from jaxmem.memory.spec import StepSpec
 from jaxmem.memory.transfers import format_transfers, transfer_plan
 
@@ -43,7 +44,8 @@ def step_report(spec: StepSpec, compiled: dict | None = None,
         "measured": measured or {"peak_bytes": None, "note": "not measured (pass --measure)"},
         "rule_of_thumb": {k: {"bytes": v, f"ratio_to_{ref_name}": v / ref}
                           for k, v in rule_of_thumb(analytic["params"]).items()},
-        "transfers": transfer_plan(spec, target.active().card if target.active() else None),
+        "transfers": transfer_plan(spec),
+        "time": seconds_report(spec, compiled.get("time")),
     }
 
 
@@ -81,7 +83,8 @@ def format_report(r: dict, unit: str | None = None) -> str:
               for k in ("temp", "argument", "output", "alias", "peak")]
     if c.get("host_bytes"):  # --remat offload: residuals in pinned host memory
         lines += [f"  {'host memory (offloaded; not in the peak)':<44}{_mb(c['host_bytes']):>18}"]
-    lines += [f"  {'flops':<44}{r['flops']:>18.4g}"]
+    if r["flops"] == r["flops"]:  # XLA's cost_analysis: None in a deviceless compile (nan)
+        lines += [f"  {'flops (XLA cost_analysis)':<44}{r['flops']:>18.4g}"]
     if "analytic" in r:
         lines += [f"  {'analytic / compiled':<44}{r['analytic_over_compiled']:>18.3f}"]
         m = r["measured"]
@@ -92,19 +95,35 @@ def format_report(r: dict, unit: str | None = None) -> str:
             lines += [f"  {k:<34}{_mb(v['bytes']):>16}  {ratio:6.2f}x {ratio_key[9:]}"]
     if r.get("transfers"):
         lines += [""] + format_transfers(r["transfers"])
+    if r.get("time"):
+        lines += [""] + format_seconds(r["time"])
+    elif "analytic" in r:
+        lines += ["", "predicted time: none for a CPU program (pass --target CARD: the time "
+                      "model reads the card's own compiled step)"]
     width = max(len(k) for k, _ in rows)
     return "\n".join([f"{k:<{width}}  {v}" for k, v in rows] + lines)
 
 
-def format_plan(result: dict, budget_gib: float) -> str:
-    """One line per candidate `plan` tried, in order, with its verdict."""
-    lines = [f"planner: budget {budget_gib:g} GiB; candidates fastest first "
-             f"(micro-batch desc, then remat none > dots_no_batch > names > full > offload, "
-             f"then mu fp32 > bf16)"]
+def format_plan(result: dict, budget_gib: float, timed: bool = False) -> str:
+    """One line per candidate `plan` tried, in order, with its verdict (and its predicted tok/s
+    where the step's time is predicted: `timed`)."""
+    if timed:
+        head = ("for each remat policy (none > dots_no_batch > names > full > offload) the "
+                "largest micro-batch that fits (then mu fp32 > bf16); the fastest predicted "
+                "is chosen")
+    else:
+        head = ("candidates in a fixed order, the first that fits chosen (micro-batch desc, "
+                "then remat none > dots_no_batch > names > full > offload, then mu fp32 > bf16;"
+                " no predicted time without a card: --target)")
+    lines = [f"planner: budget {budget_gib:g} GiB; {head}"]
+    chosen = result.get("chosen")
     for t in result["tried"]:
-        lines.append(f"  {'FITS ' if t['fits'] else 'no   '} micro {t['batch_size']:>4} x accum "
-                     f"{t['grad_accum']:>3}  remat {t['remat']:<40} mu {str(t['mu_dtype']):<5} "
-                     f"{t['reason']}")
+        seconds = ((t.get("compiled") or {}).get("time") or {}).get("seconds")
+        tokens = t["batch_size"] * t["grad_accum"] * t["seq_len"]
+        speed = f"; predicted {tokens / seconds:,.0f} tok/s" if seconds and t["fits"] else ""
+        mark = "CHOSE" if chosen is not None and t is chosen else "FITS " if t["fits"] else "no   "
+        lines.append(f"  {mark} micro {t['batch_size']:>4} x accum {t['grad_accum']:>3}  remat "
+                     f"{t['remat']:<40} mu {str(t['mu_dtype']):<5} {t['reason']}{speed}")
     return "\n".join(lines)
 
 

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jaxmem.loss.chunked import resolve_loss_chunk
+from jaxmem.memory.analytic import analytic_breakdown
+from jaxmem.memory.compiled import compile_step
 from jaxmem.memory.counted import Kind, Where, count_state
 from jaxmem.memory.spec import GiB, StepSpec
 from jaxmem.model.remat import RematPolicy, check_offload_supported
@@ -41,10 +44,11 @@ class Candidate:
     why_floor: str = ""
 
 
-def search(candidates, decide, log=None) -> dict:
+def search(candidates, decide, log=None, better=None) -> dict:
     """Decide what `candidates` (a generator of Candidate, sent each decided entry) proposes;
-    the chosen one is the last that fit (a generator that wants the first stops there).
-    log(entry): called with each entry as it is decided (progress)."""
+    the chosen one is the last that fit (a generator that wants the first stops there), or
+    with `better(new, old)` the best of those that fit. log(entry): called with each entry as
+    it is decided (progress)."""
     tried, chosen, entry = [], None, None
     try:
         while True:
@@ -53,7 +57,7 @@ def search(candidates, decide, log=None) -> dict:
             if log:
                 log(entry)
             tried.append(entry)
-            if entry["fits"]:
+            if entry["fits"] and (chosen is None or better is None or better(entry, chosen[0])):
                 chosen = (entry, cand.spec)
     except StopIteration:
         pass
@@ -80,32 +84,34 @@ def remat_candidates() -> list[str]:
 
 
 def _grid(base: StepSpec, global_batch: int, max_micro: int | None, shards: int, field: str,
-          values) -> list[StepSpec]:
+          values, remats=None) -> list[StepSpec]:
     """`base` at each micro-batch (largest first; `shards` divides it) x remat (least recompute
-    first) x each of values(micro-batch) for `field`, the global batch kept by accumulation."""
+    first; `remats`, default remat_candidates()) x each of values(micro-batch) for `field`, the
+    global batch kept by accumulation."""
     return [base.replace(batch_size=b, grad_accum=global_batch // b, remat=RematPolicy.parse(r),
                          **{field: v})
             for b in range(global_batch, 0, -1) if global_batch % b == 0 and b % shards == 0
             and (max_micro is None or b <= max_micro)
-            for r in remat_candidates() for v in values(b)]
+            for r in (remats or remat_candidates()) for v in values(b)]
 
 
 def candidates(base: StepSpec, global_batch: int, mu_dtypes=("fp32", "bf16"),
-               max_micro: int | None = None) -> list[StepSpec]:
+               max_micro: int | None = None, remats=None) -> list[StepSpec]:
     """Every configuration `plan` tries, fastest first (micro-batch, remat, mu dtype); one mu
     dtype where the optimizer's state holds no first moment whose dtype --mu-dtype sets
     (adamw8bit's codes and adafactor's)."""
     if _moment_bytes(base.replace(mu_dtype="fp32")) == _moment_bytes(base.replace(mu_dtype="bf16")):
         mu_dtypes = (base.mu_dtype,)
-    return _grid(base, global_batch, max_micro, 1, "mu_dtype", lambda b: mu_dtypes)
+    return _grid(base, global_batch, max_micro, 1, "mu_dtype", lambda b: mu_dtypes, remats)
 
 
 def by_speed(base: StepSpec, global_batch: int, mu_dtypes=("fp32", "bf16"),
-             max_micro: int | None = None):
-    """--fit's candidates; a smaller mu dtype right after its fp32 sibling, which did not fit
-    by its compile, gets that peak less 3 x the moments it saves as its floor."""
+             max_micro: int | None = None, remats=None):
+    """--fit's candidates in a fixed order (the first that fits is taken); a smaller mu dtype
+    right after its fp32 sibling, which did not fit by its compile, gets that peak less 3 x the
+    moments it saves as its floor."""
     last = None
-    for spec in candidates(base, global_batch, mu_dtypes, max_micro):
+    for spec in candidates(base, global_batch, mu_dtypes, max_micro, remats):
         floor, why = None, ""
         if last is not None and last[0].mu_dtype != spec.mu_dtype and \
                 last[0].replace(mu_dtype=spec.mu_dtype) == spec and \
@@ -118,6 +124,26 @@ def by_speed(base: StepSpec, global_batch: int, mu_dtypes=("fp32", "bf16"),
         if entry["fits"]:
             return
         last = (spec, entry)
+
+
+def by_time(base: StepSpec, global_batch: int, mu_dtypes=("fp32", "bf16"),
+            max_micro: int | None = None):
+    """--fit where the step's time is predicted (a card): for each remat policy, the largest
+    micro-batch (then mu dtype) that fits, as `by_speed` orders them; the fastest predicted of
+    those is chosen (`predicted_faster`), not the first in that fixed order."""
+    for remat in remat_candidates():
+        yield from by_speed(base, global_batch, mu_dtypes, max_micro, remats=(remat,))
+
+
+def predicted_seconds(entry: dict) -> float | None:
+    """A decided entry's predicted step time (jaxmem.memory.seconds), None where none."""
+    return ((entry.get("compiled") or {}).get("time") or {}).get("seconds")
+
+
+def predicted_faster(new: dict, old: dict) -> bool:
+    """Whether `new` is predicted faster than `old` (same global batch: the shorter step)."""
+    a, b = predicted_seconds(new), predicted_seconds(old)
+    return a is not None and (b is None or a < b)
 
 
 def _moment_bytes(spec: StepSpec) -> int:
@@ -145,7 +171,6 @@ def mesh_candidates_for(base: StepSpec, meshes, global_batch: int,
     meshes as given, micro-batch (largest first; only those data x fsdp divides), remat, the
     fused loss's chunk: the automatic one (<= 256 MiB of fp32 logits at the local batch), then a
     quarter of it. The step's other settings stay as given."""
-    from jaxmem.loss.chunked import resolve_loss_chunk
 
     def chunks(mesh, b):
         auto = resolve_loss_chunk(base.loss_chunk, b // mesh.batch_shards, base.seq_len,
@@ -254,14 +279,16 @@ class Decider:
 
 def plan(base: StepSpec, global_batch: int, budget_bytes: int, mu_dtypes=("fp32", "bf16"),
          max_micro: int | None = None, compile_fn=None, log=None, analytic_first: bool = True,
-         band: tuple[float, float] = ANALYTIC_BAND, phases_fn=None) -> dict:
-    """--fit: the first of `by_speed`'s candidates whose compiled run fits `budget_bytes`.
+         band: tuple[float, float] = ANALYTIC_BAND, phases_fn=None, timed: bool = False) -> dict:
+    """--fit: the first of `by_speed`'s candidates whose compiled run fits `budget_bytes`; with
+    `timed` (the steps' time is predicted: a card), the fastest predicted of `by_time`'s.
     compile_fn(spec) -> the compiled step (default: jaxmem.memory.compiled.compile_step)."""
-    from jaxmem.memory.analytic import analytic_breakdown
-    from jaxmem.memory.compiled import compile_step
     one = compile_fn or compile_step
     decide = Decider(budget_bytes, lambda s, m: one(s), lambda s, m: analytic_breakdown(s),
                      phases_fn, analytic_first, band)
+    if timed:
+        return search(by_time(base, global_batch, mu_dtypes, max_micro), decide, log,
+                      better=predicted_faster)
     return search(by_speed(base, global_batch, mu_dtypes, max_micro), decide, log)
 
 
@@ -279,7 +306,6 @@ def fit_seq(spec: StepSpec, budget_bytes: int, phases_fn, granule: int = GRANULE
             compile_fn=None, log=None, mesh: MeshSpec | None = None) -> dict:
     """--fit-seq: the longest multiple of `granule` tokens whose run fits (its largest phase, by
     phases_fn; on a mesh the per-device step). compile_fn(spec) or (spec, mesh)."""
-    from jaxmem.memory.compiled import compile_step
     cap = spec.model.max_position_embeddings
     granule = min(granule, cap)
     one = compile_fn or compile_step

@@ -7,6 +7,7 @@ it (`replace`) and the `--measure` worker receives it as JSON (`to_json` / `from
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 
@@ -17,8 +18,8 @@ from jaxmem.model.remat import RematPolicy
 from jaxmem.optim import LossScale
 from jaxmem.peft.lora import trainable_of
 from jaxmem.peft.trainable import FullFineTune, Trainable
-from jaxmem.train.run import make_step_config
-from jaxmem.train.step import StepConfig
+from jaxmem.model.attention import attention_path, on_xla
+from jaxmem.train import Footprint, StepConfig, footprint, make_step_config
 
 GiB = 2**30
 
@@ -93,6 +94,17 @@ class StepSpec:
             raise TypeError(f"StepSpec.replace: unknown field(s) {sorted(unknown)}")
         return StepSpec.of(**{**parts, **changes})
 
+    @functools.cached_property
+    def footprint(self) -> Footprint:
+        """What the step holds and moves beyond its arguments, as the trainer states it
+        (jaxmem.train.footprint): the planner's one question to the trainer's rules."""
+        return footprint(self.step, self.batch_size, self.seq_len)
+
+    @property
+    def attention_on_xla(self) -> bool:
+        """Whether the step's attention is XLA's (probabilities recomputed in the backward)."""
+        return on_xla(self.attention_path)
+
     def step_config(self) -> tuple[StepConfig, LossScale]:
         """(StepConfig, initial loss scale: make_step_config's, the precision mode's own)."""
         return self.step, self.loss_scale
@@ -102,7 +114,6 @@ class StepSpec:
         """The path the step's attention takes (jaxmem.model.attention decides)."""
         if self.attention:
             return self.attention
-        from jaxmem.model.attention import attention_path
         c, B, T = self.model, self.batch_size, self.seq_len
         # q [B, T, N, H], kv [B, S, K, H]; causal-only: the step passes no padding mask
         return attention_path((B, T, c.num_heads, c.resolved_head_dim),

@@ -230,6 +230,12 @@ def _cudnn_attention(q, k, v, mask=None, window=None):
                                         local_window_size=local, implementation="cudnn")
 
 
+def on_xla(path: str) -> bool:
+    """Whether `path` (an AttentionPath's) is the plain XLA path, whose backward recomputes the
+    probabilities and keeps no softmax statistics: what the planner asks of a path."""
+    return path == "xla"
+
+
 def _on_gpu() -> bool:
     """Compiling for a GPU: JAX's backend, or a `--target` card (jaxmem.target)."""
     return target.platform() == "gpu"

@@ -13,7 +13,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem.model.remat import TAGS, RematPolicy
-from jaxmem.optim._cuts import in_host_memory, to_device  # noqa: F401  (to_device re-exported)
+from jaxmem.optim import in_host_memory, to_device  # noqa: F401  (to_device re-exported)
 
 
 def layer_to_device(layer_params):

@@ -35,6 +35,12 @@ from jaxmem.model.lean import swiglu
 from jaxmem.einsum import project
 
 TILE_BYTES = 64 * 2**20  # fp32 [B, Tc, F] per tile
+# Tiles only from more than this many tokens per unit of model width D: below, the tiles' fp32
+# weight-gradient sums (3 x D x F x 4 bytes) outweigh the [B, T, F] activations tiling saves.
+# llama-3-8b bf16-sr remat full at 1 x 2048 (2,048 <= 3 x 4,096), the H100's compiled step:
+# untiled 48.37 GiB and 0.41 s predicted, in two tiles 49.03 GiB and 0.50 s (issue 51).
+# The in-backward step's rule is the same (jaxmem.train.inbackward_rules.mlp_tiles).
+TILE_MIN_TOKENS_PER_WIDTH = 3
 
 
 def tiles_under(remat) -> bool:
@@ -45,9 +51,19 @@ def tiles_under(remat) -> bool:
         t.startswith("mlp_") for t in remat.names))
 
 
-def mlp_tile(batch: int, seq_len: int, ffn: int) -> int:
-    """Sequence positions per MLP tile (seq_len: no tiling)."""
+def mlp_tile(batch: int, seq_len: int, ffn: int, hidden: int | None = None) -> int:
+    """Sequence positions per MLP tile (seq_len: no tiling): a tile's fp32 [B, Tc, F] within
+    TILE_BYTES; given the model's width `hidden`, no tiling at batch x seq_len <=
+    TILE_MIN_TOKENS_PER_WIDTH x hidden tokens (`tiling_pays`)."""
+    if hidden is not None and not tiling_pays(batch * seq_len, hidden):
+        return seq_len
     return max(1, min(seq_len, TILE_BYTES // (batch * ffn * 4)))
+
+
+def tiling_pays(tokens: int, hidden: int) -> bool:
+    """Whether the MLP's [B, T, F] activations outweigh the tiles' fp32 weight-gradient sums:
+    more than TILE_MIN_TOKENS_PER_WIDTH x hidden tokens (on one device)."""
+    return tokens > TILE_MIN_TOKENS_PER_WIDTH * hidden
 
 
 def _mlp(einsum, gated, x, wg, wu, wd):

@@ -41,6 +41,7 @@ from jaxmem.optim._adamw8bit import (
 # bf16 stochastic rounding
 from jaxmem.optim._stochastic import (RoundingPieces, apply_leaf_sr, apply_updates_sr, pieces,
                                       round_bf16, round_bf16_bits, row_chunks)
+from jaxmem.optim._stochastic import CHUNK as SR_CHUNK  # elements rounded at a time
 
 # Loss scaling (torch.amp.GradScaler semantics)
 from jaxmem.optim._loss_scale import (
@@ -67,6 +68,7 @@ from jaxmem.optim._partwise import NotSplittable, Parts, split
 
 # 8-bit AdamW updated and applied in place (the same kernel and state as adamw_8bit)
 from jaxmem.optim._fused import AdamW8bitInPlace, apply_leaf_in_place
+from jaxmem.optim._cuts import cols, in_host_memory, slab_at, to_device
 
 __all__ = [
     # 8-bit AdamW
@@ -75,10 +77,11 @@ __all__ = [
     "keep_small_fp32", "moment_pieces", "quantize", "scale_by_adam_8bit",
     "step_salt", "AdamW8bitInPlace", "apply_leaf_in_place",
     # stochastic rounding
-    "RoundingPieces", "apply_leaf_sr", "apply_updates_sr", "pieces", "round_bf16",
+    "RoundingPieces", "SR_CHUNK", "apply_leaf_sr", "apply_updates_sr", "pieces", "round_bf16",
     "round_bf16_bits", "row_chunks",
-    # one step part by part
-    "NotSplittable", "Parts", "split",
+    # one step part by part, and how a part is cut out and moved (the trainer's in-backward
+    # step and the model's host-resident layers cut and move the same way)
+    "NotSplittable", "Parts", "split", "cols", "in_host_memory", "slab_at", "to_device",
     # loss scaling
     "DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale", "all_finite",
     "select_tree",

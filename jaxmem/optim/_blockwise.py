@@ -9,6 +9,8 @@ nearest map value or stochastically (`quantize(..., salt=)`). `jaxmem.optim._ada
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -165,12 +167,79 @@ def _boundaries(qmap: np.ndarray) -> np.ndarray:
     return mids
 
 
+def _interval_table(edges: np.ndarray, below) -> tuple[np.ndarray, int]:
+    """A search of the sorted `edges` in one gather: for each of the 65,536 intervals of fp32
+    values that share their top 16 bits (sign, exponent, 7 mantissa bits), `below(edges, v)`
+    at the interval's least value v, and the most edges any interval holds inside it (the
+    refinement steps a value of it may need beyond the table's answer). NaN's intervals give 0:
+    a NaN compares false with every edge, as in a binary search (a NaN whose top bits are
+    inf's, which no arithmetic makes, reads as inf)."""
+    bits = np.arange(65536, dtype=np.uint64).astype(np.uint32) << np.uint32(16)
+    first, last = bits.view(np.float32), (bits | np.uint32(0xFFFF)).view(np.float32)
+    negative = bits >= np.uint32(0x80000000)
+    least, most = np.where(negative, last, first), np.where(negative, first, last)
+    nan = np.isnan(least)  # a NaN interval; the one starting at inf: inf, then NaNs
+    most = np.where(np.isnan(most), least, most)
+    # a subnormal interval starts at zero: a device that flushes subnormals (XLA:CPU does)
+    # compares them as 0, one that does not finds the edges above 0 in the refinement step
+    tiny = np.finfo(np.float32).tiny
+    least = np.where(np.abs(least) < tiny, np.float32(0.0), least)
+    lo, hi = below(edges, np.where(nan, 0, least)), below(edges, np.where(nan, 0, most))
+    return np.where(nan, 0, lo).astype(np.uint8), int(np.max(np.where(nan, 0, hi - lo)))
+
+
+def _tabled(normed: jax.Array, table: tuple[np.ndarray, int], edges: np.ndarray,
+            step) -> jax.Array:
+    """The table's answer for each value's interval, then its refinement steps (`step(idx,
+    edges)`: the next index), all in one fusion: one gather from a 64 KiB constant, where a
+    binary search over the 256 entries chained 8 gathers that XLA's GPU fusion would not merge
+    (each step's index is read twice), materializing an int32 index array per step."""
+    codes, steps = table
+    top = (jax.lax.bitcast_convert_type(normed, jnp.uint32) >> 16).astype(jnp.int32)
+    idx = jnp.asarray(codes)[top].astype(jnp.int32)
+    for _ in range(steps):
+        idx = step(idx, jnp.asarray(edges, jnp.float32))
+    return idx
+
+
+def _count_below(edges, v):
+    """How many edges are strictly below v (searchsorted, side left), at most 255."""
+    return np.minimum(np.searchsorted(edges, v, side="left"), 255)
+
+
+def _last_at_or_below(edges, v):
+    """The last index whose edge is <= v, else 0 (searchsorted, side right, less one)."""
+    return np.maximum(np.searchsorted(edges, v, side="right") - 1, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _tables(which: str) -> dict:
+    """The nearest-code and stochastic-code tables of SIGNED_MAP or UNSIGNED_MAP."""
+    qmap = {"signed": SIGNED_MAP, "unsigned": UNSIGNED_MAP}[which]
+    mids = _boundaries(qmap)
+    return {"mids": mids, "nearest": _interval_table(mids, _count_below),
+            "lower": _interval_table(qmap, _last_at_or_below)}
+
+
+def _map_name(qmap: np.ndarray) -> str | None:
+    for name, m in (("signed", SIGNED_MAP), ("unsigned", UNSIGNED_MAP)):
+        if qmap is m or np.array_equal(qmap, m):
+            return name
+    return None
+
+
 def _nearest_code(normed: jax.Array, qmap: np.ndarray) -> jax.Array:
     """Index of the nearest value of the sorted 256-entry `qmap` (`_boundaries` says the one
-    exception): the number of decision boundaries below each value, found by a binary search
-    unrolled into 8 elementwise steps. jnp.searchsorted runs a while loop over the whole array,
-    which XLA cannot fuse: on llama-3-8b's shapes it kept ~37 B/param of temporaries; this is one
-    fused loop."""
+    exception): the number of decision boundaries below each value. For the two maps of this
+    module a 64 KiB table of the fp32 values' top 16 bits answers it in one gather and one
+    comparison (`_tabled`); for any other map, a binary search unrolled into 8 elementwise
+    steps. (jnp.searchsorted runs a while loop over the whole array, which XLA cannot fuse: on
+    llama-3-8b's shapes it kept ~37 B/param of temporaries.)"""
+    name = _map_name(qmap)
+    if name is not None:
+        t = _tables(name)
+        return _tabled(normed, t["nearest"], t["mids"],
+                       lambda idx, mids: idx + (mids[idx] < normed))  # mids[255] = inf
     mids = jnp.asarray(_boundaries(qmap), jnp.float32)  # [256]
     idx = jnp.where(mids[127] < normed, 128, 0)  # the first step compares with one constant
     for step in (64, 32, 16, 8, 4, 2, 1):
@@ -201,12 +270,17 @@ def _stochastic_code(normed: jax.Array, qmap: np.ndarray, salt: jax.Array) -> ja
     probability (value - lower) / (upper - lower), so that E[qmap[code]] = value (clamped to the
     map's range). The uniform number is a hash of the value's fp32 bits and `salt`: a function
     of what is rounded, not of where it lies, so an update in row pieces, on shards or layer by
-    layer rounds every element as the whole-leaf update does. The lower value is found by a
-    binary search unrolled into 8 elementwise steps, as in `_nearest_code`."""
+    layer rounds every element as the whole-leaf update does. The lower value is found as in
+    `_nearest_code`: a table and one refinement for this module's maps, else a binary search."""
     vals = jnp.asarray(qmap, jnp.float32)
-    lo = jnp.where(vals[128] <= normed, 128, 0)
-    for step in (64, 32, 16, 8, 4, 2, 1):
-        lo = jnp.where(vals[lo + step] <= normed, lo + step, lo)
+    name = _map_name(qmap)
+    if name is not None:  # the table of `_nearest_code`, of the values themselves
+        lo = _tabled(normed, _tables(name)["lower"], qmap, lambda lo, v: jnp.where(
+            v[jnp.minimum(lo + 1, 255)] <= normed, jnp.minimum(lo + 1, 255), lo))
+    else:
+        lo = jnp.where(vals[128] <= normed, 128, 0)
+        for step in (64, 32, 16, 8, 4, 2, 1):
+            lo = jnp.where(vals[lo + step] <= normed, lo + step, lo)
     hi = jnp.minimum(lo + 1, 255)
     gap = vals[hi] - vals[lo]
     frac = jnp.where(gap > 0, (normed - vals[lo]) / jnp.where(gap > 0, gap, 1.0), 0.0)

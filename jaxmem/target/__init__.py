@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from jaxmem.target._cards import CARDS, Card, HostLink, target_config
 from jaxmem.target._host import Lowered
 
-__all__ = ["CARDS", "Card", "HostLink", "Target", "TargetError", "active", "card",
+__all__ = ["CARDS", "Card", "HostLink", "Target", "TargetError", "active", "card", "card_here",
            "check_installed", "compiler", "compiling_for", "device_count", "devices",
            "host_device", "install_hint", "lower", "platform", "prepare", "target_config"]
 
@@ -123,6 +123,19 @@ def compiler() -> str:
     if backend == "cpu":
         return f"XLA:CPU (jax {jax.__version__}; not a GPU's program: compile with --target)"
     return f"{jax.devices()[0].device_kind} ({backend}, jax {jax.__version__})"
+
+
+def card_here() -> Card | None:
+    """The card programs are compiled for: the target's inside `compiling_for`, else the GPU this
+    process runs on where its CUDA name is one of CARDS'; None on a CPU or an unknown GPU."""
+    t = _ACTIVE.get()
+    if t is not None:
+        return t.card
+    if platform() != "gpu":
+        return None
+    import jax  # noqa: PLC0415
+    kind = jax.devices()[0].device_kind
+    return next((c for c in CARDS.values() if c.device_name == kind), None)
 
 
 def card(name: str) -> Card:

@@ -66,6 +66,9 @@ class Card:
         with FP16 accumulation and half that with FP32; the L40S's 362 (733 with sparsity) is
         its data sheet's one BF16 figure, which NVIDIA does not split by accumulator.
     host_link: the PCIe link to the host (HostLink): assumed, not read from a card.
+    nvlink: NVLink bandwidth between two cards of one board, bytes/s each way per card (0: the
+        cards talk over PCIe, as the PCIe and consumer models do): NVLink 4 on the H100 / H200
+        SXM 450 GB/s, NVLink 3 on the A100 SXM 300 GB/s (NVIDIA's data sheets).
     """
 
     name: str
@@ -84,6 +87,7 @@ class Card:
     peak_tflops: tuple[float, float]
     host_link: HostLink
     accelerated: bool = False
+    nvlink: float = 0.0
 
     @property
     def memory_gib(self) -> float:
@@ -97,13 +101,15 @@ class Card:
 
 CARDS: dict[str, Card] = {c.name: c for c in (
     Card("h100", "NVIDIA H100 80GB HBM3", 9, 0, 132, 128, 84_942_979_072, 3.35e12, 1.98,
-         50 * 2**20, 233_472, 232_448, 2048, (989.0, 1979.0), PCIE5_X16, accelerated=True),
+         50 * 2**20, 233_472, 232_448, 2048, (989.0, 1979.0), PCIE5_X16, accelerated=True,
+         nvlink=450e9),
     Card("h100-pcie", "NVIDIA H100 PCIe", 9, 0, 114, 128, 84_942_979_072, 2.04e12, 1.755,
          50 * 2**20, 233_472, 232_448, 2048, (756.0, 1513.0), PCIE5_X16, accelerated=True),
     Card("h200", "NVIDIA H200", 9, 0, 132, 128, 150_754_820_096, 4.8e12, 1.98,
-         50 * 2**20, 233_472, 232_448, 2048, (989.0, 1979.0), PCIE5_X16, accelerated=True),
+         50 * 2**20, 233_472, 232_448, 2048, (989.0, 1979.0), PCIE5_X16, accelerated=True,
+         nvlink=450e9),
     Card("a100", "NVIDIA A100-SXM4-80GB", 8, 0, 108, 64, 85_100_068_864, 2.04e12, 1.41,
-         40 * 2**20, 167_936, 166_912, 2048, (312.0, 0.0), PCIE4_X16),
+         40 * 2**20, 167_936, 166_912, 2048, (312.0, 0.0), PCIE4_X16, nvlink=300e9),
     Card("a100-pcie", "NVIDIA A100 80GB PCIe", 8, 0, 108, 64, 85_100_068_864, 1.94e12, 1.41,
          40 * 2**20, 167_936, 166_912, 2048, (312.0, 0.0), PCIE4_X16),
     Card("a6000", "NVIDIA RTX A6000", 8, 6, 84, 128, 51_041_271_808, 7.68e11, 1.8,

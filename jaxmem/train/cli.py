@@ -105,9 +105,10 @@ def _choose_config(overrides: dict, resume: bool, out: Path):
     saved, record = read_run_config(out)
     # --stop-at is an instruction to one invocation, not part of the run: never inherited;
     # nor are --mesh (a resumed run gets the default mesh of the devices it has now) and
-    # --no-memory-check (the check is about the device this invocation runs on).
+    # --no-memory-check (the check is about the device this invocation runs on) and --profile.
     base = saved.replace({"run.stop_at": None, "parallel.mesh": None,
-                          "run.no_memory_check": False}) if resume else RunConfig()
+                          "run.no_memory_check": False, "run.profile": None}) if resume \
+        else RunConfig()
     cfg = base.replace(overrides)
     fixed = _fixed_differences(saved, record, cfg)
     if fixed and resume:

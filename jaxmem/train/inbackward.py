@@ -75,7 +75,7 @@ from jaxmem.model.fetch import in_host_memory, layer_to_device, to_device
 from jaxmem.model.precision import cast_params
 from jaxmem.einsum import logits_einsum, project
 from jaxmem.optim import NoOpLossScale, NotSplittable, Parts, all_finite, row_chunks
-from jaxmem.optim._cuts import cols
+from jaxmem.optim import cols
 from jaxmem.train.loss import cross_entropy
 from jaxmem.train.inbackward_rules import head_slice, mlp_slabs, mlp_tiles
 from jaxmem.train.inbackward_slabs import layer_in_slabs, plan as slab_plan

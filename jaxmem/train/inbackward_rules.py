@@ -17,7 +17,8 @@ import jax
 from jaxmem.families.decoder import abstract_params
 from jaxmem.families.names import EMBEDDING, HEAD, LAYERS
 from jaxmem.loss.chunked import AUTO_CHUNK_BYTES, resolve_loss_chunk
-import jaxmem.optim._stochastic as sr
+from jaxmem.model.tiled import tiling_pays
+from jaxmem.optim import SR_CHUNK
 
 
 def mlp_tiles(c, tokens: int) -> bool:
@@ -25,7 +26,7 @@ def mlp_tiles(c, tokens: int) -> bool:
     that saves memory at all): only at more than 3 D tokens per micro-batch, where its [B, T, F]
     activations outweigh the tiles' fp32 weight-gradient sums (3 x D x F x 4 bytes, which the
     untiled MLP's bf16 gradients, the part's own, do not need). The planner asks this too."""
-    return tokens > 3 * c.hidden_size
+    return tiling_pays(tokens, c.hidden_size)
 
 
 SLAB = 2**22  # elements of one MLP weight's slab at most (its update's temporaries: ~25 B each)
@@ -90,12 +91,12 @@ def head_slice(shape, block: int | None, tokens: int) -> int:
     in under --optimizer-in-backward (`_head_in_slices`; `block`: its optimizer state's
     `Parts.column_block`, None where it cannot be updated in columns), or 0: made whole. The
     largest divisor of V that is a multiple of `block` with one slice's update at most
-    sr.CHUNK elements and its fp32 logits [B, T, Vc] (`tokens` = B x T) at most the fused
+    SR_CHUNK elements and its fp32 logits [B, T, Vc] (`tokens` = B x T) at most the fused
     loss's AUTO_CHUNK_BYTES; 0 where that leaves over 2,048 slices."""
     D, V = shape
     if not block:
         return 0
-    fits = [w for w in range(block, V + 1, block) if V % w == 0 and D * w <= sr.CHUNK
+    fits = [w for w in range(block, V + 1, block) if V % w == 0 and D * w <= SR_CHUNK
             and tokens * w * 4 <= AUTO_CHUNK_BYTES]
     return max(fits) if fits and V // max(fits) <= 2048 else 0
 

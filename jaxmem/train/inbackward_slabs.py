@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem.families.decoder import DecoderBlock
-from jaxmem.optim._cuts import slab_at
+from jaxmem.optim import slab_at
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,9 +14,11 @@ to commit before the process exits, and a summary line gives the pauses and writ
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -28,7 +30,9 @@ from jaxmem.decode.stopping import eos_ids, sample_dtype
 from jaxmem.io.checkpoint import Checkpointer
 from jaxmem.train.rundir import (CKPT_DIR, copy_tokenizer,
                               write_run_config)
-from jaxmem.perf import device_memory
+from jaxmem import target
+from jaxmem.perf import device_memory, flops_per_token
+from jaxmem.xla.timing import Machine, step_time
 from jaxmem.train import failures
 from jaxmem.train.placement import Placement
 from jaxmem.train.evaluate import EvalBatches, evaluate
@@ -83,15 +87,29 @@ def eval_prompt(eval_tokens, tokenizer, max_chars: int = 60) -> str:
     return line[:max_chars] + "\n" if len(line) <= max_chars else line[:max_chars]
 
 
-def _too_big(cfg, par, train_step, args) -> str | None:
-    """Where the backend reports the device's size: the train step compiled for these arguments
-    (the run's own compile: its first call finds the executable in jit's cache, no second
-    compile), and `failures.too_big_message` when its peak exceeds the device. Else None."""
-    limit = failures.device_bytes()
-    if not limit:  # the CPU reports no size: nothing to compare with
+PROFILED_STEPS = 3  # --profile traces the run's last steps, compiled and warm
+PROFILE_STEPS_FILE = "profiled_steps.json"  # beside the trace: which steps it holds
+
+
+def _predicted(s, compiled, steps: int) -> str | None:
+    """On a card jaxmem.target knows, the step's predicted time read from its compiled program
+    (jaxmem.xla.timing), and the run's: a line for the banner. None elsewhere (a CPU)."""
+    card = target.card_here()
+    if card is None or compiled is None:
         return None
-    peak = failures.compiled_peak(train_step.lower(*args).compile())
-    return failures.too_big_message(cfg, peak, limit, 1 if par.mesh is None else par.mesh.size)
+    t = step_time(compiled.as_text(), Machine.of_card(card))
+    d = s.cfg.data
+    tokens = d.batch_size * d.seq_len * d.grad_accum
+    mfu = flops_per_token(s.model_cfg, d.seq_len) * tokens / t.seconds / (
+        card.peak_tflops[0] * 1e12)
+    return (f"predicted on the {card.name} (its compiled step, jaxmem.xla.timing; not a "
+            f"measurement): {t.seconds:.3f} s/step, {tokens / t.seconds:,.0f} tokens/s, MFU "
+            f"{mfu:.1%}; {steps:,} steps ~ {_duration(steps * t.seconds)}")
+
+
+def _duration(seconds: float) -> str:
+    h, m = divmod(round(seconds / 60), 60)
+    return f"{h} h {m:02d} min" if h else f"{m} min" if m else f"{seconds:.0f} s"
 
 
 class _Batches:
@@ -199,12 +217,22 @@ class _Run:
         # batches consumed so far, as the state recorded them
         self.position = int(par.host(self.state.data_position))
 
-    def refusal(self) -> str | None:
-        """Where the device reports its size, why the step does not fit (else None)."""
-        if self.start >= self.end or self.r.no_memory_check:
+    def compiled(self):
+        """The train step compiled for the run's arguments where the backend reports the
+        device's size (a GPU; the run's own compile: its first call finds the executable in
+        jit's cache, no second compile), else None (the CPU: nothing to check or predict)."""
+        if self.start >= self.end or not failures.device_bytes():
             return None
-        return _too_big(self.cfg, self.par, self.train_step,
-                        (self.state, self.batches.at(self.position), *self.frozen))
+        args = (self.state, self.batches.at(self.position), *self.frozen)
+        return self.train_step.lower(*args).compile()
+
+    def refusal(self, compiled) -> str | None:
+        """Why the compiled step does not fit the device (else None)."""
+        if compiled is None or self.r.no_memory_check:
+            return None
+        return failures.too_big_message(
+            self.cfg, failures.compiled_peak(compiled), failures.device_bytes(),
+            1 if self.par.mesh is None else self.par.mesh.size)
 
     def evaluate(self) -> float | None:
         """The mean token loss on the held-out batches (None: there are none), by the function
@@ -227,7 +255,13 @@ class _Run:
         r, steps = self.r, self.steps
         step, pending, eval_loss, t_last = self.start, None, None, time.perf_counter()
         max_skips = self.cfg.precision.max_consecutive_skips
+        # the last PROFILED_STEPS steps, after compilation where the run has enough steps
+        trace_from = max(self.start, self.end - PROFILED_STEPS, min(rec.first_timed,
+                                                                   self.end - 1)) \
+            if r.profile else None
         while step < self.end and stop.requested is None and rec.skips_in_a_row <= max_skips:
+            if step == trace_from:  # the last steps, compiled: a profile of the steady state
+                jax.profiler.start_trace(r.profile, create_perfetto_trace=True)
             self.state, metrics = self.train_step(self.state, self.batches.at(self.position),
                                                   *self.frozen)
             step, self.position = step + 1, self.position + self.batches.grad_accum
@@ -252,6 +286,11 @@ class _Run:
         if pending is not None:  # the last step (end, --stop-at, signal, skip limit): to its result
             jax.block_until_ready(pending[1])
             rec.record(*pending[:2], pending[2] + time.perf_counter() - t_last)
+        if trace_from is not None and step > trace_from:
+            jax.profiler.stop_trace()
+            Path(r.profile, PROFILE_STEPS_FILE).write_text(json.dumps(
+                {"first": trace_from + 1, "last": step, "steps": step - trace_from}))
+            rec.say(f"profile of steps {trace_from + 1}-{step}: {r.profile}")
         rec.bar.close()
         return step, eval_loss
 
@@ -271,7 +310,8 @@ def train(s: Setup) -> int:
     """Run the loop for a validated `Setup` (jaxmem.train.cli.setup); returns the exit status."""
     par = s.placement or Placement.single()  # one device, or a mesh (jaxmem.parallel)
     run = _Run(s, par)
-    refusal = run.refusal()  # before anything is written: the run directory stays as it was
+    compiled = run.compiled()
+    refusal = run.refusal(compiled)  # before anything is written: the run directory stays as it was
     if refusal:
         if s.ckpt is not None:
             s.ckpt.close()
@@ -287,6 +327,9 @@ def train(s: Setup) -> int:
                   state_peak=run.state_peak)
     saves = _Saves(ckpt, s.cfg, run.start if run.resumed else None)
     rec.say(_banner(s, run.state, run.start, run.resumed, rec.device), flush=True)
+    predicted = _predicted(s, compiled, run.end - run.start)
+    if predicted:
+        rec.say(predicted, flush=True)
     t_start = time.perf_counter()
     with _Stop() as stop:
         step, eval_loss = run.loop(rec, saves, stop)

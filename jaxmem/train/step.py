@@ -186,6 +186,39 @@ def step_key(rng: jax.Array, step: jax.Array) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(wrap_key_data(rng), step), SR_STREAM)
 
 
+def _scaled_gradients(cfg: StepConfig, model, state: TrainState, batch, frozen,
+                      total_tokens):
+    """(the loss-scaled gradients of the step's mean token loss, summed over the
+    `cfg.grad_accum` micro-batches of `batch` (a scan), on a mesh split like the params; the
+    unscaled loss). The params are cast to the compute dtype inside grad: fp32 gradients for
+    fp32 masters."""
+    compute_dtype = cfg.precision.compute_dtype
+
+    def micro_loss(params, mb):
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)  # dropout
+        params, dtype = cfg.trainable.model_params(params, frozen, compute_dtype, key)
+        total, _ = token_loss(model, params, mb, cfg.attention_padding, dtype, cfg.loss_chunk)
+        loss = total / total_tokens
+        return state.loss_scale.scale(loss), loss
+
+    grad_fn = jax.grad(micro_loss, has_aux=True)
+
+    def sharded_grad(params, mb):  # on a mesh: gradients split like the params
+        g, loss = grad_fn(params, mb)
+        return constrain_grads(g), loss
+
+    def accumulate(carry, mb):
+        g_sum, loss_sum = carry
+        g, loss = sharded_grad(state.params, mb)
+        return (jax.tree_util.tree_map(jnp.add, g_sum, g), loss_sum + loss), None
+
+    if cfg.grad_accum == 1:
+        return sharded_grad(state.params, jax.tree_util.tree_map(lambda x: x[0], batch))
+    zeros = constrain_grads(jax.tree_util.tree_map(jnp.zeros_like, state.params))
+    (grads, loss), _ = jax.lax.scan(accumulate, (zeros, jnp.zeros((), jnp.float32)), batch)
+    return grads, loss
+
+
 def make_train_step(cfg: StepConfig, optimizer: Optimizer | None = None):
     """The pure train step for `cfg` (un-jitted; see `jit_train_step`).
 
@@ -203,37 +236,10 @@ def make_train_step(cfg: StepConfig, optimizer: Optimizer | None = None):
         optimizer = cfg.optimizer.apply
     update = loss_scaled(skip_nonfinite(optimizer)).update_and_apply
     lr_at = schedule(cfg.optim)
-    compute_dtype = cfg.precision.compute_dtype
 
     def train_step(state: TrainState, batch, frozen=None):
         total_tokens = jnp.maximum(jnp.sum(batch["mask"]).astype(jnp.float32), 1.0)
-
-        def micro_loss(params, mb):
-            key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)  # dropout
-            params, dtype = cfg.trainable.model_params(params, frozen, compute_dtype, key)
-            # the cast happens inside grad: fp32 grads for fp32 masters
-            total, _ = token_loss(model, params, mb, cfg.attention_padding, dtype,
-                                  cfg.loss_chunk)
-            loss = total / total_tokens
-            return state.loss_scale.scale(loss), loss
-
-        grad_fn = jax.grad(micro_loss, has_aux=True)
-
-        def sharded_grad(params, mb):  # on a mesh: gradients split like the params
-            g, loss = grad_fn(params, mb)
-            return constrain_grads(g), loss
-
-        def accumulate(carry, mb):
-            g_sum, loss_sum = carry
-            g, loss = sharded_grad(state.params, mb)
-            return (jax.tree_util.tree_map(jnp.add, g_sum, g), loss_sum + loss), None
-
-        if cfg.grad_accum == 1:
-            grads, loss = sharded_grad(state.params, jax.tree_util.tree_map(lambda x: x[0], batch))
-        else:
-            zeros = constrain_grads(jax.tree_util.tree_map(jnp.zeros_like, state.params))
-            (grads, loss), _ = jax.lax.scan(accumulate, (zeros, jnp.zeros((), jnp.float32)), batch)
-
+        grads, loss = _scaled_gradients(cfg, model, state, batch, frozen, total_tokens)
         # the wrapper unscales the same way; XLA computes the unscaled gradients once
         grad_norm = tree_norm(state.loss_scale.unscale(grads))
         wrapped = LossScaledState(

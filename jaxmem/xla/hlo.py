@@ -144,7 +144,7 @@ def _on_host(type_: str) -> bool:
     return _HOST_SPACE in type_
 
 
-def _direction(result: str, operands: list[str]) -> tuple[str, int] | None:
+def direction(result: str, operands: list[str]) -> tuple[str, int] | None:
     """("H2D", bytes) / ("D2H", bytes) for an instruction that writes `result` from arrays of
     types `operands` (tuples and scalars, such as slice offsets, left out), or None where it
     moves nothing between host and device memory. The bytes are the device side's: the slice
@@ -207,9 +207,9 @@ def host_transfers(text: str) -> list[dict]:
             operand_types = [instrs[o]["type"] for o in ins["operands"] if o in instrs]
             done = done_of.get(name) if ins["op"].endswith("-start") else None
             if done is not None:  # the result is the done's; the operands are the start's
-                moved = _direction(instrs[done]["type"], operand_types)
+                moved = direction(instrs[done]["type"], operand_types)
             elif ins["op"] in _MOVES:
-                moved = _direction(ins["type"], operand_types)
+                moved = direction(ins["type"], operand_types)
             else:
                 continue
             if moved is None:

@@ -1,0 +1,131 @@
+"""The time model against every GPU row measured so far: the table of docs/results.md
+"Predicted against measured".
+
+    python -m experiments.tables.time_calibration [--rows NAME ...] [--timeout 900]
+
+Each row is `python -m jaxmem.memory <the row's flags> --target CARD --json` in a process of its
+own (the gpu-plan extra): the step compiled by the card's own XLA compiler, deviceless, and its
+predicted tok/s (jaxmem.memory.seconds, one set of constants for every row), set beside the
+tok/s measured on that card. The programs compiled are TODAY's: a row measured at an older commit
+ran an older program (the commit is printed with it), which the table says rather than hides.
+
+Measured rows (docs/results.md, experiments/results/gpu_check_h200_2026-11-27*.md):
+- H100 80GB HBM3, 2026-11-23, commit 25ec38c, jax 0.11.2: the first GPU session (DESIGN.md);
+  the 8B rows there made the state under jax.jit by hand (`jaxmem.train` ran out of memory then);
+  the compare rows are `experiments.compare` amp-bf16 4x2048.
+- H200, 2026-11-27, commits 4a55a87 / 27cf40f, jax 0.11.2: `experiments.gpu_check`.
+Prints markdown and writes experiments/results/time_calibration_<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from experiments.common.resultfiles import new_result_file
+from experiments.tables.what_fits import run_memory
+
+_1B = ("--preset", "llama-3.2-1b", "--seq-len", "2048")
+_8B = ("--preset", "llama-3-8b", "--seq-len", "2048", "--precision", "bf16-sr",
+       "--optimizer", "adamw8bit", "--remat", "full")
+_AMP = ("--precision", "amp-bf16")
+_LORA = (*_1B, *_AMP, "--remat", "full", "--batch-size", "1", "--lora-rank", "16",
+         "--lora-alpha", "32")
+_IB = ("--optimizer-in-backward", "--offload-optimizer", "host")
+_SELECTIVE = "names:query,key,value,attn_context,mlp_gate,mlp_up"
+
+# name, card, measured tok/s, commit, where it was measured, the planner's flags
+ROWS = [
+    ("1b-adamw", "h100", 39_316, "25ec38c", "DESIGN.md H100 table",
+     (*_1B, *_AMP, "--remat", "full", "--batch-size", "8")),
+    ("1b-adamw8bit", "h100", 36_509, "25ec38c", "DESIGN.md H100 table",
+     (*_1B, *_AMP, "--remat", "full", "--batch-size", "8", "--optimizer", "adamw8bit")),
+    ("1b-fp8", "h100", 25_783, "25ec38c", "DESIGN.md H100 table",
+     (*_1B, "--precision", "fp8", "--remat", "full", "--batch-size", "8")),
+    ("8b-1x2048", "h100", 2_926, "25ec38c", "DESIGN.md H100 table (state made by hand)",
+     (*_8B, "--batch-size", "1")),
+    ("8b-4x2048", "h100", 5_461, "25ec38c", "DESIGN.md H100 table (state made by hand)",
+     (*_8B, "--batch-size", "4")),
+    ("qlora-nf4", "h100", 40_734, "25ec38c", "DESIGN.md H100 table",
+     (*_LORA, "--quantize-base", "nf4", "--double-quant")),
+    ("lora-bf16", "h100", 45_552, "25ec38c", "DESIGN.md H100 table",
+     (*_LORA, "--quantize-base", "none")),
+    ("compare-none", "h100", 45_403, "25ec38c", "experiments.compare log, DESIGN.md",
+     (*_1B, *_AMP, "--remat", "none", "--batch-size", "4")),
+    ("compare-full", "h100", 37_072, "25ec38c", "experiments.compare log, DESIGN.md",
+     (*_1B, *_AMP, "--remat", "full", "--batch-size", "4")),
+    ("compare-selective", "h100", 45_169, "25ec38c", "experiments.compare log, DESIGN.md",
+     (*_1B, *_AMP, "--remat", _SELECTIVE, "--batch-size", "4")),
+    ("1b-adamw", "h200", 42_442, "4a55a87", "gpu_check_h200_2026-11-27.md",
+     (*_1B, *_AMP, "--remat", "full", "--batch-size", "8")),
+    ("8b-1x2048", "h200", 3_463, "27cf40f", "gpu_check_h200_2026-11-27-3.md",
+     (*_8B, "--batch-size", "1")),
+    ("8b-opt-host", "h200", 1_392, "27cf40f", "gpu_check_h200_2026-11-27-3.md",
+     (*_8B, "--batch-size", "1", *_IB)),
+    ("8b-both-host", "h200", 895, "27cf40f", "gpu_check_h200_2026-11-27-3.md",
+     (*_8B, "--batch-size", "1", *_IB, "--offload-params", "host")),
+    ("8b-both-host-4x", "h200", 2_864, "27cf40f", "gpu_check_h200_2026-11-27-4.md",
+     (*_8B, "--batch-size", "4", *_IB, "--offload-params", "host")),
+]
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| row | card | measured tok/s (commit) | predicted tok/s | predicted / measured | "
+             "predicted MFU | busy s: gemm / attention / fusion / copy / host | costliest class |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['row']} | {r['card']} | {r['measured']:,} ({r['commit']}) | "
+                         f"error: {r['error']} | | | | |")
+            continue
+        b = r["busy"]
+        busy = " / ".join(f"{b.get(k, 0):.3f}" for k in ("gemm", "attention", "fusion", "copy",
+                                                           "host transfer"))
+        lines.append(
+            f"| {r['row']} | {r['card']} | {r['measured']:,} ({r['commit']}) | "
+            f"{r['predicted']:,.0f} | {r['ratio']:.2f} | {r['mfu']:.1%} | {busy} | "
+            f"{max(b, key=b.get)} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", nargs="+", help="row names (default: every row)")
+    ap.add_argument("--timeout", type=float, default=900)
+    args = ap.parse_args(argv)
+    rows = []
+    for name, card, measured, commit, source, flags in ROWS:
+        if args.rows and name not in args.rows:
+            continue
+        t0 = time.time()
+        r = run_memory([*flags, "--target", card], args.timeout)
+        row = {"row": name, "card": card, "measured": measured, "commit": commit,
+               "source": source, "flags": list(flags)}
+        if "error" in r or not r.get("time"):
+            row["error"] = r.get("error", "no predicted time")
+        else:
+            t = r["time"]
+            row.update(predicted=t["tokens_per_s"], ratio=t["tokens_per_s"] / measured,
+                       mfu=t["mfu"], seconds=t["seconds"], busy=t["busy_seconds"],
+                       costliest=t["costliest"][:3], kernels=t["kernels"],
+                       unknown_loops=t["unknown_loops"], compiler=r.get("compiler"))
+        rows.append(row)
+        print(f"{name:<18} {card:<5} measured {measured:>7,}  predicted "
+              f"{row.get('predicted', float('nan')):>9,.0f}  ratio {row.get('ratio', float('nan')):.2f}"
+              f"  ({time.time() - t0:.0f} s){' ' + row['error'] if 'error' in row else ''}",
+              flush=True)
+    table = markdown(rows)
+    print("\n" + table)
+    ok = [r for r in rows if "ratio" in r]
+    if ok:
+        within = sum(0.8 <= r["ratio"] <= 1.2 for r in ok)
+        print(f"\n{within} of {len(ok)} rows within +-20% of their measured tok/s")
+    path = new_result_file("time_calibration")
+    path.write_text(json.dumps({"rows": rows, "markdown": table}, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

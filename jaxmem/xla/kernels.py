@@ -1,0 +1,236 @@
+"""One kernel of a compiled GPU program costed from its own HLO: the card's facts (`Machine`),
+the share of them each kind of kernel reaches (`Efficiency`), and each kernel's class, FLOPs,
+bytes and seconds (`kernel`, `transfer`). jaxmem.xla.timing runs a whole program's schedule
+with these; its docstring says the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from jaxmem.xla.collectives import group_size, kind_of, ring_bytes
+from jaxmem.xla.hlo import attr, called, direction, shape_bytes, tuple_elements
+
+_DIMS = re.compile(r"\[([^\]]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """The card's facts the time model reads (jaxmem.target.Card gives them): dense bf16 and fp8
+    FLOP/s, HBM bytes/s, the host link's usable bytes/s each way, the interconnect's bytes/s per
+    device each way (NVLink; 0: one card), and its SM count."""
+
+    name: str
+    flops: float
+    fp8_flops: float
+    hbm: float
+    host_link: float
+    interconnect: float
+    sms: int
+
+    @classmethod
+    def of_card(cls, card) -> "Machine":
+        """The facts of a jaxmem.target.Card (read by its fields: this module imports no card
+        list); the interconnect is NVLink where the card has it, else its PCIe link."""
+        return cls(card.name, card.peak_tflops[0] * 1e12, card.peak_tflops[1] * 1e12,
+                   card.bandwidth, card.host_link.bandwidth,
+                   card.nvlink or card.host_link.bandwidth, card.sms)
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    """The share of a card's published peak each kind of kernel reaches; one set for all cards
+    and programs, none fitted to a measured row.
+
+    gemm 0.75: cuBLAS's large bf16 GEMMs on an H100 SXM reach 700-760 of 989 TFLOP/s in NVIDIA's
+        and the community's published sweeps (0.71-0.77); smaller GEMMs lose more, which the
+        wave term models instead of this constant.
+    attention 0.45: cuDNN / FlashAttention-3 reach 550-650 TFLOP/s forward at head dim 128 on an
+        H100 and well under that backward and at head dim 64 (FlashAttention-3's paper, Fig. 5-7:
+        backward 40-50% of peak); the forward and backward together, at the head dims of these
+        models, sit near 45%.
+    memory 0.80: a streaming kernel reaches 80-90% of HBM's published bandwidth (STREAM-like
+        copies on an H100: ~2.9 of 3.35 TB/s); fused elementwise and reduction kernels with
+        several operands sit at the low end.
+    launch_s 4e-6: the gap between two kernels of one stream without CUDA graphs (3-5 us in
+        Nsight traces of XLA programs); it dominates thousands of small kernels.
+    link 0.80: a pinned-memory DMA over PCIe reaches ~80% of the link's usable bandwidth once
+        it runs beside kernels that share the memory system (NVIDIA's bandwidthTest reaches the
+        usable figure alone).
+    interconnect 0.80: NCCL's bus bandwidth of large ring collectives on NVLink 4 (nccl-tests:
+        ~360 of 450 GB/s).
+    """
+
+    gemm: float = 0.75
+    attention: float = 0.45
+    memory: float = 0.80
+    launch_s: float = 4e-6
+    link: float = 0.80
+    interconnect: float = 0.80
+
+
+def _dims(type_: str) -> list[int]:
+    m = _DIMS.search(re.sub(r"\{[^{}]*\}", "", type_))
+    return [int(d.lstrip("<=")) for d in m.group(1).split(",") if d.strip()] if m else []
+
+
+def _dtype(type_: str) -> str:
+    return type_.strip("( ").split("[", 1)[0]
+
+
+def _ints(text: str | None) -> list[int]:
+    return [int(x) for x in re.findall(r"\d+", text or "")]
+
+
+def _dot_flops(ins: dict, instrs: dict) -> tuple[float, bool]:
+    """(FLOPs, fp8) of a dot: 2 x |result| x the lhs's contracted sizes."""
+    lhs = instrs.get(ins["operands"][0], {}).get("type", "") if ins["operands"] else ""
+    contracted = math.prod(_dims(lhs)[i] for i in _ints(attr(ins["attrs"], "lhs_contracting_dims"))
+                           if i < len(_dims(lhs)))
+    return 2.0 * math.prod(_dims(ins["type"])) * contracted, _dtype(lhs).startswith("f8")
+
+
+def _gemm_call_flops(ins: dict, instrs: dict) -> tuple[float, bool]:
+    """A cuBLAS custom call's FLOPs from its backend_config's dot_dimension_numbers."""
+    m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins["attrs"])
+    lhs = instrs.get(ins["operands"][0], {}).get("type", "") if ins["operands"] else ""
+    dims = _dims(lhs)
+    contracted = math.prod(dims[i] for i in _ints(m.group(1) if m else "") if i < len(dims))
+    out = tuple_elements(ins["type"])[0]
+    return 2.0 * math.prod(_dims(out)) * contracted, _dtype(lhs).startswith("f8")
+
+
+def _attention_flops(ins: dict, instrs: dict) -> float:
+    """cuDNN flash attention: 4 B N T S H forward (= 4 |q| S), x 2.5 backward, x 1/2 causal;
+    S is the last of the score matrix's dimensions (`intermediate_tensor_shape`: B N T S)."""
+    m = re.search(r'"intermediate_tensor_shape":\s*\{[^}]*?"dimensions":\s*\[([^\]]*)\]',
+                  ins["attrs"])
+    s = _ints(m.group(1))[-1] if m and _ints(m.group(1)) else 0
+    q = _dims(instrs.get(ins["operands"][0], {}).get("type", "")) if ins["operands"] else []
+    flops = 4.0 * math.prod(q) * s if q else 0.0
+    flops *= 2.5 if "Backward" in (attr(ins["attrs"], "custom_call_target") or "") else 1
+    return flops / 2 if re.search(r'"mask_type":\s*"CAUSAL"', ins["attrs"]) else flops
+
+
+def _fused_bytes(ins: dict, instrs: dict, fused: dict | None) -> float:
+    """Device bytes a fusion reads and writes: an operand read only through dynamic-slices
+    counts their slices, the buffer of an in-place dynamic-update-slice counts nothing and the
+    result then only the update."""
+    types = [instrs.get(o, {}).get("type", "") for o in ins["operands"]]
+    if fused is None:
+        return sum(shape_bytes(t) for t in types) + shape_bytes(ins["type"])
+    body = fused["instrs"]
+    params = {name: int(i["operands"][0]) if i["operands"] else 0  # parameter(N): operand N
+              for name, i in body.items() if i["op"] == "parameter"}
+    users: dict[str, list] = {n: [] for n in params}
+    for name, i in body.items():
+        for pos, o in enumerate(i["operands"]):
+            if o in users:
+                users[o].append((i, pos))
+    read = 0.0
+    in_place_update = 0.0
+    for pname, index in params.items():
+        full = shape_bytes(types[index]) if index < len(types) else shape_bytes(body[pname]["type"])
+        uses = users[pname]
+        if uses and all(u["op"] in ("dynamic-slice", "slice", "gather") and pos == 0
+                        for u, pos in uses):
+            read += min(full, sum(shape_bytes(u["type"]) for u, _ in uses))
+        elif uses and all(u["op"] == "dynamic-update-slice" and pos == 0 for u, pos in uses):
+            in_place_update += sum(shape_bytes(body[u["operands"][1]]["type"])
+                                   for u, _ in uses if len(u["operands"]) > 1)
+        else:
+            read += full
+    root = body.get(fused["root"], {})
+    written = in_place_update if root.get("op") in ("dynamic-update-slice", "tuple", "bitcast") \
+        and in_place_update else shape_bytes(ins["type"])
+    return read + written
+
+
+def _fusion_cost(ins: dict, instrs: dict, comps: dict) -> tuple[str, float, float, bool]:
+    """(class, FLOPs, bytes, fp8) of a fusion: a GEMM where it holds a dot or a convolution,
+    else a memory-bound kernel (rng where jax's random bits made it)."""
+    callee = next((c for k, c in called(ins["attrs"]) if k == "calls"), None)
+    fused = comps.get(callee)
+    flops, fp8 = 0.0, False
+    if fused:
+        for i in fused["instrs"].values():
+            if i["op"] == "dot":
+                f, f8 = _dot_flops(i, fused["instrs"])
+                flops, fp8 = flops + f, fp8 or f8
+    nbytes = _fused_bytes(ins, instrs, fused)
+    name = attr(ins["attrs"], "op_name") or ""
+    klass = "gemm" if flops else "rng" if re.search(r"random|threefry|rng", name) else "fusion"
+    return klass, flops, nbytes, fp8
+
+
+def _gemm_waves(ins_type: str, sms: int) -> float:
+    """The share of the card's SMs a GEMM's 128 x 128 output tiles keep busy over its waves."""
+    dims = _dims(tuple_elements(ins_type)[0])
+    if len(dims) < 2:
+        return 1.0
+    tiles = math.prod(dims[:-2]) * math.ceil(dims[-2] / 128) * math.ceil(dims[-1] / 128)
+    return tiles / (math.ceil(tiles / sms) * sms)
+
+
+def kernel(ins: dict, instrs: dict, comps: dict, m: Machine, eff: Efficiency
+            ) -> tuple[str, float, float, float]:
+    """(class, seconds, FLOPs, bytes) of one synchronous kernel."""
+    op = ins["op"]
+    target = attr(ins["attrs"], "custom_call_target") or ""
+    fp8 = False
+    if op == "fusion":
+        klass, flops, nbytes, fp8 = _fusion_cost(ins, instrs, comps)
+    elif op == "custom-call" and "fmha" in target:
+        klass, flops = "attention", _attention_flops(ins, instrs)
+        nbytes = sum(shape_bytes(instrs.get(o, {}).get("type", "")) for o in ins["operands"]) \
+            + shape_bytes(ins["type"])
+    elif op == "custom-call" and ("gemm" in target or "matmul" in target):
+        (flops, fp8), klass = _gemm_call_flops(ins, instrs), "gemm"
+        nbytes = sum(shape_bytes(instrs.get(o, {}).get("type", "")) for o in ins["operands"]) \
+            + shape_bytes(tuple_elements(ins["type"])[0])
+    elif op == "dot":
+        (flops, fp8), klass = _dot_flops(ins, instrs), "gemm"
+        nbytes = sum(shape_bytes(instrs.get(o, {}).get("type", "")) for o in ins["operands"]) \
+            + shape_bytes(ins["type"])
+    elif op in ("rng-bit-generator", "rng"):
+        klass, flops, nbytes = "rng", 0.0, shape_bytes(ins["type"])
+    else:  # copies, slices, reductions, sorts, scatters, other custom calls: memory-bound
+        klass = "copy" if op in ("copy", "dynamic-slice", "dynamic-update-slice", "slice",
+                                 "concatenate", "transpose", "pad") else "fusion"
+        flops, nbytes = 0.0, _fused_bytes(ins, instrs, None) if op != "dynamic-update-slice" \
+            else 2 * shape_bytes(instrs.get(ins["operands"][1], {}).get("type", ""))
+    peak = (m.fp8_flops if fp8 and m.fp8_flops else m.flops) * (
+        eff.attention if klass == "attention" else eff.gemm)
+    if klass == "gemm":
+        peak *= _gemm_waves(ins["type"], m.sms)
+    seconds = eff.launch_s + max(flops / peak if flops else 0.0, nbytes / (m.hbm * eff.memory))
+    return klass, seconds, flops, nbytes
+
+
+def transfer(ins: dict, start_type: str, done_type: str | None, instrs: dict, devices: int,
+              comps: dict, m: Machine, eff: Efficiency) -> tuple[str, str, float, float] | None:
+    """(class, engine, seconds, bytes) of an asynchronous start, or of a synchronous host copy;
+    None where the op moves nothing between memories or devices."""
+    wrapped = None
+    if ins["op"] == "async-start":
+        callee = next((c for k, c in called(ins["attrs"]) if k == "calls"), None)
+        comp = comps.get(callee)
+        wrapped = comp["instrs"][comp["root"]] if comp and comp["root"] else None
+    op = (wrapped or ins)["op"]
+    kind = kind_of(op)
+    if kind:
+        n = group_size((wrapped or ins)["attrs"], devices)
+        out = tuple_elements((wrapped or ins)["type"])
+        data = shape_bytes(out[-1] if op.endswith("-start") and len(out) > 1 else out[0])
+        data = data * n if kind == "reduce-scatter" else data
+        nbytes = ring_bytes(kind, data, n)
+        bw = m.interconnect * eff.interconnect
+        return "collective", "net", (nbytes / bw if bw else 0.0) + 10e-6, nbytes
+    moved = direction(done_type or start_type,
+                      [instrs.get(o, {}).get("type", "") for o in ins["operands"]])
+    if moved is None:
+        return None
+    engine, nbytes = moved[0].lower(), moved[1]
+    return "host transfer", engine, nbytes / (m.host_link * eff.link), nbytes
