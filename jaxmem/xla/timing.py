@@ -196,7 +196,7 @@ class _Walker:
             elif op.endswith("-start"):
                 done = done_of.get(name)
                 moved = transfer(ins, ins["type"], instrs[done]["type"] if done else None,
-                                  instrs, self.devices, self.comps, self.m, self.eff)
+                                 instrs, self.devices, self.comps, self.m, self.eff)
                 if moved is None:  # an async wrapper of compute: run it on the stream
                     now += self._compute(name, ins, instrs, runs)
                     continue
@@ -206,10 +206,10 @@ class _Walker:
                 self.kernels.append(Kernel(name, klass, secs, runs, 0.0, nbytes,
                                            attr(ins["attrs"], "op_name") or ""))
             else:
+                moves = op in ("copy", "fusion", "dynamic-slice", "dynamic-update-slice") or \
+                    kind_of(op)
                 moved = transfer(ins, ins["type"], None, instrs, self.devices, self.comps,
-                                  self.m, self.eff) if op in ("copy", "fusion", "dynamic-slice",
-                                                              "dynamic-update-slice") or \
-                    kind_of(op) else None
+                                 self.m, self.eff) if moves else None
                 if moved is not None:  # synchronous: the stream waits for it
                     klass, engine, secs, nbytes = moved
                     begin = max(now, engines.get(engine, 0.0))
