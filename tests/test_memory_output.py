@@ -81,12 +81,12 @@ def test_fit_prints_candidates_once_and_the_train_command(capsys):
     code = main(args)
     cap = capsys.readouterr()
     assert "tried micro" not in cap.err and "micro" not in cap.err  # the list goes to stdout once
-    cands = [l for l in cap.out.splitlines() if l.startswith(("  no ", "  FITS "))]
+    cands = [l for l in cap.out.splitlines() if l.startswith(("  no ", "  FITS ", "  CHOSE "))]
     assert len(cands) == len({l for l in cands}) >= 1
     if code == 1:
         pytest.skip("nothing fit this budget on this machine")
     (cmd_line,) = [l.strip() for l in cap.out.splitlines() if l.strip().startswith("python -m jaxmem.train")]
-    chosen = [l for l in cands if l.startswith("  FITS ")][0].split()
+    (chosen,) = [l.split() for l in cands if l.startswith("  CHOSE ")]  # the one marked
     # the printed command parses back into the chosen configuration
     from jaxmem.train.cli import build_parser as train_parser
     from jaxmem.config.run import RunConfig

@@ -290,10 +290,12 @@ def run_row(row: Row, args, hf: dict) -> dict:
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a fresh run, never a continuation of an earlier check
     env = child_env(args.smoke, XLA_PYTHON_CLIENT_MEM_FRACTION=".95")
-    if args.profile:  # the step's own optimized HLO, for the prediction beside the profile
+    if args.profile:  # the step's own optimized HLO, for the prediction beside the profile;
+        # compiled here, not loaded from a persistent cache (which dumps nothing)
         env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), f"--xla_dump_to={run_dir / 'hlo'}",
                                      "--xla_dump_hlo_as_text",
                                      "--xla_dump_hlo_module_re=.*train_step.*"]).strip()
+        env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     res = run(train_cmd(row, args, run_dir, hf.get("dir")), log, row.timeout, env)
     metrics = train_metrics(last_record(run_dir / "metrics.jsonl"))
     if args.profile and res["rc"] == 0:

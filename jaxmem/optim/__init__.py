@@ -40,8 +40,7 @@ from jaxmem.optim._adamw8bit import (
 
 # bf16 stochastic rounding
 from jaxmem.optim._stochastic import (RoundingPieces, apply_leaf_sr, apply_updates_sr, pieces,
-                                      round_bf16, round_bf16_bits, row_chunks)
-from jaxmem.optim._stochastic import CHUNK as SR_CHUNK  # elements rounded at a time
+                                      round_bf16, round_bf16_bits, rounding_chunk, row_chunks)
 
 # Loss scaling (torch.amp.GradScaler semantics)
 from jaxmem.optim._loss_scale import (
@@ -77,8 +76,8 @@ __all__ = [
     "keep_small_fp32", "moment_pieces", "quantize", "scale_by_adam_8bit",
     "step_salt", "AdamW8bitInPlace", "apply_leaf_in_place",
     # stochastic rounding
-    "RoundingPieces", "SR_CHUNK", "apply_leaf_sr", "apply_updates_sr", "pieces", "round_bf16",
-    "round_bf16_bits", "row_chunks",
+    "RoundingPieces", "apply_leaf_sr", "apply_updates_sr", "pieces", "round_bf16",
+    "round_bf16_bits", "rounding_chunk", "row_chunks",
     # one step part by part, and how a part is cut out and moved (the trainer's in-backward
     # step and the model's host-resident layers cut and move the same way)
     "NotSplittable", "Parts", "split", "cols", "in_host_memory", "slab_at", "to_device",

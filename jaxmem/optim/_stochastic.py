@@ -26,6 +26,11 @@ from jaxmem.bits import from_bits, to_bits
 CHUNK = 2**24  # elements rounded at a time in a large leaf
 
 
+def rounding_chunk() -> int:
+    """Elements rounded at a time in a large leaf (CHUNK, read when called)."""
+    return CHUNK
+
+
 def round_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
     """Stochastically round `x` to bf16, unbiased: E[round_bf16(x, key)] = x.
 

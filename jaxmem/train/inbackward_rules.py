@@ -18,7 +18,7 @@ from jaxmem.families.decoder import abstract_params
 from jaxmem.families.names import EMBEDDING, HEAD, LAYERS
 from jaxmem.loss.chunked import AUTO_CHUNK_BYTES, resolve_loss_chunk
 from jaxmem.model.tiled import tiling_pays
-from jaxmem.optim import SR_CHUNK
+from jaxmem.optim import rounding_chunk
 
 
 def mlp_tiles(c, tokens: int) -> bool:
@@ -91,12 +91,13 @@ def head_slice(shape, block: int | None, tokens: int) -> int:
     in under --optimizer-in-backward (`_head_in_slices`; `block`: its optimizer state's
     `Parts.column_block`, None where it cannot be updated in columns), or 0: made whole. The
     largest divisor of V that is a multiple of `block` with one slice's update at most
-    SR_CHUNK elements and its fp32 logits [B, T, Vc] (`tokens` = B x T) at most the fused
-    loss's AUTO_CHUNK_BYTES; 0 where that leaves over 2,048 slices."""
+    `rounding_chunk()` elements and its fp32 logits [B, T, Vc] (`tokens` = B x T) at most the
+    fused loss's AUTO_CHUNK_BYTES; 0 where that leaves over 2,048 slices."""
     D, V = shape
     if not block:
         return 0
-    fits = [w for w in range(block, V + 1, block) if V % w == 0 and D * w <= SR_CHUNK
+    chunk = rounding_chunk()
+    fits = [w for w in range(block, V + 1, block) if V % w == 0 and D * w <= chunk
             and tokens * w * 4 <= AUTO_CHUNK_BYTES]
     return max(fits) if fits and V // max(fits) <= 2048 else 0
 
