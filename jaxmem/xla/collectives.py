@@ -92,7 +92,7 @@ def ring_bytes(kind: str, data_bytes: int, n: int) -> float:
     return (2 if kind == "all-reduce" else 1) * data_bytes * (n - 1) / n
 
 
-def _data_bytes(kind: str, op: str, type_: str, n: int) -> int:
+def data_bytes(kind: str, op: str, type_: str, n: int) -> int:
     """The ring model's O / I of an instruction, from its result shape (of the op an async-start
     wraps); of a -start's tuple: a collective-permute's operand, the others' outputs."""
     if op.endswith("-start") and kind != "all-reduce":  # all-reduce-start: the outputs
@@ -103,7 +103,7 @@ def _data_bytes(kind: str, op: str, type_: str, n: int) -> int:
     return n * out if kind == "reduce-scatter" else out
 
 
-def _wrapped(comps: dict, instr: dict) -> dict | None:
+def wrapped_collective(comps: dict, instr: dict) -> dict | None:
     """The collective an async-start runs (the root of its called computation), else None."""
     if instr["op"] != "async-start":
         return None
@@ -122,7 +122,7 @@ def runs_per_step(comps: dict, entry: str) -> tuple[dict, dict]:
     edges: dict[str, list] = {c: [] for c in comps}  # caller: [(callee, factor, caveat)]
     for cname, comp in comps.items():
         for iname, ins in comp["instrs"].items():
-            if _wrapped(comps, ins) is not None:
+            if wrapped_collective(comps, ins) is not None:
                 continue
             trips, caveat = 1, None
             if ins["op"] == "while":
@@ -160,7 +160,7 @@ def _compute_between(instrs: list, i: int, comps: dict) -> int | None:
         op = ins["op"]
         free = op in _FREE or kind_of(op) or (op.endswith("-done") and kind_of(op[:-5])) or \
             (op in ("async-start", "async-update", "async-done") and
-             (op != "async-start" or _wrapped(comps, ins) is not None))
+             (op != "async-start" or wrapped_collective(comps, ins) is not None))
         count += not free
     return None
 
@@ -188,14 +188,14 @@ def find_collectives(text: str) -> list[Collective]:
             continue
         instrs = list(comp["instrs"].items())
         for i, (name, ins) in enumerate(instrs):
-            wrapped = _wrapped(comps, ins)
+            wrapped = wrapped_collective(comps, ins)
             op = (wrapped or ins)["op"]
             kind = kind_of(op)
             if kind is None:  # not a collective, or a -done
                 continue
             asynchronous = wrapped is not None or ins["op"].endswith("-start")
             n = group_size((wrapped or ins)["attrs"], devices)
-            data = _data_bytes(kind, op, (wrapped or ins)["type"], n)
+            data = data_bytes(kind, op, (wrapped or ins)["type"], n)
             out.append(Collective(
                 name, cname, kind, n, data, ring_bytes(kind, data, n), runs[cname], asynchronous,
                 asynchronous and '"is_sync":true' in ins["attrs"],

@@ -136,7 +136,7 @@ _NOT_COMPUTE = {"parameter", "constant", "bitcast", "tuple", "get-tuple-element"
                 "after-all", "add-dependency", "opt-barrier", "optimization-barrier",
                 "partition-id", "replica-id"}
 # Ops that move data between memories when their operand and result sit in different ones.
-_MOVES = {"copy", "fusion", "dynamic-slice", "dynamic-update-slice"}
+MOVES = {"copy", "fusion", "dynamic-slice", "dynamic-update-slice"}
 _HOST_SPACE = "S(5)"  # XLA's host memory space in a layout: f32[4,256,256]{2,1,0:S(5)}
 
 
@@ -208,7 +208,7 @@ def host_transfers(text: str) -> list[dict]:
             done = done_of.get(name) if ins["op"].endswith("-start") else None
             if done is not None:  # the result is the done's; the operands are the start's
                 moved = direction(instrs[done]["type"], operand_types)
-            elif ins["op"] in _MOVES:
+            elif ins["op"] in MOVES:
                 moved = direction(ins["type"], operand_types)
             else:
                 continue

@@ -10,7 +10,7 @@ import dataclasses
 import math
 import re
 
-from jaxmem.xla.collectives import group_size, kind_of, ring_bytes
+from jaxmem.xla.collectives import data_bytes, group_size, kind_of, ring_bytes, wrapped_collective
 from jaxmem.xla.hlo import attr, called, direction, shape_bytes, tuple_elements
 
 _DIMS = re.compile(r"\[([^\]]*)\]")
@@ -117,7 +117,7 @@ def _attention_flops(ins: dict, instrs: dict) -> float:
 def _fused_bytes(ins: dict, instrs: dict, fused: dict | None) -> float:
     """Device bytes a fusion reads and writes: an operand read only through dynamic-slices
     counts their slices, the buffer of an in-place dynamic-update-slice counts nothing and the
-    result then only the update."""
+    result then only the update. `fused` None (an unfused op): its operands and result whole."""
     types = [instrs.get(o, {}).get("type", "") for o in ins["operands"]]
     if fused is None:
         return sum(shape_bytes(t) for t in types) + shape_bytes(ins["type"])
@@ -184,16 +184,14 @@ def kernel(ins: dict, instrs: dict, comps: dict, m: Machine, eff: Efficiency
         klass, flops, nbytes, fp8 = _fusion_cost(ins, instrs, comps)
     elif op == "custom-call" and "fmha" in target:
         klass, flops = "attention", _attention_flops(ins, instrs)
-        nbytes = sum(shape_bytes(instrs.get(o, {}).get("type", "")) for o in ins["operands"]) \
-            + shape_bytes(ins["type"])
+        nbytes = _fused_bytes(ins, instrs, None)
     elif op == "custom-call" and ("gemm" in target or "matmul" in target):
         (flops, fp8), klass = _gemm_call_flops(ins, instrs), "gemm"
         nbytes = sum(shape_bytes(instrs.get(o, {}).get("type", "")) for o in ins["operands"]) \
             + shape_bytes(tuple_elements(ins["type"])[0])
     elif op == "dot":
         (flops, fp8), klass = _dot_flops(ins, instrs), "gemm"
-        nbytes = sum(shape_bytes(instrs.get(o, {}).get("type", "")) for o in ins["operands"]) \
-            + shape_bytes(ins["type"])
+        nbytes = _fused_bytes(ins, instrs, None)
     elif op in ("rng-bit-generator", "rng"):
         klass, flops, nbytes = "rng", 0.0, shape_bytes(ins["type"])
     else:  # copies, slices, reductions, sorts, scatters, other custom calls: memory-bound
@@ -213,19 +211,11 @@ def transfer(ins: dict, start_type: str, done_type: str | None, instrs: dict, de
               comps: dict, m: Machine, eff: Efficiency) -> tuple[str, str, float, float] | None:
     """(class, engine, seconds, bytes) of an asynchronous start, or of a synchronous host copy;
     None where the op moves nothing between memories or devices."""
-    wrapped = None
-    if ins["op"] == "async-start":
-        callee = next((c for k, c in called(ins["attrs"]) if k == "calls"), None)
-        comp = comps.get(callee)
-        wrapped = comp["instrs"][comp["root"]] if comp and comp["root"] else None
-    op = (wrapped or ins)["op"]
-    kind = kind_of(op)
-    if kind:
-        n = group_size((wrapped or ins)["attrs"], devices)
-        out = tuple_elements((wrapped or ins)["type"])
-        data = shape_bytes(out[-1] if op.endswith("-start") and len(out) > 1 else out[0])
-        data = data * n if kind == "reduce-scatter" else data
-        nbytes = ring_bytes(kind, data, n)
+    coll = wrapped_collective(comps, ins) or ins  # an async-start's collective, or the op itself
+    kind = kind_of(coll["op"])
+    if kind:  # the ring model's bytes, as jaxmem.xla.collectives counts them
+        n = group_size(coll["attrs"], devices)
+        nbytes = ring_bytes(kind, data_bytes(kind, coll["op"], coll["type"], n), n)
         bw = m.interconnect * eff.interconnect
         return "collective", "net", (nbytes / bw if bw else 0.0) + 10e-6, nbytes
     moved = direction(done_type or start_type,

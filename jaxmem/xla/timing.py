@@ -46,7 +46,7 @@ import dataclasses
 import re
 
 from jaxmem.xla.collectives import kind_of
-from jaxmem.xla.hlo import attr, called, entry_name, module_devices, parse_hlo
+from jaxmem.xla.hlo import MOVES, attr, called, entry_name, module_devices, parse_hlo
 from jaxmem.xla.kernels import Efficiency, Machine, kernel, transfer
 
 __all__ = ["CLASSES", "Efficiency", "Kernel", "Machine", "StepTime", "step_time", "trip_count"]
@@ -206,8 +206,7 @@ class _Walker:
                 self.kernels.append(Kernel(name, klass, secs, runs, 0.0, nbytes,
                                            attr(ins["attrs"], "op_name") or ""))
             else:
-                moves = op in ("copy", "fusion", "dynamic-slice", "dynamic-update-slice") or \
-                    kind_of(op)
+                moves = op in MOVES or kind_of(op)
                 moved = transfer(ins, ins["type"], None, instrs, self.devices, self.comps,
                                  self.m, self.eff) if moves else None
                 if moved is not None:  # synchronous: the stream waits for it
