@@ -1,7 +1,7 @@
 """The activations a train step saves for its backward, by formula (jaxmem.memory.analytic's
 model of them): per decoder layer under each remat policy (`layer_residuals`), outside the
-layers (`outside_residuals`: RoPE tables, embedding output, the loss's), the MLP's sequence tile
-(`mlp_tiled`) and the MLP backward's working set (`mlp_backward`). Sizes are in bytes; each
+layers (`outside_residuals`: RoPE tables, embedding output, the loss's) and the MLP backward's
+working set (`mlp_backward`, at the tile or slab the step's footprint states). Sizes are in bytes; each
 entry is (name, bytes, dtype)."""
 
 from __future__ import annotations
@@ -125,18 +125,6 @@ def outside_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: Rema
     return out
 
 
-def mlp_tiled(spec: StepSpec) -> int:
-    """The MLP's sequence tile where the step runs it tiled, else 0 (the step's footprint,
-    jaxmem.train.footprint)."""
-    return spec.footprint.mlp_tile
-
-
-def mlp_slab(spec: StepSpec) -> int:
-    """The width of the slabs of F the in-backward step runs each layer's MLP in, 0: whole (and
-    for any other step): the step's footprint."""
-    return spec.footprint.mlp_slab
-
-
 def mlp_backward_buffers(saved: bool) -> int:
     """[B, T, F] buffers the MLP's backward holds besides its 3 recomputed activations (gate, up,
     their product), read off each compiler's buffer report (docs/memory.md). A GPU: 3 (the
@@ -162,11 +150,11 @@ def mlp_backward(spec: StepSpec) -> int:
     buffers = mlp_backward_buffers(saved=not recomputed)
     if not recomputed:  # gate and up saved or offloaded (none, dots*, the default offload)
         return buffers * B * T * F * cb
-    tile = mlp_tiled(spec)
+    tile = spec.footprint.mlp_tile  # the step's own rules (jaxmem.train.footprint)
     if tile:
         # tiled only where no policy saves an MLP tag: the 3 are in the recomputed set
         return (3 + buffers) * B * tile * F * cb - 3 * B * T * F * cb
-    w = mlp_slab(spec)
+    w = spec.footprint.mlp_slab
     if w:  # in-backward slabs: one slab's [B, T, w] each, the 3 recomputed ones too
         return buffers * B * T * w * cb - 3 * B * T * (F - w) * cb
     return buffers * B * T * F * cb

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from jaxmem.model.remat import RematPolicy
 from jaxmem.model.tiled import mlp_tile, tiles_under
 from jaxmem.train.host_state import PIECE_BYTES
-from jaxmem.train.inbackward_rules import mlp_slabs, mlp_tiles, streamed_gradients
+from jaxmem.train.inbackward_rules import mlp_slabs, streamed_gradients
 from jaxmem.train.step import EVAL_REMAT, StepConfig
 
 # How many times a host-resident part crosses the link per optimizer step: "params", the
@@ -60,11 +60,10 @@ class Footprint:
 
 def _mlp_tile(cfg: StepConfig, batch_size: int, seq_len: int) -> int:
     """The MLP's sequence tile where the step runs it tiled (jaxmem.families.decoder's rule:
-    `tiles_under` the policy and the plain einsum, not fp8's; in-backward only where
-    `mlp_tiles` says; LoRA's own tile, `Trainable.mlp_tile`), else 0."""
+    `tiles_under` the policy and the plain einsum, not fp8's, above 3 D tokens:
+    `jaxmem.model.tiled.tiling_pays`, the in-backward step's rule too; LoRA's own tile,
+    `Trainable.mlp_tile`), else 0."""
     if not tiles_under(cfg.remat) or cfg.precision.fp8:
-        return 0
-    if cfg.optim.in_backward and not mlp_tiles(cfg.model, batch_size * seq_len):
         return 0
     c = cfg.model
     tile = cfg.trainable.mlp_tile(mlp_tile(batch_size, seq_len, c.intermediate_size,

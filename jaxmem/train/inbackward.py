@@ -77,7 +77,7 @@ from jaxmem.einsum import logits_einsum, project
 from jaxmem.optim import NoOpLossScale, NotSplittable, Parts, all_finite, row_chunks
 from jaxmem.optim import cols
 from jaxmem.train.loss import cross_entropy
-from jaxmem.train.inbackward_rules import head_slice, mlp_slabs, mlp_tiles
+from jaxmem.train.inbackward_rules import head_slice, mlp_slabs
 from jaxmem.train.inbackward_slabs import layer_in_slabs, plan as slab_plan
 from jaxmem.train.optim import schedule
 
@@ -176,13 +176,12 @@ class _InBackwardStep:
         model = cfg.build_model()
         self.dtype = cfg.precision.compute_dtype
         self.lr_at = schedule(cfg.optim)
-        # the model's own parts (jaxmem.families.decoder): no second copy of the forward pass
-        # the MLP in sequence tiles (as under --remat full) only where its activations outweigh
-        # the tiles' fp32 weight-gradient sums (3 x D x F x 4 bytes, 672 MiB at 8B): a step of
-        # B x T > 3 D tokens (`mlp_tiles`; chosen per call, by the batch's shape)
+        # the model's own parts (jaxmem.families.decoder): no second copy of the forward pass;
+        # the MLP in sequence tiles (as under --remat full) where its activations outweigh the
+        # tiles' fp32 weight-gradient sums (3 x D x F x 4 bytes, 672 MiB at 8B): B x T > 3 D
+        # tokens, which the MLP itself decides by the batch's shape (jaxmem.model.tiled)
         self.einsum = model.einsum
-        self.blocks = {tile: DecoderBlock(self.c, model.einsum, tile_mlp=tile)
-                       for tile in (False, True)}
+        self.block = DecoderBlock(self.c, model.einsum, tile_mlp=True)
         self.norm = final_norm(self.c)
         self.facts = layer_facts(self.c)  # each layer's kind where local and global mix
 
@@ -200,12 +199,11 @@ class _InBackwardStep:
         return {"tokens": tokens, "targets": mb["targets"], "weights": weights,
                 "total": jnp.maximum(jnp.sum(batch["mask"]).astype(jnp.float32), 1.0),
                 "ctx": layer_context(c, (B, T), mb.get("positions"), pad, mb.get("segment_ids")),
-                "chunk": resolve_loss_chunk(cfg.loss_chunk, B, T, c),
-                "block": self.blocks[mlp_tiles(c, B * T)]}
+                "chunk": resolve_loss_chunk(cfg.loss_chunk, B, T, c)}
 
     def _layer(self, lp, x, a, fact=None):
         """Layer `lp` on x; fact: its scanned kind (`layer_facts`) or None."""
-        return a["block"].apply({"params": self.cast(lp)}, x, a["ctx"], fact)[0]
+        return self.block.apply({"params": self.cast(lp)}, x, a["ctx"], fact)[0]
 
     def _head_loss(self, hp, x, a):
         """Final norm, LM head and the loss: the Decoder's return_hidden path."""
