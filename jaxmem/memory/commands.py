@@ -224,12 +224,12 @@ def fit(parser, args, cfg, spec, global_batch: int, max_micro: int | None) -> in
     # progress while compiling, only on a terminal: the list itself is printed once, below
     log = progress(args, lambda t: f"  tried micro {t['batch_size']} remat {t['remat']} mu "
                    f"{t['mu_dtype']}: {t['reason']}") if sys.stderr.isatty() else None
-    cache = {}
+    cache, timed = {}, target.card_here() is not None  # a card: candidates by predicted time
     result = plan(spec, global_batch, usable_bytes(args.fit),
                   mu_dtypes=(spec.mu_dtype,) if spec.mu_dtype else ("fp32", "bf16"),
                   max_micro=max_micro, log=log,
                   phases_fn=lambda c, compiled: phases(args, cfg, c, compiled, cache=cache),
-                  timed=target.card_here() is not None)
+                  timed=timed)
     chosen, out = result["spec"], {
         "budget_gib": args.fit, "usable_bytes": usable_bytes(args.fit),
         "global_batch": global_batch, "tried": [
@@ -248,7 +248,7 @@ def fit(parser, args, cfg, spec, global_batch: int, max_micro: int | None) -> in
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        print(format_plan(result, args.fit, timed=target.card_here() is not None))
+        print(format_plan(result, args.fit, timed=timed))
         print(f"  (a {args.fit:g} GiB GPU: {usable_bytes(args.fit) / GiB:.3f} GiB usable, "
               f"jaxmem.xla.verdict.usable_bytes)")
         if chosen is not None:
