@@ -52,7 +52,8 @@ SECTION_TITLES = {"model": "model", "precision": "memory and precision", "remat"
                   "optim": "optimization", "data": "data and batch", "run": "run directory",
                   "sample": "sampling", "init": "model",
                   "peft": "fine-tuning (LoRA, quantized base)",
-                  "parallel": "devices and processes"}
+                  "parallel": "devices and processes",
+                  "objective": "objective (causal LM, preference tuning)"}
 
 
 def add_run_flags(parser: argparse.ArgumentParser, sections, only: dict[str, tuple[str, ...]] | None = None,
