@@ -101,7 +101,7 @@ class StepSpec:
     def footprint(self) -> Footprint:
         """What the step holds and moves beyond its arguments, as the trainer states it
         (jaxmem.train.footprint): the planner's one question to the trainer's rules."""
-        return footprint(self.step, self.batch_size, self.seq_len)
+        return footprint(self.step, self.rows, self.seq_len)
 
     @property
     def rows(self) -> int:

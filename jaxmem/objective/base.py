@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxmem.einsum import logits_einsum, project
 from jaxmem.loss.chunked import chunked_cross_entropy, chunked_token_logps, resolve_loss_chunk
 from jaxmem.model.precision import cast_params
-from jaxmem.train.loss import cross_entropy, token_loss
+from jaxmem.objective.tokens import cross_entropy, token_loss
 
 
 class Objective:

@@ -50,7 +50,16 @@ from jaxmem.train.init_from import init_from_overrides, init_params_from
 from jaxmem.train.run import abstract_train_state, build_step_config
 from jaxmem.train.setup import Setup
 
-SECTIONS = ("model", "init", "precision", "remat", "optim", "data", "run", "sample", "peft", "parallel")
+SECTIONS = ("model", "init", "precision", "remat", "optim", "data", "run", "sample", "peft", "parallel",
+            "objective")
+
+
+def preference_options(cfg, step_cfg) -> dict:
+    """load_corpus's options for a preference objective's rows (jaxmem.data.preference): the
+    tokenization style and --max-prompt-length; {} for causal LM."""
+    style = step_cfg.objective.preference
+    return {} if style is None else {"preference": style,
+                                     "max_prompt_length": cfg.objective.max_prompt_length}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,9 +165,11 @@ def setup(args, parser) -> Setup:
                            f"{model_cfg.vocab_size} (leave it out to use the tokenizer's)")
         train_tokens, eval_tokens, stats = load_corpus(cfg.data.data, tokenizer, model_cfg.vocab_size,
                                                        seq_len=cfg.data.seq_len,
-                                                       **example_options(cfg.data))
+                                                       **example_options(cfg.data),
+                                                       **preference_options(cfg, step_cfg))
         d = cfg.data
-        for line in data_warnings(stats, d.batch_size * d.seq_len * d.grad_accum,
+        for line in data_warnings(stats, d.batch_size * step_cfg.objective.rows_per_example
+                                  * d.seq_len * d.grad_accum,
                                   cfg.optim.total_steps):
             print(line, file=sys.stderr)
         s = Setup(cfg, model_cfg, step_cfg, loss_scale, out, tokenizer, train_tokens, eval_tokens,

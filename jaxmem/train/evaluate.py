@@ -91,13 +91,13 @@ def evaluate(eval_fn, params, batches, extra: tuple = (), place=lambda b: b,
     builds the next batch while the device computes.
     """
     objective = CausalLM() if objective is None else objective
-    sums: dict = {}
-    counts: dict = {}
+    total_sums: dict = {}
+    total_counts: dict = {}
     pending = None
 
     def read(out):
         s, c = host(out)
-        for totals, part in ((sums, s), (counts, c)):
+        for totals, part in ((total_sums, s), (total_counts, c)):
             for k, v in part.items():
                 totals[k] = totals.get(k, 0.0) + float(np.float64(v))
         if progress is not None:
@@ -110,10 +110,10 @@ def evaluate(eval_fn, params, batches, extra: tuple = (), place=lambda b: b,
         pending = sums
     if pending is not None:
         read(pending)
-    n = counts.get("tokens", counts.get("pairs", 0.0))
+    n = total_counts.get("tokens", total_counts.get("pairs", 0.0))
     if not n:
         return EvalResult(float("nan"), 0, len(batches))
-    loss, metrics = objective.value({k: np.float64(v) for k, v in sums.items()},
-                                    {k: np.float64(v) for k, v in counts.items()}, xp=np)
+    loss, metrics = objective.value({k: np.float64(v) for k, v in total_sums.items()},
+                                    {k: np.float64(v) for k, v in total_counts.items()}, xp=np)
     return EvalResult(float(loss), int(round(n)), len(batches),
                       {k: float(v) for k, v in metrics.items()})
