@@ -344,7 +344,7 @@ class _Tokenize:
                 raise DataError(f"{where}: the prompt has more tokens alone than with its answer "
                                 f"(TRL: 'Prompt input ids and answer input ids should have the "
                                 f"same length')")
-            start = len(p)
+            start = len(p) if full[:len(p)] == p else len(p) - 1
             sides.append([full[:start], full[start:]])
         (pc, _), (pr, _) = sides
         if sum(a != b for a, b in zip(pc, pr)) > 1 or abs(len(pc) - len(pr)) > 1:

@@ -47,6 +47,7 @@ from jaxmem.parallel.distributed import add_process_flags, initialize_from_args
 from jaxmem.parallel.mesh import run_mesh
 from jaxmem.train.placement import Placement, check_offload
 from jaxmem.train.init_from import init_from_overrides, init_params_from
+from jaxmem.train.reference import REFERENCE_FILE
 from jaxmem.train.run import abstract_train_state, build_step_config
 from jaxmem.train.setup import Setup
 
@@ -192,6 +193,11 @@ def setup(args, parser) -> Setup:
             s.ckpt = Checkpointer(out / CKPT_DIR, keep=cfg.run.keep)
             steps = s.ckpt.all_steps()
             step = _resume_step(args, steps, out)
+            if step is not None and step_cfg.objective.reference and s.frozen is None and \
+                    not (out / REFERENCE_FILE).is_file():
+                raise RunError(f"--out {out}: {REFERENCE_FILE} is missing, so the run's DPO "
+                               f"reference (its step-0 model's log-probs) cannot be recomputed "
+                               f"at step {step}; start a new run")
             if step is not None:  # else: the run died before its first checkpoint; start at 0
                 # targets with the current mesh's shardings: a run saved on any mesh resumes here
                 abstract = s.placement.abstract(

@@ -37,6 +37,12 @@ class EvalBatches:
     def __init__(self, split, batch_size: int, seq_len: int, pad_id: int,
                  max_batches: int | None = None):
         self.split, self.batch_size, self.seq_len, self.pad_id = split, batch_size, seq_len, pad_id
+        self.built = None
+        if not isinstance(split, (PackedData, np.ndarray, list)) and hasattr(split, "eval_batches"):
+            # preference pairs (jaxmem.data.preference): the pairs in order, built at once
+            self.built = split.eval_batches(batch_size, seq_len, max_batches, pad_id)
+            self.n = len(self.built)
+            return
         if isinstance(split, PackedData):
             rows = len(split.rows)
         else:
@@ -52,6 +58,8 @@ class EvalBatches:
         """Batch i: split_eval_batches of the part of the split that batch i covers."""
         if not 0 <= i < self.n:
             raise IndexError(i)
+        if self.built is not None:
+            return self.built[i]
         B, T = self.batch_size, self.seq_len
         if isinstance(self.split, PackedData):
             part = replace(self.split, rows=self.split.rows[i * B:(i + 1) * B])

@@ -8,7 +8,7 @@ ever held (TRL's `precompute_ref_log_probs`).
     batcher.batch_at(position)["ref_logps"]   # [2B, T] fp32, each row's sum in column 0
 
 The table is indexed by the pair's place in its split, which the batcher's order maps to
-(`PreferenceBatcher.pair_indices`), so a batch's reference values are a pure function of the
+(`EpochRows.indices_at`), so a batch's reference values are a pure function of the
 data position as its tokens are: a resumed run reads the saved table (reference_logps.npz in the
 run directory) and sees the batches an uninterrupted one does. The objective reads the row sums
 as `sum(ref_logps, -1)` (jaxmem.train.step.reference_sums).
@@ -72,7 +72,7 @@ class WithReference:
 
     def batch_at(self, position: int) -> dict:
         batch = self.batcher.batch_at(position)
-        idx = np.asarray(self.batcher.pair_indices(position))
+        idx = np.asarray(self.batcher.indices_at(position))
         return {**batch, "ref_logps": ref_column(self.table, idx, self.seq_len)}
 
     def epoch(self, position: int) -> float:
