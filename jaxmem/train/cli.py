@@ -48,19 +48,11 @@ from jaxmem.parallel.mesh import run_mesh
 from jaxmem.train.placement import Placement, check_offload
 from jaxmem.train.init_from import init_from_overrides, init_params_from
 from jaxmem.train.reference import REFERENCE_FILE
-from jaxmem.train.run import abstract_train_state, build_step_config
+from jaxmem.train.run import abstract_train_state, build_step_config, preference_options
 from jaxmem.train.setup import Setup
 
 SECTIONS = ("model", "init", "precision", "remat", "optim", "data", "run", "sample", "peft", "parallel",
             "objective")
-
-
-def preference_options(cfg, step_cfg) -> dict:
-    """load_corpus's options for a preference objective's rows (jaxmem.data.preference): the
-    tokenization style and --max-prompt-length; {} for causal LM."""
-    style = step_cfg.objective.preference
-    return {} if style is None else {"preference": style,
-                                     "max_prompt_length": cfg.objective.max_prompt_length}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -37,7 +37,7 @@ from jaxmem.train import failures
 from jaxmem.train.placement import Placement
 from jaxmem.train.evaluate import EvalBatches, evaluate
 from jaxmem.train.run import make_eval_fn
-from jaxmem.train.reference import (REFERENCE_FILE, WithReference, make_logps_fn, precompute,
+from jaxmem.train.reference import (WithReference, reference_tables, save_tables,
                                     with_reference_eval)
 from jaxmem.train.step import create_train_state, jit_train_step
 from jaxmem.train.records import Records, fmt_bytes
@@ -216,7 +216,7 @@ class _Run:
         self.steps = self.cfg.optim.total_steps
         self.start = int(par.host(self.state.step))
         self.end = min(self.steps, self.r.stop_at or self.steps)
-        self.reference = self._reference()
+        self.reference = reference_tables(s, self.state.params, par, self.resumed)
         self.batches = _Batches(s, par, self.reference)
         self.train_step, self.eval_fn = (
             (jit_train_step(step_cfg), make_eval_fn(step_cfg)) if self.one
@@ -224,35 +224,6 @@ class _Run:
         self.frozen = step_cfg.trainable.step_args(s.frozen)  # LoRA: (the frozen base,)
         # batches consumed so far, as the state recorded them
         self.position = int(par.host(self.state.data_position))
-
-    def _reference(self):
-        """A full fine-tune's DPO reference: {"train", "eval"} tables of each pair's (chosen,
-        rejected) log-prob sums under the step-0 weights, computed once before the first step
-        and kept in the run directory (a resumed run reads them); None for other runs."""
-        s = self.s
-        if not s.step_cfg.objective.reference or s.frozen is not None:
-            return None
-        path = s.out / REFERENCE_FILE
-        if self.resumed and path.is_file():
-            with np.load(path) as z:
-                return {"train": z["train"], "eval": z["eval"]}
-        if self.resumed:  # refused before (jaxmem.train.cli.setup): a second line of defence
-            raise RuntimeError(f"{path} is missing: the DPO reference cannot be recomputed")
-        d, fn = s.cfg.data, make_logps_fn(s.step_cfg)
-        t0 = time.perf_counter()
-        tables = {name: precompute(fn, self.state.params, split, d.batch_size, d.seq_len,
-                                   s.tokenizer.pad_id, place=self.par.eval_batch)
-                  for name, split in (("train", s.train_tokens), ("eval", s.eval_tokens))}
-        print(f"DPO reference: the step-0 model's log-probs of {len(tables['train']):,} train and "
-              f"{len(tables['eval']):,} eval pairs, precomputed in "
-              f"{time.perf_counter() - t0:.1f} s (no reference weights are kept)", flush=True)
-        return tables
-
-    def save_reference(self) -> None:
-        """Write the precomputed reference into the run directory (once, on a new run)."""
-        if self.reference is not None and not (self.s.out / REFERENCE_FILE).is_file() \
-                and self.par.is_main:
-            np.savez(self.s.out / REFERENCE_FILE, **self.reference)
 
     def compiled(self):
         """The train step compiled for the run's arguments where the backend reports the
@@ -357,7 +328,7 @@ def train(s: Setup) -> int:
         print(refusal, file=sys.stderr, flush=True)
         return 2
     ckpt = _prepare(s, par, run.start)
-    run.save_reference()
+    save_tables(s, run.reference, par)
     if run.start >= run.end:
         ckpt.close()
         print(f"{s.out}: already at step {run.start} of {run.steps}"

@@ -16,6 +16,8 @@ as `sum(ref_logps, -1)` (jaxmem.train.step.reference_sums).
 
 from __future__ import annotations
 
+import time
+
 import jax
 import numpy as np
 
@@ -88,3 +90,33 @@ def with_reference_eval(batches: list, table: np.ndarray, batch_size: int, seq_l
         out.append({**b, "ref_logps": ref_column(table, idx, seq_len)})
     return out
 
+
+
+def reference_tables(s, params, par, resumed: bool):
+    """A full fine-tune's DPO reference for the run `s` (jaxmem.train.setup.Setup): {"train",
+    "eval"} tables of each pair's (chosen, rejected) log-prob sums under the step-0 `params`,
+    computed once before the first step and kept in the run directory, which a resumed run
+    reads (jaxmem.train.cli refuses a resume without it); None where the objective needs no
+    precomputed reference (causal LM, ORPO, SimPO, a LoRA run's DPO)."""
+    if not s.step_cfg.objective.reference or s.frozen is not None:
+        return None
+    path = s.out / REFERENCE_FILE
+    if resumed:
+        with np.load(path) as z:
+            return {"train": z["train"], "eval": z["eval"]}
+    d, fn = s.cfg.data, make_logps_fn(s.step_cfg)
+    t0 = time.perf_counter()
+    tables = {name: precompute(fn, params, split, d.batch_size, d.seq_len, s.tokenizer.pad_id,
+                               place=par.eval_batch)
+              for name, split in (("train", s.train_tokens), ("eval", s.eval_tokens))}
+    print(f"DPO reference: the step-0 model's log-probs of {len(tables['train']):,} train and "
+          f"{len(tables['eval']):,} eval pairs, precomputed in {time.perf_counter() - t0:.1f} s "
+          f"(no reference weights are kept)", flush=True)
+    return tables
+
+
+def save_tables(s, tables, par) -> None:
+    """Write the precomputed reference into the run directory (once, by the main process)."""
+    path = s.out / REFERENCE_FILE
+    if tables is not None and not path.is_file() and par.is_main:
+        np.savez(path, **tables)

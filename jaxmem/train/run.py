@@ -37,6 +37,15 @@ def build_step_config(cfg: RunConfig) -> tuple[ModelConfig, StepConfig, LossScal
     return model_cfg, step_cfg, loss_scale
 
 
+def preference_options(cfg: RunConfig, step_cfg: StepConfig) -> dict:
+    """load_corpus's options for a preference objective's rows (jaxmem.data.preference): the
+    tokenization style and --max-prompt-length; {} for causal LM (the trainer's and the eval
+    command's data alike)."""
+    style = step_cfg.objective.preference
+    return {} if style is None else {"preference": style,
+                                     "max_prompt_length": cfg.objective.max_prompt_length}
+
+
 def make_step_config(model_cfg: ModelConfig, precision: Precision, remat: RematPolicy,
                      optim: OptimConfig, seq_len: int, grad_accum: int = 1,
                      trainable: Trainable = FullFineTune(), loss_chunk: int | None = None,
