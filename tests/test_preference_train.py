@@ -26,6 +26,7 @@ from jaxmem.train.run import compile_run_step, make_eval_fn
 from jaxmem.train.rundir import load_run
 from jaxmem.train.step import StepConfig
 from jaxmem.train.optim import OptimConfig
+from numerics import assert_reordered_fp32
 from runs import losses, params_of
 from testenv import subprocess_env
 
@@ -160,3 +161,43 @@ def test_step_memory_of_dpo_against_sft():
     full_dpo = StepConfig(c, fp32, optim=opt, objective=DPO())
     fs, fd = compile_run_step(full_sft, None, 2 * B, T), compile_run_step(full_dpo, None, B, T)
     assert _args_bytes(fd) == _args_bytes(fs) + 2 * B * T * 4
+
+
+@pytest.mark.slow  # about 12 s
+def test_in_backward_dpo_equals_the_ordinary_step(data, tmp_path):
+    """--optimizer-in-backward differentiates the objective's head part (a full fine-tune, the
+    precomputed reference in the batch): the same losses and rewards as the ordinary step."""
+    train, evals = data
+    args = [*QUICK, "--objective", "dpo", "--num-layers", "2", "--hidden-size", "64",
+            "--intermediate-size", "128", "--data", str(train), "--eval-data", str(evals),
+            "--steps", "4", "--eval-every", "4", "--remat", "full", "--clip", "0"]
+    assert main([*args, "--out", str(tmp_path / "plain")]) == 0
+    assert main([*args, "--optimizer-in-backward", "--out", str(tmp_path / "ib")]) == 0
+    keys = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "eval_loss")
+    recs = [[json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+            for d in ("plain", "ib")]
+    assert recs[0][-1]["loss"] < 0.6  # it trained
+    for a, b in zip(*recs):
+        for k in keys:
+            if k in a:
+                assert_reordered_fp32(np.float32(b[k]), np.float32(a[k]), err_msg=k)
+
+
+def test_the_planner_plans_a_preference_step():
+    """`jaxmem.memory --objective dpo` plans the trainer's step: two rows per pair, the spec
+    survives the --measure worker's JSON, and the compiled plan's batch is the trainer's."""
+    from jaxmem.config.run import RunConfig  # noqa: PLC0415
+    from jaxmem.memory.counted import abstract_step_batch  # noqa: PLC0415
+    from jaxmem.memory.spec import StepSpec  # noqa: PLC0415
+
+    cfg = RunConfig().replace({"objective.objective": "dpo", "objective.beta": 0.2,
+                               "peft.lora_rank": 4, "data.batch_size": 3, "data.seq_len": 32,
+                               "data.grad_accum": 2})
+    spec = StepSpec.from_run_config(cfg)
+    assert spec.rows == 6 and spec.objective == DPO(beta=0.2)
+    assert StepSpec.from_json(spec.to_json()) == spec
+    batch = abstract_step_batch(spec)
+    assert {k: v.shape for k, v in batch.items()} == {
+        k: (2, 6, 32) for k in ("inputs", "targets", "mask")}  # LoRA: no reference column
+    full = StepSpec.from_run_config(cfg.replace({"peft.lora_rank": 0}))
+    assert abstract_step_batch(full)["ref_logps"].shape == (2, 6, 32)
