@@ -69,7 +69,7 @@ import jax.numpy as jnp
 from jaxmem.config.model import ConfigError
 from jaxmem.loss.chunked import forward, over_vocab, resolve_loss_chunk
 from jaxmem.families.decoder import (DecoderBlock, abstract_params, embed_lookup, final_norm,
-                                    layer_context, layer_facts)
+                                    head_of, layer_context, layer_facts)
 from jaxmem.families.names import EMBEDDING, FINAL_NORM, HEAD, LAYERS
 from jaxmem.model.fetch import in_host_memory, layer_to_device, to_device
 from jaxmem.model.precision import cast_params
@@ -210,7 +210,7 @@ class _InBackwardStep:
         objective's metrics)."""
         hp = self.cast(hp)
         h = self.norm.apply({"params": hp[FINAL_NORM]}, x)  # [B, T, D]
-        w, layout = (hp[EMBEDDING], "VD") if self.c.tie_embeddings else (hp[HEAD], "DV")
+        w, layout = head_of(self.c, hp)
         mb = a["mb"]
         ref = jnp.sum(mb["ref_logps"], axis=-1) if "ref_logps" in mb else None
         objective = self.cfg.objective
