@@ -97,6 +97,9 @@ def test_qlora_dpo_learns_a_held_out_preference(data, tmp_path):
     # after 30 steps, and the tuned policy's own preference 1.0
     assert records[-1]["eval_rewards/accuracies"] >= 0.9, records[-1]
     assert _eval_accuracy(out, SimPO(beta=1.0, gamma=0.0)) >= 0.9
+    from jaxmem.export.cli import main as export_main  # noqa: PLC0415
+    assert export_main(["--run", str(out), "--out", str(tmp_path / "ad"), "--adapters-only"]) == 0
+    assert (tmp_path / "ad" / "adapter_model.safetensors").is_file()
 
 
 @pytest.mark.slow  # about 25 s
@@ -201,3 +204,28 @@ def test_the_planner_plans_a_preference_step():
         k: (2, 6, 32) for k in ("inputs", "targets", "mask")}  # LoRA: no reference column
     full = StepSpec.from_run_config(cfg.replace({"peft.lora_rank": 0}))
     assert abstract_step_batch(full)["ref_logps"].shape == (2, 6, 32)
+
+
+@pytest.mark.slow  # about 25 s
+def test_dpo_on_a_mesh_equals_one_device_and_exports(data, tmp_path):
+    """A full fine-tune's DPO on `--mesh data=2` (two simulated CPU devices, the pairs split
+    over them) gives one device's losses and rewards; the run exports as any run does."""
+    train, evals = data
+    args = [*QUICK, "--objective", "dpo", "--num-layers", "2", "--hidden-size", "64",
+            "--intermediate-size", "128", "--data", str(train), "--eval-data", str(evals),
+            "--steps", "3", "--eval-every", "3", "--batch-size", "4"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main([*args, "--out", str(one)]) == 0
+    p = subprocess.run([sys.executable, "-m", "jaxmem.train", *args, "--mesh", "data=2",
+                        "--out", str(two)], capture_output=True, text=True,
+                       env=subprocess_env(cpu_devices=2))
+    assert p.returncode == 0, p.stderr[-2000:]
+    recs = [[json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+            for d in (one, two)]
+    for a, b in zip(*recs):
+        for k in ("loss", "rewards/margins", "logps/chosen", "eval_loss"):
+            if k in a:
+                assert_reordered_fp32(np.float32(b[k]), np.float32(a[k]), err_msg=k)
+    from jaxmem.export.cli import main as export_main  # noqa: PLC0415
+    assert export_main(["--run", str(one), "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "config.json").is_file()
