@@ -229,3 +229,16 @@ def test_dpo_on_a_mesh_equals_one_device_and_exports(data, tmp_path):
     from jaxmem.export.cli import main as export_main  # noqa: PLC0415
     assert export_main(["--run", str(one), "--out", str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "config.json").is_file()
+
+
+def test_the_reference_follows_what_trains():
+    from jaxmem.config.model import ConfigError  # noqa: PLC0415
+    from jaxmem.config.objective import ObjectiveSection  # noqa: PLC0415
+
+    assert ObjectiveSection(objective="dpo").resolved_reference(lora=True) == "adapters"
+    assert ObjectiveSection(objective="dpo").resolved_reference(lora=False) == "precompute"
+    assert ObjectiveSection(objective="orpo").resolved_reference(lora=False) is None
+    with pytest.raises(ConfigError, match="--reference adapters needs --lora-rank"):
+        ObjectiveSection(objective="dpo", reference="adapters").resolved_reference(lora=False)
+    with pytest.raises(ConfigError, match="--reference precompute is for a full fine-tune"):
+        ObjectiveSection(objective="dpo", reference="precompute").resolved_reference(lora=True)

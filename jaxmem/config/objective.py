@@ -67,4 +67,8 @@ class ObjectiveSection:
             raise ConfigError("--reference adapters needs --lora-rank (the reference is the base "
                               "with the adapters off); a full fine-tune uses --reference "
                               "precompute")
+        if self.reference == "precompute" and lora:
+            raise ConfigError("--reference precompute is for a full fine-tune; a LoRA run's "
+                              "reference is its frozen base with the adapters off (--reference "
+                              "adapters, the default), which holds no second copy either")
         return self.reference
