@@ -89,5 +89,5 @@ def lora_eval_losses(run, batches) -> tuple[float, float]:
 
     def loss(adapters):
         totals = [eval_fn(adapters, b, frozen) for b in batches]
-        return float(sum(t for t, _ in totals) / sum(c for _, c in totals))
+        return float(sum(t["loss"] for t, _ in totals) / sum(c["tokens"] for _, c in totals))
     return loss(zero_b), loss(run.state.params)

@@ -89,7 +89,7 @@ def test_the_trainer_prints_the_runs_predicted_time():
     from jaxmem.train.step import jit_train_step
     s = spec("full", 4)
     run = SimpleNamespace(cfg=SimpleNamespace(data=SimpleNamespace(
-        batch_size=4, seq_len=512, grad_accum=1)), model_cfg=s.model)
+        batch_size=4, seq_len=512, grad_accum=1)), model_cfg=s.model, step_cfg=s.step)
     with target.compiling_for("h100"):
         compiled = jit_train_step(s.step).lower(abstract_state(s), abstract_step_batch(s)).compile()
         line = _predicted(run, compiled, 1000)

@@ -85,9 +85,9 @@ def test_host_params_are_bitwise_the_device_run_for_10_steps(optimizer):
     # eval and sampling take the host params as they are (the Decoder fetches each layer)
     device, host = ref_state.params, runs["params"][1].params
     eval_fn = make_eval_fn(cfg)
-    assert _on_host(host) and [float(x) for x in eval_fn(host, {k: v[0] for k, v in
-                                                               batches[0].items()})] == \
-        [float(x) for x in eval_fn(device, {k: v[0] for k, v in batches[0].items()})]
+    assert _on_host(host) and jax.tree.map(float, eval_fn(host, {k: v[0] for k, v in
+                                                                batches[0].items()})) == \
+        jax.tree.map(float, eval_fn(device, {k: v[0] for k, v in batches[0].items()}))
     from jaxmem.decode.sampling import generate_ids
     sample = lambda p: generate_ids(cfg.model, p, [[1, 2, 3]], 6, top_k=40)  # noqa: E731
     assert sample(host) == sample(device)

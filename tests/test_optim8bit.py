@@ -10,7 +10,6 @@ import numpy as np
 import optax
 import pytest
 
-import jaxmem.train.step as step_mod
 from jaxmem.config.model import ModelConfig
 from jaxmem.train.loss import synthetic_batch
 from jaxmem.model.precision import get_precision
@@ -295,8 +294,10 @@ def test_skipped_step_leaves_state_bitwise(precision, optimizer, monkeypatch):
     state, m = jit_train_step(cfg)(state, batch())
     assert not bool(m["skipped"])
     before = jax.tree_util.tree_map(np.asarray, state)
-    real = step_mod.token_loss
-    monkeypatch.setattr(step_mod, "token_loss", lambda *a: (real(*a)[0] * jnp.nan, real(*a)[1]))
+    import jaxmem.objective.base as objective_base  # the causal-LM objective's loss
+    real = objective_base.token_loss
+    monkeypatch.setattr(objective_base, "token_loss",
+                        lambda *a: (real(*a)[0] * jnp.nan, real(*a)[1]))
     after, m = jit_train_step(cfg)(state, batch(2))
     assert bool(m["skipped"])
     for x, y in zip(jax.tree_util.tree_leaves((after.params, after.opt_state, after.rng)),

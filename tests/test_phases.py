@@ -37,7 +37,8 @@ def test_eval_fused_loss_equals_full_logits(loss_chunk):
     batch = synthetic_batch(jax.random.PRNGKey(1), 4, 128, spec.model.vocab_size,
                             pad_fraction=0.25)
     with jax.default_matmul_precision("highest"):
-        total, count = make_eval_fn(cfg)(params, batch)
+        sums, counts = make_eval_fn(cfg)(params, batch)
+        total, count = sums["loss"], counts["tokens"]
         logits = cfg.build_model().apply({"params": params}, batch["inputs"])  # [B, T, V] fp32
         ref_total, ref_count = cross_entropy(logits, batch["targets"], batch["mask"])
     assert float(count) == float(ref_count) == 4 * 96
@@ -69,7 +70,8 @@ def test_eval_runs_the_mlp_in_tiles_whatever_the_remat(monkeypatch):
         fn = make_eval_fn(cfg)
         temp = fn.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
         with jax.default_matmul_precision("highest"):
-            return fn(params, batch), temp, analytic_phases(spec)["eval"]["total"]
+            sums, counts = fn(params, batch)
+            return (sums["loss"], counts["tokens"]), temp, analytic_phases(spec)["eval"]["total"]
 
     assert tiled.mlp_tile(1, 512, 8192) == 512  # the default limit: one tile, untiled
     (total0, count0), temp0, analytic0 = run()

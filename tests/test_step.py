@@ -46,8 +46,10 @@ def test_non_finite_step_changes_nothing_and_halves_scale(poison, monkeypatch):
     assert not bool(m["skipped"])
     before = host(state)
 
-    real = step_mod.token_loss
-    monkeypatch.setattr(step_mod, "token_loss", lambda *a: (real(*a)[0] * poison, real(*a)[1]))
+    import jaxmem.objective.base as objective_base  # the causal-LM objective's loss
+    real = objective_base.token_loss
+    monkeypatch.setattr(objective_base, "token_loss",
+                        lambda *a: (real(*a)[0] * poison, real(*a)[1]))
     poisoned = jit_train_step(cfg)
     after, m = poisoned(state, batch(seed=2))
     assert bool(m["skipped"])

@@ -41,7 +41,8 @@ TYPES = {"positive_int": positive_int, "nonneg_int": nonneg_int, "nonneg_float":
 # The RunConfig fields `python -m jaxmem.memory` takes (the planner): its sections, and the
 # fields of the sections it takes in part. `jaxmem.train.failures.fit_command` writes its
 # commands from the same lists.
-PLANNER_SECTIONS = ("model", "precision", "remat", "optim", "data", "peft", "parallel", "sample")
+PLANNER_SECTIONS = ("model", "precision", "remat", "optim", "data", "peft", "parallel", "sample",
+                    "objective")
 PLANNER_ONLY = {"precision": ("mode",), "data": ("batch_size", "seq_len", "grad_accum"),
                 "optim": ("mu_dtype", "optimizer", "in_backward", "offload_optimizer",
                           "offload_params"),
@@ -52,7 +53,8 @@ SECTION_TITLES = {"model": "model", "precision": "memory and precision", "remat"
                   "optim": "optimization", "data": "data and batch", "run": "run directory",
                   "sample": "sampling", "init": "model",
                   "peft": "fine-tuning (LoRA, quantized base)",
-                  "parallel": "devices and processes"}
+                  "parallel": "devices and processes",
+                  "objective": "objective (causal LM, preference tuning)"}
 
 
 def add_run_flags(parser: argparse.ArgumentParser, sections, only: dict[str, tuple[str, ...]] | None = None,

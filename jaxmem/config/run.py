@@ -10,6 +10,7 @@
       sample     SampleSection     the text sampled at the end of a run / by jaxmem.generate
       init       InitSection       step-0 weights: random, or a Hugging Face checkpoint
       parallel   ParallelSection   the device mesh (jaxmem.parallel, docs/distributed.md)
+      objective  ObjectiveSection  what the step minimises: causal LM or DPO / ORPO / SimPO
 
 Every field carries its CLI metadata (flag, help, type, whether a resume may change it), so the
 flags of `jaxmem.train`, `jaxmem.memory`, `jaxmem.generate` and `experiments.compare` are
@@ -29,6 +30,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from jaxmem.config.objective import ObjectiveSection  # noqa: F401  (a RunConfig section)
 from jaxmem.config.data import DataSection  # re-exported: the section lives in its own module
 from jaxmem.config.fields import _positive, option
 from jaxmem.config.lora import parse_targets
@@ -265,6 +267,7 @@ class RunConfig:
     init: InitSection = InitSection()
     peft: PeftSection = PeftSection()
     parallel: ParallelSection = ParallelSection()
+    objective: ObjectiveSection = ObjectiveSection()
 
     @staticmethod
     def sections() -> dict[str, type]:

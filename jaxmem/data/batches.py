@@ -68,14 +68,18 @@ class EpochRows:
         """Epochs completed (fractional) before batch `position`."""
         return position * self.batch_size / self.num_windows
 
-    def batch_at(self, position: int) -> dict:
+    def indices_at(self, position: int) -> list[int]:
+        """The rows (their indices in the split) of batch `position`, in order."""
         if position < 0:
             raise DataError(f"batch position must be >= 0, got {position}")
-        rows = []
+        out = []
         for k in range(position * self.batch_size, (position + 1) * self.batch_size):
             epoch, i = divmod(k, self.num_windows)
-            rows.append(self._row(int(self._perm(epoch)[i])))
-        return self._stack(rows)
+            out.append(int(self._perm(epoch)[i]))
+        return out
+
+    def batch_at(self, position: int) -> dict:
+        return self._stack([self._row(i) for i in self.indices_at(position)])
 
     @staticmethod
     def _stack(rows):

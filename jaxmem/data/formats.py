@@ -9,11 +9,16 @@ transformers drops None-valued keys):
     text                       {"text": "..."}                      plain text, trained whole
     messages                   {"messages": [{"role", "content"}]}  roles system / user / assistant
     pair                       {"prompt": ..., "completion": ...}   each a string or a message list
+    preference                 {"prompt": ..., "chosen": ..., "rejected": ...}, or without the
+                               prompt (TRL's implicit prompt): all strings or all message lists;
+                               read for --objective dpo / orpo / simpo (jaxmem.data.preference)
 
 `data_field="NAME"` reads every row as text from the string field NAME instead. A row of another
-shape, a malformed JSON line, a missing or mistyped field, an unknown role, or a file that mixes
-kinds raises DataError naming the file, the line (`.jsonl`) or row (`.json`, `.parquet`, 1-based)
-and the fields found.
+shape, a malformed JSON line, a missing or mistyped field, an unknown role, an empty chosen or
+rejected answer, or a file that mixes kinds raises DataError naming the file, the line (`.jsonl`)
+or row (`.json`, `.parquet`, 1-based) and the fields found. `read_rows(..., preference=True)`
+wants preference rows and refuses any other kind; without it a preference row is refused with
+the flag that trains on it.
 """
 
 from __future__ import annotations
@@ -26,14 +31,17 @@ from jaxmem.data.errors import DataError
 
 EXAMPLE_SUFFIXES = (".jsonl", ".json", ".parquet")
 ROLES = ("system", "user", "assistant")
-KIND_FIELDS = {"text": "text", "messages": "messages", "pair": "prompt + completion"}
+KIND_FIELDS = {"text": "text", "messages": "messages", "pair": "prompt + completion",
+               "preference": "chosen + rejected"}
+PREFERENCE_FLAG = "--objective dpo|orpo|simpo"
 
 
 @dataclass(frozen=True)
 class Row:
-    """One example: kind "text" (value: str), "messages" (value: list of {role, content}) or
-    "pair" (value: (prompt, completion), each a str or a message list); `where` is
-    'FILE line N' or 'FILE row N', for messages."""
+    """One example: kind "text" (value: str), "messages" (value: list of {role, content}),
+    "pair" (value: (prompt, completion), each a str or a message list) or "preference" (value:
+    (prompt or None, chosen, rejected), all str or all message lists); `where` is 'FILE line N'
+    or 'FILE row N', for messages."""
 
     kind: str
     value: object
@@ -124,6 +132,40 @@ def _string(record: dict, key: str, where: str) -> str:
     return value
 
 
+def _preference(record: dict, present: set, where: str) -> tuple:
+    """(prompt or None, chosen, rejected) of a preference row, validated: both answers present,
+    every value a string or a message list, all of one type, no empty answer."""
+    for key in ("chosen", "rejected"):
+        if key not in present:
+            raise DataError(f"{where}: a preference row has no '{key}' field (fields found: "
+                            f"{_fields(record)})")
+    for key in ("messages", "completion"):
+        if key in present:
+            raise DataError(f"{where}: a preference row with a '{key}' field (fields found: "
+                            f"{_fields(record)}); give prompt + chosen + rejected, or chosen + "
+                            f"rejected sharing their first messages")
+    keys = [k for k in ("prompt", "chosen", "rejected") if k in present]
+    for key in keys:
+        if not isinstance(record[key], (str, list)):
+            raise DataError(f"{where}: field '{key}' is a {type(record[key]).__name__}, not a "
+                            f"string or a list of {{role, content}} messages")
+    conversational = isinstance(record["chosen"], list)
+    for key in keys:
+        if isinstance(record[key], list) != conversational:
+            raise DataError(f"{where}: field '{key}' is a {type(record[key]).__name__} but "
+                            f"'chosen' is a {type(record['chosen']).__name__}; a preference row "
+                            f"holds strings only or message lists only")
+    values = {k: _messages(record[k], where, k) if conversational else record[k] for k in keys}
+    for key in ("chosen", "rejected"):
+        if not conversational and values[key] == "":
+            raise DataError(f"{where}: field '{key}' is an empty string (an empty answer)")
+        for i, m in enumerate(values[key] if conversational else [], 1):
+            if m["role"] == "assistant" and m["content"] == "":
+                raise DataError(f"{where}: {key} message {i} (assistant) has empty content (an "
+                                f"empty answer)")
+    return values.get("prompt"), values["chosen"], values["rejected"]
+
+
 def classify(record, where: str, data_field: str | None = None) -> Row:
     """The Row of one record (see the module docstring)."""
     if not isinstance(record, dict):
@@ -134,6 +176,8 @@ def classify(record, where: str, data_field: str | None = None) -> Row:
             raise DataError(f"{where}: no field '{data_field}' (--data-field; fields found: "
                             f"{_fields(record)})")
         return Row("text", _string(record, data_field, where), where)
+    if "chosen" in present or "rejected" in present:
+        return Row("preference", _preference(record, present, where), where)
     if "messages" in present:
         return Row("messages", _messages(record["messages"], where, "messages"), where)
     if "prompt" in present or "completion" in present:
@@ -151,8 +195,9 @@ def classify(record, where: str, data_field: str | None = None) -> Row:
                     f"text field)")
 
 
-def read_rows(path, data_field: str | None = None) -> list[Row]:
-    """The rows of one example file, all of one kind (DataError otherwise)."""
+def read_rows(path, data_field: str | None = None, *, preference: bool = False) -> list[Row]:
+    """The rows of one example file, all of one kind (DataError otherwise): preference rows
+    when `preference`, any other kind when not."""
     path = Path(path)
     rows: list[Row] = []
     for where, record in _records(path):
@@ -162,6 +207,13 @@ def read_rows(path, data_field: str | None = None) -> list[Row]:
             raise DataError(f"{where}: a {KIND_FIELDS[row.kind]} row in a file of "
                             f"{KIND_FIELDS[rows[0].kind]} rows (since {first[-2]} {first[-1]}); "
                             f"one kind of row per file (fields found: {_fields(record)})")
+        if preference and row.kind != "preference":
+            raise DataError(f"{where}: the data has no chosen / rejected answers: a "
+                            f"{KIND_FIELDS[row.kind]} row (fields found: {_fields(record)}); "
+                            f"preference training wants prompt + chosen + rejected rows")
+        if not preference and row.kind == "preference":
+            raise DataError(f"{where}: a preference row (chosen / rejected answers; fields found: "
+                            f"{_fields(record)}); train on it with {PREFERENCE_FLAG}")
         rows.append(row)
     if not rows:
         raise DataError(f"data file has no rows: {path}")

@@ -52,7 +52,8 @@ import numpy as np
 from jaxmem.data.checks import BINARY_SHARE, binary_share, dedupe_files
 from jaxmem.data.errors import DataError
 from jaxmem.data.examples import PackedData, load_examples
-from jaxmem.data.formats import is_example_file
+from jaxmem.data.formats import PREFERENCE_FLAG, is_example_file
+from jaxmem.data.preference import PreferencePairs, load_preferences
 
 DEFAULT_CORPUS_BYTES = 8_000_000
 DEFAULT_EVAL_FRACTION = 0.05
@@ -184,7 +185,10 @@ def load_corpus(data: str | None, tokenizer, vocab_size: int, *,
 
     Example files (.jsonl / .json / .parquet) give `PackedData` splits instead of token arrays
     (jaxmem.data.examples; `example_options`: data_field, chat_template, train_on, truncate,
-    pack); they cannot be mixed with text or token files. Batches of either: `train_batcher`,
+    pack); they cannot be mixed with text or token files. With `preference="dpo"` or `"cpo"`
+    (TRL's DPOTrainer's or CPO / ORPOTrainer's tokenization) they are preference rows and give
+    `PreferencePairs` splits (jaxmem.data.preference; options chat_template, max_prompt_length;
+    train_on, truncate and pack do not apply to pairs). Batches of any: `train_batcher`,
     `split_eval_batches`.
     """
     if not 0.0 <= eval_fraction < 1.0:
@@ -206,6 +210,9 @@ def load_corpus(data: str | None, tokenizer, vocab_size: int, *,
     if example_options.get("data_field") is not None:
         raise DataError(f"--data-field {example_options['data_field']} needs example rows "
                         f"(.jsonl, .json, .parquet); {files[0]} is not one")
+    if example_options.get("preference") is not None:
+        raise DataError(f"preference training ({PREFERENCE_FLAG}) needs prompt + chosen + "
+                        f"rejected rows (.jsonl, .json, .parquet); {files[0]} is not one")
     stream, read = _token_stream(files, tokenizer, vocab_size)
     n = stream.size
     if n < 2:
@@ -239,19 +246,38 @@ def _load_with_eval_data(data, eval_data, tokenizer, vocab_size: int, **options)
         held_out.update(eval_examples=ev["train_examples"], eval_rows=ev["train_rows"],
                         eval_trained_tokens=ev["trained_tokens"],
                         eval_masked_tokens=ev["masked_tokens"])
+    if ev.get("format") == "preference":
+        held_out.update(eval_pairs=ev["train_pairs"], eval_rows=ev["rows"],
+                        eval_completion_tokens=ev["completion_tokens"],
+                        eval_prompt_tokens=ev["prompt_tokens"])
     return train, evals, {**stats, **held_out}
 
 
 def _load_example_files(data, files: list[Path], duplicates, tokenizer, vocab_size: int,
                         **options):
-    """Example rows (jaxmem.data.examples.load_examples): `PackedData` splits and their stats;
-    refused when `files` mixes them with text or token files."""
+    """Example rows (jaxmem.data.examples.load_examples): `PackedData` splits and their stats, or
+    with `preference` set, preference rows (jaxmem.data.preference.load_preferences):
+    `PreferencePairs` splits; refused when `files` mixes them with text or token files."""
     examples = [f for f in files if is_example_file(f)]
     others = [f for f in files if not is_example_file(f)]
     if others:
         raise DataError(f"--data mixes example rows ({examples[0]}) with text or token files "
                         f"({others[0]}); give one kind")
-    train, evals, stats = load_examples(files, tokenizer, vocab_size, **options)
+    preference = options.pop("preference", None)
+    max_prompt_length = options.pop("max_prompt_length", None)
+    if preference is not None:
+        if options.get("data_field") is not None:
+            raise DataError(f"--data-field {options['data_field']} reads text rows; preference "
+                            f"training ({PREFERENCE_FLAG}) reads prompt + chosen + rejected rows")
+        train, evals, stats = load_preferences(
+            files, tokenizer, vocab_size, seq_len=options["seq_len"],
+            eval_fraction=options["eval_fraction"], style=preference,
+            max_prompt_length=max_prompt_length, chat_template=options.get("chat_template"))
+    elif max_prompt_length is not None:
+        raise DataError(f"a max prompt length ({max_prompt_length}) applies to preference rows "
+                        f"({PREFERENCE_FLAG}) only")
+    else:
+        train, evals, stats = load_examples(files, tokenizer, vocab_size, **options)
     return train, evals, {"source": str(data), "files": len(files), **stats,
                           "duplicate_files_skipped": duplicates[:20],
                           "tokenizer": getattr(tokenizer, "path", tokenizer.name),
@@ -309,11 +335,12 @@ def _token_stream(files: list[Path], tokenizer, vocab_size: int) -> tuple[np.nda
 
 
 def train_batcher(train, batch_size: int, seq_len: int, seed: int, *, pad_id: int):
-    """The training batches of a split from `load_corpus`: `Batcher` over a token stream, or
-    `PackedBatcher` over packed examples; both have `batch_at(position)`."""
+    """The training batches of a split from `load_corpus`: `Batcher` over a token stream,
+    `PackedBatcher` over packed examples, `PreferenceBatcher` over preference pairs ([2B, T]:
+    B pairs); all have `batch_at(position)`."""
     from jaxmem.data.batches import Batcher  # noqa: PLC0415
 
-    if isinstance(train, PackedData):
+    if isinstance(train, (PackedData, PreferencePairs)):
         return train.batcher(batch_size, seq_len, seed, pad_id)
     return Batcher(train, batch_size, seq_len, seed, pad_id=pad_id)
 
@@ -322,6 +349,6 @@ def split_eval_batches(evals, batch_size: int, seq_len: int, max_batches=None, *
     """The eval batches of a split from `load_corpus` (`eval_batches` for a token stream)."""
     from jaxmem.data.batches import eval_batches  # noqa: PLC0415
 
-    if isinstance(evals, PackedData):
+    if isinstance(evals, (PackedData, PreferencePairs)):
         return evals.eval_batches(batch_size, seq_len, max_batches, pad_id)
     return eval_batches(evals, batch_size, seq_len, max_batches, pad_id=pad_id)

@@ -44,6 +44,7 @@ from jaxmem.data import DataError, load_corpus, resolve_sources
 from jaxmem.data.examples import example_options
 from jaxmem.io.checkpoint import CheckpointError
 from jaxmem.train.evaluate import EvalBatches, evaluate
+from jaxmem.train.run import preference_options
 from jaxmem.train.rundir import RunError, exit_after_failed_restore, fail
 from jaxmem.train.trackers import eval_metrics, plain_progress
 
@@ -51,7 +52,7 @@ PROG = "python -m jaxmem.eval"
 HF_BATCH, HF_SEQ = 8, 1024  # --hf's batch shape when not given (--seq-len: at most the model's)
 # RunConfig fields this command takes (jaxmem.config.flags): the data and its batch shape, the
 # precision, the loss chunk, the quantized base (--hf), the mesh and the progress bar
-SECTIONS = ("data", "precision", "remat", "peft", "parallel", "run")
+SECTIONS = ("data", "precision", "remat", "peft", "parallel", "run", "objective")
 ONLY = {"data": ("data", "data_field", "chat_template", "train_on", "truncate", "no_pack",
                  "batch_size", "seq_len", "bos_token", "eos_token", "pad_token"),
         "precision": ("mode",), "remat": ("loss_chunk",),
@@ -242,7 +243,13 @@ def _batches(job: _Job, data: str) -> EvalBatches:
     """All of `data`, as the trainer batches an eval split (its example options: masks,
     packing, truncation, chat template)."""
     d = job.cfg.data
-    options = {**example_options(d), "eval_data": None}
+    if job.step_cfg.objective.reference and job.extra == ():
+        raise RunError("this run is a full fine-tune with DPO: its reference is its step-0 "
+                       "model's log-probs, precomputed on its own data only; evaluate it with "
+                       "--objective orpo or simpo, or evaluate a LoRA DPO run (its reference "
+                       "is its base)")
+    options = {**example_options(d), "eval_data": None,
+               **preference_options(job.cfg, job.step_cfg)}
     tokens, _, _ = load_corpus(data, job.tokenizer, job.step_cfg.model.vocab_size,
                                eval_fraction=0.0, seq_len=d.seq_len, **options)
     return EvalBatches(tokens, d.batch_size, d.seq_len, job.tokenizer.pad_id)
@@ -280,21 +287,21 @@ def _evaluate(job: _Job, batches: EvalBatches, args):
     t0 = time.perf_counter()
     with bar:
         result = evaluate(eval_fn, job.params, batches, job.extra, par.eval_batch, par.host,
-                          bar.update)
+                          bar.update, objective=job.step_cfg.objective)
     return result, time.perf_counter() - t0
 
 
 def _report(p, args, job: _Job, result, seconds: float, data: str) -> None:
     """The result line on stdout, and --json's file."""
-    metrics = {k[len("eval_"):]: v for k, v in
-               eval_metrics(result.loss, job.tokenizer.name == "bytes").items()}
+    metrics = result.metrics or {k[len("eval_"):]: v for k, v in  # preference: its rewards
+                                 eval_metrics(result.loss, job.tokenizer.name == "bytes").items()}
     d, mode, mesh = job.cfg.data, job.cfg.precision.mode, job.placement.mesh
     axes = None if mesh is None else {a: n for a, n in dict(mesh.shape).items() if n > 1}
     source = (f"{args.run} (step {job.step})" if args.run is not None else args.hf)
     shown = "".join(f", {k.replace('_', ' ')} {v:.4g}" for k, v in metrics.items())
     where = "" if axes is None else ", mesh " + ",".join(f"{a}={n}" for a, n in axes.items())
-    print(f"eval: {source} on {data}: loss {result.loss:.4f}{shown}; {result.tokens:,} target "
-          f"tokens in {result.batches} batch{'es' if result.batches != 1 else ''} of "
+    counted = "pairs" if result.metrics else "target tokens"
+    print(f"eval: {source} on {data}: loss {result.loss:.4f}{shown}; {result.tokens:,} {counted} in {result.batches} batch{'es' if result.batches != 1 else ''} of "
           f"{d.batch_size} x {d.seq_len} ({mode}{where}), "
           f"{seconds:.1f} s", flush=True)
     if args.json is None:

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem.config.model import ModelConfig
+from jaxmem.families.names import EMBEDDING, HEAD
 from jaxmem.model.attention import causal_attention, masked_attention
 from jaxmem.model.cached import attend_cached
 from jaxmem.model.fetch import fetching, in_host_memory
@@ -242,6 +243,12 @@ def final_norm(c: ModelConfig, **kw) -> RMSNorm:
     return RMSNorm(c.rms_norm_eps, c.norm_plus_one, **kw)
 
 
+def head_of(c: ModelConfig, params: dict):
+    """(the head, its layout) in a params tree: the tied embedding [V, D] ("VD") or the lm_head
+    [D, V] ("DV"), as `Decoder._head` multiplies them."""
+    return (params[EMBEDDING], "VD") if c.tie_embeddings else (params[HEAD], "DV")
+
+
 class Decoder(nn.Module):
     """tokens -> fp32 logits. `einsum` multiplies the blocks' projections (fp8_einsum for fp8)."""
 
@@ -291,19 +298,26 @@ class Decoder(nn.Module):
         tile = tiles_under(self.remat)
         x, _ = stack(c, self.einsum, tile, name="layers")(x, ctx, facts)  # [B, T, D]
 
+        out = self._head(x, embed, return_hidden)
+        return out if return_hidden else constrain(out, "logits")  # [B, T, V] fp32
+
+    def _head(self, x, embed, return_hidden: bool = False):
+        """The final norm, then the head, tied or not: the model's one "norm + head" part (the
+        logits, the loss's return_hidden path, the decode's last position). Outside the module
+        the same choice of head is `head_of`. The head multiplies in fp32 accumulation to fp32
+        logits whatever the compute dtype."""
+        c = self.config
         x = final_norm(c, name="norm")(x)
-        # The head multiplies in fp32 accumulation to fp32 logits whatever the compute dtype.
         if c.tie_embeddings:
             if return_hidden:
                 return x, embed, "VD"  # [B, T, D], the head as [V, D] (no transpose)
-            logits = project("BTD,DV->BTV", x, embed.T, logits_einsum)  # [B, T, V]
-        else:
-            head = Projection("lm_head", "BTD,DV->BTV", (D, V), D, logits_einsum)
-            if return_hidden:
-                # gathered once for all the loss's chunks (on a mesh), not once per chunk
-                return x, gather_weight(head.weight(), "lm_head"), "DV"  # [B, T, D], [D, V]
-            logits = head(x)
-        return constrain(logits, "logits")  # [B, T, V] fp32
+            return project("BTD,DV->BTV", x, embed.T, logits_einsum)  # [B, T, V]
+        head = Projection("lm_head", "BTD,DV->BTV", (c.hidden_size, c.vocab_size),
+                          c.hidden_size, logits_einsum)
+        if return_hidden:
+            # gathered once for all the loss's chunks (on a mesh), not once per chunk
+            return x, gather_weight(head.weight(), "lm_head"), "DV"  # [B, T, D], [D, V]
+        return head(x)
 
     def _block(self, block, remat: RematPolicy):
         """DecoderBlock, or where the given layer params sit in host memory (the frozen base
@@ -339,13 +353,7 @@ class Decoder(nn.Module):
                             in_axes=(nn.broadcast, nn.broadcast, 0), length=c.num_layers)
             x, cache = stack(c, self.einsum, False, name="layers")(
                 x, ctx, None, cache)  # [B, T, D], ([L, B, S, K, H],) * 2
-        x = final_norm(c, name="norm")(x[:, -1:])  # [B, 1, D]
-        if c.tie_embeddings:
-            logits = project("BTD,DV->BTV", x, embed.T, logits_einsum)  # [B, 1, V]
-        else:
-            logits = Projection("lm_head", "BTD,DV->BTV", (c.hidden_size, c.vocab_size),
-                                c.hidden_size, logits_einsum)(x)  # [B, 1, V]
-        return logits[:, 0], cache  # [B, V] fp32
+        return self._head(x[:, -1:], embed)[:, 0], cache  # [B, V] fp32
 
 
 def init_params(config: ModelConfig, rng: jax.Array, seq_len: int = 8, dtype=None):

@@ -191,6 +191,50 @@ def _fused_sum_bwd(chunk, einsum, layout, res, g):
 _fused_sum.defvjp(_fused_sum_fwd, _fused_sum_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fused_tokens(chunk, einsum, layout, x, w, targets):
+    return _fused_tokens_fwd(chunk, einsum, layout, x, w, targets)[0]
+
+
+def _fused_tokens_fwd(chunk, einsum, layout, x, w, targets):
+    xs, ts = _chunks(x, chunk), _chunks(targets, chunk)
+
+    def body(_, c):
+        xc, tc = c  # [B, Tc, D], [B, Tc]
+        logits = _chunk_logits(einsum, layout, xc, w)  # [B, Tc, V]
+        lse = jax.nn.logsumexp(logits, axis=-1)  # [B, Tc]
+        picked = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]  # [B, Tc]
+        return None, (picked - lse, lse)
+
+    _, (logps, lse) = jax.lax.scan(body, None, (xs, ts))
+    return _unchunk(logps, x.shape[1]), (x, w, targets, lse)
+
+
+def _fused_tokens_bwd(chunk, einsum, layout, res, g):
+    # d(-logp)/d(logits) is the cross-entropy's (softmax - onehot): the sum's backward with the
+    # per-token cotangent -g [B, T] as the weights and a unit cotangent
+    x, w, targets, lse = res
+    dx, dw, _, _ = _fused_sum_bwd(chunk, einsum, layout, (x, w, targets, -g, lse),
+                                  jnp.ones((), jnp.float32))
+    return dx, dw, None
+
+
+_fused_tokens.defvjp(_fused_tokens_fwd, _fused_tokens_bwd)
+
+
+def chunked_token_logps(x: jax.Array, w, targets: jax.Array, chunk: int,
+                        einsum=logits_einsum, layout: str = "DV") -> jax.Array:
+    """Each target's log-probability [B, T] (fp32) under the head, without [B, T, V] logits:
+    the per-token form of `chunked_cross_entropy` (same arguments, no weights: the caller
+    weighs and sums, e.g. a preference objective's per-sequence sums, jaxmem.objective).
+    Equal to `take_along_axis(log_softmax(project('BTD,DV->BTV', x, W)), targets)`."""
+    if chunk <= 0:
+        raise ValueError(f"chunked_token_logps: chunk must be positive, got {chunk}")
+    if layout not in ("DV", "VD"):
+        raise ValueError(f"chunked_token_logps: layout must be 'DV' or 'VD', got {layout!r}")
+    return _fused_tokens(int(chunk), einsum, layout, x, w, targets)
+
+
 def chunked_cross_entropy(x: jax.Array, w, targets: jax.Array, weights: jax.Array, chunk: int,
                           einsum=logits_einsum, layout: str = "DV"):
     """(sum of token losses, number of weighted tokens), both fp32, without [B, T, V] logits.

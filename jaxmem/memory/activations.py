@@ -142,7 +142,7 @@ def mlp_backward(spec: StepSpec) -> int:
     mlp_backward_buffers [B, T, F] (tiled: 3 more [B, Tc, F], the tile's recomputed
     activations, and the 3 full-length ones are not materialized, so they are taken back out of
     the recomputed set)."""
-    c, B, T = spec.model, spec.batch_size, spec.seq_len
+    c, B, T = spec.model, spec.rows, spec.seq_len
     F, cb = c.intermediate_size, _nbytes(spec.precision.compute_dtype)
     r = spec.remat
     recomputed = not r.saves_dots and not {"mlp_gate", "mlp_up"} <= {*r.kept_tags,

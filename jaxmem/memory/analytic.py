@@ -188,7 +188,7 @@ def _update(spec: StepSpec, sizes: dict, part: int, trained_bytes: int) -> Compo
 def _saved_per_layer(spec: StepSpec, attention: str) -> list:
     """What one block keeps for its backward, with LoRA's inputs where the policy saves them."""
     c, cd = spec.model, spec.precision.compute_dtype
-    B, T = spec.batch_size, spec.seq_len
+    B, T = spec.rows, spec.seq_len
     return (layer_residuals(c, B, T, cd, spec.remat, attention)
             + spec.trainable.activations(c, B, T, cd, spec.remat)[0])
 
@@ -214,7 +214,7 @@ def _layer_backward(spec: StepSpec, attention: str, per_layer: list) -> int:
     of it is live together; a GPU's compiler frees the MLP's activations before attention's
     backward starts (its buffer report), so there the larger of the two halves counts."""
     c, p = spec.model, spec.precision
-    B, T, cd = spec.batch_size, spec.seq_len, p.compute_dtype
+    B, T, cd = spec.rows, spec.seq_len, p.compute_dtype
     full_layer = _sum(layer_residuals(c, B, T, cd, RematPolicy("none"), attention))
     recomputed = full_layer - _sum(per_layer)
     probs = attention_backward(c, B, T, cd) if on_xla(attention) else 0

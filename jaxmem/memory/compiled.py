@@ -35,8 +35,8 @@ from jaxmem.parallel.mesh import MeshSpec, run_mesh
 from jaxmem.parallel.rules import batch_sharding
 from jaxmem.decode.sampling import lower_sample
 from jaxmem.peft.base import import_programs
-from jaxmem.train import (Placement, abstract_batch, state_creation_fn, state_programs,
-                          token_loss)
+from jaxmem.train import (Placement, abstract_batch, objective_batch, state_creation_fn,
+                          state_programs, token_loss)
 
 
 def compiled_stats(compiled) -> tuple[dict, float]:
@@ -105,7 +105,7 @@ _LOWER = {"step": _lower_step, "sample": _lower_sample,
                                                                        seed=0)),
           "eval": lambda spec, par, _: _lower(
               par, par.eval_fn(spec.step), _state(spec, par).params,
-              abstract_batch(spec.batch_size, spec.seq_len),
+              objective_batch(spec.step, spec.batch_size, spec.seq_len),
               par.abstract_base(spec.step, abstract_frozen(spec)))}
 
 

@@ -23,7 +23,7 @@ import jaxmem.parallel.rules as rules
 from jaxmem.memory.spec import StepSpec
 from jaxmem.model.roles import param_role
 from jaxmem.paths import in_layers, key_name
-from jaxmem.train import Placement, abstract_batch, abstract_train_state
+from jaxmem.train import Placement, abstract_train_state, objective_batch
 
 
 class Kind(enum.Enum):
@@ -146,7 +146,7 @@ def _abstract_frozen(trainable, model, dtype):
 def abstract_step_batch(spec: StepSpec):
     """The step's batch [K, B, T] as ShapeDtypeStructs."""
     return {k: jax.ShapeDtypeStruct((spec.grad_accum,) + v.shape, v.dtype)
-            for k, v in abstract_batch(spec.batch_size, spec.seq_len).items()}
+            for k, v in objective_batch(spec.step, spec.batch_size, spec.seq_len).items()}
 
 
 def _optimizer_label(path, leaf) -> str:

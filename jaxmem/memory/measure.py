@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem.memory.spec import StepSpec
-from jaxmem.train import create_train_state, jit_train_step, synthetic_batch
+from jaxmem.train import create_train_state, jit_train_step, objective_batch, synthetic_batch
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -57,13 +57,23 @@ def measure_in_subprocess(spec: StepSpec, timeout: float = 1800) -> dict:
     return json.loads(lines[-1])
 
 
+def _batch(spec: StepSpec, key) -> dict:
+    """A random micro-batch of the step's objective: the causal-LM batch of `spec.rows`
+    sequences, plus any field the objective reads (ones) and a precomputed reference (zeros)."""
+    b = synthetic_batch(key, spec.rows, spec.seq_len, spec.model.vocab_size)
+    for k, v in objective_batch(spec.step, spec.batch_size, spec.seq_len).items():
+        if k not in b:
+            b[k] = jnp.ones(v.shape, v.dtype) if v.dtype == jnp.int32 else jnp.zeros(v.shape, v.dtype)
+    return b
+
+
 def measure_here(spec: StepSpec, steps: int = 3) -> dict:
     """Allocate the state, run `steps` real train steps, report peak_bytes_in_use (child side)."""
     cfg, loss_scale = spec.step_config()
     state = create_train_state(cfg, loss_scale=loss_scale)
     step = jit_train_step(cfg)
     keys = jax.random.split(jax.random.PRNGKey(1), spec.grad_accum)
-    parts = [synthetic_batch(k, spec.batch_size, spec.seq_len, spec.model.vocab_size) for k in keys]
+    parts = [_batch(spec, k) for k in keys]
     batch = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *parts)
     for _ in range(steps):
         state, metrics = step(state, batch)

@@ -15,7 +15,7 @@ def resolve(spec: StepSpec, mesh_text: str | None, devices: int | None = None) -
     """The mesh spec for `devices` (default: this host's device count), checked for `spec`."""
     n = devices if devices is not None else target.device_count()
     mesh = MeshSpec.parse(mesh_text).resolve(n, mesh_text)
-    mesh.check(spec.model, spec.batch_size, mesh_text, spec.seq_len)
+    mesh.check(spec.model, spec.rows, mesh_text, spec.seq_len)
     return mesh
 
 

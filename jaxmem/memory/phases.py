@@ -112,7 +112,7 @@ def analytic_phases(spec: StepSpec, sample: SampleShape | None = None) -> dict:
     c, p = spec.model, spec.precision
     state = sum(x.bytes for x in count_state(spec)
                 if x.where is Where.DEVICE and x.kind is not Kind.BATCH)
-    B, T = spec.batch_size, spec.seq_len
+    B, T = spec.rows, spec.seq_len
     out = {}
     base = abstract_frozen(spec)
     if base is not None:  # LoRA / QLoRA: the frozen base is imported before the state is made

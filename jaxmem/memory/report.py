@@ -36,6 +36,7 @@ def step_report(spec: StepSpec, compiled: dict | None = None,
         "jax_version": jax.__version__, "precision": spec.precision.name,
         "remat": str(spec.remat), "batch_size": spec.batch_size, "seq_len": spec.seq_len,
         "grad_accum": spec.grad_accum, "global_batch": spec.batch_size * spec.grad_accum,
+        "objective": spec.objective.flags(), "rows": spec.rows,
         "mu_dtype": spec.mu_dtype, "num_layers": c.num_layers, "hidden_size": c.hidden_size,
         "vocab_size": c.vocab_size, "params": analytic["params"], "analytic": analytic,
         "compiled": {k: int(v) for k, v in compiled.items() if k.endswith("_bytes")},
@@ -132,7 +133,21 @@ def header_line(cfg: RunConfig, spec: StepSpec, params: int) -> str:
     return (f"jaxmem.memory: {cfg.model.preset} ({params:,} params), precision "
             f"{spec.precision.name}, remat {spec.remat}\n  optimizer {spec.optimizer} (mu "
             f"{spec.mu_dtype or 'param dtype'}), batch {spec.batch_size} x {spec.seq_len} tokens, "
-            f"grad accum {spec.grad_accum} (global batch {spec.batch_size * spec.grad_accum})")
+            f"grad accum {spec.grad_accum} (global batch {spec.batch_size * spec.grad_accum})"
+            + objective_line(cfg, spec))
+
+
+def objective_line(cfg: RunConfig, spec: StepSpec) -> str:
+    """A preference objective's line: pairs, rows and where its reference comes from."""
+    obj = spec.objective
+    if obj.rows_per_example == 1:
+        return ""
+    ref = cfg.objective.resolved_reference(bool(cfg.peft.lora_rank))
+    where = {None: "no reference", "adapters": "reference: the frozen base with the adapters "
+             "off (a second forward, no second copy of any weight)",
+             "precompute": "reference: precomputed before training (no reference weights)"}[ref]
+    return (f"\n  objective {obj.name}: the batch counts pairs, {spec.rows} sequences per "
+            f"micro-batch (chosen + rejected); {where}")
 
 
 def train_command(cfg: RunConfig) -> str:

@@ -158,7 +158,7 @@ def mesh_candidates(spec: StepSpec, devices: int) -> list[MeshSpec]:
     ok = []
     for m in out + ([MeshSpec(1, devices // 2, 2)] if devices % 2 == 0 else []):
         try:
-            m.check(spec.model, spec.batch_size)
+            m.check(spec.model, spec.rows)
         except ValueError:
             continue
         ok.append(m)

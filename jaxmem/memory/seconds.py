@@ -31,7 +31,7 @@ def seconds_report(spec: StepSpec, time: dict | None) -> dict | None:
     """`time` (predict's) with the step's tokens, tok/s and MFU; None without a prediction."""
     if not time:
         return None
-    tokens = spec.batch_size * spec.seq_len * spec.grad_accum
+    tokens = spec.rows * spec.seq_len * spec.grad_accum
     per_token = flops_per_token(spec.model, spec.seq_len)
     peak = time["machine"]["flops"]
     tok_s = tokens / time["seconds"]

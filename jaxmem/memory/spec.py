@@ -12,7 +12,9 @@ import json
 from dataclasses import dataclass, field
 
 from jaxmem.config.model import ModelConfig
+from jaxmem.config.objective import ObjectiveSection
 from jaxmem.config.run import OptimConfig, PeftSection, RunConfig
+from jaxmem.objective import CausalLM, Objective, objective_of
 from jaxmem.model.precision import Precision, get_precision
 from jaxmem.model.remat import RematPolicy
 from jaxmem.optim import LossScale
@@ -24,7 +26,7 @@ from jaxmem.train import Footprint, StepConfig, footprint, make_step_config
 GiB = 2**30
 
 # the StepConfig's fields and the optimizer config's that the planner varies by name
-_STEP = ("model", "precision", "remat", "grad_accum", "trainable", "loss_chunk")
+_STEP = ("model", "precision", "remat", "grad_accum", "trainable", "loss_chunk", "objective")
 _OPTIM = ("optimizer", "mu_dtype", "in_backward", "offload_optimizer", "offload_params")
 
 
@@ -55,7 +57,7 @@ class StepSpec:
            attention: str | None = None, trainable: Trainable = FullFineTune(),
            loss_chunk: int | None = None, optimizer: str = "adamw", offload_base: str = "none",
            in_backward: bool = False, offload_optimizer: str = "none",
-           offload_params: str = "none") -> "StepSpec":
+           offload_params: str = "none", objective: Objective = CausalLM()) -> "StepSpec":
         """A spec from its parts (the optimizer's config: the defaults but for `optimizer`,
         `mu_dtype`, `in_backward`, which plans with --clip 0, as it needs, and where the state
         lives, `offload_optimizer` and `offload_params`)."""
@@ -65,7 +67,7 @@ class StepSpec:
                                     **({"clip": 0.0} if in_backward else {}))
         step, loss_scale = make_step_config(model, precision, remat, optim, seq_len,
                                             grad_accum=grad_accum, trainable=trainable,
-                                            loss_chunk=loss_chunk)
+                                            loss_chunk=loss_chunk, objective=objective)
         return cls(step, batch_size, seq_len, offload_base, attention, loss_scale)
 
     @classmethod
@@ -76,7 +78,8 @@ class StepSpec:
                       RematPolicy.parse(cfg.remat.policy), d.batch_size, d.seq_len, d.grad_accum,
                       cfg.optim.mu_dtype, attention, trainable_of(cfg.peft), cfg.remat.loss_chunk,
                       cfg.optim.optimizer, cfg.peft.offload_base, cfg.optim.in_backward,
-                      cfg.optim.offload_optimizer, cfg.optim.offload_params)
+                      cfg.optim.offload_optimizer, cfg.optim.offload_params,
+                      objective_of(cfg.objective))
 
     def __getattr__(self, name):  # the StepConfig's parts, and its optimizer config's
         if name in _STEP:
@@ -98,7 +101,13 @@ class StepSpec:
     def footprint(self) -> Footprint:
         """What the step holds and moves beyond its arguments, as the trainer states it
         (jaxmem.train.footprint): the planner's one question to the trainer's rules."""
-        return footprint(self.step, self.batch_size, self.seq_len)
+        return footprint(self.step, self.rows, self.seq_len)
+
+    @property
+    def rows(self) -> int:
+        """Sequences per micro-batch: `batch_size` examples of the objective's rows each (a
+        preference pair is two rows, chosen and rejected)."""
+        return self.batch_size * self.objective.rows_per_example
 
     @property
     def attention_on_xla(self) -> bool:
@@ -127,7 +136,8 @@ class StepSpec:
             "model": dataclasses.asdict(s.model), "precision": s.precision.name,
             "remat": str(s.remat), "optim": dataclasses.asdict(s.optim),
             "grad_accum": s.grad_accum, "loss_chunk": s.loss_chunk,
-            "trainable": s.trainable.flags(), "batch_size": self.batch_size,
+            "trainable": s.trainable.flags(), "objective": s.objective.flags(),
+            "batch_size": self.batch_size,
             "seq_len": self.seq_len, "offload_base": self.offload_base,
             "attention": self.attention}, sort_keys=True)
 
@@ -140,7 +150,8 @@ class StepSpec:
             ModelConfig(**d["model"]), get_precision(d["precision"]),
             RematPolicy.parse(d["remat"]), OptimConfig(**d["optim"]), d["seq_len"],
             grad_accum=d["grad_accum"], trainable=trainable_of(peft),
-            loss_chunk=d["loss_chunk"])
+            loss_chunk=d["loss_chunk"], objective=objective_of(ObjectiveSection(**{
+                k.partition(".")[2]: v for k, v in d.get("objective", {}).items()})))
         return cls(step, d["batch_size"], d["seq_len"], d["offload_base"], d["attention"],
                    loss_scale)
 

@@ -48,7 +48,7 @@ def transfer_plan(spec: StepSpec) -> dict | None:
         times, what = spec.footprint.crossings(_PART[x.kind])
         rows.append({"name": x.label, "host_bytes": x.bytes, "crossings": times,
                      "pcie_bytes": x.bytes * times, "why": what})
-    tokens = spec.batch_size * spec.seq_len * spec.grad_accum
+    tokens = spec.rows * spec.seq_len * spec.grad_accum
     return {"host_bytes": sum(r["host_bytes"] for r in rows),
             "pcie_bytes": sum(r["pcie_bytes"] for r in rows), "parts": rows, "tokens": tokens}
 

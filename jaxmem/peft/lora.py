@@ -70,6 +70,9 @@ class LoraSpec(Trainable):
     def model_params(self, params, frozen, dtype, key=None):
         return self.full_params(frozen, params, dtype, key), None  # cast: adapters only
 
+    def reference_params(self, params, frozen, dtype):
+        return frozen, None  # the base alone: the adapters off, no second copy of any weight
+
     def abstract_frozen(self, model_cfg, dtype):
         return abstract_base(model_cfg, self, dtype)
 

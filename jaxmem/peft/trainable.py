@@ -32,6 +32,13 @@ class Trainable:
         already) from the state's `params` and the `frozen` base; `key`: dropout's (None: off)."""
         raise NotImplementedError
 
+    def reference_params(self, params, frozen, dtype) -> tuple[Any, Any]:
+        """(the params tree of the reference model, the dtype to cast it to or None) for an
+        objective with a reference (DPO): the frozen base with the adapters off for LoRA;
+        ValueError where the trainable holds no reference (a full fine-tune precomputes its
+        reference's log-probs instead: jaxmem.train.reference)."""
+        raise NotImplementedError
+
     def abstract_frozen(self, model_cfg, dtype) -> Any:
         """The frozen base's shapes and dtypes (allocating nothing); None: nothing is frozen."""
         raise NotImplementedError
@@ -96,6 +103,10 @@ class FullFineTune(Trainable):
 
     def model_params(self, params, frozen, dtype, key=None):
         return params, dtype
+
+    def reference_params(self, params, frozen, dtype):
+        raise ValueError("a full fine-tune keeps no reference model: its reference log-probs "
+                         "are precomputed (--reference precompute, the batch's ref_logps)")
 
     def abstract_frozen(self, model_cfg, dtype):
         return None

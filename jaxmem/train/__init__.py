@@ -22,12 +22,12 @@ from jaxmem.train.host_state import programs as state_programs
 from jaxmem.train.loss import abstract_batch, cross_entropy, synthetic_batch, token_loss
 from jaxmem.train.optim import parse_loss_scale
 from jaxmem.train.placement import Placement
-from jaxmem.train.run import (abstract_train_state, build_step_config, make_eval_fn,
+from jaxmem.train.run import (abstract_train_state, build_step_config, make_eval_fn, objective_batch,
                               make_step_config)
 from jaxmem.train.step import (StepConfig, TrainState, create_train_state, jit_train_step,
                                make_train_step, state_creation_fn)
 
-__all__ = ["Footprint", "Placement", "StepConfig", "TrainState", "abstract_batch",
+__all__ = ["Footprint", "Placement", "StepConfig", "TrainState", "abstract_batch", "objective_batch",
            "abstract_train_state", "build_step_config", "create_train_state", "cross_entropy",
            "footprint", "jit_train_step", "make_eval_fn", "make_step_config", "make_train_step",
            "parse_loss_scale", "state_creation_fn", "state_programs", "synthetic_batch",

@@ -47,10 +47,12 @@ from jaxmem.parallel.distributed import add_process_flags, initialize_from_args
 from jaxmem.parallel.mesh import run_mesh
 from jaxmem.train.placement import Placement, check_offload
 from jaxmem.train.init_from import init_from_overrides, init_params_from
-from jaxmem.train.run import abstract_train_state, build_step_config
+from jaxmem.train.reference import REFERENCE_FILE
+from jaxmem.train.run import abstract_train_state, build_step_config, preference_options
 from jaxmem.train.setup import Setup
 
-SECTIONS = ("model", "init", "precision", "remat", "optim", "data", "run", "sample", "peft", "parallel")
+SECTIONS = ("model", "init", "precision", "remat", "optim", "data", "run", "sample", "peft", "parallel",
+            "objective")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,9 +158,11 @@ def setup(args, parser) -> Setup:
                            f"{model_cfg.vocab_size} (leave it out to use the tokenizer's)")
         train_tokens, eval_tokens, stats = load_corpus(cfg.data.data, tokenizer, model_cfg.vocab_size,
                                                        seq_len=cfg.data.seq_len,
-                                                       **example_options(cfg.data))
+                                                       **example_options(cfg.data),
+                                                       **preference_options(cfg, step_cfg))
         d = cfg.data
-        for line in data_warnings(stats, d.batch_size * d.seq_len * d.grad_accum,
+        for line in data_warnings(stats, d.batch_size * step_cfg.objective.rows_per_example
+                                  * d.seq_len * d.grad_accum,
                                   cfg.optim.total_steps):
             print(line, file=sys.stderr)
         s = Setup(cfg, model_cfg, step_cfg, loss_scale, out, tokenizer, train_tokens, eval_tokens,
@@ -181,6 +185,11 @@ def setup(args, parser) -> Setup:
             s.ckpt = Checkpointer(out / CKPT_DIR, keep=cfg.run.keep)
             steps = s.ckpt.all_steps()
             step = _resume_step(args, steps, out)
+            if step is not None and step_cfg.objective.reference and s.frozen is None and \
+                    not (out / REFERENCE_FILE).is_file():
+                raise RunError(f"--out {out}: {REFERENCE_FILE} is missing, so the run's DPO "
+                               f"reference (its step-0 model's log-probs) cannot be recomputed "
+                               f"at step {step}; start a new run")
             if step is not None:  # else: the run died before its first checkpoint; start at 0
                 # targets with the current mesh's shardings: a run saved on any mesh resumes here
                 abstract = s.placement.abstract(

@@ -20,9 +20,12 @@ float64 in batch order: the same batches and weights give the same number in the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+import jax
 import numpy as np
+
+from jaxmem.objective import CausalLM
 
 from jaxmem.data import PackedData, num_windows, split_eval_batches
 
@@ -34,6 +37,12 @@ class EvalBatches:
     def __init__(self, split, batch_size: int, seq_len: int, pad_id: int,
                  max_batches: int | None = None):
         self.split, self.batch_size, self.seq_len, self.pad_id = split, batch_size, seq_len, pad_id
+        self.built = None
+        if not isinstance(split, (PackedData, np.ndarray, list)) and hasattr(split, "eval_batches"):
+            # preference pairs (jaxmem.data.preference): the pairs in order, built at once
+            self.built = split.eval_batches(batch_size, seq_len, max_batches, pad_id)
+            self.n = len(self.built)
+            return
         if isinstance(split, PackedData):
             rows = len(split.rows)
         else:
@@ -49,6 +58,8 @@ class EvalBatches:
         """Batch i: split_eval_batches of the part of the split that batch i covers."""
         if not 0 <= i < self.n:
             raise IndexError(i)
+        if self.built is not None:
+            return self.built[i]
         B, T = self.batch_size, self.seq_len
         if isinstance(self.split, PackedData):
             part = replace(self.split, rows=self.split.rows[i * B:(i + 1) * B])
@@ -60,31 +71,43 @@ class EvalBatches:
 
 @dataclass(frozen=True)
 class EvalResult:
-    """loss: mean loss per target token (nats; nan when no target was evaluated); tokens: the
-    targets counted (mask 1); batches: how many batches were evaluated."""
+    """loss: the objective's mean (causal LM: per target token, nats; nan when nothing was
+    evaluated); tokens: the examples counted (causal LM: targets with mask 1; a preference
+    objective: pairs); batches: how many batches were evaluated; metrics: the objective's
+    (a preference objective's rewards/..., logps/...; {} for causal LM)."""
 
     loss: float
     tokens: int
     batches: int
+    metrics: dict = field(default_factory=dict)
+
+
+def _host_tree(tree):
+    return jax.tree.map(np.asarray, tree)
 
 
 def evaluate(eval_fn, params, batches, extra: tuple = (), place=lambda b: b,
-             host=np.asarray, progress=None) -> EvalResult:
-    """The mean token loss of `params` over `batches` (a sequence of numpy batch dicts).
+             host=_host_tree, progress=None, objective=None) -> EvalResult:
+    """The objective's mean of `params` over `batches` (a sequence of numpy batch dicts).
 
     extra: the eval function's arguments after the batch (a LoRA run's frozen base: the
     trainable's `step_args`). place: puts a host batch where the eval function takes it
     (`Placement.eval_batch`). host: reads a device value (`Placement.host`). progress: called
-    with 1 after each batch is read back. One batch is in flight while the previous one's sums
-    are read, so the host builds the next batch while the device computes.
+    with 1 after each batch is read back. objective: the run's (jaxmem.objective; None: causal
+    LM), whose `value` turns the float64 totals of every batch's sums and counts into the loss
+    and metrics. One batch is in flight while the previous one's sums are read, so the host
+    builds the next batch while the device computes.
     """
-    total, count, pending = 0.0, 0.0, None
+    objective = CausalLM() if objective is None else objective
+    total_sums: dict = {}
+    total_counts: dict = {}
+    pending = None
 
-    def read(sums):
-        nonlocal total, count
-        loss_sum, n = host(sums)
-        total += float(np.float64(loss_sum))
-        count += float(np.float64(n))
+    def read(out):
+        s, c = host(out)
+        for totals, part in ((total_sums, s), (total_counts, c)):
+            for k, v in part.items():
+                totals[k] = totals.get(k, 0.0) + float(np.float64(v))
         if progress is not None:
             progress(1)
 
@@ -95,4 +118,10 @@ def evaluate(eval_fn, params, batches, extra: tuple = (), place=lambda b: b,
         pending = sums
     if pending is not None:
         read(pending)
-    return EvalResult(total / count if count else float("nan"), int(round(count)), len(batches))
+    n = total_counts.get("tokens", total_counts.get("pairs", 0.0))
+    if not n:
+        return EvalResult(float("nan"), 0, len(batches))
+    loss, metrics = objective.value({k: np.float64(v) for k, v in total_sums.items()},
+                                    {k: np.float64(v) for k, v in total_counts.items()}, xp=np)
+    return EvalResult(float(loss), int(round(n)), len(batches),
+                      {k: float(v) for k, v in metrics.items()})

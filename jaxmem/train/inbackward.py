@@ -67,16 +67,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem.config.model import ConfigError
-from jaxmem.loss.chunked import chunked_cross_entropy, forward, over_vocab, resolve_loss_chunk
+from jaxmem.loss.chunked import forward, over_vocab, resolve_loss_chunk
 from jaxmem.families.decoder import (DecoderBlock, abstract_params, embed_lookup, final_norm,
-                                    layer_context, layer_facts)
+                                    head_of, layer_context, layer_facts)
 from jaxmem.families.names import EMBEDDING, FINAL_NORM, HEAD, LAYERS
 from jaxmem.model.fetch import in_host_memory, layer_to_device, to_device
 from jaxmem.model.precision import cast_params
-from jaxmem.einsum import logits_einsum, project
+from jaxmem.einsum import logits_einsum
 from jaxmem.optim import NoOpLossScale, NotSplittable, Parts, all_finite, row_chunks
 from jaxmem.optim import cols
-from jaxmem.train.loss import cross_entropy
 from jaxmem.train.inbackward_rules import head_slice, mlp_slabs
 from jaxmem.train.inbackward_slabs import layer_in_slabs, plan as slab_plan
 from jaxmem.train.optim import schedule
@@ -199,25 +198,24 @@ class _InBackwardStep:
         return {"tokens": tokens, "targets": mb["targets"], "weights": weights,
                 "total": jnp.maximum(jnp.sum(batch["mask"]).astype(jnp.float32), 1.0),
                 "ctx": layer_context(c, (B, T), mb.get("positions"), pad, mb.get("segment_ids")),
-                "chunk": resolve_loss_chunk(cfg.loss_chunk, B, T, c)}
+                "chunk": resolve_loss_chunk(cfg.loss_chunk, B, T, c), "mb": mb,
+                "counts": cfg.objective.counts(batch)}
 
     def _layer(self, lp, x, a, fact=None):
         """Layer `lp` on x; fact: its scanned kind (`layer_facts`) or None."""
         return self.block.apply({"params": self.cast(lp)}, x, a["ctx"], fact)[0]
 
     def _head_loss(self, hp, x, a):
-        """Final norm, LM head and the loss: the Decoder's return_hidden path."""
+        """Final norm, LM head and the objective: the Decoder's return_hidden path; (loss, the
+        objective's metrics)."""
         hp = self.cast(hp)
         h = self.norm.apply({"params": hp[FINAL_NORM]}, x)  # [B, T, D]
-        w, layout = (hp[EMBEDDING], "VD") if self.c.tie_embeddings else (hp[HEAD], "DV")
-        if a["chunk"]:
-            total, _ = chunked_cross_entropy(h, w, a["targets"], a["weights"], a["chunk"],
-                                             layout=layout)
-        else:
-            logits = project("BTD,DV->BTV", h, w.T if layout == "VD" else w,
-                             logits_einsum)  # [B, T, V]
-            total, _ = cross_entropy(logits, a["targets"], a["weights"])
-        return total / a["total"]
+        w, layout = head_of(self.c, hp)
+        mb = a["mb"]
+        ref = jnp.sum(mb["ref_logps"], axis=-1) if "ref_logps" in mb else None
+        objective = self.cfg.objective
+        return objective.value(objective.head_sums(h, w, layout, mb, a["chunk"], ref),
+                               a["counts"])
 
     def __call__(self, state, batch, frozen=None):
         del frozen
@@ -238,14 +236,15 @@ class _InBackwardStep:
         xL, xs = jax.lax.scan(
             lambda x, lf: (self._layer(layer_to_device(lf[0]), x, a, lf[1]), keep(x)),
             x0, (params[LAYERS], self.facts))
-        d_head, vc = {}, self._head_slice(u, params, a)
+        d_head, vc, objective_metrics = {}, self._head_slice(u, params, a), {}
         if vc:  # the head's gradient a vocabulary slice at a time, each updated at once
             loss, dx = self._head_in_slices(u, params, xL, a, vc)
         else:
             head = {FINAL_NORM: params[FINAL_NORM]}
             head_name = EMBEDDING if c.tie_embeddings else HEAD
             head[head_name] = params[head_name]
-            loss, head_vjp = jax.vjp(lambda hp, x: self._head_loss(hp, x, a), head, xL)
+            loss, head_vjp, objective_metrics = jax.vjp(
+                lambda hp, x: self._head_loss(hp, x, a), head, xL, has_aux=True)
             d_head, dx = head_vjp(jnp.ones_like(loss))
             u.leaf(FINAL_NORM, d_head[FINAL_NORM]["scale"])
             if not c.tie_embeddings:
@@ -259,12 +258,14 @@ class _InBackwardStep:
             params=u.treedef.unflatten(u.new_leaves), opt_state=u.parts.finish(u.new_states))
         metrics = {"loss": loss, "grad_norm": jnp.sqrt(u.sumsq),
                    "loss_scale": state.loss_scale.loss_scale, "skipped": skips > 0,
-                   "lr": self.lr_at(state.applied), "tokens": a["total"], "skips_in_a_row": skips}
+                   "lr": self.lr_at(state.applied), "tokens": a["total"], "skips_in_a_row": skips,
+                   **objective_metrics}
         return new_state, metrics
 
     def _head_slice(self, u: _Updates, params, a) -> int:
-        """`head_slice` of this step's head (0 where it is tied or the loss unfused)."""
-        if self.c.tie_embeddings or not a["chunk"]:
+        """`head_slice` of this step's head (0 where it is tied, the loss unfused, or the
+        objective's head gradient cannot be taken a vocabulary slice at a time)."""
+        if self.c.tie_embeddings or not a["chunk"] or not self.cfg.objective.head_in_slices:
             return 0
         return head_slice(params[HEAD].shape, u.parts.column_block(u.index[(HEAD,)]),
                           a["tokens"].size)

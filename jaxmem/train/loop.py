@@ -37,6 +37,8 @@ from jaxmem.train import failures
 from jaxmem.train.placement import Placement
 from jaxmem.train.evaluate import EvalBatches, evaluate
 from jaxmem.train.run import make_eval_fn
+from jaxmem.train.reference import (WithReference, reference_tables, save_tables,
+                                    with_reference_eval)
 from jaxmem.train.step import create_train_state, jit_train_step
 from jaxmem.train.records import Records, fmt_bytes
 from jaxmem.train.trackers import eval_metrics, plain_progress
@@ -99,7 +101,7 @@ def _predicted(s, compiled, steps: int) -> str | None:
         return None
     t = step_time(compiled.as_text(), Machine.of_card(card))
     d = s.cfg.data
-    tokens = d.batch_size * d.seq_len * d.grad_accum
+    tokens = d.batch_size * s.step_cfg.objective.rows_per_example * d.seq_len * d.grad_accum
     mfu = flops_per_token(s.model_cfg, d.seq_len) * tokens / t.seconds / (
         card.peak_tflops[0] * 1e12)
     return (f"predicted on the {card.name} (its compiled step, jaxmem.xla.timing; not a "
@@ -116,17 +118,22 @@ class _Batches:
     """The run's training batches (a step's `--grad-accum` micro-batches stacked, placed on the
     mesh) and its fixed evaluation batches, from plain token streams or packed example rows."""
 
-    def __init__(self, s, par: Placement):
+    def __init__(self, s, par: Placement, reference=None):
         d, pad = s.cfg.data, s.tokenizer.pad_id
         self.par, self.grad_accum = par, d.grad_accum
-        if isinstance(s.train_tokens, PackedData):  # example rows, packed (jaxmem.data.examples)
+        if hasattr(s.train_tokens, "batcher"):  # example rows, packed, or preference pairs
             self.batcher = s.train_tokens.batcher(d.batch_size, d.seq_len, d.seed, pad)
         else:
             self.batcher = Batcher(s.train_tokens, d.batch_size, d.seq_len, seed=d.seed,
                                    pad_id=pad)
         # the first --eval-batches of the held-out split, built once (jaxmem.train.evaluate)
+        # (preference pairs: jaxmem.data.preference, `batcher` and `eval_batches` as above)
         self.evals = list(EvalBatches(s.eval_tokens, d.batch_size, d.seq_len, pad,
                                       s.cfg.run.eval_batches))
+        if reference is not None:  # DPO's precomputed reference (jaxmem.train.reference)
+            self.batcher = WithReference(self.batcher, reference["train"], d.seq_len)
+            self.evals = with_reference_eval(self.evals, reference["eval"], d.batch_size,
+                                             d.seq_len)
 
     def at(self, position: int) -> dict:
         """The step that starts at batch `position` (batches consumed so far)."""
@@ -209,7 +216,8 @@ class _Run:
         self.steps = self.cfg.optim.total_steps
         self.start = int(par.host(self.state.step))
         self.end = min(self.steps, self.r.stop_at or self.steps)
-        self.batches = _Batches(s, par)
+        self.reference = reference_tables(s, self.state.params, par, self.resumed)
+        self.batches = _Batches(s, par, self.reference)
         self.train_step, self.eval_fn = (
             (jit_train_step(step_cfg), make_eval_fn(step_cfg)) if self.one
             else (par.train_step(step_cfg, self.state), par.eval_fn(step_cfg)))
@@ -234,13 +242,15 @@ class _Run:
             self.cfg, failures.compiled_peak(compiled), failures.device_bytes(),
             1 if self.par.mesh is None else self.par.mesh.size)
 
-    def evaluate(self) -> float | None:
-        """The mean token loss on the held-out batches (None: there are none), by the function
-        `python -m jaxmem.eval` calls too."""
+    def evaluate(self):
+        """The objective's mean on the held-out batches (None: there are none), by the function
+        `python -m jaxmem.eval` calls too: the loss, or (the loss, the objective's metrics)
+        where it has any (a preference objective's rewards)."""
         if not self.batches.evals:
             return None
-        return evaluate(self.eval_fn, self.state.params, self.batches.evals, self.frozen,
-                        self.par.eval_batch, self.par.host).loss
+        result = evaluate(self.eval_fn, self.state.params, self.batches.evals, self.frozen,
+                          self.par.eval_batch, self.par.host, objective=self.s.step_cfg.objective)
+        return (result.loss, result.metrics) if result.metrics else result.loss
 
     def loop(self, rec: Records, saves: _Saves, stop: _Stop) -> tuple[int, float | None]:
         """Steps until the end, a signal or too many non-finite steps in a row; each step's
@@ -318,6 +328,7 @@ def train(s: Setup) -> int:
         print(refusal, file=sys.stderr, flush=True)
         return 2
     ckpt = _prepare(s, par, run.start)
+    save_tables(s, run.reference, par)
     if run.start >= run.end:
         ckpt.close()
         print(f"{s.out}: already at step {run.start} of {run.steps}"
@@ -355,9 +366,14 @@ def _done_line(s, rec: Records, step: int, eval_loss: float | None, wall_s: floa
     tps = rec.tokens_per_sec()
     mem = device_memory(rec.device)
     mfu = rec.mfu(tps)
-    ev = "eval loss n/a" if eval_loss is None else f"eval loss {eval_loss:.4f}" + "".join(
-        f", {k[5:].replace('_', ' ')} {v:.4g}"
-        for k, v in eval_metrics(eval_loss, s.tokenizer.name == "bytes").items())
+    if isinstance(eval_loss, tuple):  # a preference objective: its accuracy and margin
+        loss, extra = eval_loss
+        ev = f"eval loss {loss:.4f}" + "".join(f", eval {k} {extra[k]:.4g}" for k in (
+            "rewards/accuracies", "rewards/margins") if k in extra)
+    else:
+        ev = "eval loss n/a" if eval_loss is None else f"eval loss {eval_loss:.4f}" + "".join(
+            f", {k[5:].replace('_', ' ')} {v:.4g}"
+            for k, v in eval_metrics(eval_loss, s.tokenizer.name == "bytes").items())
     return (f"done: step {step}, train loss {rec.last.get('loss', float('nan')):.4f}, {ev}, "
             f"{f'{tps:,.0f}' if tps else 'n/a'} tokens/s, "
             f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}, "
@@ -371,6 +387,8 @@ def _sample(s, state) -> None:
     sm, step_cfg = s.cfg.sample, s.step_cfg
     params, _ = step_cfg.trainable.model_params(state.params, s.frozen, None)
     ev_tokens = (s.eval_tokens.examples.tokens if isinstance(s.eval_tokens, PackedData)
+                 else np.concatenate(s.eval_tokens.prompt[:1] or [np.zeros(0, np.int32)])
+                 if hasattr(s.eval_tokens, "prompt")  # preference pairs: the first prompt
                  else s.eval_tokens)
     prompt = sm.prompt if sm.prompt is not None else eval_prompt(ev_tokens, s.tokenizer)
     try:

@@ -16,6 +16,10 @@ from jaxmem.train.rundir import METRICS_FILE, truncate_metrics
 from jaxmem.train.trackers import Trackers
 
 
+# the train step's own metrics (jaxmem.train.step); any other key is the objective's
+STEP_METRICS = ("loss", "lr", "grad_norm", "loss_scale", "skipped", "tokens", "skips_in_a_row")
+
+
 def fmt_bytes(n) -> str:
     """Bytes as 'x.xx GiB' ('n/a' for None)."""
     return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
@@ -48,7 +52,8 @@ class Records:
         self.device = jax.devices()[0]
         self.peak = peak_flops(self.device, s.step_cfg.precision.compute_dtype)
         self.flops_per_token = flops_per_token(s.model_cfg, d.seq_len)
-        self.tokens_per_step = d.batch_size * d.seq_len * d.grad_accum
+        self.tokens_per_step = (d.batch_size * s.step_cfg.objective.rows_per_example * d.seq_len
+                                * d.grad_accum)
         # a process's first two steps include compilation: not timed (the loop waits for the
         # second's result, so the first timed step starts with the device idle)
         self.first_timed = start + 3
@@ -77,8 +82,14 @@ class Records:
         rec = {"step": step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
                "loss_scale": m["loss_scale"], "skipped": bool(m["skipped"]),
                "tokens_per_sec": self.tokens_per_sec()}
+        # the objective's own metrics (a preference objective's rewards/..., logps/...)
+        rec.update({k: v for k, v in m.items() if k not in STEP_METRICS})
         if evaluated is not None:
-            rec = self.trackers.with_eval_metrics({**rec, "eval_loss": evaluated})
+            if isinstance(evaluated, tuple):  # a preference objective: its metrics, no perplexity
+                loss, extra = evaluated
+                rec.update(eval_loss=loss, **{f"eval_{k}": v for k, v in extra.items()})
+            else:
+                rec = self.trackers.with_eval_metrics({**rec, "eval_loss": evaluated})
         if save_pause is not None:
             rec["save_pause_s"] = round(save_pause, 4)
         mem = device_memory(self.device)

@@ -12,12 +12,15 @@ from jaxmem.config.run import OptimConfig, PrecisionSection, RunConfig
 from jaxmem.model.remat import RematPolicy
 from jaxmem.optim import LossScale
 from jaxmem.train.inbackward import check as check_in_backward
-from jaxmem.train.loss import abstract_batch, token_loss
+from jaxmem.train.loss import abstract_batch
+from jaxmem.objective import CausalLM, Objective, objective_of
+import jax.numpy as jnp
 from jaxmem.train.optim import parse_loss_scale
 from jaxmem.model.precision import Precision, get_precision
 from jaxmem.peft.lora import trainable_of
 from jaxmem.peft.trainable import FullFineTune, Trainable
-from jaxmem.train.step import EVAL_REMAT, StepConfig, jit_train_step, state_creation_fn
+from jaxmem.train.step import (EVAL_REMAT, StepConfig, jit_train_step, reference_sums,
+                               state_creation_fn)
 
 
 def build_step_config(cfg: RunConfig) -> tuple[ModelConfig, StepConfig, LossScale]:
@@ -26,18 +29,28 @@ def build_step_config(cfg: RunConfig) -> tuple[ModelConfig, StepConfig, LossScal
     Raises ConfigError (or RematError / PrecisionError, both ValueErrors) naming the flag.
     """
     model_cfg, p = cfg.model_config(), cfg.precision
+    cfg.objective.resolved_reference(bool(cfg.peft.lora_rank))  # a ConfigError where none fits
     step_cfg, loss_scale = make_step_config(
         model_cfg, get_precision(p.mode), RematPolicy.parse(cfg.remat.policy), cfg.optim,
         cfg.data.seq_len, grad_accum=cfg.data.grad_accum, trainable=trainable_of(cfg.peft),
-        loss_chunk=cfg.remat.loss_chunk, loss_scale=p)
+        loss_chunk=cfg.remat.loss_chunk, loss_scale=p, objective=objective_of(cfg.objective))
     return model_cfg, step_cfg, loss_scale
+
+
+def preference_options(cfg: RunConfig, step_cfg: StepConfig) -> dict:
+    """load_corpus's options for a preference objective's rows (jaxmem.data.preference): the
+    tokenization style and --max-prompt-length; {} for causal LM (the trainer's and the eval
+    command's data alike)."""
+    style = step_cfg.objective.preference
+    return {} if style is None else {"preference": style,
+                                     "max_prompt_length": cfg.objective.max_prompt_length}
 
 
 def make_step_config(model_cfg: ModelConfig, precision: Precision, remat: RematPolicy,
                      optim: OptimConfig, seq_len: int, grad_accum: int = 1,
                      trainable: Trainable = FullFineTune(), loss_chunk: int | None = None,
-                     loss_scale: PrecisionSection = PrecisionSection()
-                     ) -> tuple[StepConfig, LossScale]:
+                     loss_scale: PrecisionSection = PrecisionSection(),
+                     objective: Objective = CausalLM()) -> tuple[StepConfig, LossScale]:
     """(StepConfig, initial loss scale) from the parts a step is made of, validated: the one
     place a StepConfig is made, for a run (`build_step_config`) and for the planner's StepSpec
     alike. `loss_scale`: the precision section's `--loss-scale` spec, initial scale and growth
@@ -51,7 +64,7 @@ def make_step_config(model_cfg: ModelConfig, precision: Precision, remat: RematP
     scale = parse_loss_scale(p.loss_scale or precision.loss_scale, init_scale=p.loss_scale_init,
                              growth_interval=p.loss_scale_growth_interval)
     step_cfg = StepConfig(model_cfg, precision, remat, optim, grad_accum=grad_accum,
-                          trainable=trainable, loss_chunk=loss_chunk)
+                          trainable=trainable, loss_chunk=loss_chunk, objective=objective)
     if optim.in_backward:
         check_in_backward(step_cfg, scale)
     return step_cfg, scale
@@ -68,9 +81,23 @@ def abstract_step_args(step_cfg: StepConfig, loss_scale, batch_size: int, seq_le
     """(state, batch [K, B, T], frozen base or None) as ShapeDtypeStructs: the train step's
     arguments, nothing allocated (packed: the batch has segment_ids and positions)."""
     batch = {k: jax.ShapeDtypeStruct((grad_accum,) + v.shape, v.dtype)
-             for k, v in abstract_batch(batch_size, seq_len, packed).items()}
+             for k, v in objective_batch(step_cfg, batch_size, seq_len, packed).items()}
     frozen = step_cfg.trainable.abstract_frozen(step_cfg.model, step_cfg.precision.compute_dtype)
     return abstract_train_state(step_cfg, loss_scale, seed), batch, frozen
+
+
+def objective_batch(step_cfg: StepConfig, batch_size: int, seq_len: int, packed: bool = False):
+    """One micro-batch's shapes for the step's objective: `batch_size` examples of
+    `rows_per_example` rows each (a preference pair: 2), its extra fields (ORPO's `real`), and
+    a full fine-tune's precomputed reference log-probs (`ref_logps`, fp32)."""
+    obj = step_cfg.objective
+    rows = batch_size * obj.rows_per_example
+    batch = abstract_batch(rows, seq_len, packed)
+    s = jax.ShapeDtypeStruct((rows, seq_len), jnp.int32)
+    batch.update({k: s for k in obj.batch_keys if k not in batch})
+    if obj.reference and step_cfg.trainable.abstract_frozen(step_cfg.model, None) is None:
+        batch["ref_logps"] = jax.ShapeDtypeStruct((rows, seq_len), jnp.float32)
+    return batch
 
 
 def compile_run_step(step_cfg: StepConfig, loss_scale, batch_size: int, seq_len: int,
@@ -84,9 +111,11 @@ def compile_run_step(step_cfg: StepConfig, loss_scale, batch_size: int, seq_len:
 
 
 def make_eval_fn(cfg: StepConfig):
-    """jit(params, batch[, frozen base]) -> (sum of token losses, tokens), fp32.
+    """jit(params, batch[, frozen base]) -> (the objective's sums, its counts): dicts of fp32
+    scalars, which `jaxmem.train.evaluate.evaluate` adds over the batches (causal LM: the sum
+    of token losses and the tokens).
 
-    The loss is the train step's own call, `token_loss(model, params, batch,
+    The loss is the train step's own call, `cfg.objective.sums(model, params, batch,
     cfg.attention_padding, compute_dtype, cfg.loss_chunk)`: the LM head fused into the loss
     (jaxmem.loss.chunked) with the run's `--loss-chunk`, so evaluation never holds the
     [B, T, V] fp32 logits (llama-3.2-1b at 8 x 2048: 8.4 GB) and its peak stays under the
@@ -98,9 +127,13 @@ def make_eval_fn(cfg: StepConfig):
     model = cfg.build_model(EVAL_REMAT)
     compute_dtype = cfg.precision.compute_dtype
 
+    objective = cfg.objective
+
     @jax.jit
     def eval_fn(params, batch, frozen=None):
+        ref = reference_sums(cfg, model, params, frozen, batch)
         params, dtype = cfg.trainable.model_params(params, frozen, compute_dtype)  # no dropout
-        return token_loss(model, params, batch, cfg.attention_padding, dtype, cfg.loss_chunk)
+        return (objective.sums(model, params, batch, cfg.attention_padding, dtype,
+                               cfg.loss_chunk, ref), objective.counts(batch))
 
     return eval_fn

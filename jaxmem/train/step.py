@@ -44,8 +44,11 @@ from jaxmem.einsum import default_einsum
 from jaxmem.sharding import constrain_grads
 from jaxmem.optim import (LossScale, LossScaledState, NoOpLossScale, Optimizer,
                           SkipNonFiniteState, loss_scaled, skip_nonfinite)
+from jaxmem.loss.chunked import resolve_loss_chunk
+from jaxmem.objective import CausalLM, Objective
+from jaxmem.objective.base import hidden, token_logps
+from jaxmem.objective.preference import sequence_sums
 from jaxmem.train.inbackward import make_train_step_in_backward
-from jaxmem.train.loss import token_loss
 from jaxmem.train.optim import OptimConfig, RunOptimizer, build_optimizer, schedule
 from jaxmem.model.precision import Precision, cast_floating
 from jaxmem.model.remat import RematPolicy
@@ -92,6 +95,10 @@ class StepConfig:
     # The LM head fused into the loss in sequence chunks (jaxmem.loss.chunked): None picks
     # (resolve_loss_chunk), 0 keeps the [B, T, V] logits, N > 0 uses chunks of N positions.
     loss_chunk: int | None = None
+    # What the step minimises (jaxmem.objective): next-token cross-entropy, or a preference
+    # objective (DPO / ORPO / SimPO) on pairs of rows. The step, the evaluation and the
+    # in-backward step call it; none of them names a loss.
+    objective: Objective = CausalLM()
 
     @functools.cached_property
     def optimizer(self) -> RunOptimizer:
@@ -186,37 +193,62 @@ def step_key(rng: jax.Array, step: jax.Array) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(wrap_key_data(rng), step), SR_STREAM)
 
 
-def _scaled_gradients(cfg: StepConfig, model, state: TrainState, batch, frozen,
-                      total_tokens):
-    """(the loss-scaled gradients of the step's mean token loss, summed over the
-    `cfg.grad_accum` micro-batches of `batch` (a scan), on a mesh split like the params; the
-    unscaled loss). The params are cast to the compute dtype inside grad: fp32 gradients for
-    fp32 masters."""
+def reference_sums(cfg: StepConfig, model, params, frozen, mb):
+    """The reference's per-row log-prob sums [rows] of one micro-batch, or None where the
+    objective needs none: the batch's precomputed `ref_logps` (summed over T: jaxmem.train.
+    reference), else the frozen base with the adapters off (LoRA / QLoRA: the trainable's
+    `reference_params`), run forward only, outside the gradient."""
+    if not cfg.objective.reference:
+        return None
+    if "ref_logps" in mb:
+        return jnp.sum(mb["ref_logps"], axis=-1)
+    ref_params, dtype = cfg.trainable.reference_params(params, frozen, cfg.precision.compute_dtype)
+    h, head, layout = hidden(model, ref_params, mb, cfg.attention_padding, dtype)
+    chunk = resolve_loss_chunk(cfg.loss_chunk, *mb["inputs"].shape, cfg.model)
+    sums, _ = sequence_sums(token_logps(h, head, layout, mb["targets"], chunk), mb)
+    return jax.lax.stop_gradient(sums)
+
+
+def _scaled_gradients(cfg: StepConfig, model, state: TrainState, batch, frozen, counts):
+    """(the loss-scaled gradients of the step's objective, summed over the `cfg.grad_accum`
+    micro-batches of `batch` (a scan), on a mesh split like the params; the unscaled loss and
+    the objective's metrics). `counts`: the objective's normalisers over the whole step, so
+    the micro-batches' losses add up to the step's. The params are cast to the compute dtype
+    inside grad: fp32 gradients for fp32 masters."""
     compute_dtype = cfg.precision.compute_dtype
+    objective = cfg.objective
 
     def micro_loss(params, mb):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)  # dropout
+        ref = reference_sums(cfg, model, params, frozen, mb)
         params, dtype = cfg.trainable.model_params(params, frozen, compute_dtype, key)
-        total, _ = token_loss(model, params, mb, cfg.attention_padding, dtype, cfg.loss_chunk)
-        loss = total / total_tokens
-        return state.loss_scale.scale(loss), loss
+        sums = objective.sums(model, params, mb, cfg.attention_padding, dtype, cfg.loss_chunk,
+                              ref)
+        loss, metrics = objective.value(sums, counts)
+        return state.loss_scale.scale(loss), (loss, metrics)
 
     grad_fn = jax.grad(micro_loss, has_aux=True)
 
     def sharded_grad(params, mb):  # on a mesh: gradients split like the params
-        g, loss = grad_fn(params, mb)
-        return constrain_grads(g), loss
+        g, aux = grad_fn(params, mb)
+        return constrain_grads(g), aux
 
     def accumulate(carry, mb):
-        g_sum, loss_sum = carry
-        g, loss = sharded_grad(state.params, mb)
-        return (jax.tree_util.tree_map(jnp.add, g_sum, g), loss_sum + loss), None
+        g_sum, aux_sum = carry
+        g, aux = sharded_grad(state.params, mb)
+        return (jax.tree_util.tree_map(jnp.add, g_sum, g),
+                jax.tree_util.tree_map(jnp.add, aux_sum, aux)), None
 
     if cfg.grad_accum == 1:
-        return sharded_grad(state.params, jax.tree_util.tree_map(lambda x: x[0], batch))
+        grads, (loss, metrics) = sharded_grad(state.params,
+                                              jax.tree_util.tree_map(lambda x: x[0], batch))
+        return grads, loss, metrics
     zeros = constrain_grads(jax.tree_util.tree_map(jnp.zeros_like, state.params))
-    (grads, loss), _ = jax.lax.scan(accumulate, (zeros, jnp.zeros((), jnp.float32)), batch)
-    return grads, loss
+    aux0 = jax.eval_shape(lambda: sharded_grad(state.params,
+                                               jax.tree_util.tree_map(lambda x: x[0], batch))[1])
+    aux0 = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), aux0)
+    (grads, (loss, metrics)), _ = jax.lax.scan(accumulate, (zeros, aux0), batch)
+    return grads, loss, metrics
 
 
 def make_train_step(cfg: StepConfig, optimizer: Optimizer | None = None):
@@ -238,8 +270,10 @@ def make_train_step(cfg: StepConfig, optimizer: Optimizer | None = None):
     lr_at = schedule(cfg.optim)
 
     def train_step(state: TrainState, batch, frozen=None):
+        counts = cfg.objective.counts(batch)
         total_tokens = jnp.maximum(jnp.sum(batch["mask"]).astype(jnp.float32), 1.0)
-        grads, loss = _scaled_gradients(cfg, model, state, batch, frozen, total_tokens)
+        grads, loss, objective_metrics = _scaled_gradients(cfg, model, state, batch, frozen,
+                                                           counts)
         # the wrapper unscales the same way; XLA computes the unscaled gradients once
         grad_norm = tree_norm(state.loss_scale.unscale(grads))
         wrapped = LossScaledState(
@@ -256,7 +290,8 @@ def make_train_step(cfg: StepConfig, optimizer: Optimizer | None = None):
             loss_scale=wrapped.loss_scale)
         metrics = {"loss": loss, "grad_norm": grad_norm, "loss_scale": state.loss_scale.loss_scale,
                    "skipped": new_state.skips_in_a_row > 0, "lr": lr_at(state.applied),
-                   "tokens": total_tokens, "skips_in_a_row": new_state.skips_in_a_row}
+                   "tokens": total_tokens, "skips_in_a_row": new_state.skips_in_a_row,
+                   **objective_metrics}
         return new_state, metrics
 
     return train_step

@@ -70,10 +70,17 @@ def format_line(rec: dict, total_steps: int, eta_s: float | None = None,
     parts.append(f"{tps:,.0f} tok/s" if tps else "tok/s n/a")
     if memory_bytes is not None:
         parts.append(f"mem {memory_bytes / 2**30:.2f} GiB")
+    if "rewards/accuracies" in rec:  # a preference objective's step
+        parts.append(f"acc {rec['rewards/accuracies']:.3f} margin {rec['rewards/margins']:.3g}")
     if "eval_loss" in rec and rec["eval_loss"] is not None:
-        ev = f"eval loss {rec['eval_loss']:.4f} ppl {rec['eval_perplexity']:.3g}"
+        ev = f"eval loss {rec['eval_loss']:.4f}"
+        if "eval_perplexity" in rec:
+            ev += f" ppl {rec['eval_perplexity']:.3g}"
         if "eval_bits_per_byte" in rec:
             ev += f" bpb {rec['eval_bits_per_byte']:.3f}"
+        if "eval_rewards/accuracies" in rec:
+            ev += (f" acc {rec['eval_rewards/accuracies']:.3f} margin "
+                   f"{rec['eval_rewards/margins']:.3g}")
         parts.append(ev)
     parts.append(f"ETA {_eta(eta_s)}")
     return " | ".join(parts)
