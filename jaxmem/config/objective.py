@@ -38,9 +38,10 @@ class ObjectiveSection:
                             "copy of any weight); precompute = one pass of the step-0 model over "
                             "the data before training (a full fine-tune); auto picks by "
                             "--lora-rank", choices=list(REFERENCES))
-    max_prompt_length: int | None = option(None, "preference rows: keep at most N prompt tokens "
-                                           "(the prompt's end; TRL's rule), before --seq-len cuts "
-                                           "the completion (default: no prompt limit)",
+    max_prompt_length: int | None = option(None, "preference rows: keep a prompt's last N "
+                                           "tokens (earlier TRL's rule; TRL 1.16 has none), "
+                                           "before --seq-len cuts the sequence's end (default: "
+                                           "no prompt limit)",
                                            type="positive_int", metavar="N")
 
     def __post_init__(self):
