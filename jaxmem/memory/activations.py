@@ -56,6 +56,10 @@ def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematP
         residual stream) and gate/up [B, T, F].
     dots: dots_no_batch plus, on the XLA path, attention's PV output (QK^T is recomputed with
         the probabilities: the custom VJP hides it from the policy).
+    sandwich norms (Gemma 3's norms after attention and after the MLP): under none both keep
+        their inputs [B, T, D]; under dots / dots_no_batch the post-MLP norm's input, down_proj's
+        output (the o_proj output is kept already); nothing more under full or names. With
+        (1 + w) norms (Gemma 3) each norm's fp32 scale too, under none.
     names:a,b / offload:a,b: the block input plus the tagged tensors the backward reads
         (`mlp_out` is only added to the residual stream, so it is never kept); offloaded
         tensors live in host memory and count zero here, the block input too when it is
@@ -80,6 +84,12 @@ def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematP
         if not on_xla(attention):  # XLA: the probabilities are recomputed, nothing [B,N,T] kept
             out += [("softmax statistics [B,N,T] x2", 2 * BNT * FP32, "float32")]
         out += [("SwiGLU [B,T,F] x3", 3 * B * T * F * cb, cd)]
+        if c.sandwich_norms:  # the post-norms (Gemma 3) keep their inputs: o_proj's, down_proj's
+            out += [("post-norms: inputs [B,T,D] x2", 2 * BTD * cb, cd)]
+        if c.norm_plus_one:  # (1 + w) of each norm's scale, fp32 (a few KiB a layer)
+            norms = (4 if c.sandwich_norms else 2) * D + (2 * c.resolved_head_dim if c.qk_norm
+                                                          else 0)
+            out += [("norm scales (1 + w)", norms * FP32, "float32")]
         return out
     if remat.saves_dots:
         out = [block_input, ("o_proj output [B,T,D]", BTD * cb, cd),
@@ -87,6 +97,8 @@ def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematP
                ("gate, up [B,T,F] x2", 2 * B * T * F * cb, cd)]
         if remat.saves_batched_dots and on_xla(attention):
             out += [("PV output [B,T,N,H]", tags["attn_context"] * cb, cd)]
+        if c.sandwich_norms:  # the post-MLP norm's input is down_proj's output, a dot: kept
+            out += [("down_proj output [B,T,D]", BTD * cb, cd)]
         return out
     # names / offload: the block input (unless offloaded) and the tags kept on the device
     # (an offloaded tag lives in host memory and counts zero here)
@@ -114,6 +126,8 @@ def outside_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: Rema
     out = [("RoPE cos/sin [B,T,H/2] x2", 2 * B * T * (H // 2) * FP32, "float32"),
            ("final norm: input [B,T,D]", B * T * D * cb, cd),
            ("final norm: output [B,T,D]", B * T * D * cb, cd)]
+    if c.norm_plus_one:  # Gemma 3: its (1 + w) scale, fp32
+        out += [("final norm: scale (1 + w)", D * FP32, "float32")]
     if loss_chunk:
         padded = -(-T // loss_chunk) * loss_chunk
         out += [("fused loss: logsumexp [B,T] fp32", B * padded * FP32, "float32"),

@@ -115,7 +115,7 @@ def analytic_breakdown(spec: StepSpec, mesh: MeshSpec | None = None) -> dict:
     sizes = {a: n for a, n in zip(AXES, mesh.sizes) if n > 1}
     local = local_spec(spec, mesh)
     c, p = local.model, local.precision
-    B, T = local.batch_size, local.seq_len
+    B, T = local.rows, local.seq_len  # sequences: a preference pair is two
     attention = local.attention_path
     per_layer = _saved_per_layer(local, attention)
     loss_chunk = resolve_loss_chunk(local.loss_chunk, B, T, c)
@@ -168,7 +168,7 @@ def offloaded_activations(spec: StepSpec) -> Component:
     spec's batch and sequence (a mesh's local ones: `local_spec`)."""
     c, cd = spec.model, spec.precision.compute_dtype
     return Component(Kind.ACTIVATIONS, "saved activations offloaded (host)", c.num_layers
-                     * offloaded_residuals(c, spec.batch_size, spec.seq_len, cd, spec.remat),
+                     * offloaded_residuals(c, spec.rows, spec.seq_len, cd, spec.remat),
                      _dname(cd), Phase.BACKWARD, Where.HOST)
 
 
