@@ -126,10 +126,10 @@ def test_batches_pad_with_the_tokenizers_own_pad_id(tmp_path, corpus, monkeypatc
         pad_id = 0  # not the byte tokenizer's 256
 
     seen = []
-    real_batcher, real_evals = loop.Batcher, loop.EvalBatches
+    real_batcher, real_evals = loop.train_batcher, loop.EvalBatches
     monkeypatch.setattr("jaxmem.train.cli.section_tokenizer", lambda section, path: Tok())
-    monkeypatch.setattr(loop, "Batcher", lambda *a, pad_id, **k: seen.append(("train", pad_id))
-                        or real_batcher(*a, pad_id=pad_id, **k))
+    monkeypatch.setattr(loop, "train_batcher", lambda *a, pad_id, **k: seen.append(
+        ("train", pad_id)) or real_batcher(*a, pad_id=pad_id, **k))
     # EvalBatches(split, batch_size, seq_len, pad_id, max_batches): jaxmem.train.evaluate
     monkeypatch.setattr(loop, "EvalBatches", lambda *a: seen.append(("eval", a[3]))
                         or real_evals(*a))

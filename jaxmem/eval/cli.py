@@ -300,7 +300,8 @@ def _report(p, args, job: _Job, result, seconds: float, data: str) -> None:
     source = (f"{args.run} (step {job.step})" if args.run is not None else args.hf)
     shown = "".join(f", {k.replace('_', ' ')} {v:.4g}" for k, v in metrics.items())
     where = "" if axes is None else ", mesh " + ",".join(f"{a}={n}" for a, n in axes.items())
-    counted = "pairs" if result.metrics else "target tokens"
+    unit = job.step_cfg.objective.unit
+    counted = "target tokens" if unit == "tokens" else unit
     print(f"eval: {source} on {data}: loss {result.loss:.4f}{shown}; {result.tokens:,} {counted} in {result.batches} batch{'es' if result.batches != 1 else ''} of "
           f"{d.batch_size} x {d.seq_len} ({mode}{where}), "
           f"{seconds:.1f} s", flush=True)

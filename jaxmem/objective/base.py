@@ -30,6 +30,7 @@ class Objective:
     # otherwise it differentiates `head_sums` whole
     head_in_slices: bool = False
     rows_per_example: int = 1  # batch rows per example: 2 for a pair
+    unit: str = "tokens"  # the count (a key of `counts`) a mean is over: what eval reports
 
     def counts(self, batch) -> dict:
         """The step's normalisers (fp32 scalars) from the batch's masks: no weights involved."""
@@ -73,6 +74,28 @@ def logits_of(h, head, layout: str):
     """[B, T, V] fp32 logits of the hidden states (the unfused path, --loss-chunk 0)."""
     return project("BTD,DV->BTV", h, head.T if layout == "VD" else head,
                    logits_einsum).astype(jnp.float32)
+
+
+def sequence_sums(logp, batch):
+    """(per-row sums of the trained targets' log-probs [B], per-row counts of them [B])."""
+    m = batch["mask"].astype(jnp.float32)
+    return jnp.sum(logp * m, axis=-1), jnp.sum(m, axis=-1)
+
+
+def row_logps(model, params, batch, attention_padding: bool = False, compute_dtype=None,
+              loss_chunk: int | None = 0):
+    """Each row's sum of its trained targets' log-probs [B] (fp32) under `params`, through the
+    fused head: a reference model's per-sequence log-probs (the step's adapters-off pass and
+    the precomputed table alike)."""
+    chunk = resolve_loss_chunk(loss_chunk, *batch["inputs"].shape, model.config)
+    h, head, layout = hidden(model, params, batch, attention_padding, compute_dtype)
+    return sequence_sums(token_logps(h, head, layout, batch["targets"], chunk), batch)[0]
+
+
+def precomputed_reference(batch):
+    """The batch's precomputed reference sums [B] (`ref_logps` [B, T] holds each row's in
+    column 0: jaxmem.train.reference), or None where it carries none."""
+    return jnp.sum(batch["ref_logps"], axis=-1) if "ref_logps" in batch else None
 
 
 def token_logps(h, head, layout: str, targets, chunk: int):

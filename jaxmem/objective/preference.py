@@ -37,21 +37,12 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxmem.objective.base import CausalLM, Objective, token_logps
-
-LOSS_TYPES = ("sigmoid", "ipo")
-OBJECTIVES = ("causal-lm", "dpo", "orpo", "simpo")
+from jaxmem.objective.base import CausalLM, Objective, sequence_sums, token_logps
 
 
 def _pairs(x):
     """[2B, ...] -> (chosen [B, ...], rejected [B, ...]): rows 0, 2, 4 ... and 1, 3, 5 ..."""
     return x[0::2], x[1::2]
-
-
-def sequence_sums(logp, batch):
-    """(per-row sums of the completion's log-probs [2B], per-row completion lengths [2B])."""
-    m = batch["mask"].astype(jnp.float32)
-    return jnp.sum(logp * m, axis=-1), jnp.sum(m, axis=-1)
 
 
 def _log_sigmoid_loss(x, smoothing: float):
@@ -63,6 +54,7 @@ class _Preference(Objective):
 
     preference = "dpo"
     rows_per_example = 2
+    unit = "pairs"
 
     def counts(self, batch) -> dict:
         chosen = batch["mask"][..., 0::2, :]  # [..., B, T]

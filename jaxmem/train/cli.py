@@ -48,7 +48,8 @@ from jaxmem.parallel.mesh import run_mesh
 from jaxmem.train.placement import Placement, check_offload
 from jaxmem.train.init_from import init_from_overrides, init_params_from
 from jaxmem.train.reference import REFERENCE_FILE
-from jaxmem.train.run import abstract_train_state, build_step_config, preference_options
+from jaxmem.train.run import (abstract_train_state, build_step_config, preference_options,
+                              step_tokens)
 from jaxmem.train.setup import Setup
 
 SECTIONS = ("model", "init", "precision", "remat", "optim", "data", "run", "sample", "peft", "parallel",
@@ -160,10 +161,7 @@ def setup(args, parser) -> Setup:
                                                        seq_len=cfg.data.seq_len,
                                                        **example_options(cfg.data),
                                                        **preference_options(cfg, step_cfg))
-        d = cfg.data
-        for line in data_warnings(stats, d.batch_size * step_cfg.objective.rows_per_example
-                                  * d.seq_len * d.grad_accum,
-                                  cfg.optim.total_steps):
+        for line in data_warnings(stats, step_tokens(cfg, step_cfg), cfg.optim.total_steps):
             print(line, file=sys.stderr)
         s = Setup(cfg, model_cfg, step_cfg, loss_scale, out, tokenizer, train_tokens, eval_tokens,
                   stats, continuing=continuing, record=record, changes=changes)

@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxmem.objective import CausalLM
 
-from jaxmem.data import PackedData, num_windows, split_eval_batches
+from jaxmem.data import PackedData, PreferencePairs, num_windows, split_eval_batches
 
 
 class EvalBatches:
@@ -38,8 +38,7 @@ class EvalBatches:
                  max_batches: int | None = None):
         self.split, self.batch_size, self.seq_len, self.pad_id = split, batch_size, seq_len, pad_id
         self.built = None
-        if not isinstance(split, (PackedData, np.ndarray, list)) and hasattr(split, "eval_batches"):
-            # preference pairs (jaxmem.data.preference): the pairs in order, built at once
+        if isinstance(split, PreferencePairs):  # the pairs in order, built at once
             self.built = split.eval_batches(batch_size, seq_len, max_batches, pad_id)
             self.n = len(self.built)
             return
@@ -118,7 +117,7 @@ def evaluate(eval_fn, params, batches, extra: tuple = (), place=lambda b: b,
         pending = sums
     if pending is not None:
         read(pending)
-    n = total_counts.get("tokens", total_counts.get("pairs", 0.0))
+    n = total_counts.get(objective.unit, 0.0)
     if not n:
         return EvalResult(float("nan"), 0, len(batches))
     loss, metrics = objective.value({k: np.float64(v) for k, v in total_sums.items()},

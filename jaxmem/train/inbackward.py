@@ -73,6 +73,7 @@ from jaxmem.families.decoder import (DecoderBlock, abstract_params, embed_lookup
 from jaxmem.families.names import EMBEDDING, FINAL_NORM, HEAD, LAYERS
 from jaxmem.model.fetch import in_host_memory, layer_to_device, to_device
 from jaxmem.model.precision import cast_params
+from jaxmem.objective.base import precomputed_reference
 from jaxmem.einsum import logits_einsum
 from jaxmem.optim import NoOpLossScale, NotSplittable, Parts, all_finite, row_chunks
 from jaxmem.optim import cols
@@ -211,11 +212,9 @@ class _InBackwardStep:
         hp = self.cast(hp)
         h = self.norm.apply({"params": hp[FINAL_NORM]}, x)  # [B, T, D]
         w, layout = head_of(self.c, hp)
-        mb = a["mb"]
-        ref = jnp.sum(mb["ref_logps"], axis=-1) if "ref_logps" in mb else None
-        objective = self.cfg.objective
-        return objective.value(objective.head_sums(h, w, layout, mb, a["chunk"], ref),
-                               a["counts"])
+        mb, objective = a["mb"], self.cfg.objective
+        return objective.value(objective.head_sums(h, w, layout, mb, a["chunk"],
+                                                   precomputed_reference(mb)), a["counts"])
 
     def __call__(self, state, batch, frozen=None):
         del frozen

@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxmem.data import Batcher, PackedData
+from jaxmem.data import PackedData, PreferencePairs, train_batcher
 from jaxmem.data.examples import describe
 from jaxmem.decode.sampling import generate_text
 from jaxmem.decode.stopping import eos_ids, sample_dtype
@@ -36,7 +36,7 @@ from jaxmem.xla.timing import Machine, step_time
 from jaxmem.train import failures
 from jaxmem.train.placement import Placement
 from jaxmem.train.evaluate import EvalBatches, evaluate
-from jaxmem.train.run import make_eval_fn
+from jaxmem.train.run import make_eval_fn, step_tokens
 from jaxmem.train.reference import (WithReference, reference_tables, save_tables,
                                     with_reference_eval)
 from jaxmem.train.step import create_train_state, jit_train_step
@@ -101,7 +101,7 @@ def _predicted(s, compiled, steps: int) -> str | None:
         return None
     t = step_time(compiled.as_text(), Machine.of_card(card))
     d = s.cfg.data
-    tokens = d.batch_size * s.step_cfg.objective.rows_per_example * d.seq_len * d.grad_accum
+    tokens = step_tokens(s.cfg, s.step_cfg)
     mfu = flops_per_token(s.model_cfg, d.seq_len) * tokens / t.seconds / (
         card.peak_tflops[0] * 1e12)
     return (f"predicted on the {card.name} (its compiled step, jaxmem.xla.timing; not a "
@@ -121,13 +121,8 @@ class _Batches:
     def __init__(self, s, par: Placement, reference=None):
         d, pad = s.cfg.data, s.tokenizer.pad_id
         self.par, self.grad_accum = par, d.grad_accum
-        if hasattr(s.train_tokens, "batcher"):  # example rows, packed, or preference pairs
-            self.batcher = s.train_tokens.batcher(d.batch_size, d.seq_len, d.seed, pad)
-        else:
-            self.batcher = Batcher(s.train_tokens, d.batch_size, d.seq_len, seed=d.seed,
-                                   pad_id=pad)
+        self.batcher = train_batcher(s.train_tokens, d.batch_size, d.seq_len, d.seed, pad_id=pad)
         # the first --eval-batches of the held-out split, built once (jaxmem.train.evaluate)
-        # (preference pairs: jaxmem.data.preference, `batcher` and `eval_batches` as above)
         self.evals = list(EvalBatches(s.eval_tokens, d.batch_size, d.seq_len, pad,
                                       s.cfg.run.eval_batches))
         if reference is not None:  # DPO's precomputed reference (jaxmem.train.reference)
@@ -388,7 +383,7 @@ def _sample(s, state) -> None:
     params, _ = step_cfg.trainable.model_params(state.params, s.frozen, None)
     ev_tokens = (s.eval_tokens.examples.tokens if isinstance(s.eval_tokens, PackedData)
                  else np.concatenate(s.eval_tokens.prompt[:1] or [np.zeros(0, np.int32)])
-                 if hasattr(s.eval_tokens, "prompt")  # preference pairs: the first prompt
+                 if isinstance(s.eval_tokens, PreferencePairs)  # the first prompt
                  else s.eval_tokens)
     prompt = sm.prompt if sm.prompt is not None else eval_prompt(ev_tokens, s.tokenizer)
     try:

@@ -12,6 +12,7 @@ import jax
 
 from jaxmem.perf import device_memory, flops_per_token, peak_flops
 from jaxmem.train.placement import Placement
+from jaxmem.train.run import step_tokens
 from jaxmem.train.rundir import METRICS_FILE, truncate_metrics
 from jaxmem.train.trackers import Trackers
 
@@ -52,8 +53,7 @@ class Records:
         self.device = jax.devices()[0]
         self.peak = peak_flops(self.device, s.step_cfg.precision.compute_dtype)
         self.flops_per_token = flops_per_token(s.model_cfg, d.seq_len)
-        self.tokens_per_step = (d.batch_size * s.step_cfg.objective.rows_per_example * d.seq_len
-                                * d.grad_accum)
+        self.tokens_per_step = step_tokens(s.cfg, s.step_cfg)
         # a process's first two steps include compilation: not timed (the loop waits for the
         # second's result, so the first timed step starts with the device idle)
         self.first_timed = start + 3

@@ -21,9 +21,7 @@ import time
 import jax
 import numpy as np
 
-from jaxmem.loss.chunked import resolve_loss_chunk
-from jaxmem.objective.base import hidden, token_logps
-from jaxmem.objective.preference import sequence_sums
+from jaxmem.objective.base import row_logps
 from jaxmem.train.step import EVAL_REMAT
 
 REFERENCE_FILE = "reference_logps.npz"
@@ -37,22 +35,17 @@ def make_logps_fn(cfg):
     @jax.jit
     def logps(params, batch, frozen=None):
         params, dtype = cfg.trainable.model_params(params, frozen, cfg.precision.compute_dtype)
-        h, head, layout = hidden(model, params, batch, cfg.attention_padding, dtype)
-        chunk = resolve_loss_chunk(cfg.loss_chunk, *batch["inputs"].shape, cfg.model)
-        return sequence_sums(token_logps(h, head, layout, batch["targets"], chunk), batch)[0]
+        return row_logps(model, params, batch, cfg.attention_padding, dtype, cfg.loss_chunk)
 
     return logps
 
 
-def precompute(fn, params, pairs, batch_size: int, seq_len: int, pad_id: int, extra=(),
-               place=lambda b: b, progress=None) -> np.ndarray:
+def precompute(fn, params, pairs, batch_size: int, seq_len: int, pad_id: int,
+               place=lambda b: b) -> np.ndarray:
     """[len(pairs), 2] fp32: each pair's (chosen, rejected) completion log-prob sum under
     `params`, in the split's order (its eval batches: every pair once, padding pairs after)."""
-    out = []
-    for batch in pairs.eval_batches(batch_size, seq_len, None, pad_id):
-        out.append(np.asarray(fn(params, place(batch), *extra), np.float32))
-        if progress is not None:
-            progress(1)
+    out = [np.asarray(fn(params, place(batch)), np.float32)
+           for batch in pairs.eval_batches(batch_size, seq_len, None, pad_id)]
     rows = np.concatenate(out) if out else np.zeros(0, np.float32)
     return rows.reshape(-1, 2)[:len(pairs)]
 
@@ -89,7 +82,6 @@ def with_reference_eval(batches: list, table: np.ndarray, batch_size: int, seq_l
         idx = np.where(idx < len(table), idx, -1)
         out.append({**b, "ref_logps": ref_column(table, idx, seq_len)})
     return out
-
 
 
 def reference_tables(s, params, par, resumed: bool):

@@ -6,6 +6,7 @@ planner rebuild exactly the state the run saved."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jaxmem.config.model import ConfigError, ModelConfig
 from jaxmem.config.run import OptimConfig, PrecisionSection, RunConfig
@@ -14,7 +15,6 @@ from jaxmem.optim import LossScale
 from jaxmem.train.inbackward import check as check_in_backward
 from jaxmem.train.loss import abstract_batch
 from jaxmem.objective import CausalLM, Objective, objective_of
-import jax.numpy as jnp
 from jaxmem.train.optim import parse_loss_scale
 from jaxmem.model.precision import Precision, get_precision
 from jaxmem.peft.lora import trainable_of
@@ -44,6 +44,13 @@ def preference_options(cfg: RunConfig, step_cfg: StepConfig) -> dict:
     style = step_cfg.objective.preference
     return {} if style is None else {"preference": style,
                                      "max_prompt_length": cfg.objective.max_prompt_length}
+
+
+def step_tokens(cfg: RunConfig, step_cfg: StepConfig) -> int:
+    """Tokens a step trains on: micro-batches of `--batch-size` examples (a preference pair is
+    two sequences) x `--seq-len`, `--grad-accum` of them."""
+    d = cfg.data
+    return d.batch_size * step_cfg.objective.rows_per_example * d.seq_len * d.grad_accum
 
 
 def make_step_config(model_cfg: ModelConfig, precision: Precision, remat: RematPolicy,

@@ -44,10 +44,8 @@ from jaxmem.einsum import default_einsum
 from jaxmem.sharding import constrain_grads
 from jaxmem.optim import (LossScale, LossScaledState, NoOpLossScale, Optimizer,
                           SkipNonFiniteState, loss_scaled, skip_nonfinite)
-from jaxmem.loss.chunked import resolve_loss_chunk
 from jaxmem.objective import CausalLM, Objective
-from jaxmem.objective.base import hidden, token_logps
-from jaxmem.objective.preference import sequence_sums
+from jaxmem.objective.base import precomputed_reference, row_logps
 from jaxmem.train.inbackward import make_train_step_in_backward
 from jaxmem.train.optim import OptimConfig, RunOptimizer, build_optimizer, schedule
 from jaxmem.model.precision import Precision, cast_floating
@@ -201,12 +199,10 @@ def reference_sums(cfg: StepConfig, model, params, frozen, mb):
     if not cfg.objective.reference:
         return None
     if "ref_logps" in mb:
-        return jnp.sum(mb["ref_logps"], axis=-1)
+        return precomputed_reference(mb)
     ref_params, dtype = cfg.trainable.reference_params(params, frozen, cfg.precision.compute_dtype)
-    h, head, layout = hidden(model, ref_params, mb, cfg.attention_padding, dtype)
-    chunk = resolve_loss_chunk(cfg.loss_chunk, *mb["inputs"].shape, cfg.model)
-    sums, _ = sequence_sums(token_logps(h, head, layout, mb["targets"], chunk), mb)
-    return jax.lax.stop_gradient(sums)
+    return jax.lax.stop_gradient(row_logps(model, ref_params, mb, cfg.attention_padding, dtype,
+                                           cfg.loss_chunk))
 
 
 def _scaled_gradients(cfg: StepConfig, model, state: TrainState, batch, frozen, counts):
