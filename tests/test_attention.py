@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.model import attention as attn
 from jaxmem.families.decoder import Decoder, init_params
 from jaxmem.model.precision import cast_params, get_precision

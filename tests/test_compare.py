@@ -17,7 +17,8 @@ from experiments.compare import driver as compare  # noqa: E402
 from experiments.compare import report  # noqa: E402
 from experiments.compare import workers  # noqa: E402
 from experiments.compare import torch_train as tt  # noqa: E402
-from jaxmem.config.model import ModelConfig, get_preset  # noqa: E402
+from jaxmem.families import get_preset  # noqa: E402
+from jaxmem.families.config import ModelConfig  # noqa: E402
 from jaxmem.xla.residuals import saved_residual_bytes  # noqa: E402
 from jaxmem.model import RematPolicy  # noqa: E402
 from jaxmem.families.decoder import Decoder, abstract_params  # noqa: E402

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from jaxmem.config.flags import add_run_flags, given_overrides
-from jaxmem.config.model import ConfigError
+from jaxmem.errors import ConfigError
 from jaxmem.config.run import SCHEMA_VERSION, RunConfig, all_paths, flag_names
 from jaxmem.train.rundir import RunError, read_run_config, write_run_config
 from jaxmem.train.cli import build_parser

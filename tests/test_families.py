@@ -19,7 +19,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.torch
 
-from jaxmem.config.model import PRESETS, ModelConfig  # noqa: E402
+from jaxmem.families import PRESETS  # noqa: E402
+from jaxmem.families.config import ModelConfig  # noqa: E402
 from jaxmem.io.hf import HFError, config_from_hf, load_hf  # noqa: E402
 from jaxmem.families.decoder import Decoder  # noqa: E402
 from jaxmem.families.decoder import abstract_params, count_params  # noqa: E402

@@ -9,7 +9,7 @@ otherwise be one chunk: quadratic, 4x at 2T)."""
 import jax
 import pytest
 
-from jaxmem.config.model import get_preset
+from jaxmem.families import get_preset
 from jaxmem.model import attention
 from jaxmem.model.precision import get_precision
 from jaxmem.model.remat import RematPolicy

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 
 from hf_files import random_params, write_tokenizer  # noqa: E402
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config.model import PRESETS
+from jaxmem.families import PRESETS
 from jaxmem.io.hf import HFError, config_from_hf, config_to_hf, load_hf
 from jaxmem.io.hf_export import save_hf
 from jaxmem.families.decoder import Decoder

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.io.hf_names import (hf_names, hf_state_items, params_from_hf, spec_for, tensor_specs,
                                 to_hf)
 from jaxmem.families.decoder import abstract_params
@@ -84,7 +84,7 @@ def test_full_size_tables_hold_every_parameter(preset):
     (1,235,814,400 for Llama 3.2 1B: 146 tensors, the tied head not among them)."""
     import math
 
-    from jaxmem.config.model import PRESETS
+    from jaxmem.families import PRESETS
 
     c = PRESETS[preset]
     specs = tensor_specs(c)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxmem.optim._stochastic as sr
-from jaxmem.config.model import get_preset
+from jaxmem.families import get_preset
 from jaxmem.families.decoder import init_params
 from jaxmem.model.precision import get_precision
 from jaxmem.model.remat import RematPolicy

@@ -13,7 +13,7 @@ import pytest
 
 import jaxmem.train.inbackward as inbackward
 import jaxmem.train.inbackward_rules as rules
-from jaxmem.config.model import get_preset
+from jaxmem.families import get_preset
 from jaxmem.families.decoder import DecoderBlock, init_params, layer_context
 from jaxmem.model.precision import get_precision
 from jaxmem.model.remat import RematPolicy

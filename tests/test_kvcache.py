@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.decode.sampling import (generate_ids, init_cache, lower_sample, sample_tokens,
                                       sample_tokens_uncached, uncached_sampler)
 from jaxmem.families.decoder import Decoder, abstract_params

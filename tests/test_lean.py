@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config.model import get_preset
+from jaxmem.families import get_preset
 from jaxmem.xla.residuals import available, saved_residual_bytes
 from jaxmem.model.lean import rms_norm, rope, swiglu
 from jaxmem.families.decoder import Decoder, init_params

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.config.run import RunConfig
 from jaxmem.families.decoder import Decoder, init_params
 from jaxmem.peft.base import base_on_device, base_sha256, check_base

@@ -5,7 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config.model import PRESETS, ConfigError, ModelConfig, get_preset
+from jaxmem.errors import ConfigError
+from jaxmem.families import PRESETS, get_preset
+from jaxmem.families.config import ModelConfig
 from jaxmem.model.layers import apply_rope, rope_tables
 from jaxmem.families.decoder import Decoder, abstract_params, count_params, init_params
 from jaxmem.sharding import activation_sharding, constrain

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.train.loss import synthetic_batch
 from jaxmem.model.precision import get_precision
 from jaxmem.optim import (SIGNED_MAP, UNSIGNED_MAP, Quantized, adamw_8bit, apply_updates_sr,

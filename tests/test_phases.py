@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config.model import ModelConfig, get_preset
+from jaxmem.families import get_preset
+from jaxmem.families.config import ModelConfig
 from jaxmem.memory import StepSpec, analytic_breakdown, compile_step
 from jaxmem.memory.compiled import abstract_state, compile_phase, tree_bytes
 from jaxmem.memory.phases import SampleShape, analytic_phases, run_phases

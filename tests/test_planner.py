@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from jaxmem.config.model import PRESETS, ModelConfig, get_preset
+from jaxmem.families import PRESETS, get_preset
+from jaxmem.families.config import ModelConfig
 from jaxmem.families import FAMILIES
 from jaxmem.memory import (StepSpec, analytic_breakdown, candidates, compile_step,
                            measure_in_subprocess, plan)

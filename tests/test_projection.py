@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config.model import PRESETS, ModelConfig
+from jaxmem.families import PRESETS
+from jaxmem.families.config import ModelConfig
 from jaxmem.einsum import ProjectedWeight
 from jaxmem.families.decoder import Decoder, init_params
 from jaxmem.model.precision import cast_params

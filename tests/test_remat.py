@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.train.loss import synthetic_batch, token_loss
 from jaxmem.memory.compiled import grad_step_report
 from jaxmem.families.decoder import Decoder, init_params

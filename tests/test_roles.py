@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxmem.config.model import PRESETS, ModelConfig
+from jaxmem.families import PRESETS
+from jaxmem.families.config import ModelConfig
 from jaxmem.families.decoder import abstract_params, count_params
 from jaxmem.model.roles import count_by_role, param_role, param_roles
 from jaxmem.train.optim import decay_mask

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config.model import get_preset
+from jaxmem.families import get_preset
 from jaxmem.config.run import OptimConfig
 from jaxmem.families.decoder import init_params
 from jaxmem.optim import DynamicLossScale, NoOpLossScale

@@ -23,7 +23,7 @@ from experiments.compare.convert import (expected_keys, grads_to_jax, jax_to_tor
                                  torch_state_dict_to_jax)
 from experiments.compare.torch_llama import LlamaForCausalLM, loss as torch_loss  # noqa: E402
 from experiments.compare import torch_train as tt  # noqa: E402
-from jaxmem.config.model import ModelConfig  # noqa: E402
+from jaxmem.families.config import ModelConfig  # noqa: E402
 from jaxmem.train.loss import cross_entropy, synthetic_batch  # noqa: E402
 from jaxmem.families.decoder import Decoder, abstract_params  # noqa: E402
 

@@ -28,7 +28,7 @@ def run_config(spec: dict):
 
 def model_config(spec: dict):
     if "config" not in spec:  # a results file written before specs carried their RunConfig
-        from jaxmem.config.model import get_preset
+        from jaxmem.families import get_preset
         return get_preset(spec["preset"], num_layers=spec.get("num_layers"))
     return run_config(spec).model_config()
 

@@ -241,7 +241,7 @@ def make_hf(out: Path, shape: str) -> None:
     import numpy as np
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    from jaxmem.config.model import get_preset
+    from jaxmem.families import get_preset
     from jaxmem.io.hf_export import save_hf
     from jaxmem.families.decoder import abstract_params
     import jax

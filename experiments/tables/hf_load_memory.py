@@ -54,7 +54,7 @@ def main(argv=None) -> int:
 
     import numpy as np
 
-    from jaxmem.config.model import ModelConfig
+    from jaxmem.families.config import ModelConfig
     from jaxmem.io.hf_export import save_hf
     from jaxmem.families.decoder import abstract_params
 

@@ -1,7 +1,7 @@
 """The run configuration: one frozen, nested `RunConfig`, the single source of truth for a run.
 
     RunConfig
-      model      ModelSection      preset + shape overrides  -> ModelConfig (jaxmem.config.model)
+      model      ModelSection      preset + shape overrides  -> ModelConfig (jaxmem.families.config)
       precision  PrecisionSection  precision mode, loss scaling, the skip limit
       remat      RematSection      remat policy of each decoder block
       optim      OptimConfig       optimizer, warmup + cosine schedule, clipping, mu dtype
@@ -34,7 +34,9 @@ from jaxmem.config.objective import ObjectiveSection  # noqa: F401  (a RunConfig
 from jaxmem.config.data import DataSection  # re-exported: the section lives in its own module
 from jaxmem.config.fields import _positive, option
 from jaxmem.config.lora import parse_targets
-from jaxmem.config.model import PRESETS, ConfigError, ModelConfig, get_preset
+from jaxmem.errors import ConfigError
+from jaxmem.families import PRESETS, get_preset
+from jaxmem.families.config import ModelConfig
 from jaxmem.config.optim import OptimConfig  # the optim section lives in its own module
 from jaxmem.config.sample import SampleSection  # noqa: F401  (re-exported: a RunConfig section)
 

@@ -4,10 +4,11 @@ registers itself here)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
-from jaxmem.config.model import ConfigError, ModelConfig
+from jaxmem.errors import ConfigError
+from jaxmem.families.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class Family:
     decoder: Callable | None = None
     # its HF tensor table (config) -> [TensorSpec]; None: the shared decoder's
     tensors: Callable | None = None
+    # its named presets (name -> ModelConfig), published shapes
+    presets: dict = field(default_factory=dict)
 
     def tensor_specs(self, config: ModelConfig) -> list:
         from jaxmem.families.names import decoder_tensors  # noqa: PLC0415

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.families.names import EMBEDDING, HEAD
 from jaxmem.model.attention import causal_attention, masked_attention
 from jaxmem.model.cached import attend_cached

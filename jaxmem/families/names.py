@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 
 PROJECTIONS = {
     "q": ("self_attn", "q_proj"), "k": ("self_attn", "k_proj"), "v": ("self_attn", "v_proj"),

@@ -35,7 +35,8 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy before safetensor
 import numpy as np
 
 from jaxmem import families
-from jaxmem.config.model import ConfigError, ModelConfig
+from jaxmem.errors import ConfigError
+from jaxmem.families.config import ModelConfig
 from jaxmem.families.names import EMBEDDING
 from jaxmem.io.hf_names import hf_names, params_from_hf, spec_for
 

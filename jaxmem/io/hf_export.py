@@ -24,7 +24,7 @@ from pathlib import Path
 import ml_dtypes  # noqa: F401  (bfloat16 for numpy)
 import numpy as np
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.data.special_tokens import GENERATION_CONFIG, TOKENIZER_FILES
 from jaxmem.io.hf import CONFIG, INDEX, TOKENIZER, WEIGHTS, HFError, config_to_hf
 from jaxmem.io.hf_names import hf_state_items, tensor_specs

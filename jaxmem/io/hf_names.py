@@ -33,7 +33,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from jaxmem import families
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.families.names import EMBEDDING, TensorSpec  # TensorSpec: re-exported
 
 def tensor_specs(config: ModelConfig) -> list[TensorSpec]:

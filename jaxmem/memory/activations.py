@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxmem import target
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.memory.spec import StepSpec
 from jaxmem.model.attention import on_xla, query_chunk
 from jaxmem.model.remat import RematPolicy

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem import target
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.xla.analysis import MemoryAnalysis
 from jaxmem.xla.collectives import comm_report
 from jaxmem.xla.hlo import entry_argument_bytes

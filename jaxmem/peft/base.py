@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.families.names import PROJECTIONS as DECODER_PROJECTIONS, input_ndim
 from jaxmem.model.roles import param_role
 from jaxmem.paths import path_text

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxmem.families.names import PROJECTIONS as TARGETS
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.lora import adapter_subscripts
 from jaxmem.peft.base import base_on_host, base_sha256, check_base, weight_axes
 

@@ -66,7 +66,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxmem.config.model import ConfigError
+from jaxmem.errors import ConfigError
 from jaxmem.loss.chunked import forward, over_vocab, resolve_loss_chunk
 from jaxmem.families.decoder import (DecoderBlock, abstract_params, embed_lookup, final_norm,
                                     head_of, layer_context, layer_facts)

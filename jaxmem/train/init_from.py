@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.config.run import ModelSection
 from jaxmem.io.hf import TOKENIZER, HFError, config_from_hf, load_hf_params, read_hf_config
 

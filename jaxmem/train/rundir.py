@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jaxmem.config.model import ConfigError
+from jaxmem.errors import ConfigError
 from jaxmem.config.run import RunConfig
 from jaxmem.data.special_tokens import (GENERATION_CONFIG, TOKENIZER_FILES, TOKENIZER_JSON,
                                         TokenizerFiles, tokenizer_json)

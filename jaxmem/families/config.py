@@ -1,7 +1,8 @@
-"""Model configuration: a frozen dataclass of the decoder's shapes and variation points, named
-presets, and validation.
+"""ModelConfig: a frozen dataclass of the decoder's shapes and variation points, and the
+byte-level tokenizer's ids (the default vocabulary).
 
-The full-size presets carry the published shapes, so `jax.eval_shape` on them reproduces the
+Every family (jaxmem.families) maps its config.json onto these fields and keeps its own presets;
+the full-size presets carry the published shapes, so `jax.eval_shape` on them reproduces the
 published parameter counts without allocating a byte (see `tests/test_model.py`).
 """
 
@@ -10,15 +11,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from jaxmem.errors import ConfigError
+
 # Byte-level tokenizer ids (see jaxmem.data): bytes are 0..255, then the special tokens.
 PAD_TOKEN_ID = 256
 BOS_TOKEN_ID = 257
 EOS_TOKEN_ID = 258
 BYTE_VOCAB_SIZE = 259
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -179,120 +178,3 @@ class ModelConfig:
         per_layer += (self.num_heads + 2 * self.num_kv_heads) * h if self.qkv_bias else 0
         embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.num_layers * per_layer + embed + d
-
-
-_LLAMA3_VOCAB = 128256
-# Llama 3.2's RoPE scaling, from its config.json `rope_scaling`; Llama 3.1 (8B, 70B, 405B) has
-# the same with factor 8.
-_LLAMA3_ROPE = dict(rope_type="llama3", rope_factor=32.0, rope_low_freq_factor=1.0,
-                    rope_high_freq_factor=4.0, rope_original_max_position_embeddings=8192)
-_LLAMA31 = dict(vocab_size=_LLAMA3_VOCAB, num_kv_heads=8, max_position_embeddings=131072,
-                rope_theta=500000.0, **{**_LLAMA3_ROPE, "rope_factor": 8.0})
-
-PRESETS: dict[str, ModelConfig] = {
-    # CPU smoke model: trains on the built-in corpus in a few minutes on 2 cores.
-    "tiny": ModelConfig(),
-    # ~25M parameters with the byte-level vocabulary.
-    "small": ModelConfig(hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
-                         num_kv_heads=4, max_position_embeddings=2048),
-    "llama-3.2-1b": ModelConfig(vocab_size=_LLAMA3_VOCAB, hidden_size=2048, intermediate_size=8192,
-                                num_layers=16, num_heads=32, num_kv_heads=8,
-                                max_position_embeddings=131072, rope_theta=500000.0,
-                                tie_embeddings=True, **_LLAMA3_ROPE),
-    "llama-3.2-3b": ModelConfig(vocab_size=_LLAMA3_VOCAB, hidden_size=3072, intermediate_size=8192,
-                                num_layers=28, num_heads=24, num_kv_heads=8, head_dim=128,
-                                max_position_embeddings=131072, rope_theta=500000.0,
-                                tie_embeddings=True, **_LLAMA3_ROPE),
-    "llama-3-8b": ModelConfig(vocab_size=_LLAMA3_VOCAB, hidden_size=4096, intermediate_size=14336,
-                              num_layers=32, num_heads=32, num_kv_heads=8,
-                              max_position_embeddings=8192, rope_theta=500000.0),
-    # Llama 3.1: 131k positions with llama3 RoPE (factor 8); for planning and --init-from checks.
-    "llama-3.1-8b": ModelConfig(hidden_size=4096, intermediate_size=14336, num_layers=32,
-                                num_heads=32, **_LLAMA31),
-    "llama-3.1-70b": ModelConfig(hidden_size=8192, intermediate_size=28672, num_layers=80,
-                                 num_heads=64, **_LLAMA31),
-    "llama-3.1-405b": ModelConfig(hidden_size=16384, intermediate_size=53248, num_layers=126,
-                                  num_heads=128, **_LLAMA31),
-    "llama-2-7b": ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                              num_layers=32, num_heads=32, num_kv_heads=32,
-                              max_position_embeddings=4096, rope_theta=10000.0),
-}
-
-
-# Qwen3 dense (config.json of Qwen/Qwen3-*): QK-norm, head dim 128, the small sizes tied.
-_QWEN3 = dict(family="qwen3", qk_norm=True, vocab_size=151936, head_dim=128, num_kv_heads=8,
-              max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6)
-# Qwen2.5 dense (config.json of Qwen/Qwen2.5-*): biases on q, k, v; the small sizes tied.
-_QWEN2 = dict(family="qwen2", qkv_bias=True, vocab_size=151936, max_position_embeddings=32768,
-              rope_theta=1000000.0, rms_norm_eps=1e-6)
-_QWEN2_BIG = dict(_QWEN2, vocab_size=152064, max_position_embeddings=131072)
-# Mistral 7B v0.3 and Nemo 12B (config.json: no sliding window, head dim 128 on Nemo).
-_MISTRAL = dict(family="mistral", num_kv_heads=8, rope_theta=1000000.0, num_heads=32)
-
-PRESETS.update({
-    "qwen3-0.6b": ModelConfig(hidden_size=1024, intermediate_size=3072, num_layers=28,
-                              num_heads=16, tie_embeddings=True, **_QWEN3),
-    "qwen3-1.7b": ModelConfig(hidden_size=2048, intermediate_size=6144, num_layers=28,
-                              num_heads=16, tie_embeddings=True, **_QWEN3),
-    "qwen3-4b": ModelConfig(hidden_size=2560, intermediate_size=9728, num_layers=36,
-                            num_heads=32, tie_embeddings=True, **_QWEN3),
-    "qwen3-8b": ModelConfig(hidden_size=4096, intermediate_size=12288, num_layers=36,
-                            num_heads=32, **_QWEN3),
-    "qwen3-14b": ModelConfig(hidden_size=5120, intermediate_size=17408, num_layers=40,
-                             num_heads=40, **_QWEN3),
-    "qwen3-32b": ModelConfig(hidden_size=5120, intermediate_size=25600, num_layers=64,
-                             num_heads=64, **_QWEN3),
-    "qwen2.5-0.5b": ModelConfig(hidden_size=896, intermediate_size=4864, num_layers=24,
-                                num_heads=14, num_kv_heads=2, tie_embeddings=True, **_QWEN2),
-    "qwen2.5-1.5b": ModelConfig(hidden_size=1536, intermediate_size=8960, num_layers=28,
-                                num_heads=12, num_kv_heads=2, tie_embeddings=True, **_QWEN2),
-    "qwen2.5-3b": ModelConfig(hidden_size=2048, intermediate_size=11008, num_layers=36,
-                              num_heads=16, num_kv_heads=2, tie_embeddings=True, **_QWEN2),
-    "qwen2.5-7b": ModelConfig(hidden_size=3584, intermediate_size=18944, num_layers=28,
-                              num_heads=28, num_kv_heads=4, **_QWEN2_BIG),
-    "qwen2.5-14b": ModelConfig(hidden_size=5120, intermediate_size=13824, num_layers=48,
-                               num_heads=40, num_kv_heads=8, **_QWEN2_BIG),
-    "qwen2.5-32b": ModelConfig(hidden_size=5120, intermediate_size=27648, num_layers=64,
-                               num_heads=40, num_kv_heads=8, **_QWEN2_BIG),
-    "qwen2.5-72b": ModelConfig(hidden_size=8192, intermediate_size=29568, num_layers=80,
-                               num_heads=64, num_kv_heads=8, **_QWEN2_BIG),
-    "mistral-7b-v0.3": ModelConfig(vocab_size=32768, hidden_size=4096, intermediate_size=14336,
-                                   num_layers=32, max_position_embeddings=32768, **_MISTRAL),
-    "mistral-nemo-12b": ModelConfig(vocab_size=131072, hidden_size=5120,
-                                    intermediate_size=14336, num_layers=40, head_dim=128,
-                                    max_position_embeddings=1024000, **_MISTRAL),
-})
-
-
-def _gemma3(num_layers: int, **shape) -> ModelConfig:
-    """Gemma 3's text decoder (config.json of google/gemma-3-*): five local layers of a
-    1024-token window then a global one, linear RoPE scaling 8 on the global layers."""
-    fields = dict(family="gemma3", vocab_size=262208, head_dim=256, max_position_embeddings=131072,
-                  rope_theta=1000000.0, rope_local_theta=10000.0, rope_type="linear",
-                  rope_factor=8.0, rms_norm_eps=1e-6, tie_embeddings=True, qk_norm=True,
-                  norm_plus_one=True, sandwich_norms=True, mlp_activation="gelu_tanh",
-                  embed_scale=True, query_pre_attn_scalar=256, sliding_window=1024,
-                  num_layers=num_layers, layer_types=tuple(
-                      "full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                      for i in range(num_layers)))
-    return ModelConfig(**{**fields, **shape})
-
-
-PRESETS.update({
-    "gemma-3-1b": _gemma3(26, vocab_size=262144, hidden_size=1152, intermediate_size=6912,
-                          num_heads=4, num_kv_heads=1, max_position_embeddings=32768,
-                          sliding_window=512, rope_type="default", rope_factor=1.0),
-    "gemma-3-4b": _gemma3(34, hidden_size=2560, intermediate_size=10240, num_heads=8,
-                          num_kv_heads=4),
-    "gemma-3-12b": _gemma3(48, hidden_size=3840, intermediate_size=15360, num_heads=16,
-                           num_kv_heads=8),
-    "gemma-3-27b": _gemma3(62, hidden_size=5376, intermediate_size=21504, num_heads=32,
-                           num_kv_heads=16, head_dim=128, query_pre_attn_scalar=168),
-})
-
-
-def get_preset(name: str, **overrides) -> ModelConfig:
-    """The named preset with field overrides (`None` overrides are ignored)."""
-    if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
-    return PRESETS[name].replace(**{k: v for k, v in overrides.items() if v is not None})
