@@ -23,7 +23,7 @@ from jaxmem.families import PRESETS  # noqa: E402
 from jaxmem.families.config import ModelConfig  # noqa: E402
 from jaxmem.io.hf import HFError, config_from_hf, load_hf  # noqa: E402
 from jaxmem.families.decoder import Decoder  # noqa: E402
-from jaxmem.families.decoder import abstract_params, count_params  # noqa: E402
+from jaxmem.families.params import abstract_params, count_params  # noqa: E402
 
 from hf_files import random_params  # noqa: E402
 from numerics import assert_reordered_fp32, largest_allowed, model_terms  # noqa: E402
@@ -300,7 +300,6 @@ PUBLISHED = {
 def test_presets_have_the_published_parameter_counts(name):
     c = PRESETS[name]
     n = count_params(abstract_params(c))
-    assert n == c.num_params()
     total, body = PUBLISHED[name]
 
     def billions(x, printed):

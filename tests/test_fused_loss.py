@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from jaxmem.families import get_preset
-from jaxmem.families.decoder import Decoder, init_params
+from jaxmem.families.decoder import Decoder
+from jaxmem.families.params import init_params
 from jaxmem.einsum import logits_einsum
 from jaxmem.loss.chunked import chunked_cross_entropy as fused_cross_entropy, resolve_loss_chunk
 from jaxmem.train.loss import cross_entropy, synthetic_batch, token_loss

@@ -10,7 +10,7 @@ import pytest
 
 import jaxmem.optim._stochastic as sr
 from jaxmem.families import get_preset
-from jaxmem.families.decoder import init_params
+from jaxmem.families.params import init_params
 from jaxmem.model.precision import get_precision
 from jaxmem.model.remat import RematPolicy
 from jaxmem.train.cli import main

@@ -14,7 +14,8 @@ import pytest
 import jaxmem.train.inbackward as inbackward
 import jaxmem.train.inbackward_rules as rules
 from jaxmem.families import get_preset
-from jaxmem.families.decoder import DecoderBlock, init_params, layer_context
+from jaxmem.families.decoder import DecoderBlock, layer_context
+from jaxmem.families.params import init_params
 from jaxmem.model.precision import get_precision
 from jaxmem.model.remat import RematPolicy
 from jaxmem.train.loss import synthetic_batch

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxmem.families.config import ModelConfig
-from jaxmem.families.decoder import init_params
+from jaxmem.families.params import init_params
 from jaxmem.model.remat import RematPolicy
 from jaxmem.peft.base import abstract_base, base_on_device
 from jaxmem.peft.lora import LoraSpec

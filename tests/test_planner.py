@@ -32,7 +32,7 @@ def jax_saved_bytes(spec: StepSpec) -> int:
     import jax
     from jaxmem.xla.residuals import saved_residual_bytes
     from jaxmem.train.loss import abstract_batch, token_loss
-    from jaxmem.families.decoder import abstract_params
+    from jaxmem.families.params import abstract_params
 
     model = spec.step_config()[0].build_model()
 

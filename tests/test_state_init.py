@@ -19,7 +19,7 @@ import pytest
 
 from jaxmem.families import get_preset
 from jaxmem.config.run import OptimConfig
-from jaxmem.families.decoder import init_params
+from jaxmem.families.params import init_params
 from jaxmem.optim import DynamicLossScale, NoOpLossScale
 from jaxmem.train.optim import make_optimizer
 from jaxmem.model.precision import cast_floating, get_precision

@@ -59,7 +59,7 @@ def initial_params(spec: dict):
     """The params `jax_params` starts from, without building an optimizer state (the torch
     process only needs the weights): the same key split as jaxmem.train.step.create_train_state."""
     import jax
-    from jaxmem.families.decoder import init_params
+    from jaxmem.families.params import init_params
     from jaxmem.model.precision import cast_floating, get_precision
     cfg = run_config(spec)
     init_key, _ = jax.random.split(jax.random.PRNGKey(cfg.data.seed))

@@ -6,8 +6,10 @@ A family is registered by its config.json `model_type` and gives:
     fields(d)         its ModelConfig fields beyond the shared ones (the decoder's variation
                       points, e.g. qk_norm), refusing by key what it cannot represent
     hf_keys(c)        the config.json keys it writes beyond the shared ones
-    module(c, remat, einsum)  its Flax module: the shared Decoder (jaxmem.families.decoder) for
-                      every family so far, its variation points read from ModelConfig
+    module(c, remat, einsum)  its Flax module: the shared Decoder (jaxmem.families.decoder), its
+                      variation points read from ModelConfig; its parameters are made, shaped
+                      and counted from it (jaxmem.families.params), never by a closed form
+    tensor_specs(c)   its Hugging Face tensor table: the shared decoder's, or its own `tensors`
     text_config(d)    a multimodal config.json's text decoder keys, where the family reads one
                       (Gemma 3's Gemma3ForConditionalGeneration), and the tensor `prefixes`
 

@@ -25,8 +25,6 @@ class Family:
     # where the decoder's tensors may sit in the checkpoint, first match wins ("model." is the
     # causal LM's; a multimodal checkpoint nests the language model)
     prefixes: tuple[str, ...] = ("model.",)
-    # its Flax module (config, remat, einsum) -> nn.Module; None: the shared Decoder
-    decoder: Callable | None = None
     # its HF tensor table (config) -> [TensorSpec]; None: the shared decoder's
     tensors: Callable | None = None
     # its named presets (name -> ModelConfig), published shapes
@@ -38,8 +36,6 @@ class Family:
         return (self.tensors or decoder_tensors)(config)
 
     def module(self, config: ModelConfig, remat, einsum):
-        if self.decoder is not None:
-            return self.decoder(config, remat, einsum)
         from jaxmem.families.decoder import Decoder  # noqa: PLC0415  (flax, on first use)
 
         return Decoder(config, remat, einsum)

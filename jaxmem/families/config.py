@@ -168,13 +168,3 @@ class ModelConfig:
         if unknown:
             raise ConfigError(f"unknown ModelConfig field(s): {', '.join(unknown)}")
         return dataclasses.replace(self, **overrides)
-
-    def num_params(self) -> int:
-        """Closed-form parameter count (checked against jax.eval_shape in the tests)."""
-        d, f, h = self.hidden_size, self.intermediate_size, self.resolved_head_dim
-        attn = d * h * (2 * self.num_heads + 2 * self.num_kv_heads)
-        per_layer = attn + 3 * d * f + (4 if self.sandwich_norms else 2) * d
-        per_layer += 2 * h if self.qk_norm else 0
-        per_layer += (self.num_heads + 2 * self.num_kv_heads) * h if self.qkv_bias else 0
-        embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
-        return self.num_layers * per_layer + embed + d

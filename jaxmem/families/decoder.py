@@ -354,37 +354,3 @@ class Decoder(nn.Module):
             x, cache = stack(c, self.einsum, False, name="layers")(
                 x, ctx, None, cache)  # [B, T, D], ([L, B, S, K, H],) * 2
         return self._head(x[:, -1:], embed)[:, 0], cache  # [B, V] fp32
-
-
-def init_params(config: ModelConfig, rng: jax.Array, seq_len: int = 8, dtype=None):
-    """Parameters for `config` (allocates them): Flax's fp32 init, or with `dtype` every
-    floating leaf in `dtype`.
-
-    With `dtype` (fp32 too) the values are bitwise Flax's init cast to `dtype`, evaluated by
-    jaxmem.model.typed_init: no fp32 copy of a bf16 model, no full-size threefry buffers on
-    CPU. llama-3-8b in bf16 compiles on CPU to 14.96 GiB of output and 0.58 GiB of
-    temporaries: `jax.jit(lambda k: init_params(cfg, k, dtype=jnp.bfloat16)).lower(key).compile()`.
-    """
-    tokens = jnp.zeros((1, min(seq_len, config.max_position_embeddings)), jnp.int32)
-
-    def init(key):
-        return Decoder(config).init(key, tokens)["params"]
-
-    if dtype is None:
-        return jax.jit(init)(rng)
-    from jaxmem.model.typed_init import init_in_dtype
-    return jax.jit(lambda key: init_in_dtype(init, key, dtype))(rng)
-
-
-def abstract_params(config: ModelConfig, dtype=None):
-    """Parameter shapes and dtypes as `jax.ShapeDtypeStruct`s, without allocating anything."""
-    abstract = jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0), seq_len=1))
-    if dtype is None:
-        return abstract
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype) if jnp.issubdtype(
-        x.dtype, jnp.floating) else x, abstract)
-
-
-def count_params(params) -> int:
-    """Elements over all leaves (arrays or `jax.ShapeDtypeStruct`s)."""
-    return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))

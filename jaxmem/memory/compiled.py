@@ -29,7 +29,7 @@ from jaxmem.memory.counted import (abstract_frozen, abstract_state,  # noqa: F40
 from jaxmem.memory.seconds import predict
 from jaxmem.memory.spec import StepSpec
 from jaxmem import families
-from jaxmem.families.decoder import abstract_params, count_params
+from jaxmem.families.params import abstract_params, count_params
 from jaxmem.model.remat import RematPolicy
 from jaxmem.parallel.mesh import MeshSpec, run_mesh
 from jaxmem.parallel.rules import batch_sharding

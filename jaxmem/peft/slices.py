@@ -287,7 +287,7 @@ def _replicated_like(sharding):
 def abstract_base(model_cfg, spec, dtype, host_dtype=np.float32):
     """The frozen base's shapes and dtypes when the host weights are `host_dtype` (the norms
     keep it), allocating nothing."""
-    from jaxmem.families.decoder import abstract_params  # noqa: PLC0415
+    from jaxmem.families.params import abstract_params  # noqa: PLC0415
 
     host = abstract_params(model_cfg, host_dtype)
     return jax.eval_shape(lambda p: base_on_device(p, spec, dtype), host)

@@ -14,7 +14,7 @@ import functools
 
 import jax
 
-from jaxmem.families.decoder import abstract_params
+from jaxmem.families.params import abstract_params
 from jaxmem.families.names import EMBEDDING, HEAD, LAYERS
 from jaxmem.loss.chunked import AUTO_CHUNK_BYTES, resolve_loss_chunk
 from jaxmem.model.tiled import tiling_pays
