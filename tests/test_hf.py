@@ -83,6 +83,10 @@ def test_transformers_5_spelling_reads_the_same():
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
      "rope_parameters.rope_type='dynamic'"),
     ({"hidden_act": "gelu"}, "hidden_act=\"gelu\" is not supported"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported (RoPE on the "
+                                     "whole head only for llama)"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor=0.5 is not supported"),
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}},
      "quantization_config (quant_method 'gptq') is not supported"),
 ])

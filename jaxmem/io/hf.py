@@ -83,7 +83,6 @@ def _rope(d: dict) -> dict:
         raise HFError(f"config.json: {key}.rope_type={rope_type!r} is not supported "
                       f"(jaxmem implements 'default', 'llama3' and 'linear')")
     src = {**scaling, **params}
-    _refuse(src, "partial_rotary_factor", lambda v: v == 1, "RoPE on the whole head only")
     out = {"rope_theta": float(theta), "rope_type": rope_type}
     if rope_type == "llama3":
         for field, hf_key in _LLAMA3_KEYS.items():
@@ -137,6 +136,11 @@ def config_from_hf(d: dict, note=None) -> ModelConfig:
         fields.update(family=family.name, **family.fields(d))  # its refusals name their key
     except ConfigError as e:
         raise HFError(str(e)) from None
+    if "partial_rotary_factor" not in fields:  # a family that reads it returns it (Phi-3)
+        for src in (d, d.get("rope_parameters"), d.get("rope_scaling")):
+            if isinstance(src, dict):
+                _refuse(src, "partial_rotary_factor", lambda v: v == 1,
+                        f"RoPE on the whole head only for {family.name}")
     try:
         return ModelConfig(**fields)
     except ConfigError as e:
