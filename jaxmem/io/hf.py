@@ -170,9 +170,9 @@ def config_to_hf(c: ModelConfig, dtype: str = "float32", bos_token_id: int | Non
         llama3 = {k: getattr(c, f) for f, k in _LLAMA3_KEYS.items()}
         d["rope_scaling"] = {"rope_type": "llama3", **llama3}
         d["rope_parameters"].update(llama3)
-    if pad_token_id is not None:
+    d.update(family.hf_keys(c))  # a family's spelling of a shared key wins (Gemma's RoPE)
+    if pad_token_id is not None:  # the run's own id wins over a family's default (Phi-3's None)
         d["pad_token_id"] = pad_token_id
-    d.update(family.hf_keys(c))  # last: a family's spelling of a shared key wins (Gemma's RoPE)
     return d
 
 
