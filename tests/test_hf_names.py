@@ -78,7 +78,7 @@ def test_names_and_shapes_equal_transformers(tied):
         assert tuple(sd[name].shape) == shape, name
 
 
-@pytest.mark.parametrize("preset", ["llama-3.2-1b", "llama-3-8b"])
+@pytest.mark.parametrize("preset", ["llama-3.2-1b", "llama-3-8b", "phi-4-mini"])
 def test_full_size_tables_hold_every_parameter(preset):
     """Without allocating: the HF tensors of a full-size preset add up to its parameter count
     (1,235,814,400 for Llama 3.2 1B: 146 tensors, the tied head not among them)."""
@@ -92,6 +92,8 @@ def test_full_size_tables_hold_every_parameter(preset):
     assert total == c.num_params()
     if preset == "llama-3.2-1b":
         assert total == 1_235_814_400 and len(hf_names(c)) == 146
+    if preset == "phi-4-mini":  # fused qkv_proj / gate_up_proj: 6 tensors a layer
+        assert total == 3_836_021_760 and len(hf_names(c)) == 32 * 6 + 2
 
 
 # ----------------------------------------------------------------------------- fused tensors
