@@ -1,11 +1,12 @@
 """Model families beyond Llama (jaxmem.families): tiny random checkpoints written by transformers'
-own classes (Qwen3ForCausalLM, MistralForCausalLM) give jaxmem the same fp32 logits and the same
+own classes (Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, ...) give jaxmem the same fp32 logits and the same
 greedy generation, jaxmem's export loads back in transformers, the presets have the published
 parameter counts, and a mixture of experts or a multimodal config.json is refused by its key.
 
 Tolerance: tests/numerics.py's fp32 policy for two libraries' kernels (`model_terms`, with the
-QK-norm's reductions over the head dim). Negative control: Qwen3 without its QK-norm must exceed
-the largest difference the policy allows tenfold.
+QK-norm's reductions over the head dim). Negative controls: Qwen3 without its QK-norm, Phi-3 with
+RoPE over the whole head (and others) must exceed the largest difference the policy allows
+tenfold.
 """
 
 import json
@@ -46,6 +47,10 @@ FAMILIES = {
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
                                             "rope_theta": 10000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})),
+    # Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj, RoPE on half of each 12-dim head
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                   "partial_rotary_factor": 0.5})),
 }
 
 
@@ -107,6 +112,10 @@ def test_logits_equal_transformers(checkpoints, family):
     if family == "gemma3":  # negative control: the same weights without the window
         assert config.local_layers == (True, False) and SEQ > config.sliding_window
         off = jax_logits(config.replace(sliding_window=None, layer_types=None), params, ids())
+        assert np.abs(off - ref).max() > 10 * largest_allowed(ref, terms(config))
+    if family == "phi3":  # negative control: the same weights with RoPE on the whole head
+        assert config.rotary_dim == 6 and config.resolved_head_dim == 12
+        off = jax_logits(config.replace(partial_rotary_factor=1.0), params, ids())
         assert np.abs(off - ref).max() > 10 * largest_allowed(ref, terms(config))
     if family == "qwen3":  # negative control: the same weights without the QK-norm
         plain = {**params, "layers": {**params["layers"], "self_attn": {
@@ -227,6 +236,8 @@ def test_jaxmem_written_checkpoint_loads_in_transformers(tmp_path, family):
         config = config.replace(**{f: getattr(g, f) for f in GEMMA3_FIELDS},
                                 sliding_window=4, query_pre_attn_scalar=24,
                                 layer_types=("sliding_attention", "full_attention"))
+    if family == "phi3":  # RoPE on the first half of each 16-dim head
+        config = config.replace(partial_rotary_factor=0.5, tie_embeddings=True)
     params = random_params(config, seed=3)
     save_hf(tmp_path / "hf", config, params)
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -244,6 +255,12 @@ REFUSED = [  # (transformers config class, kwargs, the key the refusal names)
     ("Gemma3TextConfig", dict(final_logit_softcapping=30.0), "final_logit_softcapping"),
     ("Qwen3Config", dict(use_sliding_window=True, sliding_window=64), "use_sliding_window"),
     ("Qwen2Config", dict(use_sliding_window=True, sliding_window=64), "use_sliding_window"),
+    ("Phi3Config", dict(sliding_window=64), "sliding_window=64"),
+    ("Phi3Config", dict(resid_pdrop=0.1), "resid_pdrop=0.1"),
+    ("Phi3Config", dict(rope_parameters={
+        "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 6,
+        "long_factor": [2.0] * 6, "original_max_position_embeddings": 1024}),
+     r"rope_parameters\.rope_type='longrope'"),
 ]
 
 
@@ -293,6 +310,8 @@ PUBLISHED = {
     # 4B-27B totals there include the vision encoder); 1B's total is 999,885,952
     "gemma-3-1b": ("1.0", "0.698"), "gemma-3-4b": (None, "3.209"),
     "gemma-3-12b": (None, "10.759"), "gemma-3-27b": (None, "25.600"),
+    # microsoft/Phi-4-mini-instruct's safetensors: 3,836,021,760 (the tied head counted once)
+    "phi-4-mini": ("3.836021760", None),
 }
 
 

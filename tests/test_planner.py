@@ -60,6 +60,8 @@ def tiny_of(family: str) -> ModelConfig:
     # [B, N, H, ceil(T / W) W] where the formula counts T (measured here: +7,680 bytes at W 16,
     # T 24), a term for the family to state (issue 53)
     kw.update(sliding_window=None, layer_types=None)
+    if preset.partial_rotary_factor != 1:  # Phi-3: 8 of the 10 head dims (0.75 would turn 7.5)
+        kw.update(partial_rotary_factor=0.8)
     return preset.replace(**kw)
 
 

@@ -71,6 +71,9 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     rope_local_theta: float | None = None
+    # Partial rotary (Phi-3 / Phi-4-mini): RoPE turns the first int(head_dim * factor) dims of
+    # each head (rotate_half within them, frequencies over them), the rest pass unrotated.
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -89,6 +92,10 @@ class ModelConfig:
                               f"num_heads={self.num_heads}")
         if self.resolved_head_dim % 2:
             raise ConfigError(f"ModelConfig.head_dim={self.resolved_head_dim} must be even for RoPE")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or not self.rotary_dim:
+            raise ConfigError(f"ModelConfig.partial_rotary_factor={self.partial_rotary_factor!r} "
+                              f"must be in (0, 1] and turn an even, nonzero number of the "
+                              f"{self.resolved_head_dim} head dims")
         if not self.rope_theta > 0:
             raise ConfigError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}")
         if self.rope_type not in ("default", "llama3", "linear"):
@@ -128,6 +135,11 @@ class ModelConfig:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """The head dims RoPE turns (the first ones; transformers' int(head_dim * factor))."""
+        return int(self.resolved_head_dim * self.partial_rotary_factor)
 
     @property
     def llama3_rope(self) -> tuple | None:

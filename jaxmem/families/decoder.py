@@ -219,7 +219,7 @@ def layer_context(c: ModelConfig, tokens_shape, positions=None, padding_mask=Non
     B, T = tokens_shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-    H = c.resolved_head_dim
+    H = c.rotary_dim  # the head dim, or the rotated part of it (partial rotary)
     rope = rope_tables(positions, H, **c.rope_kwargs())  # [B, T, H/2] x 2
     local = None
     if any(c.local_layers) and c.rope_kwargs(local=True) != c.rope_kwargs():
