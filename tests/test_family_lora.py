@@ -3,7 +3,6 @@ fine-tune lowers the eval loss, a stop and resume is bitwise, peft loads the exp
 onto the base with jaxmem's logits, and the merged export loads in transformers with them.
 (Llama's own: tests/test_peft_hf.py.)"""
 
-import dataclasses
 import json
 
 import jax
@@ -11,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config.run import ModelSection
 from jaxmem.families import PRESETS
 from jaxmem.io.hf_export import save_hf
 from jaxmem.families.decoder import Decoder
@@ -46,8 +44,6 @@ ARGS = ["--batch-size", "8", "--seq-len", "64", "--warmup-steps", "5", "--lr", "
 QLORA = ["--steps", "30", "--eval-every", "30", "--save-every", "30", "--quantize-base", "nf4",
          "--double-quant"]
 TOKENS = np.random.default_rng(0).integers(0, 300, (2, 24))
-# whether a run's config keeps ModelConfig.partial_rotary_factor (jaxmem.config.run.ModelSection)
-ROTARY_IN_RUNS = "partial_rotary_factor" in {f.name for f in dataclasses.fields(ModelSection)}
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -124,10 +120,6 @@ def test_peft_loads_the_adapters_and_the_merge_loads_in_transformers(qlora, tmp_
         assert written["rank_pattern"] == {"qkv_proj": 24, "gate_up_proj": 16}
     with torch.no_grad():
         assert_reordered_fp32(model(torch.as_tensor(TOKENS)).logits.numpy(), want, terms=terms)
-    if family == "phi3" and not ROTARY_IN_RUNS:
-        pytest.xfail("the run's config drops partial_rotary_factor (ModelSection lists fields by "
-                     "hand until it is generated from ModelConfig's, issue 53): the merged "
-                     "export's config.json would say 1.0")
     assert export_main(["--run", str(out), "--out", str(tmp_path / "merged")]) == 0
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_type"] == {
         "gemma3": "gemma3_text"}.get(family, family)

@@ -121,9 +121,10 @@ def outside_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: Rema
                       attention: str = "xla", loss_chunk: int = 0) -> list[tuple[str, int, str]]:
     """Residuals kept outside the layer stack: RoPE tables, final norm, loss (no padding mask);
     loss_chunk: the fused loss's resolved chunk (jaxmem.loss.chunked; 0: unfused logits)."""
-    D, H, V = c.hidden_size, c.resolved_head_dim, c.vocab_size
+    D, V = c.hidden_size, c.vocab_size
     cb, cd = _nbytes(compute_dtype), _dname(compute_dtype)
-    out = [("RoPE cos/sin [B,T,H/2] x2", 2 * B * T * (H // 2) * FP32, "float32"),
+    out = [("RoPE cos/sin [B,T,R/2] x2 (R: the rotary dims)", 2 * B * T * (c.rotary_dim // 2) * FP32,
+            "float32"),
            ("final norm: input [B,T,D]", B * T * D * cb, cd),
            ("final norm: output [B,T,D]", B * T * D * cb, cd)]
     if c.norm_plus_one:  # Gemma 3: its (1 + w) scale, fp32
