@@ -49,7 +49,7 @@ FAMILIES = {
 }
 
 
-GEMMA3_FIELDS = ("qk_norm", "norm_plus_one", "sandwich_norms", "mlp_activation", "embed_scale",
+GEMMA3_FIELDS = ("qk_norm", "norm_plus_one", "norm_placement", "mlp_activation", "embed_scale",
                  "rope_type", "rope_factor", "rope_local_theta", "tie_embeddings")
 
 

@@ -33,7 +33,7 @@ CONFIGS = {"qwen3": BASE.replace(family="qwen3", qk_norm=True, tie_embeddings=Tr
            "mistral": BASE.replace(family="mistral"),
            # Gemma 3's variation points; a window of 16 < the 64-token rows, local then global
            "gemma3": BASE.replace(
-               family="gemma3", qk_norm=True, norm_plus_one=True, sandwich_norms=True,
+               family="gemma3", qk_norm=True, norm_plus_one=True, norm_placement="sandwich",
                mlp_activation="gelu_tanh", embed_scale=True, query_pre_attn_scalar=24,
                sliding_window=16, rope_local_theta=500.0, rope_type="linear", rope_factor=2.0,
                layer_types=("sliding_attention", "full_attention"), tie_embeddings=True)}

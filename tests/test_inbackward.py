@@ -26,8 +26,9 @@ FAMILIES = {"llama": {}, "qwen3": dict(family="qwen3", qk_norm=True),
             "qwen2": dict(family="qwen2", qkv_bias=True),
             # Gemma 3's variation points; a window of 4 < the 16 tokens, three local layers
             # then a global one
-            "gemma3": dict(family="gemma3", qk_norm=True, norm_plus_one=True, sandwich_norms=True,
-                           mlp_activation="gelu_tanh", embed_scale=True, query_pre_attn_scalar=24,
+            "gemma3": dict(family="gemma3", qk_norm=True, norm_plus_one=True,
+                           norm_placement="sandwich", mlp_activation="gelu_tanh",
+                           embed_scale=True, query_pre_attn_scalar=24,
                            sliding_window=4, rope_local_theta=500.0, rope_type="linear",
                            rope_factor=2.0, layer_types=("sliding_attention",) * 3
                            + ("full_attention",))}

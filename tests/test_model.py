@@ -197,6 +197,7 @@ def test_sharding_hook_applies_partition_specs_under_a_mesh(params, axis_type):
     (dict(num_heads=4, num_kv_heads=3), "num_kv_heads"),
     (dict(head_dim=0), "head_dim"),
     (dict(rms_norm_eps=0.0), "rms_norm_eps"),
+    (dict(norm_placement="middle"), "norm_placement"),
 ])
 def test_invalid_config_names_field(overrides, field):
     with pytest.raises(ConfigError, match=field):

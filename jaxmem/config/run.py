@@ -36,7 +36,7 @@ from jaxmem.config.fields import _positive, option
 from jaxmem.config.lora import parse_targets
 from jaxmem.errors import ConfigError
 from jaxmem.families import PRESETS, get_preset
-from jaxmem.families.config import ModelConfig
+from jaxmem.families.config import ModelConfig, upgrade_fields
 from jaxmem.config.optim import OptimConfig  # the optim section lives in its own module
 from jaxmem.config.sample import SampleSection  # noqa: F401  (re-exported: a RunConfig section)
 
@@ -79,7 +79,7 @@ class ModelSection:
     qk_norm: bool | None = option(None, "override the preset's qk_norm", cli=False)
     qkv_bias: bool | None = option(None, "override the preset's qkv_bias", cli=False)
     norm_plus_one: bool | None = option(None, "override the preset's norm_plus_one", cli=False)
-    sandwich_norms: bool | None = option(None, "override the preset's sandwich_norms", cli=False)
+    norm_placement: str | None = option(None, "override the preset's norm_placement", cli=False)
     mlp_activation: str | None = option(None, "override the preset's mlp_activation", cli=False)
     embed_scale: bool | None = option(None, "override the preset's embed_scale", cli=False)
     query_pre_attn_scalar: int | None = option(
@@ -314,7 +314,8 @@ class RunConfig:
         unknown = sorted(set(d) - set(cls.sections()) - {"schema_version"})
         if unknown:
             raise ConfigError(f"config.json has unknown section(s): {', '.join(unknown)}")
-        flat = {f"{s}.{k}": v for s in cls.sections() for k, v in (d.get(s) or {}).items()}
+        flat = {f"{s}.{k}": v for s in cls.sections() for k, v in (
+            upgrade_fields(d.get(s) or {}) if s == "model" else d.get(s) or {}).items()}
         return cls().replace(flat)
 
     def differences(self, other: "RunConfig") -> list[tuple[str, Any, Any]]:

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from jaxmem.errors import ConfigError
+from jaxmem.families.norms import PLACEMENTS, NormPlacement
 
 # Byte-level tokenizer ids (see jaxmem.data): bytes are 0..255, then the special tokens.
 PAD_TOKEN_ID = 256
@@ -53,13 +54,15 @@ class ModelConfig:
     family: str = "llama"
     qk_norm: bool = False
     qkv_bias: bool = False
+    # norm_placement: where a block's RMSNorms sit (jaxmem.families.norms): "pre" (before
+    # attention and the MLP), "sandwich" (Gemma 3: before and after each), "post" (OLMo 2:
+    # after each only).
+    norm_placement: str = "pre"
     # Gemma 3's variation points. norm_plus_one: RMSNorm scales by (1 + w), w initialised 0;
-    # sandwich_norms: norms after attention and the MLP too (post_attention_layernorm is then
-    # the attention's post-norm, pre/post_feedforward_layernorm the MLP's); mlp_activation:
+    # mlp_activation:
     # "silu" (SwiGLU) or "gelu_tanh" (GeGLU); embed_scale: embeddings times sqrt(hidden_size);
     # query_pre_attn_scalar: attention scores scaled by its -1/2 power instead of head_dim's.
     norm_plus_one: bool = False
-    sandwich_norms: bool = False
     mlp_activation: str = "silu"
     embed_scale: bool = False
     query_pre_attn_scalar: int | None = None
@@ -107,6 +110,9 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.family must be a family's name, got {self.family!r}")
         if not self.rms_norm_eps > 0:
             raise ConfigError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if self.norm_placement not in PLACEMENTS:
+            raise ConfigError(f"ModelConfig.norm_placement must be one of "
+                              f"{', '.join(map(repr, PLACEMENTS))}, got {self.norm_placement!r}")
         if self.mlp_activation not in ("silu", "gelu_tanh"):
             raise ConfigError(f"ModelConfig.mlp_activation must be 'silu' or 'gelu_tanh', "
                               f"got {self.mlp_activation!r}")
@@ -128,6 +134,18 @@ class ModelConfig:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @property
+    def norms(self) -> NormPlacement:
+        """Where the block's norms sit: which feeds attention, which the MLP, which norm their
+        outputs (jaxmem.families.norms)."""
+        return PLACEMENTS[self.norm_placement]
+
+    @property
+    def sandwich_norms(self) -> bool:
+        """Norms before and after attention and the MLP (Gemma 3). Kept for `num_params` only,
+        which is to be deleted (issue 53); ask `norms` instead."""
+        return self.norm_placement == "sandwich"
 
     @property
     def llama3_rope(self) -> tuple | None:
@@ -178,3 +196,17 @@ class ModelConfig:
         per_layer += (self.num_heads + 2 * self.num_kv_heads) * h if self.qkv_bias else 0
         embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.num_layers * per_layer + embed + d
+
+
+def upgrade_fields(d: dict) -> dict:
+    """A model dict (a run's config.json "model" section or its "resolved_model") as this
+    ModelConfig reads it: `sandwich_norms` (a bool; None in a model section: the preset's),
+    written before `norm_placement` replaced it, becomes norm_placement "sandwich" or "pre".
+    Other keys are left as they are; `d` is not changed."""
+    if "sandwich_norms" not in d:
+        return d
+    d = dict(d)
+    old = d.pop("sandwich_norms")
+    if old is not None and d.get("norm_placement") is None:
+        d["norm_placement"] = "sandwich" if old else "pre"
+    return d

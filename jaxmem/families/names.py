@@ -83,10 +83,7 @@ def decoder_tensors(config: ModelConfig) -> list[TensorSpec]:
     }
     specs = [TensorSpec(("embed_tokens",), "model.embed_tokens.weight", (V, D), False)]
     layer = "model.layers.{i}."
-    norms = ("input_layernorm", "post_attention_layernorm")
-    if c.sandwich_norms:  # Gemma 3: post-norms of attention and the MLP, and the MLP's pre-norm
-        norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-    for norm in norms:
+    for norm in c.norms.names:  # where the block's norms sit (jaxmem.families.norms)
         specs.append(TensorSpec(("layers", norm, "scale"), f"{layer}{norm}.weight", (D,), True))
     for parent, name in PROJECTIONS.values():
         shape, in_ndim = proj_shapes[name]

@@ -84,11 +84,10 @@ def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematP
         if not on_xla(attention):  # XLA: the probabilities are recomputed, nothing [B,N,T] kept
             out += [("softmax statistics [B,N,T] x2", 2 * BNT * FP32, "float32")]
         out += [("SwiGLU [B,T,F] x3", 3 * B * T * F * cb, cd)]
-        if c.sandwich_norms:  # the post-norms (Gemma 3) keep their inputs: o_proj's, down_proj's
+        if c.norms.post_norms:  # the post-norms (Gemma 3) keep their inputs: o_proj's, down_proj's
             out += [("post-norms: inputs [B,T,D] x2", 2 * BTD * cb, cd)]
         if c.norm_plus_one:  # (1 + w) of each norm's scale, fp32 (a few KiB a layer)
-            norms = (4 if c.sandwich_norms else 2) * D + (2 * c.resolved_head_dim if c.qk_norm
-                                                          else 0)
+            norms = len(c.norms.names) * D + (2 * c.resolved_head_dim if c.qk_norm else 0)
             out += [("norm scales (1 + w)", norms * FP32, "float32")]
         return out
     if remat.saves_dots:
@@ -97,7 +96,7 @@ def layer_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematP
                ("gate, up [B,T,F] x2", 2 * B * T * F * cb, cd)]
         if remat.saves_batched_dots and on_xla(attention):
             out += [("PV output [B,T,N,H]", tags["attn_context"] * cb, cd)]
-        if c.sandwich_norms:  # the post-MLP norm's input is down_proj's output, a dot: kept
+        if c.norms.after_mlp:  # the post-MLP norm's input is down_proj's output, a dot: kept
             out += [("down_proj output [B,T,D]", BTD * cb, cd)]
         return out
     # names / offload: the block input (unless offloaded) and the tags kept on the device
