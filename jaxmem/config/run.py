@@ -78,6 +78,7 @@ class ModelSection:
     family: str | None = option(None, "override the preset's model family", cli=False)
     qk_norm: bool | None = option(None, "override the preset's qk_norm", cli=False)
     qkv_bias: bool | None = option(None, "override the preset's qkv_bias", cli=False)
+    qk_norm_scope: str | None = option(None, "override the preset's qk_norm_scope", cli=False)
     norm_plus_one: bool | None = option(None, "override the preset's norm_plus_one", cli=False)
     norm_placement: str | None = option(None, "override the preset's norm_placement", cli=False)
     mlp_activation: str | None = option(None, "override the preset's mlp_activation", cli=False)

@@ -54,6 +54,10 @@ class ModelConfig:
     family: str = "llama"
     qk_norm: bool = False
     qkv_bias: bool = False
+    # What the QK-norm normalizes over: "head" (each head's H, one [H] scale the heads share:
+    # Qwen3, Gemma 3) or "projection" (all of q_proj's / k_proj's output before the split
+    # into heads, [N*H] and [K*H] scales: OLMo 2).
+    qk_norm_scope: str = "head"
     # norm_placement: where a block's RMSNorms sit (jaxmem.families.norms): "pre" (before
     # attention and the MLP), "sandwich" (Gemma 3: before and after each), "post" (OLMo 2:
     # after each only).
@@ -110,6 +114,9 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.family must be a family's name, got {self.family!r}")
         if not self.rms_norm_eps > 0:
             raise ConfigError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if self.qk_norm_scope not in ("head", "projection"):
+            raise ConfigError(f"ModelConfig.qk_norm_scope must be 'head' or 'projection', "
+                              f"got {self.qk_norm_scope!r}")
         if self.norm_placement not in PLACEMENTS:
             raise ConfigError(f"ModelConfig.norm_placement must be one of "
                               f"{', '.join(map(repr, PLACEMENTS))}, got {self.norm_placement!r}")
@@ -140,6 +147,15 @@ class ModelConfig:
         """Where the block's norms sit: which feeds attention, which the MLP, which norm their
         outputs (jaxmem.families.norms)."""
         return PLACEMENTS[self.norm_placement]
+
+    @property
+    def qk_norm_widths(self) -> tuple[int, int]:
+        """The widths of the QK-norm's q and k scales: H each, or N*H and K*H over the whole
+        projections."""
+        H = self.resolved_head_dim
+        if self.qk_norm_scope == "projection":
+            return self.num_heads * H, self.num_kv_heads * H
+        return H, H
 
     @property
     def sandwich_norms(self) -> bool:

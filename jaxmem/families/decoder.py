@@ -77,9 +77,8 @@ class Attention(nn.Module):
             q, k, v = (y + self.param(f"{n}_bias", nn.initializers.zeros, y.shape[2:],
                                       jnp.float32).astype(y.dtype)
                        for n, y in (("q", q), ("k", k), ("v", v)))
-        if c.qk_norm:  # over the head dim, shared by the heads, before RoPE (Qwen3, Gemma 3)
-            q = RMSNorm(c.rms_norm_eps, c.norm_plus_one, name="q_norm")(q)
-            k = RMSNorm(c.rms_norm_eps, c.norm_plus_one, name="k_norm")(k)
+        if c.qk_norm:  # before RoPE
+            q, k = (_qk_norm(c, name, y) for name, y in (("q_norm", q), ("k_norm", k)))
         cos, sin = _rope_of(ctx, local)
         q = apply_rope(q, cos, sin)
         if c.query_pre_attn_scalar is not None and c.query_pre_attn_scalar != H:
@@ -101,6 +100,16 @@ class Attention(nn.Module):
                                     ctx["mask"])  # [B, T, N, H]
         ctx_ = checkpoint_name(ctx_.astype(q.dtype), "attn_context")
         return proj("o_proj", "BTNH,NHD->BTD", (N, H, D), N * H)(ctx_), cache  # [B, T, D]
+
+
+def _qk_norm(c: ModelConfig, name: str, y):
+    """The QK-norm of y [B, T, heads, H]: over each head's H, one [H] scale for all (Qwen3,
+    Gemma 3), or over the whole projection [heads * H] before the split (OLMo 2)."""
+    norm = RMSNorm(c.rms_norm_eps, c.norm_plus_one, name=name)
+    if c.qk_norm_scope == "head":
+        return norm(y)  # [B, T, heads, H]
+    B, T, n, H = y.shape
+    return norm(y.reshape(B, T, n * H)).reshape(B, T, n, H)  # [B, T, heads * H] normed
 
 
 def _rope_of(ctx: dict, local):

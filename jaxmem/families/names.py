@@ -94,10 +94,10 @@ def decoder_tensors(config: ModelConfig) -> list[TensorSpec]:
             specs.append(TensorSpec(("layers", "self_attn", f"{name}_bias"),
                                     f"{layer}self_attn.{name}_proj.bias", (heads, H), True,
                                     flat=True))
-    if c.qk_norm:  # Qwen3: RMSNorm scales [H] on q and k
-        for norm in ("q_norm", "k_norm"):
+    if c.qk_norm:  # RMSNorm scales on q and k: [H] (Qwen3), [N*H] and [K*H] (OLMo 2)
+        for norm, width in zip(("q_norm", "k_norm"), c.qk_norm_widths):
             specs.append(TensorSpec(("layers", "self_attn", norm, "scale"),
-                                    f"{layer}self_attn.{norm}.weight", (H,), True))
+                                    f"{layer}self_attn.{norm}.weight", (width,), True))
     specs.append(TensorSpec(("norm", "scale"), "model.norm.weight", (D,), False))
     if not c.tie_embeddings:
         specs.append(TensorSpec(("lm_head",), "lm_head.weight", (D, V), False, in_ndim=1))

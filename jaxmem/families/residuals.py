@@ -64,7 +64,7 @@ def selects_rope(c: ModelConfig) -> bool:
 
 def _norm_scales(c: ModelConfig) -> int:
     """Elements of a block's norm scales: its RMSNorms' [D] and the QK-norm's."""
-    return len(c.norms.names) * c.hidden_size + (2 * c.resolved_head_dim if c.qk_norm else 0)
+    return len(c.norms.names) * c.hidden_size + (sum(c.qk_norm_widths) if c.qk_norm else 0)
 
 
 def decoder_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematPolicy,
