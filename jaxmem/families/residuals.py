@@ -67,6 +67,30 @@ def _norm_scales(c: ModelConfig) -> int:
     return len(c.norms.names) * c.hidden_size + (sum(c.qk_norm_widths) if c.qk_norm else 0)
 
 
+def _kept_without_remat(c: ModelConfig, B: int, T: int, compute_dtype,
+                        attention: str) -> list[tuple[str, int, str]]:
+    """`decoder_residuals` under remat none (its docstring)."""
+    cb, cd = jnp.dtype(compute_dtype).itemsize, jnp.dtype(compute_dtype).name
+    tags = tag_shapes(c, B, T)
+    BTD, F, p = B * T * c.hidden_size, c.intermediate_size, c.norms
+    norms = len([n for n in (p.before_attention, p.before_mlp) if n]) + len(p.post_norms)
+    out = [("attention, MLP inputs [B,T,D] x2", 2 * BTD * cb, cd),
+           (f"norms' inputs [B,T,D] x{norms}", norms * BTD * cb, cd)]
+    if c.qk_norm:  # the QK-norm keeps its inputs, q and k before it (jaxmem.model.lean)
+        out += [("q, k before the QK-norm", (tags["query"] + tags["key"]) * cb, cd)]
+    out += [("q, k, v after RoPE", (tags["query"] + tags["key"] + tags["value"]) * cb, cd),
+            ("attention context [B,T,N,H]", tags["attn_context"] * cb, cd)]
+    if not on_xla(attention):  # XLA: the probabilities are recomputed, nothing [B,N,T] kept
+        out += [("softmax statistics [B,N,T] x2", 2 * B * c.num_heads * T * FP32, "float32")]
+    out += [("gated MLP [B,T,F] x3", 3 * B * T * F * cb, cd)]
+    if c.norm_plus_one:  # (1 + w) of each norm's scale, fp32 (a few KiB a layer)
+        out += [("norm scales (1 + w)", _norm_scales(c) * FP32, "float32")]
+    if selects_rope(c):
+        out += [("RoPE cos/sin of the layer's kind [B,T,H/2] x2",
+                 2 * B * T * (c.resolved_head_dim // 2) * FP32, "float32")]
+    return out
+
+
 def decoder_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: RematPolicy,
                       attention: str = "xla") -> list[tuple[str, int, str]]:
     """(what, bytes, dtype) of the residuals one decoder block keeps for its backward.
@@ -92,31 +116,14 @@ def decoder_residuals(c: ModelConfig, B: int, T: int, compute_dtype, remat: Rema
         tensors live in host memory and count zero here, the block input too when it is
         offloaded (tag `block_input`, in the default `offload`).
     """
-    D, F, N = c.hidden_size, c.intermediate_size, c.num_heads
     cb, cd = jnp.dtype(compute_dtype).itemsize, jnp.dtype(compute_dtype).name
     tags = tag_shapes(c, B, T)
-    BTD, BNT = B * T * D, B * N * T
+    BTD, F = B * T * c.hidden_size, c.intermediate_size
     block_input = ("block input [B,T,D]", BTD * cb, cd)
     if remat.recomputes_all:
         return [block_input]
     if not remat.enabled:
-        p = c.norms
-        norms = len([n for n in (p.before_attention, p.before_mlp) if n]) + len(p.post_norms)
-        out = [("attention, MLP inputs [B,T,D] x2", 2 * BTD * cb, cd),
-               (f"norms' inputs [B,T,D] x{norms}", norms * BTD * cb, cd)]
-        if c.qk_norm:  # the QK-norm keeps its inputs, q and k before it (jaxmem.model.lean)
-            out += [("q, k before the QK-norm", (tags["query"] + tags["key"]) * cb, cd)]
-        out += [("q, k, v after RoPE", (tags["query"] + tags["key"] + tags["value"]) * cb, cd),
-                ("attention context [B,T,N,H]", tags["attn_context"] * cb, cd)]
-        if not on_xla(attention):  # XLA: the probabilities are recomputed, nothing [B,N,T] kept
-            out += [("softmax statistics [B,N,T] x2", 2 * BNT * FP32, "float32")]
-        out += [("gated MLP [B,T,F] x3", 3 * B * T * F * cb, cd)]
-        if c.norm_plus_one:  # (1 + w) of each norm's scale, fp32 (a few KiB a layer)
-            out += [("norm scales (1 + w)", _norm_scales(c) * FP32, "float32")]
-        if selects_rope(c):
-            out += [("RoPE cos/sin of the layer's kind [B,T,H/2] x2",
-                     2 * B * T * (c.resolved_head_dim // 2) * FP32, "float32")]
-        return out
+        return _kept_without_remat(c, B, T, compute_dtype, attention)
     if remat.saves_dots:
         out = [block_input, ("o_proj output [B,T,D]", BTD * cb, cd),
                ("q, k, v projections", (tags["query"] + tags["key"] + tags["value"]) * cb, cd),
