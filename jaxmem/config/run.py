@@ -36,7 +36,7 @@ from jaxmem.config.fields import _positive, option
 from jaxmem.config.lora import parse_targets
 from jaxmem.errors import ConfigError
 from jaxmem.families import PRESETS, get_preset
-from jaxmem.families.config import ModelConfig
+from jaxmem.families.config import ModelConfig, upgrade_fields
 from jaxmem.config.optim import OptimConfig  # the optim section lives in its own module
 from jaxmem.config.sample import SampleSection  # noqa: F401  (re-exported: a RunConfig section)
 
@@ -301,7 +301,8 @@ class RunConfig:
         unknown = sorted(set(d) - set(cls.sections()) - {"schema_version"})
         if unknown:
             raise ConfigError(f"config.json has unknown section(s): {', '.join(unknown)}")
-        flat = {f"{s}.{k}": v for s in cls.sections() for k, v in (d.get(s) or {}).items()}
+        flat = {f"{s}.{k}": v for s in cls.sections() for k, v in (
+            upgrade_fields(d.get(s) or {}) if s == "model" else d.get(s) or {}).items()}
         return cls().replace(flat)
 
     def differences(self, other: "RunConfig") -> list[tuple[str, Any, Any]]:

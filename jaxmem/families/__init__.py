@@ -27,7 +27,7 @@ import json
 
 from jaxmem.errors import ConfigError
 # they register, in this order (the presets' order: Llama's byte-vocabulary `tiny` first)
-from jaxmem.families import llama, qwen3, qwen2, mistral, gemma3, phi3  # noqa: F401, I001
+from jaxmem.families import llama, qwen3, qwen2, mistral, gemma3, olmo2, phi3  # noqa: F401, I001
 from jaxmem.families.base import FAMILIES, MODEL_TYPES, Family, refuse, register  # noqa: F401
 from jaxmem.families.config import ModelConfig
 

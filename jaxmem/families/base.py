@@ -29,11 +29,24 @@ class Family:
     tensors: Callable | None = None
     # its named presets (name -> ModelConfig), published shapes
     presets: dict = field(default_factory=dict)
+    # what one block keeps for its backward (config, B, T, compute dtype, remat, attention
+    # path) -> [(what, bytes, dtype)]; None: the shared decoder's
+    # (jaxmem.families.residuals.decoder_residuals)
+    residuals: Callable | None = None
 
     def tensor_specs(self, config: ModelConfig) -> list:
         from jaxmem.families.names import decoder_tensors  # noqa: PLC0415
 
         return (self.tensors or decoder_tensors)(config)
+
+    def block_residuals(self, config: ModelConfig, B: int, T: int, compute_dtype, remat,
+                        attention: str = "xla") -> list:
+        """[(what, bytes, dtype)] one block of `config` keeps for its backward at B x T tokens
+        under `remat` (the planner's per-layer activations)."""
+        from jaxmem.families.residuals import decoder_residuals  # noqa: PLC0415
+
+        return (self.residuals or decoder_residuals)(config, B, T, compute_dtype, remat,
+                                                     attention)
 
     def module(self, config: ModelConfig, remat, einsum):
         from jaxmem.families.decoder import Decoder  # noqa: PLC0415  (flax, on first use)

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from jaxmem.errors import ConfigError
+from jaxmem.families.norms import PLACEMENTS, NormPlacement
 
 # Byte-level tokenizer ids (see jaxmem.data): bytes are 0..255, then the special tokens.
 PAD_TOKEN_ID = 256
@@ -53,13 +54,19 @@ class ModelConfig:
     family: str = "llama"
     qk_norm: bool = False
     qkv_bias: bool = False
+    # What the QK-norm normalizes over: "head" (each head's H, one [H] scale the heads share:
+    # Qwen3, Gemma 3) or "projection" (all of q_proj's / k_proj's output before the split
+    # into heads, [N*H] and [K*H] scales: OLMo 2).
+    qk_norm_scope: str = "head"
+    # norm_placement: where a block's RMSNorms sit (jaxmem.families.norms): "pre" (before
+    # attention and the MLP), "sandwich" (Gemma 3: before and after each), "post" (OLMo 2:
+    # after each only).
+    norm_placement: str = "pre"
     # Gemma 3's variation points. norm_plus_one: RMSNorm scales by (1 + w), w initialised 0;
-    # sandwich_norms: norms after attention and the MLP too (post_attention_layernorm is then
-    # the attention's post-norm, pre/post_feedforward_layernorm the MLP's); mlp_activation:
+    # mlp_activation:
     # "silu" (SwiGLU) or "gelu_tanh" (GeGLU); embed_scale: embeddings times sqrt(hidden_size);
     # query_pre_attn_scalar: attention scores scaled by its -1/2 power instead of head_dim's.
     norm_plus_one: bool = False
-    sandwich_norms: bool = False
     mlp_activation: str = "silu"
     embed_scale: bool = False
     query_pre_attn_scalar: int | None = None
@@ -114,6 +121,12 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.family must be a family's name, got {self.family!r}")
         if not self.rms_norm_eps > 0:
             raise ConfigError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if self.qk_norm_scope not in ("head", "projection"):
+            raise ConfigError(f"ModelConfig.qk_norm_scope must be 'head' or 'projection', "
+                              f"got {self.qk_norm_scope!r}")
+        if self.norm_placement not in PLACEMENTS:
+            raise ConfigError(f"ModelConfig.norm_placement must be one of "
+                              f"{', '.join(map(repr, PLACEMENTS))}, got {self.norm_placement!r}")
         if self.mlp_activation not in ("silu", "gelu_tanh"):
             raise ConfigError(f"ModelConfig.mlp_activation must be 'silu' or 'gelu_tanh', "
                               f"got {self.mlp_activation!r}")
@@ -140,6 +153,21 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """The head dims RoPE turns (the first ones; transformers' int(head_dim * factor))."""
         return int(self.resolved_head_dim * self.partial_rotary_factor)
+
+    @property
+    def norms(self) -> NormPlacement:
+        """Where the block's norms sit: which feeds attention, which the MLP, which norm their
+        outputs (jaxmem.families.norms)."""
+        return PLACEMENTS[self.norm_placement]
+
+    @property
+    def qk_norm_widths(self) -> tuple[int, int]:
+        """The widths of the QK-norm's q and k scales: H each, or N*H and K*H over the whole
+        projections."""
+        H = self.resolved_head_dim
+        if self.qk_norm_scope == "projection":
+            return self.num_heads * H, self.num_kv_heads * H
+        return H, H
 
     @property
     def llama3_rope(self) -> tuple | None:
@@ -180,3 +208,17 @@ class ModelConfig:
         if unknown:
             raise ConfigError(f"unknown ModelConfig field(s): {', '.join(unknown)}")
         return dataclasses.replace(self, **overrides)
+
+
+def upgrade_fields(d: dict) -> dict:
+    """A model dict (a run's config.json "model" section or its "resolved_model") as this
+    ModelConfig reads it: `sandwich_norms` (a bool; None in a model section: the preset's),
+    written before `norm_placement` replaced it, becomes norm_placement "sandwich" or "pre".
+    Other keys are left as they are; `d` is not changed."""
+    if "sandwich_norms" not in d:
+        return d
+    d = dict(d)
+    old = d.pop("sandwich_norms")
+    if old is not None and d.get("norm_placement") is None:
+        d["norm_placement"] = "sandwich" if old else "pre"
+    return d

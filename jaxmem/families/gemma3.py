@@ -28,7 +28,7 @@ def _gemma3(num_layers: int, **shape) -> ModelConfig:
     fields = dict(family="gemma3", vocab_size=262208, head_dim=256, max_position_embeddings=131072,
                   rope_theta=1000000.0, rope_local_theta=10000.0, rope_type="linear",
                   rope_factor=8.0, rms_norm_eps=1e-6, tie_embeddings=True, qk_norm=True,
-                  norm_plus_one=True, sandwich_norms=True, mlp_activation="gelu_tanh",
+                  norm_plus_one=True, norm_placement="sandwich", mlp_activation="gelu_tanh",
                   embed_scale=True, query_pre_attn_scalar=256, sliding_window=1024,
                   num_layers=num_layers, layer_types=tuple(
                       "full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
@@ -65,7 +65,8 @@ def _fields(d: dict) -> dict:
         "full_attention" for i in range(L)]
     local = (d.get("rope_parameters") or {}).get("sliding_attention") or {}
     refuse(local, "rope_type", lambda v: v == "default", "the local layers' RoPE is unscaled")
-    return {"qk_norm": True, "norm_plus_one": True, "sandwich_norms": True, "embed_scale": True,
+    return {"qk_norm": True, "norm_plus_one": True, "norm_placement": "sandwich",
+            "embed_scale": True,
             "query_pre_attn_scalar": int(d["query_pre_attn_scalar"]),
             "sliding_window": int(d["sliding_window"]), "layer_types": tuple(types),
             "rope_local_theta": float(local.get("rope_theta", d["rope_local_base_freq"]))}

@@ -153,10 +153,7 @@ def decoder_tensors(config: ModelConfig) -> list[TensorSpec]:
     }
     specs = [TensorSpec(("embed_tokens",), "model.embed_tokens.weight", (V, D), False)]
     layer = "model.layers.{i}."
-    norms = ("input_layernorm", "post_attention_layernorm")
-    if c.sandwich_norms:  # Gemma 3: post-norms of attention and the MLP, and the MLP's pre-norm
-        norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-    for norm in norms:
+    for norm in c.norms.names:  # where the block's norms sit (jaxmem.families.norms)
         specs.append(TensorSpec(("layers", norm, "scale"), f"{layer}{norm}.weight", (D,), True))
     for parent, name in PROJECTIONS.values():
         shape, in_ndim = proj_shapes[name]
@@ -167,10 +164,10 @@ def decoder_tensors(config: ModelConfig) -> list[TensorSpec]:
             specs.append(TensorSpec(("layers", "self_attn", f"{name}_bias"),
                                     f"{layer}self_attn.{name}_proj.bias", (heads, H), True,
                                     flat=True))
-    if c.qk_norm:  # Qwen3: RMSNorm scales [H] on q and k
-        for norm in ("q_norm", "k_norm"):
+    if c.qk_norm:  # RMSNorm scales on q and k: [H] (Qwen3), [N*H] and [K*H] (OLMo 2)
+        for norm, width in zip(("q_norm", "k_norm"), c.qk_norm_widths):
             specs.append(TensorSpec(("layers", "self_attn", norm, "scale"),
-                                    f"{layer}self_attn.{norm}.weight", (H,), True))
+                                    f"{layer}self_attn.{norm}.weight", (width,), True))
     specs.append(TensorSpec(("norm", "scale"), "model.norm.weight", (D,), False))
     if not c.tie_embeddings:
         specs.append(TensorSpec(("lm_head",), "lm_head.weight", (D, V), False, in_ndim=1))
