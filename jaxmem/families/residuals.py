@@ -17,6 +17,9 @@ from jaxmem.model.attention import effective_window, on_xla, window_chunk
 from jaxmem.model.remat import RematPolicy
 
 FP32 = 4
+# the gated MLP's three [B, T, F] tensors kept without remat (the planner's eval working set,
+# which frees them with the layer, leaves this entry out by its name)
+GATED_MLP = "gated MLP [B,T,F] x3"
 
 
 def tag_shapes(c: ModelConfig, B: int, T: int) -> dict[str, int]:
@@ -82,7 +85,7 @@ def _kept_without_remat(c: ModelConfig, B: int, T: int, compute_dtype,
             ("attention context [B,T,N,H]", tags["attn_context"] * cb, cd)]
     if not on_xla(attention):  # XLA: the probabilities are recomputed, nothing [B,N,T] kept
         out += [("softmax statistics [B,N,T] x2", 2 * B * c.num_heads * T * FP32, "float32")]
-    out += [("gated MLP [B,T,F] x3", 3 * B * T * F * cb, cd)]
+    out += [(GATED_MLP, 3 * B * T * F * cb, cd)]
     if c.norm_plus_one:  # (1 + w) of each norm's scale, fp32 (a few KiB a layer)
         out += [("norm scales (1 + w)", _norm_scales(c) * FP32, "float32")]
     if selects_rope(c):
