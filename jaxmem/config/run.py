@@ -35,6 +35,7 @@ from jaxmem.config.data import DataSection  # re-exported: the section lives in 
 from jaxmem.config.fields import _positive, option
 from jaxmem.config.lora import parse_targets
 from jaxmem.errors import ConfigError
+from jaxmem import families
 from jaxmem.families import PRESETS, get_preset
 from jaxmem.families.config import ModelConfig, upgrade_fields
 from jaxmem.config.optim import OptimConfig  # the optim section lives in its own module
@@ -173,9 +174,9 @@ class InitSection:
     """Where a run's step-0 weights come from (jaxmem.io.hf): random init, or a checkpoint."""
 
     init_from: str | None = option(
-        None, "start from a Hugging Face checkpoint directory of a Llama, Qwen3, Qwen2.5, "
-        "Mistral or Gemma 3 model (config.json, safetensors, tokenizer.json): its family, shapes, "
-        "weights and tokenizer replace --preset and --tokenizer "
+        None, "start from a Hugging Face checkpoint directory (config.json, safetensors, "
+        f"tokenizer.json) of a model jaxmem reads ({families.architectures()}): its family, "
+        "shapes, weights and tokenizer replace --preset and --tokenizer "
         "(full fine-tune, in any --precision)", metavar="HF_DIR")
 
 

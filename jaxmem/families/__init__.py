@@ -86,6 +86,11 @@ def get(name: str) -> Family:
     return FAMILIES[name]
 
 
+def architectures() -> str:
+    """The checkpoints jaxmem reads, for help texts: every registered family's architecture."""
+    return ", ".join(sorted(f.architecture for f in FAMILIES.values()))
+
+
 def get_preset(name: str, **overrides) -> ModelConfig:
     """The named preset with field overrides (`None` overrides are ignored)."""
     if name not in PRESETS:
