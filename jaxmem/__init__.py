@@ -1,4 +1,4 @@
-"""jaxmem: train decoder language models (Llama, Qwen, Mistral, Gemma 3) in JAX/Flax with as
+"""jaxmem: train decoder language models (Llama, Qwen, Mistral, Gemma 3, OLMo 2, Phi-4-mini) in JAX/Flax with as
 little memory as possible, and its memory savings as a library for any JAX model (docs/api.md).
 
 The public modules, each imported on first use (so `import jaxmem` costs nothing, and

@@ -12,9 +12,10 @@ import os
 import jax.numpy as jnp
 
 
-def flops_per_token(config, seq_len: int) -> float:
-    """Training FLOPs per token of `config` (a jaxmem.config.ModelConfig): 6 x non-embedding
-    params + attention (PaLM appendix B).
+def flops_per_token(config, seq_len: int, num_params: int) -> float:
+    """Training FLOPs per token of `config` (a jaxmem.families.config.ModelConfig, of
+    `num_params` parameters: jaxmem.families.params.num_params): 6 x non-embedding params +
+    attention (PaLM appendix B).
 
     The attention term is 12 L N H T (N query heads of width H), PaLM's 12 L H Q T, rather than
     the common shorthand 12 L D T: the two agree only where N H = D, and head_dim may be set
@@ -22,7 +23,7 @@ def flops_per_token(config, seq_len: int) -> float:
     A sliding-window layer (the config's `local_layers`: Gemma 3's local ones, Mistral's with a
     window) attends to min(T, W) keys, so its term has min(T, W) for T.
     """
-    n = config.num_params() - config.vocab_size * config.hidden_size * (1 if config.tie_embeddings else 2)
+    n = num_params - config.vocab_size * config.hidden_size * (1 if config.tie_embeddings else 2)
     head = 6 * config.vocab_size * config.hidden_size  # the LM head matmul is real work
     window = getattr(config, "sliding_window", None)
     keys = sum(min(seq_len, window) if local else seq_len

@@ -24,8 +24,9 @@ from jaxmem.train.run import build_step_config  # noqa: E402
 MESHES = {"single": None, "fsdp4": "fsdp=4", "fsdp2_tensor2": "fsdp=2,tensor=2",
           "context2_fsdp2": "context=2,fsdp=2"}
 BATCH, SEQ, STEPS = 4, 32, 5
-GEMMA3 = {"family": "gemma3", "qk_norm": True, "norm_plus_one": True, "sandwich_norms": True,
-          "mlp_activation": "gelu_tanh", "embed_scale": True, "query_pre_attn_scalar": 24,
+GEMMA3 = {"family": "gemma3", "qk_norm": True, "norm_plus_one": True,
+          "norm_placement": "sandwich", "mlp_activation": "gelu_tanh", "embed_scale": True,
+          "query_pre_attn_scalar": 24,
           "sliding_window": 8, "rope_local_theta": 500.0, "rope_type": "linear",
           "rope_factor": 2.0, "tie_embeddings": True,
           "layer_types": ("sliding_attention",) * 3 + ("full_attention",)}

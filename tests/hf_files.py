@@ -33,7 +33,7 @@ def random_params(config, seed=0):
     """Random params with the model's tree (norm scales near 1, weights ~ fan_in^-1/2)."""
     import jax
 
-    from jaxmem.families.decoder import abstract_params
+    from jaxmem.families.params import abstract_params
 
     rng = np.random.default_rng(seed)
 

@@ -19,7 +19,7 @@ jax = worker_jax(2)
 import numpy as np  # noqa: E402
 
 import jaxmem.optim._fused as fused  # noqa: E402
-from jaxmem.config.model import get_preset  # noqa: E402
+from jaxmem.families import get_preset  # noqa: E402
 from jaxmem.model.precision import get_precision  # noqa: E402
 from jaxmem.model.remat import RematPolicy  # noqa: E402
 from jaxmem.parallel import run_mesh  # noqa: E402

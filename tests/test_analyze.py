@@ -35,7 +35,7 @@ def test_agrees_with_jaxmem_memory_compile_step_to_the_byte():
     """The tiny preset's full train step (state donated): analyze on the jitted step gives
     compile_step's figures (its own compile) and the ones XLA reports for the same executable
     (read here directly)."""
-    from jaxmem.config.model import get_preset
+    from jaxmem.families import get_preset
     from jaxmem.memory.compiled import (abstract_frozen, abstract_state, abstract_step_batch,
                                         compile_step)
     from jaxmem.memory.spec import StepSpec

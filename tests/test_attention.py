@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.model import attention as attn
-from jaxmem.families.decoder import Decoder, init_params
+from jaxmem.families.decoder import Decoder
+from jaxmem.families.params import init_params
 from jaxmem.model.precision import cast_params, get_precision
 from jaxmem.model.remat import RematPolicy
 

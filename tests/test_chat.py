@@ -176,7 +176,7 @@ def test_specials_from_the_tokenizer_when_no_config_names_them(tmp_path):
 
 def test_generate_chat_without_a_template_exits_2(tmp_path, capsys):
     from hf_files import random_params
-    from jaxmem.config.model import PRESETS
+    from jaxmem.families import PRESETS
     from jaxmem.generate.cli import main as generate_main
     from jaxmem.io.hf_export import save_hf
 

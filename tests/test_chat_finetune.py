@@ -12,7 +12,7 @@ import pytest
 
 from chat_files import CHAT_FILE, write_chat_tokenizer
 from hf_files import lora_eval_losses, random_params
-from jaxmem.config.model import PRESETS
+from jaxmem.families import PRESETS
 from jaxmem.io.hf_export import save_hf
 from jaxmem.train.rundir import load_run
 from jaxmem.train.cli import main

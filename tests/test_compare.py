@@ -17,10 +17,12 @@ from experiments.compare import driver as compare  # noqa: E402
 from experiments.compare import report  # noqa: E402
 from experiments.compare import workers  # noqa: E402
 from experiments.compare import torch_train as tt  # noqa: E402
-from jaxmem.config.model import ModelConfig, get_preset  # noqa: E402
+from jaxmem.families import get_preset  # noqa: E402
+from jaxmem.families.config import ModelConfig  # noqa: E402
 from jaxmem.xla.residuals import saved_residual_bytes  # noqa: E402
 from jaxmem.model import RematPolicy  # noqa: E402
-from jaxmem.families.decoder import Decoder, abstract_params  # noqa: E402
+from jaxmem.families.decoder import Decoder  # noqa: E402
+from jaxmem.families.params import abstract_params, num_params
 from jaxmem.perf import flops_per_token, peak_flops  # noqa: E402
 from jaxmem.model.precision import cast_params, get_precision  # noqa: E402
 
@@ -246,10 +248,12 @@ def test_flops_and_peaks_come_from_jaxmem_perf():
     6 x 98,624 + 6 x 100 x 64 + 12 x 2 x 4 x 32 x 16 = 679,296, tied or not."""
     c = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=32, vocab_size=100)
-    assert flops_per_token(c, 16) == flops_per_token(c.replace(tie_embeddings=True), 16) == 679_296
+    tied = c.replace(tie_embeddings=True)
+    assert flops_per_token(c, 16, num_params(c)) == flops_per_token(tied, 16, num_params(tied)) \
+        == 679_296
     # a local layer of window 4 attends to 4 keys, not 16: 12 x 4 x 32 x (16 - 4) fewer
     mixed = c.replace(sliding_window=4, layer_types=("sliding_attention", "full_attention"))
-    assert flops_per_token(mixed, 16) == 679_296 - 12 * 4 * 32 * 12
+    assert flops_per_token(mixed, 16, num_params(mixed)) == 679_296 - 12 * 4 * 32 * 12
     assert peak_flops("cuda:NVIDIA A100-SXM4-80GB", jnp.bfloat16) == 312e12  # not the A10's
     assert peak_flops("cuda:NVIDIA A10", "float16") == 125e12
     assert peak_flops("gpu:NVIDIA H100 80GB HBM3", jnp.float32) == 67e12
@@ -260,5 +264,6 @@ def test_flops_and_peaks_come_from_jaxmem_perf():
                for mode, dev in [("amp-fp16", "cuda:NVIDIA L4"), ("fp32", "cuda:NVIDIA L4"),
                                  ("bf16", "cpu")]]
     report.add_mfu(results)
-    want = flops_per_token(get_preset("tiny", num_layers=2), 64) * 1e6 / 121e12
+    two = get_preset("tiny", num_layers=2)
+    want = flops_per_token(two, 64, num_params(two)) * 1e6 / 121e12
     assert [r["mfu"] for r in results] == [want, None, None]  # fp32 runs are not MFU runs

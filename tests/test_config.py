@@ -6,7 +6,7 @@ import json
 import pytest
 
 from jaxmem.config.flags import add_run_flags, given_overrides
-from jaxmem.config.model import ConfigError
+from jaxmem.errors import ConfigError
 from jaxmem.config.run import SCHEMA_VERSION, RunConfig, all_paths, flag_names
 from jaxmem.train.rundir import RunError, read_run_config, write_run_config
 from jaxmem.train.cli import build_parser
@@ -54,6 +54,28 @@ def test_schema_1_config_json_loads(tmp_path):
     assert (cfg.optim.total_steps, cfg.optim.lr, cfg.data.grad_accum, cfg.data.seed) == (6, 0.002, 2, 3)
     assert (cfg.model.num_layers, cfg.run.eval_batches, cfg.sample.max_new_tokens) == (2, 2, 0)
     assert cfg.model_config().hidden_size == 64 and record["resolved_model"]["num_heads"] == 4
+
+
+@pytest.mark.parametrize("old, placement", [(True, "sandwich"), (False, "pre")])
+def test_config_json_with_sandwich_norms_loads_and_resumes(tmp_path, old, placement):
+    """A run written when ModelConfig had `sandwich_norms` (a bool; the model section's null:
+    the preset's) reads as its norm_placement, and a resume sees no change in the model."""
+    from jaxmem.train.cli import _fixed_differences
+
+    cfg = RunConfig().replace({"model.norm_placement": placement})
+    write_run_config(tmp_path, cfg)
+    record = json.loads((tmp_path / "config.json").read_text())
+    for model in (record["config"]["model"], record["resolved_model"]):
+        del model["norm_placement"]
+        model["sandwich_norms"] = old
+    (tmp_path / "config.json").write_text(json.dumps(record))
+    saved, record = read_run_config(tmp_path)
+    assert saved == cfg and saved.model_config().norm_placement == placement
+    assert record["resolved_model"]["norm_placement"] == placement
+    assert "sandwich_norms" not in record["resolved_model"]
+    assert _fixed_differences(saved, record, cfg) == []
+    record["config"]["model"]["sandwich_norms"] = None  # the preset's ("pre" for tiny)
+    assert RunConfig.from_dict({"schema_version": 2, **record["config"]}) == RunConfig()
 
 
 def test_newer_or_malformed_config_json_is_refused_naming_the_problem(tmp_path):

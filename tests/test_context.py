@@ -11,7 +11,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from jaxmem.config.model import get_preset
+from jaxmem.families import get_preset
 from jaxmem.model.attention import indexed_attention, xla_attention_recomputed
 from jaxmem.model.context import balance, slot_index
 from jaxmem.parallel.mesh import MeshError, MeshSpec

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxmem.config.model import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID
+from jaxmem.families.config import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID
 from jaxmem.data import (Batcher, ByteTokenizer, DataError, HFTokenizer, batch_at, decode_utf8,
                          eval_batches, load_corpus, load_token_file, load_tokenizer,
                          num_windows)

@@ -112,7 +112,7 @@ def test_qlora_chat_run_eval_equals_its_logged_eval_loss(tmp_path, capsys):
     from chat_files import CHAT_FILE, write_chat_tokenizer
     from hf_files import random_params
 
-    from jaxmem.config.model import PRESETS
+    from jaxmem.families import PRESETS
     from jaxmem.io.hf_export import save_hf
 
     cfg = PRESETS["tiny"].replace(vocab_size=400, hidden_size=64, intermediate_size=128,

@@ -1,11 +1,12 @@
 """Model families beyond Llama (jaxmem.families): tiny random checkpoints written by transformers'
-own classes (Qwen3ForCausalLM, MistralForCausalLM) give jaxmem the same fp32 logits and the same
+own classes (Qwen3ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, ...) give jaxmem the same fp32 logits and the same
 greedy generation, jaxmem's export loads back in transformers, the presets have the published
 parameter counts, and a mixture of experts or a multimodal config.json is refused by its key.
 
 Tolerance: tests/numerics.py's fp32 policy for two libraries' kernels (`model_terms`, with the
-QK-norm's reductions over the head dim). Negative control: Qwen3 without its QK-norm must exceed
-the largest difference the policy allows tenfold.
+QK-norm's reductions over the head dim). Negative controls: Qwen3 without its QK-norm, Phi-3 with
+RoPE over the whole head (and others) must exceed the largest difference the policy allows
+tenfold.
 """
 
 import json
@@ -19,10 +20,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.torch
 
-from jaxmem.config.model import PRESETS, ModelConfig  # noqa: E402
+from jaxmem.families import PRESETS  # noqa: E402
+from jaxmem.families.config import ModelConfig  # noqa: E402
 from jaxmem.io.hf import HFError, config_from_hf, load_hf  # noqa: E402
 from jaxmem.families.decoder import Decoder  # noqa: E402
-from jaxmem.families.decoder import abstract_params, count_params  # noqa: E402
+from jaxmem.families.params import abstract_params, count_params  # noqa: E402
 
 from hf_files import random_params  # noqa: E402
 from numerics import assert_reordered_fp32, largest_allowed, model_terms  # noqa: E402
@@ -45,10 +47,17 @@ FAMILIES = {
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
                                             "rope_theta": 10000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})),
+    # Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj, RoPE on half of each 12-dim head
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                   "partial_rotary_factor": 0.5})),
+    # OLMo 2: post-norms only, the QK-norm over the whole projections ([N*H] = 64, [K*H] = 32;
+    # Olmo2Config has no head_dim of its own, its attention and RoPE read one where given)
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(head_dim=16, tie_word_embeddings=False)),
 }
 
 
-GEMMA3_FIELDS = ("qk_norm", "norm_plus_one", "sandwich_norms", "mlp_activation", "embed_scale",
+GEMMA3_FIELDS = ("qk_norm", "norm_plus_one", "norm_placement", "mlp_activation", "embed_scale",
                  "rope_type", "rope_factor", "rope_local_theta", "tie_embeddings")
 
 
@@ -87,13 +96,15 @@ def jax_logits(config, params, tokens):
 
 
 def terms(config) -> int:
-    return model_terms(config, SEQ) + 2 * config.resolved_head_dim * config.num_layers
+    """model_terms plus the QK-norm's reductions (over H, or OLMo 2's whole projections)."""
+    return model_terms(config, SEQ) + sum(config.qk_norm_widths) * config.num_layers
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_equal_transformers(checkpoints, family):
     config, params = load_hf(checkpoints / family)
-    assert config.family == family and config.qk_norm == (family in ("qwen3", "gemma3"))
+    assert config.family == family
+    assert config.qk_norm == (family in ("qwen3", "gemma3", "olmo2"))
     assert config.qkv_bias == (family == "qwen2")
     ref = torch_logits(checkpoints / family, ids())
     assert_reordered_fp32(jax_logits(config, params, ids()), ref, terms=terms(config))
@@ -106,6 +117,26 @@ def test_logits_equal_transformers(checkpoints, family):
     if family == "gemma3":  # negative control: the same weights without the window
         assert config.local_layers == (True, False) and SEQ > config.sliding_window
         off = jax_logits(config.replace(sliding_window=None, layer_types=None), params, ids())
+        assert np.abs(off - ref).max() > 10 * largest_allowed(ref, terms(config))
+    if family == "phi3":  # negative control: the same weights with RoPE on the whole head
+        assert config.rotary_dim == 6 and config.resolved_head_dim == 12
+        off = jax_logits(config.replace(partial_rotary_factor=1.0), params, ids())
+        assert np.abs(off - ref).max() > 10 * largest_allowed(ref, terms(config))
+    if family == "olmo2":  # negative controls: a QK-norm per head, and norms before, not after
+        assert (config.norm_placement, config.qk_norm_scope) == ("post", "projection")
+        attn = params["layers"]["self_attn"]
+        assert attn["q_norm"]["scale"].shape == (2, 64) and attn["k_norm"]["scale"].shape == (2, 32)
+        H = config.resolved_head_dim
+        per_head = {**params, "layers": {**params["layers"], "self_attn": {**attn, **{
+            n: {"scale": attn[n]["scale"][:, :H]} for n in ("q_norm", "k_norm")}}}}
+        off = jax_logits(config.replace(qk_norm_scope="head"), per_head, ids())
+        assert np.abs(off - ref).max() > 10 * largest_allowed(ref, terms(config))
+        layers = params["layers"]  # the same two scales as Llama's pre-norms
+        pre = {**params, "layers": {
+            **{k: v for k, v in layers.items() if k != "post_feedforward_layernorm"},
+            "input_layernorm": layers["post_attention_layernorm"],
+            "post_attention_layernorm": layers["post_feedforward_layernorm"]}}
+        off = jax_logits(config.replace(norm_placement="pre"), pre, ids())
         assert np.abs(off - ref).max() > 10 * largest_allowed(ref, terms(config))
     if family == "qwen3":  # negative control: the same weights without the QK-norm
         plain = {**params, "layers": {**params["layers"], "self_attn": {
@@ -221,11 +252,17 @@ def test_jaxmem_written_checkpoint_loads_in_transformers(tmp_path, family):
                          head_dim=None if family == "qwen2" else 16,
                          max_position_embeddings=256, family=family, qk_norm=family == "qwen3",
                          qkv_bias=family == "qwen2", tie_embeddings=family == "qwen3")
+    if family == "olmo2":  # the preset's variation points
+        o = PRESETS["olmo-2-1124-7b"]
+        config = config.replace(**{f: getattr(o, f) for f in (
+            "norm_placement", "qk_norm", "qk_norm_scope")})
     if family == "gemma3":  # the preset's variation points at this size
         g = PRESETS["gemma-3-4b"]
         config = config.replace(**{f: getattr(g, f) for f in GEMMA3_FIELDS},
                                 sliding_window=4, query_pre_attn_scalar=24,
                                 layer_types=("sliding_attention", "full_attention"))
+    if family == "phi3":  # RoPE on the first half of each 16-dim head
+        config = config.replace(partial_rotary_factor=0.5, tie_embeddings=True)
     params = random_params(config, seed=3)
     save_hf(tmp_path / "hf", config, params)
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -243,6 +280,16 @@ REFUSED = [  # (transformers config class, kwargs, the key the refusal names)
     ("Gemma3TextConfig", dict(final_logit_softcapping=30.0), "final_logit_softcapping"),
     ("Qwen3Config", dict(use_sliding_window=True, sliding_window=64), "use_sliding_window"),
     ("Qwen2Config", dict(use_sliding_window=True, sliding_window=64), "use_sliding_window"),
+    ("Phi3Config", dict(sliding_window=64), "sliding_window=64"),
+    ("Phi3Config", dict(resid_pdrop=0.1), "resid_pdrop=0.1"),
+    ("Phi3Config", dict(rope_parameters={
+        "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 6,
+        "long_factor": [2.0] * 6, "original_max_position_embeddings": 1024}),
+     r"rope_parameters\.rope_type='longrope'"),
+    ("Olmo2Config", dict(clip_qkv=8.0), "clip_qkv"),
+    ("Olmo2Config", dict(attention_bias=True), "attention_bias"),
+    ("Olmo2Config", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                          "rope_theta": 10000.0}), "rope_parameters.rope_type"),
 ]
 
 
@@ -292,6 +339,11 @@ PUBLISHED = {
     # 4B-27B totals there include the vision encoder); 1B's total is 999,885,952
     "gemma-3-1b": ("1.0", "0.698"), "gemma-3-4b": (None, "3.209"),
     "gemma-3-12b": (None, "10.759"), "gemma-3-27b": (None, "25.600"),
+    # microsoft/Phi-4-mini-instruct's safetensors: 3,836,021,760 (the tied head counted once)
+    "phi-4-mini": ("3.836021760", None),
+    # OLMo 2: the Hub's model size of the safetensors (allenai/OLMo-2-*)
+    "olmo-2-0425-1b": ("1.48", None), "olmo-2-1124-7b": ("7.30", None),
+    "olmo-2-1124-13b": ("13.7", None), "olmo-2-0325-32b": ("32.2", None),
 }
 
 
@@ -299,7 +351,14 @@ PUBLISHED = {
 def test_presets_have_the_published_parameter_counts(name):
     c = PRESETS[name]
     n = count_params(abstract_params(c))
-    assert n == c.num_params()
+    # the count transformers' own class gives for the same config.json (on the meta device)
+    from jaxmem.io.hf import config_to_hf
+
+    hf = transformers.AutoConfig.for_model(**{
+        k: v for k, v in config_to_hf(c).items() if k != "architectures"})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf)
+    assert n == sum(p.numel() for p in model.parameters())
     total, body = PUBLISHED[name]
 
     def billions(x, printed):

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config.model import PRESETS
+from jaxmem.families import PRESETS
 from jaxmem.io.hf_export import save_hf
 from jaxmem.families.decoder import Decoder
 from jaxmem.peft.base import base_on_device
@@ -33,10 +33,15 @@ CONFIGS = {"qwen3": BASE.replace(family="qwen3", qk_norm=True, tie_embeddings=Tr
            "mistral": BASE.replace(family="mistral"),
            # Gemma 3's variation points; a window of 16 < the 64-token rows, local then global
            "gemma3": BASE.replace(
-               family="gemma3", qk_norm=True, norm_plus_one=True, sandwich_norms=True,
+               family="gemma3", qk_norm=True, norm_plus_one=True, norm_placement="sandwich",
                mlp_activation="gelu_tanh", embed_scale=True, query_pre_attn_scalar=24,
                sliding_window=16, rope_local_theta=500.0, rope_type="linear", rope_factor=2.0,
-               layer_types=("sliding_attention", "full_attention"), tie_embeddings=True)}
+               layer_types=("sliding_attention", "full_attention"), tie_embeddings=True),
+           # Phi-3: fused qkv_proj / gate_up_proj in the files, RoPE on 8 of the 16 head dims
+           "phi3": BASE.replace(family="phi3", partial_rotary_factor=0.5, tie_embeddings=True),
+           # OLMo 2's: post-norms only, the QK-norm over the whole q / k projections
+           "olmo2": BASE.replace(family="olmo2", norm_placement="post", qk_norm=True,
+                                 qk_norm_scope="projection")}
 ARGS = ["--batch-size", "8", "--seq-len", "64", "--warmup-steps", "5", "--lr", "1e-2",
         "--eval-batches", "4", "--sample-tokens", "0", "--no-progress", "--lora-rank", "8"]
 QLORA = ["--steps", "30", "--eval-every", "30", "--save-every", "30", "--quantize-base", "nf4",
@@ -112,6 +117,10 @@ def test_peft_loads_the_adapters_and_the_merge_loads_in_transformers(qlora, tmp_
     want = _adapter_logits(load_run(out), cfg)
     model = peft_model_of_run(hf, out, tmp_path / "adapters")
     assert type(model.base_model.model).__name__.lower().startswith(family)
+    if family == "phi3":  # q, k, v's adapters as one of qkv_proj; gate, up's of gate_up_proj
+        written = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
+        assert written["target_modules"] == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+        assert written["rank_pattern"] == {"qkv_proj": 24, "gate_up_proj": 16}
     with torch.no_grad():
         assert_reordered_fp32(model(torch.as_tensor(TOKENS)).logits.numpy(), want, terms=terms)
     assert export_main(["--run", str(out), "--out", str(tmp_path / "merged")]) == 0

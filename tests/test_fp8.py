@@ -435,7 +435,7 @@ def test_tiled_mlp_in_fp8_matches_fp32_and_quantizes_weights_once():
 def test_fp8_model_tiles_its_mlp_under_full_remat(monkeypatch):
     """fp8 no longer turns the MLP tiling off: with the tile limit lowered, the tiny model's MLP
     runs in sequence tiles (e4m3 converts of [B, chunk, F] inside a loop) under `full` remat."""
-    from jaxmem.config.model import get_preset
+    from jaxmem.families import get_preset
     from jaxmem.model import tiled
     from jaxmem.families.decoder import Decoder
     from jaxmem.model.remat import RematPolicy

@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config.model import get_preset
-from jaxmem.families.decoder import Decoder, init_params
+from jaxmem.families import get_preset
+from jaxmem.families.decoder import Decoder
+from jaxmem.families.params import init_params
 from jaxmem.einsum import logits_einsum
 from jaxmem.loss.chunked import chunked_cross_entropy as fused_cross_entropy, resolve_loss_chunk
 from jaxmem.train.loss import cross_entropy, synthetic_batch, token_loss
@@ -129,7 +130,7 @@ def test_both_backward_paths(monkeypatch, vocab, limit_tokens, path):
 
 
 def test_loss_chunk_flag_validation():
-    from jaxmem.config.model import ConfigError
+    from jaxmem.errors import ConfigError
     from jaxmem.config.run import RunConfig
     from jaxmem.train.run import build_step_config
     assert build_step_config(RunConfig().replace({"remat.loss_chunk": 0}))[1].loss_chunk == 0

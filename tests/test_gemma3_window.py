@@ -9,7 +9,7 @@ otherwise be one chunk: quadratic, 4x at 2T)."""
 import jax
 import pytest
 
-from jaxmem.config.model import get_preset
+from jaxmem.families import get_preset
 from jaxmem.model import attention
 from jaxmem.model.precision import get_precision
 from jaxmem.model.remat import RematPolicy
@@ -19,7 +19,7 @@ from jaxmem.train.step import StepConfig, create_train_state, make_train_step
 
 W = 128
 GEMMA3 = get_preset(
-    "tiny", family="gemma3", qk_norm=True, norm_plus_one=True, sandwich_norms=True,
+    "tiny", family="gemma3", qk_norm=True, norm_plus_one=True, norm_placement="sandwich",
     mlp_activation="gelu_tanh", embed_scale=True, query_pre_attn_scalar=24, sliding_window=W,
     rope_local_theta=500.0, rope_type="linear", rope_factor=2.0, tie_embeddings=True,
     max_position_embeddings=4096,

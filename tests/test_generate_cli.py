@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 
 from hf_files import random_params, write_tokenizer  # noqa: E402
 
@@ -132,7 +132,7 @@ def test_a_lora_run_builds_its_quantized_base_once_for_all_prompts(tmp_path, mon
     from jaxmem.peft.lora import LoraSpec
     from jaxmem.config.run import RunConfig
     from jaxmem.data import ByteTokenizer
-    from jaxmem.families.decoder import init_params
+    from jaxmem.families.params import init_params
 
     cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                       num_kv_heads=1, max_position_embeddings=32)

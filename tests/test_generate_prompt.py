@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-from jaxmem.config.model import get_preset
+from jaxmem.families import get_preset
 from jaxmem.data import ByteTokenizer
 from jaxmem.decode.sampling import generate_text, new_token_budget, sample_tokens
 from jaxmem.families.decoder import Decoder

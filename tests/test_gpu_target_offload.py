@@ -21,7 +21,7 @@ import jax
 import pytest
 
 from jaxmem import target
-from jaxmem.config.model import get_preset
+from jaxmem.families import get_preset
 from jaxmem.memory.compiled import compile_phase
 from jaxmem.memory.counted import abstract_state
 from jaxmem.memory.spec import StepSpec

@@ -13,6 +13,7 @@ from jaxmem.config.run import RunConfig
 from jaxmem.memory.compiled import compile_step
 from jaxmem.memory.report import step_report
 from jaxmem.memory.spec import StepSpec
+from jaxmem.families.params import num_params
 from jaxmem.perf import flops_per_token
 
 pytestmark = pytest.mark.gpu_target
@@ -40,7 +41,7 @@ def test_the_kernels_run_the_models_flops():
         t = predicted(spec(remat))
         c = spec(remat).model
         attention = 12 * c.num_layers * c.num_heads * c.resolved_head_dim * 512
-        model = (flops_per_token(c, 512) - attention / 2) * t["tokens"]
+        model = (flops_per_token(c, 512, num_params(c)) - attention / 2) * t["tokens"]
         assert low <= t["kernel_flops"] / model <= high, (remat, t["kernel_flops"] / model)
         assert t["busy_seconds"]["gemm"] > 0 and t["busy_seconds"]["attention"] > 0
         assert t["tokens_per_s"] == pytest.approx(t["tokens"] / t["seconds"])

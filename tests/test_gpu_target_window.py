@@ -43,7 +43,7 @@ def test_packed_window_takes_the_windowed_xla_path_linear_in_t(h100):
 
 
 GEMMA3 = {"model.family": "gemma3", "model.qk_norm": True, "model.norm_plus_one": True,
-          "model.sandwich_norms": True, "model.mlp_activation": "gelu_tanh",
+          "model.norm_placement": "sandwich", "model.mlp_activation": "gelu_tanh",
           "model.embed_scale": True, "model.query_pre_attn_scalar": 64,
           "model.sliding_window": 128, "model.rope_local_theta": 10000.0,
           "model.tie_embeddings": True, "model.num_layers": 2,

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config.model import PRESETS
+from jaxmem.families import PRESETS
 from jaxmem.io.hf import HFError, config_from_hf, config_to_hf, load_hf
 from jaxmem.io.hf_export import save_hf
 from jaxmem.families.decoder import Decoder
@@ -52,8 +52,42 @@ LLAMA_2_7B = {"architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "hidd
               "torch_dtype": "float16", "vocab_size": 32000}
 
 
+# microsoft/Phi-4-mini-instruct's config.json (its LongRoPE factors shortened here: 48 each)
+PHI_4_MINI = {"architectures": ["Phi3ForCausalLM"], "attention_bias": False,
+              "attention_dropout": 0.0, "bos_token_id": 199999, "embd_pdrop": 0.0,
+              "eos_token_id": 199999, "full_attn_mod": 1, "hidden_act": "silu",
+              "hidden_size": 3072, "initializer_range": 0.02, "intermediate_size": 8192,
+              "interpolate_factor": 1, "lm_head_bias": False, "max_position_embeddings": 131072,
+              "mlp_bias": False, "model_type": "phi3", "num_attention_heads": 24,
+              "num_hidden_layers": 32, "num_key_value_heads": 8,
+              "original_max_position_embeddings": 4096, "pad_token_id": 199999,
+              "partial_rotary_factor": 0.75, "resid_pdrop": 0.0, "rms_norm_eps": 1e-05,
+              "rope_scaling": {"long_factor": [1.0] * 48, "short_factor": [1.0] * 48,
+                               "type": "longrope"},
+              "rope_theta": 10000.0, "sliding_window": 262144, "tie_word_embeddings": True,
+              "torch_dtype": "bfloat16", "vocab_size": 200064}
+
+
 def resolved(c):
     return c.replace(head_dim=c.resolved_head_dim)
+
+
+def test_phi_4_mini_is_its_config_json_without_longrope():
+    """Its LongRoPE is refused by key; without it (at the original 4096 positions) the config.json
+    is the preset: 96 of 128 head dims rotated, the 262144 window read as none."""
+    with pytest.raises(HFError, match=r"^config.json: rope_scaling.rope_type='longrope' is not "):
+        config_from_hf(PHI_4_MINI)
+    plain = {**PHI_4_MINI, "rope_scaling": None, "max_position_embeddings": 4096}
+    c = config_from_hf(plain)
+    assert resolved(c) == resolved(PRESETS["phi-4-mini"]) and c.rotary_dim == 96
+    assert c.sliding_window is None
+    assert resolved(config_from_hf(config_to_hf(c))) == resolved(c)
+    with pytest.raises(HFError, match=r"^config.json: sliding_window=2047 is not supported"):
+        config_from_hf({**plain, "sliding_window": 2047})  # Phi-3-mini-4k's
+    with pytest.raises(HFError, match=r"^config.json: lm_head_bias=true is not supported"):
+        config_from_hf({**plain, "lm_head_bias": True})
+    with pytest.raises(HFError, match=r"partial_rotary_factor=0\.7 "):  # 89.6 dims
+        config_from_hf({**plain, "partial_rotary_factor": 0.7})
 
 
 @pytest.mark.parametrize("name, hf", [("llama-3.2-1b", LLAMA_32_1B), ("llama-3.2-3b", LLAMA_32_3B),
@@ -83,6 +117,10 @@ def test_transformers_5_spelling_reads_the_same():
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
      "rope_parameters.rope_type='dynamic'"),
     ({"hidden_act": "gelu"}, "hidden_act=\"gelu\" is not supported"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported (RoPE on the "
+                                     "whole head only for llama)"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor=0.5 is not supported"),
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}},
      "quantization_config (quant_method 'gptq') is not supported"),
 ])

@@ -162,7 +162,7 @@ def test_finetuned_export_loads_in_transformers(checkpoints, tmp_path, corpus, c
 def test_jaxmem_written_checkpoint_loads_in_transformers(tmp_path, tied):
     """save_hf of random params (sharded; untied head, head_dim 12 != 48/4) -> transformers'
     from_pretrained: the same logits as jaxmem's (tests/numerics.py), no tensor left at its init."""
-    from jaxmem.config.model import ModelConfig
+    from jaxmem.families.config import ModelConfig
     from jaxmem.io.hf_export import save_hf
 
     from hf_files import random_params

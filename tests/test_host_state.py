@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmem.config.model import get_preset
+from jaxmem.families import get_preset
 from jaxmem.model.precision import get_precision
 from jaxmem.model.remat import RematPolicy
 from jaxmem.train import host_state

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hf_files import random_params
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.memory import StepSpec
 from jaxmem.memory.compiled import abstract_frozen, compile_phase, compiled_stats, tree_bytes
 from jaxmem.memory.phases import SampleShape, run_phases

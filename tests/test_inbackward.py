@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import jaxmem.optim._stochastic as sr
-from jaxmem.config.model import get_preset
-from jaxmem.families.decoder import init_params
+from jaxmem.families import get_preset
+from jaxmem.families.params import init_params
 from jaxmem.model.precision import get_precision
 from jaxmem.model.remat import RematPolicy
 from jaxmem.train.cli import main
@@ -26,11 +26,16 @@ FAMILIES = {"llama": {}, "qwen3": dict(family="qwen3", qk_norm=True),
             "qwen2": dict(family="qwen2", qkv_bias=True),
             # Gemma 3's variation points; a window of 4 < the 16 tokens, three local layers
             # then a global one
-            "gemma3": dict(family="gemma3", qk_norm=True, norm_plus_one=True, sandwich_norms=True,
-                           mlp_activation="gelu_tanh", embed_scale=True, query_pre_attn_scalar=24,
+            "gemma3": dict(family="gemma3", qk_norm=True, norm_plus_one=True,
+                           norm_placement="sandwich", mlp_activation="gelu_tanh",
+                           embed_scale=True, query_pre_attn_scalar=24,
                            sliding_window=4, rope_local_theta=500.0, rope_type="linear",
                            rope_factor=2.0, layer_types=("sliding_attention",) * 3
-                           + ("full_attention",))}
+                           + ("full_attention",)),
+            "phi3": dict(family="phi3", partial_rotary_factor=0.5),
+            # OLMo 2's post-norms and QK-norm over the whole projections
+            "olmo2": dict(family="olmo2", norm_placement="post", qk_norm=True,
+                          qk_norm_scope="projection")}
 
 
 def _configs(optimizer, precision="fp32", tie=False, family="llama", **optim):
@@ -66,11 +71,14 @@ def _both(ordinary, oib, steps: int, vocab: int):
 @pytest.mark.slow  # two tiny steps compiled per case, 10 steps each
 @pytest.mark.parametrize("optimizer,tie,family", [
     ("adamw", False, "llama"), ("adamw8bit", False, "llama"), ("lion", True, "llama"),
-    ("adamw", True, "qwen3"), ("adamw8bit", False, "qwen2"), ("adamw", True, "gemma3")])
+    ("adamw", True, "qwen3"), ("adamw8bit", False, "qwen2"), ("adamw", True, "gemma3"),
+    ("adamw", True, "phi3"),
+    ("adamw8bit", False, "olmo2")])
 def test_fp32_losses_equal_the_ordinary_step_for_10_steps(optimizer, tie, family):
     """Each family's block through the in-backward step, built on the model's parts (Qwen3's
     QK-norm, Qwen2's biases, Gemma 3's scaled embedding, sandwich norms and local and global
-    layers), gives the ordinary step's losses."""
+    layers, Phi-3's partial rotary, OLMo 2's post-norms and whole-projection QK-norm), gives the
+    ordinary step's losses."""
     ordinary, oib = _configs(optimizer, tie=tie, family=family)
     s1, s2 = _both(ordinary, oib, 10, 259)
     assert int(s2.step) == int(s2.applied) == 10 and int(s2.skips_in_a_row) == 0

@@ -13,8 +13,9 @@ import pytest
 
 import jaxmem.train.inbackward as inbackward
 import jaxmem.train.inbackward_rules as rules
-from jaxmem.config.model import get_preset
-from jaxmem.families.decoder import DecoderBlock, init_params, layer_context
+from jaxmem.families import get_preset
+from jaxmem.families.decoder import DecoderBlock, layer_context
+from jaxmem.families.params import init_params
 from jaxmem.model.precision import get_precision
 from jaxmem.model.remat import RematPolicy
 from jaxmem.train.loss import synthetic_batch
@@ -40,7 +41,8 @@ def test_the_slab_width_rule():
     assert rules.mlp_slab_width(c, 1) == 1024  # 14336 = 2^11 x 7: 2048 is over SLAB
     assert rules.mlp_slab_width(c, None) == 0  # a state that cannot be cut
     assert rules.mlp_slab_width(get_preset("tiny"), 1) == 0  # D x F within one slab
-    assert rules.mlp_slab_width(c.replace(sandwich_norms=True), 256) == 0  # Gemma 3's post-norm
+    for placement in ("sandwich", "post"):  # Gemma 3's and OLMo 2's post-MLP norm
+        assert rules.mlp_slab_width(c.replace(norm_placement=placement), 256) == 0
     cfg = _step_config()
     assert rules.mlp_slabs(cfg, 2048) == 1024
     assert rules.mlp_slabs(cfg, 2048, params_on_host=True) == 0  # whole layers streamed

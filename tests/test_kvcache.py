@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.decode.sampling import (generate_ids, init_cache, lower_sample, sample_tokens,
                                       sample_tokens_uncached, uncached_sampler)
-from jaxmem.families.decoder import Decoder, abstract_params
+from jaxmem.families.decoder import Decoder
+from jaxmem.families.params import abstract_params
 
 PROMPTS = ([3, 17, 9, 40, 2], [5, 6], [7, 1, 8, 2, 9, 30, 31, 12])
 

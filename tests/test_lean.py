@@ -10,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config.model import get_preset
+from jaxmem.families import get_preset
 from jaxmem.xla.residuals import available, saved_residual_bytes
 from jaxmem.model.lean import rms_norm, rope, swiglu
-from jaxmem.families.decoder import Decoder, init_params
+from jaxmem.families.decoder import Decoder
+from jaxmem.families.params import init_params
 from jaxmem.model.remat import RematPolicy
 from jaxmem.model.layers import rope_tables
 from jaxmem.train.loss import synthetic_batch, token_loss

@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.config.run import RunConfig
-from jaxmem.families.decoder import Decoder, init_params
+from jaxmem.families.decoder import Decoder
+from jaxmem.families.params import init_params
 from jaxmem.peft.base import base_on_device, base_sha256, check_base
 from jaxmem.lora import LoraWeight
 from jaxmem.peft.export import merge

@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxmem.parallel.rules as R
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.parallel.rules import base_specs, leaf_spec
 from jaxmem.peft.base import abstract_base
 from jaxmem.peft.lora import LoraSpec

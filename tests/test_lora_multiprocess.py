@@ -23,7 +23,7 @@ FLAGS = ["--lora-rank", "4", "--quantize-base", "nf4", "--double-quant", "--batc
 
 
 def _cfg():
-    from jaxmem.config.model import ModelConfig
+    from jaxmem.families.config import ModelConfig
     return ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2,
                        num_heads=4, num_kv_heads=2, max_position_embeddings=64)
 

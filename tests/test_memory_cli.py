@@ -9,7 +9,8 @@ import types
 
 import pytest
 
-from jaxmem.config.model import ModelConfig, get_preset
+from jaxmem.families import get_preset
+from jaxmem.families.config import ModelConfig
 from jaxmem.memory import StepSpec, measure
 from jaxmem.memory.cli import main
 from jaxmem.model.remat import RematPolicy

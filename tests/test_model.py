@@ -5,9 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config.model import PRESETS, ConfigError, ModelConfig, get_preset
+from jaxmem.errors import ConfigError
+from jaxmem.families import PRESETS, get_preset
+from jaxmem.families.config import ModelConfig
 from jaxmem.model.layers import apply_rope, rope_tables
-from jaxmem.families.decoder import Decoder, abstract_params, count_params, init_params
+from jaxmem.families.decoder import Decoder
+from jaxmem.families.params import abstract_params, count_params, init_params
 from jaxmem.sharding import activation_sharding, constrain
 from numerics import assert_reordered_fp32
 
@@ -39,7 +42,6 @@ def test_published_param_counts_without_allocation(name):
     abstract = abstract_params(PRESETS[name])
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(abstract))
     assert count_params(abstract) == PUBLISHED[name]
-    assert PRESETS[name].num_params() == PUBLISHED[name]
 
 
 def test_small_preset_is_about_25m():
@@ -195,10 +197,43 @@ def test_sharding_hook_applies_partition_specs_under_a_mesh(params, axis_type):
     (dict(num_heads=4, num_kv_heads=3), "num_kv_heads"),
     (dict(head_dim=0), "head_dim"),
     (dict(rms_norm_eps=0.0), "rms_norm_eps"),
+    (dict(norm_placement="middle"), "norm_placement"),
+    (dict(qk_norm_scope="heads"), "qk_norm_scope"),
 ])
 def test_invalid_config_names_field(overrides, field):
     with pytest.raises(ConfigError, match=field):
         ModelConfig(**{**dict(hidden_size=64, num_heads=4, num_kv_heads=2), **overrides})
+
+
+def test_qk_norm_over_the_projection_has_its_width_and_normalizes_across_heads():
+    """qk_norm_scope "projection": q_norm / k_norm scales [N*H] / [K*H] (the tensor table's
+    too), and the norm couples the heads: scaling one head's q_proj columns changes the other
+    heads' normed queries, which a per-head norm leaves as they were."""
+    from jaxmem.families.decoder import _qk_norm
+    from jaxmem.families.names import decoder_tensors
+    import flax.linen as nn
+
+    c = CFG.replace(qk_norm=True, qk_norm_scope="projection")
+    N, K, H = c.num_heads, c.num_kv_heads, c.resolved_head_dim
+    shapes = {s.hf_name: s.shape for s in decoder_tensors(c)}
+    assert shapes["model.layers.{i}.self_attn.q_norm.weight"] == (N * H,)
+    assert shapes["model.layers.{i}.self_attn.k_norm.weight"] == (K * H,)
+    assert abstract_params(c)["layers"]["self_attn"]["q_norm"]["scale"].shape == (2, N * H)
+
+    class Norm(nn.Module):
+        config: ModelConfig
+
+        @nn.compact
+        def __call__(self, y):
+            return _qk_norm(self.config, "q_norm", y)
+
+    y = jax.random.normal(jax.random.PRNGKey(0), (1, 3, N, H))
+    louder = y.at[:, :, 0].multiply(10.0)  # head 0 ten times larger
+    for scope, coupled in (("projection", True), ("head", False)):
+        norm = Norm(c.replace(qk_norm_scope=scope))
+        params = norm.init(jax.random.PRNGKey(1), y)
+        a, b = (np.asarray(norm.apply(params, t))[:, :, 1:] for t in (y, louder))
+        assert (np.abs(a - b).max() > 0.1) == coupled, scope
 
 
 def test_unknown_preset_and_field():

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config.model import ModelConfig
-from jaxmem.families.decoder import init_params
+from jaxmem.families.config import ModelConfig
+from jaxmem.families.params import init_params
 from jaxmem.model.remat import RematPolicy
 from jaxmem.peft.base import abstract_base, base_on_device
 from jaxmem.peft.lora import LoraSpec

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxmem.optim._stochastic as sr
-from jaxmem.config.model import get_preset
+from jaxmem.families import get_preset
 from jaxmem.model.precision import get_precision
 from jaxmem.model.remat import RematPolicy
 from jaxmem.train.cli import main

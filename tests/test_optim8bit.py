@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.train.loss import synthetic_batch
 from jaxmem.model.precision import get_precision
 from jaxmem.optim import (SIGNED_MAP, UNSIGNED_MAP, Quantized, adamw_8bit, apply_updates_sr,
@@ -351,12 +351,12 @@ def test_bytes_per_param_from_the_abstract_state(preset, opt_max, state_max):
     from jaxmem.config.run import RunConfig
     from jaxmem.memory.counted import Kind, count_state
     from jaxmem.memory.spec import StepSpec
-    from jaxmem.families.decoder import abstract_params
+    from jaxmem.families.params import abstract_params, num_params
     from jaxmem.model.roles import count_by_role
 
     def per_param(over):
         spec = StepSpec.from_run_config(RunConfig().replace({"model.preset": preset, **over}))
-        P = spec.model.num_params()
+        P = num_params(spec.model)
         got = {k: sum(c.bytes for c in count_state(spec) if c.kind is k) / P for k in Kind}
         return got[Kind.OPTIMIZER], got[Kind.PARAMS] + got[Kind.OPTIMIZER], spec
 
@@ -364,7 +364,7 @@ def test_bytes_per_param_from_the_abstract_state(preset, opt_max, state_max):
     assert opt <= opt_max and state <= state_max
     # the 8-bit floor: 2 B/param of codes on the non-embedding params, fp32 m and v on the rest
     params = abstract_params(spec.model)
-    embedding = count_by_role(params)["embedding"] / spec.model.num_params()
+    embedding = count_by_role(params)["embedding"] / num_params(spec.model)
     floor = 2 * (1 - embedding) + 8 * embedding
     assert floor <= opt <= floor * 1.03
     _, amp, _ = per_param({"precision.mode": "amp-bf16"})

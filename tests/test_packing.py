@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.model import attention
 from jaxmem.model.layers import segment_mask
 from jaxmem.families.decoder import Decoder

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxmem.config.model import get_preset
+from jaxmem.families import get_preset
 from jaxmem.parallel.mesh import MeshError, MeshSpec
 from jaxmem.parallel.rules import leaf_spec
 from jax.sharding import PartitionSpec as P
@@ -187,7 +187,7 @@ def test_memory_cli_per_device(tmp_path):
 
 
 def test_process_flags_and_cluster_detection(monkeypatch):
-    from jaxmem.config.model import ConfigError
+    from jaxmem.errors import ConfigError
     from jaxmem.parallel.distributed import check_process_flags, cluster_name, initialize
 
     check_process_flags("localhost:1234", 2, 1)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config.model import PRESETS
+from jaxmem.families import PRESETS
 from jaxmem.io.hf_export import save_hf
 from jaxmem.train.rundir import load_run
 from jaxmem.families.decoder import Decoder

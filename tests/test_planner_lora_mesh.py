@@ -68,7 +68,7 @@ def test_headline_70b_qlora_offload_fits_22_gib_per_device(headline):
     per device on fsdp=2, base offloaded: at most 22 GiB of device memory per device (analytic;
     measured here 10.81 GiB, with 16.45 GiB of host memory per device; 27.05 without offload)."""
     import jax
-    from jaxmem.families.decoder import abstract_params
+    from jaxmem.families.params import abstract_params
     from jaxmem.paths import in_layers
     spec, off, on = headline
     c = spec.model

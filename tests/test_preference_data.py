@@ -17,7 +17,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxmem.config.model import BYTE_VOCAB_SIZE
+from jaxmem.families.config import BYTE_VOCAB_SIZE
 from jaxmem.data import (ByteTokenizer, DataError, PreferencePairs, epoch_permutation, load_corpus,
                          load_preferences, split_eval_batches, train_batcher)
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config.model import PRESETS
+from jaxmem.families import PRESETS
 from jaxmem.model.precision import get_precision
 from jaxmem.objective import DPO, SimPO
 from jaxmem.peft.lora import LoraSpec
@@ -232,7 +232,7 @@ def test_dpo_on_a_mesh_equals_one_device_and_exports(data, tmp_path):
 
 
 def test_the_reference_follows_what_trains():
-    from jaxmem.config.model import ConfigError  # noqa: PLC0415
+    from jaxmem.errors import ConfigError  # noqa: PLC0415
     from jaxmem.config.objective import ObjectiveSection  # noqa: PLC0415
 
     assert ObjectiveSection(objective="dpo").resolved_reference(lora=True) == "adapters"

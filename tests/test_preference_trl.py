@@ -113,9 +113,9 @@ def _lora_adapters(spec, cfg, d):
         lambda p, x: jnp.asarray(rng.normal(0, 0.2, x.shape), jnp.float32)
         if "lora_b" in jax.tree_util.keystr(p) else x, adapters)
     d.mkdir(parents=True, exist_ok=True)
-    save_file(adapter_tensors(jax.tree.map(np.asarray, adapters), spec, cfg.num_layers),
+    save_file(adapter_tensors(jax.tree.map(np.asarray, adapters), spec, cfg),
               str(d / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (d / "adapter_config.json").write_text(json.dumps(adapter_config(spec, ""), indent=2))
+    (d / "adapter_config.json").write_text(json.dumps(adapter_config(spec, "", cfg), indent=2))
     return adapters
 
 

@@ -6,9 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config.model import PRESETS, ModelConfig
+from jaxmem.families import PRESETS
+from jaxmem.families.config import ModelConfig
 from jaxmem.einsum import ProjectedWeight
-from jaxmem.families.decoder import Decoder, init_params
+from jaxmem.families.decoder import Decoder
+from jaxmem.families.params import init_params
 from jaxmem.model.precision import cast_params
 
 TIED = ModelConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,

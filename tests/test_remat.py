@@ -3,10 +3,11 @@
 import jax
 import pytest
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.train.loss import synthetic_batch, token_loss
 from jaxmem.memory.compiled import grad_step_report
-from jaxmem.families.decoder import Decoder, init_params
+from jaxmem.families.decoder import Decoder
+from jaxmem.families.params import init_params
 import jaxmem.remat
 from jaxmem.model.remat import TAGS, RematPolicy
 from jaxmem.remat import RematError

@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxmem.config.model import get_preset  # noqa: E402
+from jaxmem.families import get_preset  # noqa: E402
 from jaxmem.io.hf import config_to_hf  # noqa: E402
 from jaxmem.model.layers import rope_inv_freq, rope_tables  # noqa: E402
 

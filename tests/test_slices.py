@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _config():
-    from jaxmem.config.model import ModelConfig
+    from jaxmem.families.config import ModelConfig
     return ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                        num_heads=4, num_kv_heads=2)
 
@@ -109,7 +109,7 @@ def test_two_processes_read_half_and_equal_one_device_bitwise(hf_dir, tmp_path):
 def qlora_run(tmp_path_factory):
     """A 2-step QLoRA run (NF4, double quant, r 4) on an 8-layer tiny fp32 HF checkpoint."""
     from hf_files import write_tokenizer
-    from jaxmem.config.model import ModelConfig
+    from jaxmem.families.config import ModelConfig
     from jaxmem.io.hf_export import save_hf
     from jaxmem.train.cli import main
 

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config.model import get_preset
+from jaxmem.families import get_preset
 from jaxmem.config.run import OptimConfig
-from jaxmem.families.decoder import init_params
+from jaxmem.families.params import init_params
 from jaxmem.optim import DynamicLossScale, NoOpLossScale
 from jaxmem.train.optim import make_optimizer
 from jaxmem.model.precision import cast_floating, get_precision

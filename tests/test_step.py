@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxmem.train.step as step_mod
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.train.loss import synthetic_batch
 from jaxmem.optim import DynamicLossScale, StaticLossScale
 from jaxmem.train.optim import OptimConfig, decay_mask, parse_loss_scale

@@ -23,9 +23,10 @@ from experiments.compare.convert import (expected_keys, grads_to_jax, jax_to_tor
                                  torch_state_dict_to_jax)
 from experiments.compare.torch_llama import LlamaForCausalLM, loss as torch_loss  # noqa: E402
 from experiments.compare import torch_train as tt  # noqa: E402
-from jaxmem.config.model import ModelConfig  # noqa: E402
+from jaxmem.families.config import ModelConfig  # noqa: E402
 from jaxmem.train.loss import cross_entropy, synthetic_batch  # noqa: E402
-from jaxmem.families.decoder import Decoder, abstract_params  # noqa: E402
+from jaxmem.families.decoder import Decoder  # noqa: E402
+from jaxmem.families.params import abstract_params, num_params
 
 from numerics import assert_reordered_fp32, model_terms  # noqa: E402
 
@@ -110,7 +111,7 @@ def test_torch_module_names_are_hf(tied):
     assert list(model.state_dict()) == expected_keys(cfg(tied))
     assert ("lm_head.weight" in model.state_dict()) is not tied
     assert model.state_dict()["model.layers.1.self_attn.k_proj.weight"].shape == (2 * 16, 64)
-    assert sum(p.numel() for p in model.parameters()) == cfg(tied).num_params()
+    assert sum(p.numel() for p in model.parameters()) == num_params(cfg(tied))
 
 
 def test_hf_checkpoint_extras_and_errors():

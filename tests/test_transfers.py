@@ -8,7 +8,7 @@ import math
 import jax
 import pytest
 
-from jaxmem.config.model import get_preset
+from jaxmem.families import get_preset
 from jaxmem.memory.analytic import analytic_breakdown
 from jaxmem.memory.compiled import compile_phase
 from jaxmem.memory.counted import Where, abstract_state, count_state, nbytes

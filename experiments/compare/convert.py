@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")

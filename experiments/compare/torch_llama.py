@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 
 
 def _normal_(weight: torch.Tensor, fan_in: int) -> torch.Tensor:

@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from experiments.compare.torch_llama import LlamaForCausalLM, loss as lm_loss
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 
 MODES = ("fp32", "bf16", "amp-bf16", "amp-fp16")
 _AUTOCAST = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}

@@ -28,7 +28,7 @@ def run_config(spec: dict):
 
 def model_config(spec: dict):
     if "config" not in spec:  # a results file written before specs carried their RunConfig
-        from jaxmem.config.model import get_preset
+        from jaxmem.families import get_preset
         return get_preset(spec["preset"], num_layers=spec.get("num_layers"))
     return run_config(spec).model_config()
 
@@ -59,7 +59,7 @@ def initial_params(spec: dict):
     """The params `jax_params` starts from, without building an optimizer state (the torch
     process only needs the weights): the same key split as jaxmem.train.step.create_train_state."""
     import jax
-    from jaxmem.families.decoder import init_params
+    from jaxmem.families.params import init_params
     from jaxmem.model.precision import cast_floating, get_precision
     cfg = run_config(spec)
     init_key, _ = jax.random.split(jax.random.PRNGKey(cfg.data.seed))

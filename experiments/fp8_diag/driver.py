@@ -59,7 +59,7 @@ from experiments.fp8_diag.hlo import F8_TARGET, fp8_dots, gemms, parse_hlo, top_
 from experiments.fp8_diag.table import roofline_ms, step_table
 from jaxmem import target
 from jaxmem.model.fp8_compile import COMPILER_OPTIONS_FP8
-from jaxmem.config.model import PRESETS, get_preset
+from jaxmem.families import PRESETS, get_preset
 from jaxmem.model.fp8 import count_traced
 from jaxmem.model.remat import RematPolicy
 from jaxmem.remat import RematError

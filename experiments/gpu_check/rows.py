@@ -241,9 +241,9 @@ def make_hf(out: Path, shape: str) -> None:
     import numpy as np
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    from jaxmem.config.model import get_preset
+    from jaxmem.families import get_preset
     from jaxmem.io.hf_export import save_hf
-    from jaxmem.families.decoder import abstract_params
+    from jaxmem.families.params import abstract_params, num_params
     import jax
 
     fields = dict(HF_SHAPES[shape])
@@ -275,4 +275,4 @@ def make_hf(out: Path, shape: str) -> None:
     params = jax.tree_util.tree_map_with_path(leaf, abstract_params(config))
     save_hf(out / "hf", config, params, dtype="bfloat16",
             tokenizer=str(out / "tok" / "tokenizer.json"), bos_token_id=0, eos_token_id=1)
-    print(f"wrote {out / 'hf'}: {config.num_params():,} params", file=sys.stderr)
+    print(f"wrote {out / 'hf'}: {num_params(config):,} params", file=sys.stderr)

@@ -31,6 +31,7 @@ from jaxmem.config.run import RunConfig
 from jaxmem.xla.collectives import comm_report, format_comm_table, fsdp_volume
 from jaxmem.memory.spec import StepSpec
 from jaxmem.parallel.mesh import MeshSpec
+from jaxmem.families.params import num_params
 
 FLAGS = {"precision": ("mode",), "data": ("batch_size", "seq_len", "grad_accum"),
          "optim": ("mu_dtype", "optimizer"), "parallel": ("mesh",)}
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 def param_bytes(spec: StepSpec) -> int:
     """The model's parameters in the compute dtype: what FSDP all-gathers each pass."""
     import jax.numpy as jnp
-    return spec.model.num_params() * jnp.dtype(spec.precision.compute_dtype).itemsize
+    return num_params(spec.model) * jnp.dtype(spec.precision.compute_dtype).itemsize
 
 
 def compiled_hlo(spec: StepSpec, mesh: str, card: str, devices: int) -> str:

@@ -54,9 +54,9 @@ def main(argv=None) -> int:
 
     import numpy as np
 
-    from jaxmem.config.model import ModelConfig
+    from jaxmem.families.config import ModelConfig
     from jaxmem.io.hf_export import save_hf
-    from jaxmem.families.decoder import abstract_params
+    from jaxmem.families.params import abstract_params, num_params
 
     import jax
 
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     del params
     file_mib = sum(f.stat().st_size for f in __import__("pathlib").Path(args.dir).glob(
         "*.safetensors")) / 2**20
-    print(f"checkpoint: {config.num_params():,} params, {file_mib:.0f} MiB bf16 on disk")
+    print(f"checkpoint: {num_params(config):,} params, {file_mib:.0f} MiB bf16 on disk")
     for how in ("load_hf", "load_file"):
         out = subprocess.run([sys.executable, "-c", READ, args.dir, how], capture_output=True,
                              text=True, check=True).stdout.strip().splitlines()[-1]

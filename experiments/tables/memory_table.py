@@ -34,7 +34,7 @@ SEQ = 2048
 
 
 def spec_for(preset: str, precision: str, remat: str):
-    from jaxmem.config.model import get_preset
+    from jaxmem.families import get_preset
     from jaxmem.memory.spec import StepSpec
     from jaxmem.model import RematPolicy
     from jaxmem.model.precision import get_precision

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jaxmem.config.fields import _positive, option
-from jaxmem.config.model import ConfigError
+from jaxmem.errors import ConfigError
 
 TRAIN_ON = ("assistant", "all")
 TRUNCATE = ("split", "drop")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import field
 
-from jaxmem.config.model import ConfigError
+from jaxmem.errors import ConfigError
 
 
 def option(default, help: str, *, flags: tuple[str, ...] | None = None, type=None, choices=None,

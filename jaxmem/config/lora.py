@@ -7,7 +7,7 @@ adapters themselves are jaxmem.peft.lora.
 
 from __future__ import annotations
 
-from jaxmem.config.model import ConfigError
+from jaxmem.errors import ConfigError
 
 # --lora-targets short names: a block's attention and MLP projections
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jaxmem.config.fields import option
-from jaxmem.config.model import ConfigError
+from jaxmem.errors import ConfigError
 
 OBJECTIVES = ("causal-lm", "dpo", "orpo", "simpo")
 LOSS_TYPES = ("sigmoid", "ipo")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jaxmem.config.fields import option
-from jaxmem.config.model import ConfigError
+from jaxmem.errors import ConfigError
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "lion")  # jaxmem.train.optim.make_optimizer
 

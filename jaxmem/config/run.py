@@ -1,7 +1,7 @@
 """The run configuration: one frozen, nested `RunConfig`, the single source of truth for a run.
 
     RunConfig
-      model      ModelSection      preset + shape overrides  -> ModelConfig (jaxmem.config.model)
+      model      ModelSection      preset + shape overrides  -> ModelConfig (jaxmem.families.config)
       precision  PrecisionSection  precision mode, loss scaling, the skip limit
       remat      RematSection      remat policy of each decoder block
       optim      OptimConfig       optimizer, warmup + cosine schedule, clipping, mu dtype
@@ -34,7 +34,10 @@ from jaxmem.config.objective import ObjectiveSection  # noqa: F401  (a RunConfig
 from jaxmem.config.data import DataSection  # re-exported: the section lives in its own module
 from jaxmem.config.fields import _positive, option
 from jaxmem.config.lora import parse_targets
-from jaxmem.config.model import PRESETS, ConfigError, ModelConfig, get_preset
+from jaxmem.errors import ConfigError
+from jaxmem import families
+from jaxmem.families import PRESETS, get_preset
+from jaxmem.families.config import ModelConfig, upgrade_fields
 from jaxmem.config.optim import OptimConfig  # the optim section lives in its own module
 from jaxmem.config.sample import SampleSection  # noqa: F401  (re-exported: a RunConfig section)
 
@@ -43,62 +46,49 @@ SCHEMA_VERSION = 2
 
 # ----------------------------------------------------------------------------- sections
 
-@dataclass(frozen=True)
-class ModelSection:
-    """Model shape: a named preset, with any of its fields overridden."""
+# The ModelConfig fields a flag may override (the shape); every other field comes from the
+# preset, or from a checkpoint's config.json by --init-from, and is recorded all the same.
+_MODEL_FLAGS = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+                "head_dim", "vocab_size", "max_position_embeddings", "rope_theta", "rms_norm_eps")
+_MODEL_HELP = {"vocab_size": "override the preset's vocab_size (with --tokenizer: the "
+                             "tokenizer's by default)"}
 
-    preset: str = option("tiny", f"model shape preset: {', '.join(PRESETS)}", choices=list(PRESETS),
-                         metavar="NAME")
-    num_layers: int | None = option(None, "override the preset's num_layers", type=int)
-    hidden_size: int | None = option(None, "override the preset's hidden_size", type=int)
-    intermediate_size: int | None = option(None, "override the preset's intermediate_size", type=int)
-    num_heads: int | None = option(None, "override the preset's num_heads", type=int)
-    num_kv_heads: int | None = option(None, "override the preset's num_kv_heads", type=int)
-    head_dim: int | None = option(None, "override the preset's head_dim", type=int)
-    vocab_size: int | None = option(None, "override the preset's vocab_size (with --tokenizer: "
-                                    "the tokenizer's by default)", type=int)
-    max_position_embeddings: int | None = option(None, "override the preset's max_position_embeddings",
-                                                 type=int)
-    rope_theta: float | None = option(None, "override the preset's rope_theta", type=float)
-    rms_norm_eps: float | None = option(None, "override the preset's rms_norm_eps", type=float)
-    tie_embeddings: bool | None = option(None, "override the preset's tie_embeddings", cli=False)
-    # RoPE scaling (llama3); set from a checkpoint's config.json by --init-from, not by flags.
-    rope_type: str | None = option(None, "override the preset's rope_type", cli=False)
-    rope_factor: float | None = option(None, "override the preset's rope_factor", cli=False)
-    rope_low_freq_factor: float | None = option(None, "override the preset's rope_low_freq_factor",
-                                                cli=False)
-    rope_high_freq_factor: float | None = option(None, "override the preset's rope_high_freq_factor",
-                                                 cli=False)
-    rope_original_max_position_embeddings: int | None = option(
-        None, "override the preset's rope_original_max_position_embeddings", cli=False)
-    # The family and its variation points (jaxmem.families): from the preset, or a checkpoint's
-    # config.json by --init-from.
-    family: str | None = option(None, "override the preset's model family", cli=False)
-    qk_norm: bool | None = option(None, "override the preset's qk_norm", cli=False)
-    qkv_bias: bool | None = option(None, "override the preset's qkv_bias", cli=False)
-    norm_plus_one: bool | None = option(None, "override the preset's norm_plus_one", cli=False)
-    sandwich_norms: bool | None = option(None, "override the preset's sandwich_norms", cli=False)
-    mlp_activation: str | None = option(None, "override the preset's mlp_activation", cli=False)
-    embed_scale: bool | None = option(None, "override the preset's embed_scale", cli=False)
-    query_pre_attn_scalar: int | None = option(
-        None, "override the preset's query_pre_attn_scalar", cli=False)
-    sliding_window: int | None = option(None, "override the preset's sliding_window", cli=False)
-    layer_types: tuple | None = option(None, "override the preset's layer_types", cli=False)
-    rope_local_theta: float | None = option(None, "override the preset's rope_local_theta",
-                                            cli=False)
 
-    def config(self) -> ModelConfig:
-        """The preset with the overrides applied (validated by ModelConfig)."""
-        overrides = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                     if f.name != "preset"}
-        return get_preset(self.preset, **overrides)
+def _model_override(f: dataclasses.Field):
+    """The section's field for ModelConfig field `f`: None (the preset's value) or an override."""
+    cli = f.name in _MODEL_FLAGS
+    kind = next((t for t in (int, float) if str(f.type).startswith(t.__name__)), None)
+    return (f.name, f"{f.type} | None",
+            option(None, _MODEL_HELP.get(f.name, f"override the preset's {f.name}"), cli=cli,
+                   type=kind if cli else None))
 
-    @classmethod
-    def of(cls, model: ModelConfig, preset: str = "tiny") -> "ModelSection":
-        """The section whose `config()` is `model`: the preset plus the fields that differ."""
-        base = get_preset(preset)
-        return cls(preset, **{f.name: getattr(model, f.name) for f in dataclasses.fields(cls)
-                              if f.name != "preset" and getattr(model, f.name) != getattr(base, f.name)})
+
+def _section_config(self) -> ModelConfig:
+    """The preset with the overrides applied (validated by ModelConfig)."""
+    overrides = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                 if f.name != "preset"}
+    return get_preset(self.preset, **overrides)
+
+
+def _section_of(cls, model: ModelConfig, preset: str = "tiny"):
+    """The section whose `config()` is `model`: the preset plus the fields that differ."""
+    base = get_preset(preset)
+    return cls(preset, **{f.name: getattr(model, f.name) for f in dataclasses.fields(cls)
+                          if f.name != "preset" and getattr(model, f.name) != getattr(base, f.name)})
+
+
+# Model shape: a named preset, with any of its fields overridden. Its fields are ModelConfig's
+# own, one for one (a field added to ModelConfig is recorded in config.json and restored by
+# --init-from with no list to update here).
+ModelSection = dataclasses.make_dataclass(
+    "ModelSection",
+    [("preset", "str", option("tiny", f"model shape preset: {', '.join(PRESETS)}",
+                              choices=list(PRESETS), metavar="NAME"))]
+    + [_model_override(f) for f in dataclasses.fields(ModelConfig)],
+    frozen=True,
+    namespace={"config": _section_config, "of": classmethod(_section_of),
+               "__doc__": "Model shape: a named preset, with any of its fields overridden."})
+ModelSection.__module__ = __name__  # (make_dataclass's `module=` is Python 3.12's)
 
 
 @dataclass(frozen=True)
@@ -184,9 +174,9 @@ class InitSection:
     """Where a run's step-0 weights come from (jaxmem.io.hf): random init, or a checkpoint."""
 
     init_from: str | None = option(
-        None, "start from a Hugging Face checkpoint directory of a Llama, Qwen3, Qwen2.5, "
-        "Mistral or Gemma 3 model (config.json, safetensors, tokenizer.json): its family, shapes, "
-        "weights and tokenizer replace --preset and --tokenizer "
+        None, "start from a Hugging Face checkpoint directory (config.json, safetensors, "
+        f"tokenizer.json) of a model jaxmem reads ({families.architectures()}): its family, "
+        "shapes, weights and tokenizer replace --preset and --tokenizer "
         "(full fine-tune, in any --precision)", metavar="HF_DIR")
 
 
@@ -312,7 +302,8 @@ class RunConfig:
         unknown = sorted(set(d) - set(cls.sections()) - {"schema_version"})
         if unknown:
             raise ConfigError(f"config.json has unknown section(s): {', '.join(unknown)}")
-        flat = {f"{s}.{k}": v for s in cls.sections() for k, v in (d.get(s) or {}).items()}
+        flat = {f"{s}.{k}": v for s in cls.sections() for k, v in (
+            upgrade_fields(d.get(s) or {}) if s == "model" else d.get(s) or {}).items()}
         return cls().replace(flat)
 
     def differences(self, other: "RunConfig") -> list[tuple[str, Any, Any]]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmem.config.model import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID
+from jaxmem.families.config import BOS_TOKEN_ID, BYTE_VOCAB_SIZE, EOS_TOKEN_ID, PAD_TOKEN_ID
 from jaxmem.data.errors import DataError
 from jaxmem.data.special_tokens import TokenizerFiles, ids_of, tokenizer_json
 
@@ -22,7 +22,7 @@ from jaxmem.data.special_tokens import TokenizerFiles, ids_of, tokenizer_json
 
 
 class ByteTokenizer:
-    """UTF-8 bytes are ids 0..255; PAD, BOS, EOS follow (ids from `jaxmem.config.model`)."""
+    """UTF-8 bytes are ids 0..255; PAD, BOS, EOS follow (ids from `jaxmem.families.config`)."""
 
     name = "bytes"
     vocab_size = BYTE_VOCAB_SIZE

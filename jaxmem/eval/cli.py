@@ -38,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+from jaxmem import families
 from jaxmem.config.flags import add_run_flags, given_overrides
 from jaxmem.config.run import flag_names
 from jaxmem.data import DataError, load_corpus, resolve_sources
@@ -99,9 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     source = p.add_argument_group("what to evaluate")
     source.add_argument("--run", metavar="DIR", help="run directory (the --out of jaxmem.train); "
                         "a LoRA / QLoRA run is evaluated with its adapters on its base")
-    source.add_argument("--hf", metavar="HF_DIR", help="a Hugging Face checkpoint directory of a "
-                        "Llama, Qwen3, Qwen2.5, Mistral or Gemma 3 model (config.json, "
-                        "safetensors, tokenizer.json)")
+    source.add_argument("--hf", metavar="HF_DIR", help="a Hugging Face checkpoint directory (config.json, "
+                        "safetensors, tokenizer.json) of a model jaxmem reads: "
+                        f"{families.architectures()}")
     source.add_argument("--step", type=int, default=None, metavar="N",
                         help="with --run: evaluate committed checkpoint step N (default: the "
                              "newest)")

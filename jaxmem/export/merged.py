@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxmem.io.hf_export import save_hf
-from jaxmem.io.hf_names import hf_names, tensor_specs
+from jaxmem.io.hf_names import by_tensor, hf_names, join_parts
 from jaxmem.peft.slices import HFSlices, HostSlices, streamed_sha256
 from jaxmem.peft.base import base_on_host, check_base
 from jaxmem.peft.export import gathered_adapters
@@ -50,29 +50,35 @@ def merged_items(run, source, adapters=None):
     """(HF name, HF-layout fp32 array) of the merged model, one tensor at a time, hf_names order.
 
     Targets are W + alpha/r A B (jaxmem.peft.export.merge on that layer); the other tensors are the
-    base's, as stored. adapters: gathered_adapters(run.state.params), made here when None.
+    base's, as stored. A fused tensor (TensorSpec.part) is its parts, each merged with its own
+    projection's adapters, joined. adapters: gathered_adapters(run.state.params), made here when
+    None.
     """
-    spec, cfg = run.step_config.trainable, run.model_config
+    cfg = run.model_config
     adapters = gathered_adapters(run.state.params) if adapters is None else adapters
-    short = {TARGETS[t]: t for t in spec.targets}  # (group, pname) -> --lora-targets name
-    by_name = {}
-    for s in tensor_specs(cfg):
-        for i in (range(cfg.num_layers) if s.stacked else [None]):
-            by_name[s.name(i)] = (s, i)
+    tensors = by_tensor(cfg)
     for name in hf_names(cfg):
-        s, i = by_name[name]
-        whole = tuple(slice(0, n) for n in s.hf_shape)
-        w = source.hf_slice(s, i, whole)  # HF layout, the base's dtype
-        key = tuple(s.path[1:]) if s.stacked else None
-        if key in short:
-            layer_w = w.T.reshape(s.shape)[None]  # [1, in..., out...], jaxmem's layout
-            ad = {k: v[i:i + 1] for k, v in adapters["layers"][key[0]][key[1]].items()}
-            one = dataclasses.replace(spec, targets=(short[key],))
-            merged = merge({"layers": {key[0]: {key[1]: layer_w}}},
-                           {"layers": {key[0]: {key[1]: ad}}}, one, cfg)
-            w = np.ascontiguousarray(merged["layers"][key[0]][key[1]][0].reshape(
-                -1, w.shape[0]).T)  # back to HF's [out, in]
-        yield name, w
+        members, i = tensors[name]
+        yield name, join_parts(members, [_merged_part(run, source, adapters, s, i)
+                                         for s in members])
+
+
+def _merged_part(run, source, adapters, s, i):
+    """One param's HF-layout array (of layer i): the base's, merged where it is a target."""
+    spec, cfg = run.step_config.trainable, run.model_config
+    short = {TARGETS[t]: t for t in spec.targets}  # (group, pname) -> --lora-targets name
+    whole = tuple(slice(0, n) for n in s.hf_shape)
+    w = source.hf_slice(s, i, whole)  # HF layout, the base's dtype
+    key = tuple(s.path[1:]) if s.stacked else None
+    if key not in short:
+        return w
+    layer_w = w.T.reshape(s.shape)[None]  # [1, in..., out...], jaxmem's layout
+    ad = {k: v[i:i + 1] for k, v in adapters["layers"][key[0]][key[1]].items()}
+    one = dataclasses.replace(spec, targets=(short[key],))
+    merged = merge({"layers": {key[0]: {key[1]: layer_w}}},
+                   {"layers": {key[0]: {key[1]: ad}}}, one, cfg)
+    return np.ascontiguousarray(merged["layers"][key[0]][key[1]][0].reshape(
+        -1, w.shape[0]).T)  # back to HF's [out, in]
 
 
 def export_merged(run, out: Path, args) -> list[Path]:

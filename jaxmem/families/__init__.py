@@ -6,13 +6,18 @@ A family is registered by its config.json `model_type` and gives:
     fields(d)         its ModelConfig fields beyond the shared ones (the decoder's variation
                       points, e.g. qk_norm), refusing by key what it cannot represent
     hf_keys(c)        the config.json keys it writes beyond the shared ones
-    module(c, remat, einsum)  its Flax module: the shared Decoder (jaxmem.families.decoder) for
-                      every family so far, its variation points read from ModelConfig
+    module(c, remat, einsum)  its Flax module: the shared Decoder (jaxmem.families.decoder), its
+                      variation points read from ModelConfig; its parameters are made, shaped
+                      and counted from it (jaxmem.families.params), never by a closed form
+    tensor_specs(c)   its Hugging Face tensor table: the shared decoder's, or its own `tensors`
     text_config(d)    a multimodal config.json's text decoder keys, where the family reads one
                       (Gemma 3's Gemma3ForConditionalGeneration), and the tensor `prefixes`
 
-The shared part of the mapping (shapes, RoPE, the refusals every family shares) is
-jaxmem.io.hf's; the presets are jaxmem.config.model's. `for_hf(d)` picks the family of a
+    presets           its named ModelConfigs (published shapes); PRESETS / get_preset gather
+                      every family's
+
+ModelConfig (the fields) is jaxmem.families.config's. The shared part of the mapping (shapes,
+RoPE, the refusals every family shares) is jaxmem.io.hf's. `for_hf(d)` picks the family of a
 config.json and refuses, naming the key, a mixture of experts and a multimodal checkpoint.
 """
 
@@ -20,9 +25,15 @@ from __future__ import annotations
 
 import json
 
-from jaxmem.config.model import ConfigError
-from jaxmem.families import gemma3, llama, mistral, qwen2, qwen3  # noqa: F401  (they register)
+from jaxmem.errors import ConfigError
+# they register, in this order (the presets' order: Llama's byte-vocabulary `tiny` first)
+from jaxmem.families import llama, qwen3, qwen2, mistral, gemma3, olmo2, phi3  # noqa: F401, I001
 from jaxmem.families.base import FAMILIES, MODEL_TYPES, Family, refuse, register  # noqa: F401
+from jaxmem.families.config import ModelConfig
+
+# every family's presets, by name
+PRESETS: dict[str, ModelConfig] = {name: config for family in FAMILIES.values()
+                                   for name, config in family.presets.items()}
 
 # keys whose presence makes a config.json something jaxmem does not build
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
@@ -55,7 +66,7 @@ def for_hf(d: dict) -> Family:
     model_type = d.get("model_type", "llama")
     if model_type not in MODEL_TYPES:
         raise ConfigError(f"config.json: model_type={model_type!r} is not supported (families: "
-                          f"{', '.join(FAMILIES)})")
+                          f"{', '.join(sorted(FAMILIES))})")
     return MODEL_TYPES[model_type]
 
 
@@ -71,5 +82,17 @@ def model(config, remat=None, einsum=None):
 def get(name: str) -> Family:
     """The registered family `name` (ModelConfig.family); ConfigError naming the known ones."""
     if name not in FAMILIES:
-        raise ConfigError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}")
+        raise ConfigError(f"unknown model family {name!r}; known: {', '.join(sorted(FAMILIES))}")
     return FAMILIES[name]
+
+
+def architectures() -> str:
+    """The checkpoints jaxmem reads, for help texts: every registered family's architecture."""
+    return ", ".join(sorted(f.architecture for f in FAMILIES.values()))
+
+
+def get_preset(name: str, **overrides) -> ModelConfig:
+    """The named preset with field overrides (`None` overrides are ignored)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name].replace(**{k: v for k, v in overrides.items() if v is not None})

@@ -4,10 +4,11 @@ registers itself here)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
-from jaxmem.config.model import ConfigError, ModelConfig
+from jaxmem.errors import ConfigError
+from jaxmem.families.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -24,19 +25,30 @@ class Family:
     # where the decoder's tensors may sit in the checkpoint, first match wins ("model." is the
     # causal LM's; a multimodal checkpoint nests the language model)
     prefixes: tuple[str, ...] = ("model.",)
-    # its Flax module (config, remat, einsum) -> nn.Module; None: the shared Decoder
-    decoder: Callable | None = None
     # its HF tensor table (config) -> [TensorSpec]; None: the shared decoder's
     tensors: Callable | None = None
+    # its named presets (name -> ModelConfig), published shapes
+    presets: dict = field(default_factory=dict)
+    # what one block keeps for its backward (config, B, T, compute dtype, remat, attention
+    # path) -> [(what, bytes, dtype)]; None: the shared decoder's
+    # (jaxmem.families.residuals.decoder_residuals)
+    residuals: Callable | None = None
 
     def tensor_specs(self, config: ModelConfig) -> list:
         from jaxmem.families.names import decoder_tensors  # noqa: PLC0415
 
         return (self.tensors or decoder_tensors)(config)
 
+    def block_residuals(self, config: ModelConfig, B: int, T: int, compute_dtype, remat,
+                        attention: str = "xla") -> list:
+        """[(what, bytes, dtype)] one block of `config` keeps for its backward at B x T tokens
+        under `remat` (the planner's per-layer activations)."""
+        from jaxmem.families.residuals import decoder_residuals  # noqa: PLC0415
+
+        return (self.residuals or decoder_residuals)(config, B, T, compute_dtype, remat,
+                                                     attention)
+
     def module(self, config: ModelConfig, remat, einsum):
-        if self.decoder is not None:
-            return self.decoder(config, remat, einsum)
         from jaxmem.families.decoder import Decoder  # noqa: PLC0415  (flax, on first use)
 
         return Decoder(config, remat, einsum)

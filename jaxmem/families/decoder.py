@@ -2,7 +2,7 @@
 
 Token embedding -> L x DecoderBlock (RMSNorm, RoPE, grouped-query attention, gated MLP) ->
 RMSNorm -> LM head (tied to the embedding or not). Logits are always fp32. The variation points
-are ModelConfig fields a family sets (QK-norm, q/k/v biases, sandwich norms, (1 + w) norms,
+are ModelConfig fields a family sets (QK-norm, q/k/v biases, the norms' placement, (1 + w) norms,
 GeGLU, the embedding scale, sliding-window layers and their RoPE base), as flax's gemma example
 does with its config enums. Its parts (`embed_lookup`, `layer_context`, `layer_facts`,
 `DecoderBlock`, `final_norm`) are what `Decoder` composes and what --optimizer-in-backward
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.families.names import EMBEDDING, HEAD
 from jaxmem.model.attention import causal_attention, masked_attention
 from jaxmem.model.cached import attend_cached
@@ -77,9 +77,8 @@ class Attention(nn.Module):
             q, k, v = (y + self.param(f"{n}_bias", nn.initializers.zeros, y.shape[2:],
                                       jnp.float32).astype(y.dtype)
                        for n, y in (("q", q), ("k", k), ("v", v)))
-        if c.qk_norm:  # over the head dim, shared by the heads, before RoPE (Qwen3, Gemma 3)
-            q = RMSNorm(c.rms_norm_eps, c.norm_plus_one, name="q_norm")(q)
-            k = RMSNorm(c.rms_norm_eps, c.norm_plus_one, name="k_norm")(k)
+        if c.qk_norm:  # before RoPE
+            q, k = (_qk_norm(c, name, y) for name, y in (("q_norm", q), ("k_norm", k)))
         cos, sin = _rope_of(ctx, local)
         q = apply_rope(q, cos, sin)
         if c.query_pre_attn_scalar is not None and c.query_pre_attn_scalar != H:
@@ -101,6 +100,16 @@ class Attention(nn.Module):
                                     ctx["mask"])  # [B, T, N, H]
         ctx_ = checkpoint_name(ctx_.astype(q.dtype), "attn_context")
         return proj("o_proj", "BTNH,NHD->BTD", (N, H, D), N * H)(ctx_), cache  # [B, T, D]
+
+
+def _qk_norm(c: ModelConfig, name: str, y):
+    """The QK-norm of y [B, T, heads, H]: over each head's H, one [H] scale for all (Qwen3,
+    Gemma 3), or over the whole projection [heads * H] before the split (OLMo 2)."""
+    norm = RMSNorm(c.rms_norm_eps, c.norm_plus_one, name=name)
+    if c.qk_norm_scope == "head":
+        return norm(y)  # [B, T, heads, H]
+    B, T, n, H = y.shape
+    return norm(y.reshape(B, T, n * H)).reshape(B, T, n, H)  # [B, T, heads * H] normed
 
 
 def _rope_of(ctx: dict, local):
@@ -153,11 +162,11 @@ class MLP(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    """Pre-norm residual block; `__call__` has scan's (carry, broadcast...) -> (carry, out) form.
+    """Residual block; `__call__` has scan's (carry, broadcast...) -> (carry, out) form.
 
-    With sandwich norms (Gemma 3) the attention's and the MLP's outputs are normed too before
-    they join the residual: post_attention_layernorm is then the attention's post-norm and
-    pre/post_feedforward_layernorm the MLP's (the checkpoints' names)."""
+    Its norms sit where `config.norms` says (jaxmem.families.norms): before attention and the
+    MLP (Llama), also after each (Gemma 3's sandwich), or after each only (OLMo 2), an output
+    normed before it joins the residual stream; the checkpoints' names."""
 
     config: ModelConfig
     einsum: Einsum = default_einsum
@@ -172,7 +181,7 @@ class DecoderBlock(nn.Module):
         """x [B, T, D] (or, decoding a model with local layers, (x, the caches): the scan's
         carry); ctx: `layer_context`'s; layer: this layer's scanned facts ({"local": bool,
         "slot": int}) where the stack mixes kinds, else None."""
-        c = self.config
+        c, p = self.config, self.config.norms
         norm = functools.partial(RMSNorm, c.rms_norm_eps, c.norm_plus_one)
         carried = isinstance(x, tuple)
         if carried:
@@ -182,20 +191,21 @@ class DecoderBlock(nn.Module):
             ctx = {**ctx, "slot": layer["slot"]}
         if self.part != "mlp":
             x = checkpoint_name(x, "block_input")  # the scan's per-layer residual: offloadable
-            h = checkpoint_name(norm(name="input_layernorm")(x), "attn_norm")
+            h = x if p.before_attention is None else checkpoint_name(
+                norm(name=p.before_attention)(x), "attn_norm")
             a, cache = Attention(c, self.einsum, name="self_attn")(h, ctx, local, cache)
-            if c.sandwich_norms:
-                a = norm(name="post_attention_layernorm")(a)
+            if p.after_attention is not None:
+                a = norm(name=p.after_attention)(a)
             x = x + checkpoint_name(a, "attn_out")
             if self.part == "attention":
                 return x, cache
-        pre_mlp = "pre_feedforward_layernorm" if c.sandwich_norms else "post_attention_layernorm"
-        h = checkpoint_name(norm(name=pre_mlp)(x), "mlp_norm")
+        h = x if p.before_mlp is None else checkpoint_name(norm(name=p.before_mlp)(x),
+                                                           "mlp_norm")
         m = MLP(c, self.einsum, self.tile_mlp, name="mlp")(h)
         if self.part == "mlp":
             return m, None
-        if c.sandwich_norms:
-            m = norm(name="post_feedforward_layernorm")(m)
+        if p.after_mlp is not None:
+            m = norm(name=p.after_mlp)(m)
         x = x + checkpoint_name(m, "mlp_out")
         x = constrain(x, "block")  # [B, T, D]
         if carried:
@@ -219,7 +229,7 @@ def layer_context(c: ModelConfig, tokens_shape, positions=None, padding_mask=Non
     B, T = tokens_shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-    H = c.resolved_head_dim
+    H = c.rotary_dim  # the head dim, or the rotated part of it (partial rotary)
     rope = rope_tables(positions, H, **c.rope_kwargs())  # [B, T, H/2] x 2
     local = None
     if any(c.local_layers) and c.rope_kwargs(local=True) != c.rope_kwargs():
@@ -354,37 +364,3 @@ class Decoder(nn.Module):
             x, cache = stack(c, self.einsum, False, name="layers")(
                 x, ctx, None, cache)  # [B, T, D], ([L, B, S, K, H],) * 2
         return self._head(x[:, -1:], embed)[:, 0], cache  # [B, V] fp32
-
-
-def init_params(config: ModelConfig, rng: jax.Array, seq_len: int = 8, dtype=None):
-    """Parameters for `config` (allocates them): Flax's fp32 init, or with `dtype` every
-    floating leaf in `dtype`.
-
-    With `dtype` (fp32 too) the values are bitwise Flax's init cast to `dtype`, evaluated by
-    jaxmem.model.typed_init: no fp32 copy of a bf16 model, no full-size threefry buffers on
-    CPU. llama-3-8b in bf16 compiles on CPU to 14.96 GiB of output and 0.58 GiB of
-    temporaries: `jax.jit(lambda k: init_params(cfg, k, dtype=jnp.bfloat16)).lower(key).compile()`.
-    """
-    tokens = jnp.zeros((1, min(seq_len, config.max_position_embeddings)), jnp.int32)
-
-    def init(key):
-        return Decoder(config).init(key, tokens)["params"]
-
-    if dtype is None:
-        return jax.jit(init)(rng)
-    from jaxmem.model.typed_init import init_in_dtype
-    return jax.jit(lambda key: init_in_dtype(init, key, dtype))(rng)
-
-
-def abstract_params(config: ModelConfig, dtype=None):
-    """Parameter shapes and dtypes as `jax.ShapeDtypeStruct`s, without allocating anything."""
-    abstract = jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0), seq_len=1))
-    if dtype is None:
-        return abstract
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype) if jnp.issubdtype(
-        x.dtype, jnp.floating) else x, abstract)
-
-
-def count_params(params) -> int:
-    """Elements over all leaves (arrays or `jax.ShapeDtypeStruct`s)."""
-    return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))

@@ -8,6 +8,7 @@ Gemma3ForConditionalGeneration one (model_type gemma3: 4B, 12B, 27B) gives its `
 whose missing keys take Gemma3TextConfig's defaults, and the language model's tensors."""
 
 from jaxmem.families.base import Family, refuse, register
+from jaxmem.families.config import ModelConfig
 
 # transformers' Gemma3TextConfig defaults: a checkpoint's text_config lists only what differs
 TEXT_DEFAULTS = {
@@ -19,6 +20,33 @@ TEXT_DEFAULTS = {
     "attention_bias": False, "attention_dropout": 0.0,
 }
 PATTERN = 6  # sliding_window_pattern: every sixth layer is global where layer_types is absent
+
+
+def _gemma3(num_layers: int, **shape) -> ModelConfig:
+    """Gemma 3's text decoder (config.json of google/gemma-3-*): five local layers of a
+    1024-token window then a global one, linear RoPE scaling 8 on the global layers."""
+    fields = dict(family="gemma3", vocab_size=262208, head_dim=256, max_position_embeddings=131072,
+                  rope_theta=1000000.0, rope_local_theta=10000.0, rope_type="linear",
+                  rope_factor=8.0, rms_norm_eps=1e-6, tie_embeddings=True, qk_norm=True,
+                  norm_plus_one=True, norm_placement="sandwich", mlp_activation="gelu_tanh",
+                  embed_scale=True, query_pre_attn_scalar=256, sliding_window=1024,
+                  num_layers=num_layers, layer_types=tuple(
+                      "full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                      for i in range(num_layers)))
+    return ModelConfig(**{**fields, **shape})
+
+
+PRESETS = {
+    "gemma-3-1b": _gemma3(26, vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                          num_heads=4, num_kv_heads=1, max_position_embeddings=32768,
+                          sliding_window=512, rope_type="default", rope_factor=1.0),
+    "gemma-3-4b": _gemma3(34, hidden_size=2560, intermediate_size=10240, num_heads=8,
+                          num_kv_heads=4),
+    "gemma-3-12b": _gemma3(48, hidden_size=3840, intermediate_size=15360, num_heads=16,
+                           num_kv_heads=8),
+    "gemma-3-27b": _gemma3(62, hidden_size=5376, intermediate_size=21504, num_heads=32,
+                           num_kv_heads=16, head_dim=128, query_pre_attn_scalar=168),
+}
 
 
 def _text_config(d: dict) -> dict:
@@ -37,7 +65,8 @@ def _fields(d: dict) -> dict:
         "full_attention" for i in range(L)]
     local = (d.get("rope_parameters") or {}).get("sliding_attention") or {}
     refuse(local, "rope_type", lambda v: v == "default", "the local layers' RoPE is unscaled")
-    return {"qk_norm": True, "norm_plus_one": True, "sandwich_norms": True, "embed_scale": True,
+    return {"qk_norm": True, "norm_plus_one": True, "norm_placement": "sandwich",
+            "embed_scale": True,
             "query_pre_attn_scalar": int(d["query_pre_attn_scalar"]),
             "sliding_window": int(d["sliding_window"]), "layer_types": tuple(types),
             "rope_local_theta": float(local.get("rope_theta", d["rope_local_base_freq"]))}
@@ -59,4 +88,5 @@ def _hf_keys(c) -> dict:
 
 GEMMA3 = register(Family("gemma3", "Gemma3ForCausalLM", fields=_fields, hf_keys=_hf_keys,
                          model_type="gemma3_text", text_config=_text_config, reads=("gemma3",),
-                         prefixes=("model.", "model.language_model.", "language_model.model.")))
+                         prefixes=("model.", "model.language_model.", "language_model.model."),
+                         presets=PRESETS))

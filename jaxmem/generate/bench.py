@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem.config.model import PRESETS, get_preset
+from jaxmem.families import PRESETS, get_preset
 from jaxmem.decode.sampling import _sampler, uncached_sampler
-from jaxmem.families.decoder import init_params
+from jaxmem.families.params import init_params
 from jaxmem.model.precision import cast_params
 
 

@@ -1,5 +1,5 @@
 """`python -m jaxmem.generate`: sample text from the newest checkpoint of a run, or from a
-Hugging Face checkpoint directory (Llama, Qwen3, Qwen2.5, Mistral, Gemma 3), with a KV cache
+Hugging Face checkpoint directory of any registered family (jaxmem.families), with a KV cache
 (jaxmem.decode.sampling).
 
     python -m jaxmem.generate --run runs/default --prompt "def main(" --max-new-tokens 200
@@ -26,6 +26,7 @@ import json
 import sys
 from pathlib import Path
 
+from jaxmem import families
 from jaxmem.config.flags import add_run_flags, given_overrides, positive_int
 from jaxmem.data import DataError
 from jaxmem.decode.sampling import complete_text, generate_ids, new_token_budget
@@ -44,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--run", help="run directory (the --out of jaxmem.train)")
     source.add_argument("--hf", metavar="HF_DIR",
-                        help="a Hugging Face checkpoint directory of a Llama, Qwen3, Qwen2.5, Mistral "
-                        "or Gemma 3 model (config.json, safetensors, tokenizer.json)")
+                        help="a Hugging Face checkpoint directory (config.json, safetensors, "
+                        f"tokenizer.json) of a model jaxmem reads: {families.architectures()}")
     p.add_argument("--step", type=int, default=None, metavar="N",
                    help="with --run: sample from committed checkpoint step N (default: the newest)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")

@@ -35,7 +35,8 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy before safetensor
 import numpy as np
 
 from jaxmem import families
-from jaxmem.config.model import ConfigError, ModelConfig
+from jaxmem.errors import ConfigError
+from jaxmem.families.config import ModelConfig
 from jaxmem.families.names import EMBEDDING
 from jaxmem.io.hf_names import hf_names, params_from_hf, spec_for
 
@@ -82,7 +83,6 @@ def _rope(d: dict) -> dict:
         raise HFError(f"config.json: {key}.rope_type={rope_type!r} is not supported "
                       f"(jaxmem implements 'default', 'llama3' and 'linear')")
     src = {**scaling, **params}
-    _refuse(src, "partial_rotary_factor", lambda v: v == 1, "RoPE on the whole head only")
     out = {"rope_theta": float(theta), "rope_type": rope_type}
     if rope_type == "llama3":
         for field, hf_key in _LLAMA3_KEYS.items():
@@ -136,6 +136,11 @@ def config_from_hf(d: dict, note=None) -> ModelConfig:
         fields.update(family=family.name, **family.fields(d))  # its refusals name their key
     except ConfigError as e:
         raise HFError(str(e)) from None
+    if "partial_rotary_factor" not in fields:  # a family that reads it returns it (Phi-3)
+        for src in (d, d.get("rope_parameters"), d.get("rope_scaling")):
+            if isinstance(src, dict):
+                _refuse(src, "partial_rotary_factor", lambda v: v == 1,
+                        f"RoPE on the whole head only for {family.name}")
     try:
         return ModelConfig(**fields)
     except ConfigError as e:
@@ -165,9 +170,9 @@ def config_to_hf(c: ModelConfig, dtype: str = "float32", bos_token_id: int | Non
         llama3 = {k: getattr(c, f) for f, k in _LLAMA3_KEYS.items()}
         d["rope_scaling"] = {"rope_type": "llama3", **llama3}
         d["rope_parameters"].update(llama3)
-    if pad_token_id is not None:
+    d.update(family.hf_keys(c))  # a family's spelling of a shared key wins (Gemma's RoPE)
+    if pad_token_id is not None:  # the run's own id wins over a family's default (Phi-3's None)
         d["pad_token_id"] = pad_token_id
-    d.update(family.hf_keys(c))  # last: a family's spelling of a shared key wins (Gemma's RoPE)
     return d
 
 

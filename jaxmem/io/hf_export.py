@@ -24,10 +24,10 @@ from pathlib import Path
 import ml_dtypes  # noqa: F401  (bfloat16 for numpy)
 import numpy as np
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.data.special_tokens import GENERATION_CONFIG, TOKENIZER_FILES
 from jaxmem.io.hf import CONFIG, INDEX, TOKENIZER, WEIGHTS, HFError, config_to_hf
-from jaxmem.io.hf_names import hf_state_items, tensor_specs
+from jaxmem.io.hf_names import hf_names, hf_state_items, tensor_shapes
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 DEFAULT_MAX_SHARD_BYTES = 2 << 30
@@ -35,12 +35,7 @@ DEFAULT_MAX_SHARD_BYTES = 2 << 30
 
 def _plan_shards(config: ModelConfig, itemsize: int, max_shard_bytes: int) -> list[list[str]]:
     """HF names grouped into shards of at most max_shard_bytes (a bigger tensor gets its own)."""
-    sizes = {}
-    for s in tensor_specs(config):
-        for i in range(config.num_layers) if s.stacked else [None]:
-            sizes[s.name(i)] = math.prod(s.hf_shape) * itemsize
-    from jaxmem.io.hf_names import hf_names  # noqa: PLC0415
-
+    sizes = {name: math.prod(shape) * itemsize for name, shape in tensor_shapes(config).items()}
     shards, current, used = [], [], 0
     for name in hf_names(config):
         if current and used + sizes[name] > max_shard_bytes:
@@ -109,8 +104,7 @@ def save_hf(out, config: ModelConfig, params, dtype: str = "float32",
     names = [WEIGHTS] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     items = hf_state_items(config, params) if items is None else iter(items)
-    shapes = {s.name(i): s.hf_shape for s in tensor_specs(config)
-              for i in (range(config.num_layers) if s.stacked else [None])}
+    shapes = tensor_shapes(config)  # a fused tensor's whole shape (its parts joined)
 
     def arrays(shard):
         for name in shard:

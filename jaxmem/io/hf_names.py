@@ -3,6 +3,7 @@
     tensor_specs(config)                 one TensorSpec per jaxmem param path (the whole table)
     spec_for(config, path)               the TensorSpec of one jaxmem param path
     hf_names(config)                     every HF tensor name the model has, in file order
+    tensor_shapes(config)                {HF name: shape} (a fused tensor's whole shape)
     to_hf(spec, w) / from_hf(spec, w)    one tensor (one layer's slice when stacked) between layouts
     hf_state_items(config, params)       (hf_name, array) pairs, one layer slice at a time
     params_from_hf(config, get_tensor)   the jaxmem params tree, filled tensor by tensor
@@ -19,6 +20,10 @@ HF Llama's q/k weights are already in the rotate_half layout jaxmem's RoPE uses 
 interleaved pairs; transformers converts Meta's checkpoints on import), so there is no
 permutation of the head dim: tests/test_hf.py shows that one breaks parity.
 
+A family's table may store several params in one HF tensor (`TensorSpec.part`: Phi-3's fused
+qkv_proj / gate_up_proj): each is a slice along one HF axis; reading cuts the tensor (read once)
+into its params, writing concatenates them.
+
 LoRA adapters (PEFT layout) name a projection by its module name, `TensorSpec.module(i)`
 (e.g. `model.layers.3.self_attn.q_proj`); lora_A is [r, in] and lora_B [out, r], with in/out the
 products of the axes split by `in_ndim`.
@@ -33,8 +38,9 @@ from typing import Callable, Iterator
 import numpy as np
 
 from jaxmem import families
-from jaxmem.config.model import ModelConfig
-from jaxmem.families.names import EMBEDDING, TensorSpec  # TensorSpec: re-exported
+from jaxmem.families.config import ModelConfig
+from jaxmem.families.names import EMBEDDING, TensorSpec, tensor_groups  # TensorSpec: re-exported
+
 
 def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
     """Every jaxmem parameter of `config` with its HF counterpart, in HF's usual file order:
@@ -51,13 +57,30 @@ def spec_for(config: ModelConfig, path: tuple[str, ...]) -> TensorSpec:
 
 
 def hf_names(config: ModelConfig) -> list[str]:
-    """Every HF tensor name of the model (layer-major within the blocks), e.g. for an index."""
-    specs = tensor_specs(config)
-    names = [s.name() for s in specs if not s.stacked and s.path == (EMBEDDING,)]
+    """Every HF tensor name of the model (layer-major within the blocks), e.g. for an index; a
+    fused tensor (several params' parts, TensorSpec.part) once."""
+    groups = tensor_groups(tensor_specs(config))
+    first = [g[0] for g in groups.values()]
+    names = [s.name() for s in first if not s.stacked and s.path == (EMBEDDING,)]
     for i in range(config.num_layers):
-        names += [s.name(i) for s in specs if s.stacked]
-    names += [s.name() for s in specs if not s.stacked and s.path != (EMBEDDING,)]
+        names += [s.name(i) for s in first if s.stacked]
+    names += [s.name() for s in first if not s.stacked and s.path != (EMBEDDING,)]
     return names
+
+
+def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """{HF tensor name: its shape} (a fused tensor's whole shape), as `hf_names` lists them."""
+    return {s.name(i): s.tensor_shape for s in tensor_specs(config)
+            for i in (range(config.num_layers) if s.stacked else [None])}
+
+
+def by_tensor(config: ModelConfig) -> dict[str, tuple[list[TensorSpec], int | None]]:
+    """{HF tensor name: (the specs stored in it, the layer or None)}."""
+    out = {}
+    for members in tensor_groups(tensor_specs(config)).values():
+        for i in range(config.num_layers) if members[0].stacked else [None]:
+            out[members[0].name(i)] = (members, i)
+    return out
 
 
 def to_hf(spec: TensorSpec, w: np.ndarray) -> np.ndarray:
@@ -93,22 +116,25 @@ def _get(tree, path):
 
 
 def hf_state_items(config: ModelConfig, params) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, HF-layout numpy array) for every tensor, in `hf_names` order.
+    """(HF name, HF-layout numpy array) for every tensor, in `hf_names` order; a fused tensor
+    is its parts' concatenation.
 
     Takes one layer's slice of a stacked param at a time (np.asarray of a jax array copies only
     that slice to the host once the leaf is on the host), so an exporter can write as it goes.
     """
-    by_name = {}
-    for spec in tensor_specs(config):
-        if spec.stacked:
-            for i in range(config.num_layers):
-                by_name[spec.name(i)] = (spec, i)
-        else:
-            by_name[spec.name()] = (spec, None)
+    tensors = by_tensor(config)
     for name in hf_names(config):
-        spec, i = by_name[name]
-        leaf = _get(params, spec.path)
-        yield name, to_hf(spec, np.asarray(leaf[i] if spec.stacked else leaf))
+        members, i = tensors[name]
+        parts = [to_hf(s, np.asarray(_get(params, s.path)[i] if s.stacked else _get(params, s.path)))
+                 for s in members]
+        yield name, join_parts(members, parts)
+
+
+def join_parts(members: list[TensorSpec], parts: list[np.ndarray]) -> np.ndarray:
+    """One HF tensor from its parts' HF-layout arrays (members in offset order)."""
+    if members[0].part is None:
+        return parts[0]
+    return np.concatenate(parts, axis=members[0].part.axis)
 
 
 def params_from_hf(config: ModelConfig, get_tensor: Callable[[str], np.ndarray],
@@ -117,19 +143,28 @@ def params_from_hf(config: ModelConfig, get_tensor: Callable[[str], np.ndarray],
 
     get_tensor(name) returns one HF tensor (e.g. from safetensors' `safe_open`); each stacked
     param is allocated once as [L, ...] and filled layer by layer, so the host never holds a
-    second copy of the model. A tensor of the wrong shape raises ValueError naming it.
+    second copy of the model. A fused tensor is read once and cut into its params' parts. A
+    tensor of the wrong shape raises ValueError naming it.
     """
     params: dict = {}
-    for spec in tensor_specs(config):
-        if spec.stacked:
-            out = np.empty((config.num_layers, *spec.shape), dtype)
-            for i in range(config.num_layers):
-                out[i] = from_hf(dataclasses.replace(spec, hf_name=spec.name(i)),
-                                 get_tensor(spec.name(i)))
-        else:
-            out = from_hf(spec, get_tensor(spec.name())).astype(dtype)
-        node = params
-        for key in spec.path[:-1]:
-            node = node.setdefault(key, {})
-        node[spec.path[-1]] = out
+    L = config.num_layers
+    for members in tensor_groups(tensor_specs(config)).values():
+        outs = [np.empty((L, *s.shape) if s.stacked else s.shape, dtype) for s in members]
+        for i in range(L) if members[0].stacked else [None]:
+            name = members[0].name(i)
+            w = get_tensor(name)
+            if members[0].part is not None and tuple(w.shape) != members[0].tensor_shape:
+                raise ValueError(f"tensor {name} has shape {tuple(w.shape)}, "
+                                 f"expected {members[0].tensor_shape}")
+            for s, out in zip(members, outs):
+                one = from_hf(dataclasses.replace(s, hf_name=name), s.cut(w))
+                if i is None:
+                    out[...] = one
+                else:
+                    out[i] = one
+        for s, out in zip(members, outs):
+            node = params
+            for key in s.path[:-1]:
+                node = node.setdefault(key, {})
+            node[s.path[-1]] = out
     return params

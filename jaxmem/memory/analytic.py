@@ -47,6 +47,7 @@ from jaxmem.model.attention import on_xla
 from jaxmem.model.remat import RematPolicy
 from jaxmem.loss.chunked import resolve_loss_chunk, vocab_chunk
 from jaxmem.parallel.mesh import AXES, MeshSpec
+from jaxmem.families.params import num_params
 
 
 def _mixed(items) -> str:
@@ -147,7 +148,7 @@ def analytic_breakdown(spec: StepSpec, mesh: MeshSpec | None = None) -> dict:
                 for ph in (Phase.BACKWARD, Phase.OPTIMIZER)}
     peak = max(in_phase, key=lambda ph: (in_phase[ph], ph is Phase.BACKWARD))
     return {
-        "params": spec.model.num_params(), "attention": attention,
+        "params": num_params(spec.model), "attention": attention,
         "mesh": str(mesh), "devices": math.prod(mesh.sizes), "local_batch": B,
         "param_fraction": params_fraction(spec, sizes),
         "components": [x.row(peak) for x in comps],

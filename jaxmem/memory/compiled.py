@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem import target
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.xla.analysis import MemoryAnalysis
 from jaxmem.xla.collectives import comm_report
 from jaxmem.xla.hlo import entry_argument_bytes
@@ -29,7 +29,7 @@ from jaxmem.memory.counted import (abstract_frozen, abstract_state,  # noqa: F40
 from jaxmem.memory.seconds import predict
 from jaxmem.memory.spec import StepSpec
 from jaxmem import families
-from jaxmem.families.decoder import abstract_params, count_params
+from jaxmem.families.params import abstract_params, count_params
 from jaxmem.model.remat import RematPolicy
 from jaxmem.parallel.mesh import MeshSpec, run_mesh
 from jaxmem.parallel.rules import batch_sharding

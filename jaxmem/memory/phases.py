@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxmem.families.residuals import GATED_MLP
 from jaxmem.memory.activations import FP32, layer_residuals, outside_residuals
 from jaxmem.memory.analytic import analytic_breakdown
 from jaxmem.memory.compiled import compile_phase, sample_params
@@ -82,7 +83,7 @@ def _forward_working_set(spec: StepSpec, B: int, T: int, fused: bool,
     cb = jnp.dtype(p.compute_dtype).itemsize
     D, V, N, F = c.hidden_size, c.vocab_size, c.num_heads, c.intermediate_size
     layer = sum(b for n, b, _ in layer_residuals(c, B, T, p.compute_dtype, RematPolicy("none"),
-                                                 "xla") if not n.startswith("SwiGLU"))
+                                                 "xla") if n != GATED_MLP)
     tile = mlp_tile(B, T, F, D) if remat is not None and tiles_under(remat) else T
     layer += (3 * B * T * F * cb if tile >= T else
               3 * B * tile * F * cb + 2 * B * -(-T // tile) * tile * D * cb)

@@ -11,7 +11,7 @@ import functools
 import json
 from dataclasses import dataclass, field
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.config.objective import ObjectiveSection
 from jaxmem.config.run import OptimConfig, PeftSection, RunConfig
 from jaxmem.objective import CausalLM, Objective, objective_of

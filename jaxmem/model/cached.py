@@ -7,13 +7,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxmem.config.model import ModelConfig
 from jaxmem.model.attention import masked_attention
 
 
-def attend_cached(c: ModelConfig, q, k, v, ctx: dict, local, caches: dict):
-    """Decoding a model with local layers: caches {"full": (k, v) [Lf, B, S, K, H],
-    "local": (k, v) [Ll, B, R, K, H]} (the kinds it has), carried whole through the layer scan;
+def attend_cached(c, q, k, v, ctx: dict, local, caches: dict):
+    """Decoding a model (c: its ModelConfig) with local layers: caches {"full": (k, v)
+    [Lf, B, S, K, H], "local": (k, v) [Ll, B, R, K, H]} (the kinds it has), carried whole
+    through the layer scan;
     ctx["slot"] is this layer's index among the layers of its kind.
 
     A full-attention layer writes this call's k, v at ctx["cache_index"] and attends to its

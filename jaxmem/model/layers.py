@@ -76,14 +76,16 @@ def rope_inv_freq(head_dim: int, theta: float, llama3: tuple | None = None,
 def rope_tables(positions: jax.Array, head_dim: int, theta: float, llama3: tuple | None = None,
                 linear: float | None = None):
     """cos/sin tables [B, T, H/2] in fp32 for integer positions [B, T] (llama3, linear:
-    rope_inv_freq)."""
+    rope_inv_freq). For partial rotary `head_dim` is the rotary dims R (frequencies over R, as
+    transformers computes them); apply_rope then turns the first R dims of a head."""
     inv_freq = rope_inv_freq(head_dim, theta, llama3, linear)  # [H/2]
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
     return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate [B, T, heads, H] by position, Hugging Face's rotate_half layout (halves, not pairs).
+    """Rotate [B, T, heads, H] by position, Hugging Face's rotate_half layout (halves, not pairs);
+    tables [B, T, R/2] of R < H dims turn the first R dims only (partial rotary, Phi-3).
 
     The backward keeps only cos/sin (jaxmem.model.lean.rope)."""
     return rope(x, cos, sin)

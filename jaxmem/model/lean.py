@@ -122,15 +122,21 @@ rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 # --- RoPE -------------------------------------------------------------------------------------
 
 def _rotate(x, cos, sin):
-    """Rotate [B, T, heads, H] (rotate_half layout) by the [B, T, H/2] tables, in fp32."""
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [B, T, heads, H/2] each
+    """Rotate [B, T, heads, H] (rotate_half layout) by the [B, T, R/2] tables, in fp32: the
+    first R dims of each head (R = H but for partial rotary, Phi-3), the rest passed as they are
+    (transformers' apply_rotary_pos_emb: rotate_half within the R dims)."""
+    R, H = 2 * cos.shape[-1], x.shape[-1]
+    x = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x[..., :R] if R < H else x, 2, axis=-1)  # [B, T, heads, R/2] each
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    passed = [x[..., R:]] if R < H else []  # the unrotated dims (partial rotary)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, *passed], axis=-1)
 
 
 @jax.custom_vjp
 def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotary embedding of x [B, T, heads, H] by cos/sin [B, T, H/2], in x's dtype."""
+    """Rotary embedding of x [B, T, heads, H] by cos/sin [B, T, R/2] (R <= H: partial rotary
+    turns the first R dims), in x's dtype."""
     return _rotate(x, cos, sin).astype(x.dtype)
 
 

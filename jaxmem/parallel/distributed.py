@@ -21,7 +21,7 @@ import os
 
 import jax
 
-from jaxmem.config.model import ConfigError
+from jaxmem.errors import ConfigError
 
 HEARTBEAT_DEFAULT = 20
 # Environment variables through which JAX's cluster detection finds a multi-process job.

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import jax
 
 from jaxmem import target
-from jaxmem.config.model import ConfigError, ModelConfig
+from jaxmem.errors import ConfigError
+from jaxmem.families.config import ModelConfig
 
 AXES = ("data", "fsdp", "tensor", "context")
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.families.names import PROJECTIONS as DECODER_PROJECTIONS, input_ndim
 from jaxmem.model.roles import param_role
 from jaxmem.paths import path_text
@@ -73,7 +73,7 @@ def base_on_host(model_cfg, seed: int, init_from: str | None = None):
         dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}.get(
             hf_dtype_name(read_hf_config(init_from)), np.float32)
         return str(init_from), load_hf_params(init_from, model_cfg, dtype)
-    from jaxmem.families.decoder import init_params
+    from jaxmem.families.params import init_params
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
         init_key, _ = jax.random.split(jax.random.PRNGKey(seed))
@@ -167,7 +167,7 @@ def import_programs(model_cfg, spec: "LoraSpec", host_dtype=np.float32) -> list[
     of `host_dtype`, the layer index), "stacked_bytes"}; [] when the base is not quantized.
     host_dtype: the dtype the base is read in (a seed's init: float32, the largest; a
     checkpoint: its own dtype, jaxmem.peft.slices.host_dtype)."""
-    from jaxmem.families.decoder import abstract_params
+    from jaxmem.families.params import abstract_params
     if spec.quantize == "none":
         return []
     out = []
@@ -219,5 +219,5 @@ def prepare_base(cfg, model_cfg, step_cfg, record: dict | None, init_from: str |
 def abstract_base(model_cfg, spec: "LoraSpec", dtype):
     """The frozen base's device shapes and dtypes (packed NF4 / int8 codes, scales), allocating
     nothing: what the memory planner compiles the step with."""
-    from jaxmem.families.decoder import abstract_params
+    from jaxmem.families.params import abstract_params
     return jax.eval_shape(lambda p: base_on_device(p, spec, dtype), abstract_params(model_cfg))

@@ -13,6 +13,8 @@ the one the run recorded, so adapters are never merged into another model.
 PEFT layout: tensor `base_model.model.<module>.lora_A.weight` [r, in] and `.lora_B.weight`
 [out, r], with <module> the HF module name (`model.layers.3.self_attn.q_proj`) and in / out the
 flattening of jaxmem's [in axes..., out axes...] that jaxmem.io.hf_names uses for the weights.
+A module whose weight is fused from several projections (Phi-3's qkv_proj) gets one adapter
+that is theirs exactly (`adapter_tensors`). jaxmem reads no PEFT adapters (no import path).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmem.families.names import PROJECTIONS as TARGETS
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.names import PROJECTIONS as TARGETS, tensor_groups
+from jaxmem.families.config import ModelConfig
+from jaxmem.io.hf_names import tensor_specs
 from jaxmem.lora import adapter_subscripts
 from jaxmem.peft.base import base_on_host, base_sha256, check_base, weight_axes
 
@@ -74,29 +77,67 @@ def gathered_adapters(adapters):
     return jax.tree.map(host, adapters)
 
 
-def adapter_tensors(adapters, spec, num_layers: int) -> dict[str, np.ndarray]:
-    """{PEFT tensor name: array} for the adapters tree (fp32 numpy)."""
-    out = {}
-    for name in spec.targets:
-        group, pname = TARGETS[name]
-        a = np.asarray(adapters["layers"][group][pname]["lora_a"], np.float32)  # [L, in..., R]
-        b = np.asarray(adapters["layers"][group][pname]["lora_b"], np.float32)  # [L, R, out...]
-        for i in range(num_layers):
-            module = f"base_model.model.model.layers.{i}.{group}.{pname}"
-            out[f"{module}.lora_A.weight"] = np.ascontiguousarray(
-                a[i].reshape(-1, spec.rank).T)  # [R, In]
-            out[f"{module}.lora_B.weight"] = np.ascontiguousarray(
-                b[i].reshape(spec.rank, -1).T)  # [Out, R]
+def _fused_targets(spec, c: ModelConfig) -> list[tuple[list, list]]:
+    """(the specs stored in one HF module's weight, those of them LoRA targets) for every
+    module with a target: one projection, or a fused tensor's parts (TensorSpec.part)."""
+    targeted = {TARGETS[t] for t in spec.targets}
+    out = []
+    for members in tensor_groups(tensor_specs(c)).values():
+        hit = [s for s in members if s.stacked and tuple(s.path[1:]) in targeted]
+        if hit and any(s.part is not None and s.part.axis != 0 for s in hit):
+            raise ValueError(f"{members[0].module()}: LoRA on a tensor fused along its input "
+                             f"axis has no PEFT adapter")  # no family has one
+        if hit:
+            out.append((members, hit))
     return out
 
 
-def adapter_config(spec, base_path: str) -> dict:
-    """adapter_config.json for peft's LoraConfig."""
+def adapter_tensors(adapters, spec, c: ModelConfig) -> dict[str, np.ndarray]:
+    """{PEFT tensor name: array} for the adapters tree (fp32 numpy), one adapter per HF module.
+
+    A fused module (Phi-3's qkv_proj: q, k, v rows) gets one adapter of rank r x (its targets):
+    lora_A the targets' A stacked [n r, In], lora_B block-diagonal [Out, n r] (each target's B
+    at its rows, zeros elsewhere), so B A is each target's B A at its rows, exactly; its
+    alpha is n alpha (adapter_config's rank_pattern / alpha_pattern) so alpha / r is kept."""
+    out = {}
+    R = spec.rank
+    for members, hit in _fused_targets(spec, c):
+        for i in range(c.num_layers):
+            As, Bs = [], []
+            for s in hit:
+                ad = adapters["layers"][s.path[1]][s.path[2]]
+                a = np.asarray(ad["lora_a"][i], np.float32)  # [in..., R]
+                b = np.asarray(ad["lora_b"][i], np.float32)  # [R, out...]
+                As.append(a.reshape(-1, R).T)  # [R, In]
+                Bs.append(b.reshape(R, -1).T)  # [Out_s, R]
+            if members[0].part is None:
+                A, B = As[0], Bs[0]
+            else:
+                A = np.concatenate(As, axis=0)  # [n R, In]
+                B = np.zeros((members[0].part.total, R * len(hit)), np.float32)
+                for j, (s, b) in enumerate(zip(hit, Bs)):
+                    B[s.part.offset:s.part.offset + s.part.size, j * R:(j + 1) * R] = b
+            module = f"base_model.model.{members[0].module(i)}"
+            out[f"{module}.lora_A.weight"] = np.ascontiguousarray(A)
+            out[f"{module}.lora_B.weight"] = np.ascontiguousarray(B)
+    return out
+
+
+def adapter_config(spec, base_path: str, c: ModelConfig) -> dict:
+    """adapter_config.json for peft's LoraConfig; a fused module's rank and alpha (n targets
+    in it: n r, n alpha) in rank_pattern / alpha_pattern."""
+    modules, ranks, alphas = set(), {}, {}
+    for members, hit in _fused_targets(spec, c):
+        name = members[0].module().rsplit(".", 1)[-1]
+        modules.add(name)
+        if len(hit) > 1:
+            ranks[name], alphas[name] = spec.rank * len(hit), spec.alpha * len(hit)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path,
             "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
-            "target_modules": sorted(TARGETS[t][1] for t in spec.targets), "bias": "none",
+            "target_modules": sorted(modules), "bias": "none",
             "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False,
-            "init_lora_weights": True, "modules_to_save": None}
+            "init_lora_weights": True, "modules_to_save": None,
+            "rank_pattern": ranks, "alpha_pattern": alphas}
 
 
 def export_adapters(run, out: Path, args=None) -> list[Path]:
@@ -110,12 +151,12 @@ def export_adapters(run, out: Path, args=None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     base = run.record.get("peft_base", {}).get("source", "")
     tensors = adapter_tensors(gathered_adapters(run.state.params), spec,
-                              run.model_config.num_layers)  # every process gathers
+                              run.model_config)  # every process gathers
     if _process_index() != 0:  # process 0 writes (the same files from every process would race)
         return []
     files = [out / "adapter_model.safetensors", out / "adapter_config.json"]
     save_file(tensors, str(files[0]), metadata={"format": "pt"})
-    files[1].write_text(json.dumps(adapter_config(spec, base), indent=2))
+    files[1].write_text(json.dumps(adapter_config(spec, base, run.model_config), indent=2))
     return files
 
 

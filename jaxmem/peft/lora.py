@@ -32,7 +32,8 @@ import numpy as np
 
 from jaxmem.config.lora import TARGETS, parse_targets
 from jaxmem.families.names import PROJECTIONS
-from jaxmem.config.model import ConfigError, ModelConfig
+from jaxmem.errors import ConfigError
+from jaxmem.families.config import ModelConfig
 from jaxmem.lora import LoraWeight
 from jaxmem.peft import export as _export
 from jaxmem.peft import memory as _memory

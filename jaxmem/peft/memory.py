@@ -20,7 +20,7 @@ import math
 
 import jax.numpy as jnp
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.peft.base import weight_axes
 
 

@@ -62,7 +62,7 @@ class HFSlices:
     """Rectangles of a Hugging Face checkpoint's tensors, read in place from its safetensors files.
 
     hf_slice(spec, layer, index) -> numpy array: tensor `spec.name(layer)` [index] in HF layout
-    and `dtype` (the host dtype of jaxmem.peft.base.base_on_host). bytes_read counts the bytes of
+    (of the param's part where the tensor is fused: TensorSpec.part) and `dtype` (the host dtype of jaxmem.peft.base.base_on_host). bytes_read counts the bytes of
     every rectangle returned (what this process read from the files).
     """
 
@@ -89,10 +89,11 @@ class HFSlices:
         with safe_open(self.files[name], framework="numpy") as f:
             part = f.get_slice(name)
             shape = tuple(part.get_shape())
-            if shape != spec.hf_shape:
+            if shape != spec.tensor_shape:
                 raise HFError(f"{self.hf_dir}: tensor {name} has shape {shape}, "
-                              f"expected {spec.hf_shape}")
-            out = np.asarray(part[index]).astype(self.dtype, copy=False)
+                              f"expected {spec.tensor_shape}")
+            # a param stored as part of a fused tensor: the index shifted to its rows
+            out = np.asarray(part[spec.tensor_index(index)]).astype(self.dtype, copy=False)
         self.bytes_read += out.nbytes
         return out
 
@@ -287,7 +288,7 @@ def _replicated_like(sharding):
 def abstract_base(model_cfg, spec, dtype, host_dtype=np.float32):
     """The frozen base's shapes and dtypes when the host weights are `host_dtype` (the norms
     keep it), allocating nothing."""
-    from jaxmem.families.decoder import abstract_params  # noqa: PLC0415
+    from jaxmem.families.params import abstract_params  # noqa: PLC0415
 
     host = abstract_params(model_cfg, host_dtype)
     return jax.eval_shape(lambda p: base_on_device(p, spec, dtype), host)

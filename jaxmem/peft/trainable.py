@@ -98,7 +98,7 @@ class FullFineTune(Trainable):
     """Every weight trains; nothing is frozen."""
 
     def init_params(self, model_cfg, key, dtype, given=None):
-        from jaxmem.families.decoder import init_params
+        from jaxmem.families.params import init_params
         return init_params(model_cfg, key, dtype=dtype) if given is None else given
 
     def model_params(self, params, frozen, dtype, key=None):

@@ -66,10 +66,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxmem.config.model import ConfigError
+from jaxmem.errors import ConfigError
 from jaxmem.loss.chunked import forward, over_vocab, resolve_loss_chunk
-from jaxmem.families.decoder import (DecoderBlock, abstract_params, embed_lookup, final_norm,
-                                    head_of, layer_context, layer_facts)
+from jaxmem.families.decoder import DecoderBlock, embed_lookup, final_norm, head_of, layer_context, layer_facts
+from jaxmem.families.params import abstract_params
 from jaxmem.families.names import EMBEDDING, FINAL_NORM, HEAD, LAYERS
 from jaxmem.model.fetch import in_host_memory, layer_to_device, to_device
 from jaxmem.model.precision import cast_params

@@ -14,7 +14,7 @@ import functools
 
 import jax
 
-from jaxmem.families.decoder import abstract_params
+from jaxmem.families.params import abstract_params
 from jaxmem.families.names import EMBEDDING, HEAD, LAYERS
 from jaxmem.loss.chunked import AUTO_CHUNK_BYTES, resolve_loss_chunk
 from jaxmem.model.tiled import tiling_pays
@@ -38,9 +38,10 @@ def mlp_slab_width(c, block: int | None) -> int:
     once, so neither the layer's MLP weights copied whole nor their gradients exist), or 0: the
     MLP whole. The largest divisor of F that is a multiple of `block` (the weights' states'
     `slab_block`, None: they cannot be cut) with D x w at most SLAB elements, where that makes
-    2 or more slabs; 0 with sandwich norms (the MLP's post-norm needs its whole output)."""
+    2 or more slabs; 0 where the block norms the MLP's output (Gemma 3's sandwich, OLMo 2's
+    post-norms: the norm needs the whole output, not a slab's share)."""
     D, F = c.hidden_size, c.intermediate_size
-    if not block or c.sandwich_norms or D * F <= SLAB:
+    if not block or c.norms.after_mlp is not None or D * F <= SLAB:
         return 0
     fits = [w for w in range(block, F, block) if F % w == 0 and D * w <= SLAB]
     return max(fits) if fits else 0

@@ -70,8 +70,8 @@ def plan(c, params_layers, stacked: list, width: int) -> Slabs | None:
         return None
     paths = [tuple(k.key for k in p) for p, _ in
              jax.tree_util.tree_flatten_with_path(params_layers)[0]]
-    pre = "pre_feedforward_layernorm" if c.sandwich_norms else "post_attention_layernorm"
-    norm = [(i, path) for i, path in zip(stacked, paths) if path[0] == pre]
+    pre = c.norms.before_mlp  # the norm feeding the MLP (jaxmem.families.norms)
+    norm = [(i, path) for i, path in zip(stacked, paths) if pre is not None and path[0] == pre]
     if len(norm) != 1:  # a block without one pre-MLP norm: not one this module knows
         return None
     return Slabs({stacked[k]: ax for k, (_, ax) in weights.items()},

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmem.config.model import ModelConfig
-from jaxmem.config.run import ModelSection
+from jaxmem.families.config import ModelConfig
 from jaxmem.io.hf import TOKENIZER, HFError, config_from_hf, load_hf_params, read_hf_config
 
 
@@ -38,8 +37,7 @@ def init_from_overrides(overrides: dict) -> dict:
     if not tokenizer.is_file():
         raise HFError(f"--init-from {hf_dir}: no {TOKENIZER} (the run trains with the "
                       f"checkpoint's tokenizer)")
-    fields = {f"model.{f.name}": getattr(model, f.name) for f in dataclasses.fields(ModelSection)
-              if f.name != "preset"}
+    fields = {f"model.{f.name}": getattr(model, f.name) for f in dataclasses.fields(ModelConfig)}
     return {**overrides, **fields, "init.init_from": hf_dir, "data.tokenizer": str(tokenizer)}
 
 

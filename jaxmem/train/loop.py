@@ -43,6 +43,7 @@ from jaxmem.train.step import create_train_state, jit_train_step
 from jaxmem.train.records import Records, fmt_bytes
 from jaxmem.train.trackers import eval_metrics, plain_progress
 from jaxmem.train.setup import Setup
+from jaxmem.families.params import num_params
 
 
 class _Stop:
@@ -102,7 +103,7 @@ def _predicted(s, compiled, steps: int) -> str | None:
     t = step_time(compiled.as_text(), Machine.of_card(card))
     d = s.cfg.data
     tokens = step_tokens(s.cfg, s.step_cfg)
-    mfu = flops_per_token(s.model_cfg, d.seq_len) * tokens / t.seconds / (
+    mfu = flops_per_token(s.model_cfg, d.seq_len, num_params(s.model_cfg)) * tokens / t.seconds / (
         card.peak_tflops[0] * 1e12)
     return (f"predicted on the {card.name} (its compiled step, jaxmem.xla.timing; not a "
             f"measurement): {t.seconds:.3f} s/step, {tokens / t.seconds:,.0f} tokens/s, MFU "
@@ -180,7 +181,7 @@ def _prepare(s, par: Placement, start: int) -> Checkpointer:
 
 def _banner(s, state, start: int, resumed: bool, device) -> str:
     return (f"jaxmem: {s.cfg.init.init_from or s.cfg.model.preset} "
-            f"({s.model_cfg.num_params():,} params), {s.cfg.precision.mode}, "
+            f"({num_params(s.model_cfg):,} params), {s.cfg.precision.mode}, "
             f"remat {s.step_cfg.remat}, {device.platform}: {device.device_kind}; "
             f"{describe(s.stats, s.cfg.data.seq_len)}; run dir {s.out}"
             + "".join(f"; {d}" for d in [s.step_cfg.trainable.describe(state.params)] if d)

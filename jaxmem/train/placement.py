@@ -40,7 +40,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmem.config.model import ConfigError
+from jaxmem.errors import ConfigError
 from jaxmem.model.context import balance, context_parallel
 from jaxmem.sharding import activation_sharding, weight_sharding
 from jaxmem.model.fp8_compile import compiler_options as fp8_compiler_options

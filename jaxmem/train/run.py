@@ -8,7 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxmem.config.model import ConfigError, ModelConfig
+from jaxmem.errors import ConfigError
+from jaxmem.families.config import ModelConfig
 from jaxmem.config.run import OptimConfig, PrecisionSection, RunConfig
 from jaxmem.model.remat import RematPolicy
 from jaxmem.optim import LossScale

@@ -19,7 +19,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jaxmem.config.model import ConfigError
+from jaxmem.errors import ConfigError
+from jaxmem.families.config import upgrade_fields
 from jaxmem.config.run import RunConfig
 from jaxmem.data.special_tokens import (GENERATION_CONFIG, TOKENIZER_FILES, TOKENIZER_JSON,
                                         TokenizerFiles, tokenizer_json)
@@ -83,6 +84,8 @@ def read_run_config(run_dir: Path) -> tuple[RunConfig, dict]:
     try:
         if record.get("schema_version", 1) == 1:
             return RunConfig.from_dict(record), {**record, "resolved_model": record.get("model")}
+        if record.get("resolved_model"):  # as this ModelConfig names its fields
+            record = {**record, "resolved_model": upgrade_fields(record["resolved_model"])}
         return RunConfig.from_dict({"schema_version": record["schema_version"],
                                     **record.get("config", {})}), record
     except ConfigError as e:

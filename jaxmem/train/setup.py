@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.config.run import RunConfig
 from jaxmem.data.examples import PackedData
 from jaxmem.data.tokenizers import ByteTokenizer, HFTokenizer

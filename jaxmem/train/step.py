@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxmem.config.model import ModelConfig
+from jaxmem.families.config import ModelConfig
 from jaxmem.bits import key_data, tree_norm, wrap_key_data
 from jaxmem import families
 from jaxmem.model.fp8_compile import compiler_options as fp8_compiler_options
