@@ -34,13 +34,16 @@ import sys
 import time
 from pathlib import Path
 
-from jaxmem.config.flags import add_run_flags, given_overrides
+from jaxmem.config.files import Layers, add_config_flags, provenance_lines
+from jaxmem.config.flags import add_run_flags
 from jaxmem.config.run import RunConfig, is_mutable
+from jaxmem import target
 from jaxmem.data import DataError, load_corpus
 from jaxmem.data.tokenizers import TOKEN_NAMES, load_tokenizer, section_tokenizer
 from jaxmem.data.checks import data_warnings
 from jaxmem.data.examples import example_options
 from jaxmem.io.checkpoint import CheckpointError, Checkpointer
+from jaxmem.memory.layered import model_inputs, run_layers
 from jaxmem.train.rundir import (CKPT_DIR, CONFIG_FILE, RunError, exit_after_failed_restore, fail,
                               read_run_config, restore_hint, run_tokenizer)
 from jaxmem.parallel.distributed import add_process_flags, initialize_from_args
@@ -63,6 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "built-in corpus (the Python standard library's source, byte-level), a few "
                     "minutes on a 2-core CPU. Uses the GPU when JAX sees one. --out on a directory "
                     "that holds a run continues it (see --resume).")
+    files = p.add_argument_group("config files and dry run")
+    add_config_flags(files)
+    files.add_argument("--dry-run", action="store_true",
+                       help="print the resolved config (each value with where it came from: "
+                            "default, recipe, FILE:LINE or flag), the plan of the run's phases "
+                            "and the verdict (jaxmem.memory), and exit without training or "
+                            "making the run directory")
+    files.add_argument("--target", choices=sorted(target.CARDS), metavar="GPU",
+                       help="with --dry-run: plan for this GPU (default: the config's card:, "
+                            "else the GPU here, else the analytic plan): "
+                            + ", ".join(sorted(target.CARDS)))
     groups = add_run_flags(p, SECTIONS)
     groups["run directory"].add_argument(
         "--resume", action="store_true",
@@ -125,10 +139,23 @@ def _choose_config(overrides: dict, resume: bool, out: Path):
     return cfg, True, record, changes
 
 
+def _layers(args) -> Layers:
+    """The run's overrides: --recipe, --config, then the flags (jaxmem.config.files). A run's
+    config.json starts a new run, never its own again (that is --resume)."""
+    lay = run_layers(args)
+    out = lay.overrides.get("run.out")
+    for f in lay.files:
+        if f.record and out is not None and Path(out).resolve() == f.path.parent.resolve():
+            raise RunError(f"--config {f.path} is the config of the run in --out {out}: to "
+                           f"continue that run, pass --out {out} --resume without --config; to "
+                           f"start a new one, choose another --out (nothing was changed)")
+    return lay
+
+
 def setup(args, parser) -> Setup:
     """Validate everything and load the data; exits 2 (parser.error) on bad input."""
-    overrides = given_overrides(args)
     try:
+        overrides = dict(_layers(args).overrides)
         initialize_from_args(args)  # multi-process runs: before anything touches the backend
         if "run.out" not in overrides:
             if args.resume:
@@ -221,11 +248,34 @@ def _resume_step(args, steps: list[int], out: Path) -> int | None:
     return args.resume_step
 
 
+def dry_run(args, parser) -> int:
+    """--dry-run: the resolved config with each value's source, then the plan (jaxmem.memory);
+    reads --init-from's config.json (not its weights); makes nothing."""
+    from jaxmem.memory.commands import plan_run  # noqa: PLC0415
+
+    try:
+        lay = model_inputs(_layers(args))
+        cfg = RunConfig().replace(lay.overrides)
+        build_step_config(cfg)  # validates shapes, remat, precision, the sections together
+    except (RunError, DataError, ValueError) as e:
+        fail(parser, str(e).splitlines()[0] if str(e) else repr(e))
+    print(f"{parser.prog} --dry-run: nothing is trained and no run directory is made")
+    if lay.description:
+        print(f"description: {lay.description}")
+    print("resolved config (value, and where it came from):")
+    print("\n".join(provenance_lines(cfg, lay.sources)) + "\n", flush=True)
+    return plan_run(cfg, args.target or lay.card, parser.prog)
+
+
 def main(argv=None) -> int:
     from jaxmem.train.loop import train
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.dry_run:
+        return dry_run(args, parser)
+    if args.target is not None:
+        parser.error("--target plans for a GPU: it needs --dry-run")
     s = setup(args, parser)
     try:
         return train(s)
