@@ -144,7 +144,8 @@ def _read_sections(path: Path, body, data: dict, record: bool):
             from jaxmem.families.config import upgrade_fields  # noqa: PLC0415
             section_data = upgrade_fields(section_data)
         for name, fline, _ in _pairs(node, path, f"section {key!r}"):
-            if name not in names[key] and not (key == "model" and name in section_data):
+            consumed = key == "model" and record and name not in section_data  # renamed
+            if name not in names[key] and not consumed:
                 raise ConfigError(f"{path}:{fline}: unknown key '{key}.{name}'"
                                   + _nearest_field(key, name, names))
         for name, value in section_data.items():
