@@ -13,7 +13,9 @@ the verdict, and `--fit`'s choice, are on the largest. `--fit`, `--fit --devices
 (jaxmem.memory.mesh). The modes are jaxmem.memory.commands; docs/memory.md and
 docs/distributed.md explain the numbers.
 
-Bad input exits 2 with one line naming the flag; a search where nothing fits exits 1. The
+It takes jaxmem.train's command line (every flag, `--config FILE`, `--recipe NAME`:
+jaxmem.memory.layered); the settings that change no memory are named on one stderr line and
+left out. Bad input exits 2 with one line naming the flag (or the file, line and key); a search where nothing fits exits 1. The
 hidden `--worker JSON` is the child side of `--measure`: it measures the StepSpec in the JSON
 and ignores every other flag.
 """

@@ -4,6 +4,12 @@
     python -m jaxmem.train --preset small --precision amp-bf16 --remat dots_no_batch \
         --batch-size 16 --seq-len 1024 --steps 2000 --data 'corpus/*.txt' --out runs/small
     python -m jaxmem.train --out runs/small --resume      # continue with the saved config
+    python -m jaxmem.train --config qlora.yaml --lr 1e-4 --dry-run   # the config and its plan
+
+The flags, a config file (`--config FILE`, YAML with RunConfig's sections as keys; a run's
+config.json starts a new run) and a recipe (`--recipe NAME`) are layered: default < recipe <
+file < flag (jaxmem.config.files). `--dry-run` prints every value with where it came from and
+the plan of the run's phases (jaxmem.memory), and exits without training or making a directory.
 
 The flags are generated from RunConfig (jaxmem.config.run); the run's RunConfig is stored in
 `<out>/config.json`. The run directory also holds `metrics.jsonl` and `checkpoints/` (Orbax).
