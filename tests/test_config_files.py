@@ -127,13 +127,8 @@ def test_a_runs_config_json_drops_its_directory_and_invocation_fields(tmp_path):
     write_run_config(tmp_path, cfg, data_stats={"tokens": 1}, data_sha256="ab", changes=[])
     c = read_config(tmp_path / "config.json")
     assert c.record and c.values == {"optim.lr": 0.01}
-    lr_line = _line_of(tmp_path, '"lr"')
+    lr_line = _line_of_file(tmp_path / "config.json", '"lr"')
     assert c.source("optim.lr") == f"{tmp_path / 'config.json'}:{lr_line}"
-
-
-def _line_of(d, text):
-    lines = (Path(d) / "config.json").read_text().splitlines()
-    return next(i + 1 for i, line in enumerate(lines) if text in line)
 
 
 @pytest.fixture
@@ -280,3 +275,31 @@ def test_every_train_command_of_the_docs_is_a_planner_command(capsys):
         if "1" not in argv:  # no placeholder: the values are the docs' own
             RunConfig().replace(lay.overrides)
     assert not refused, "\n".join(refused)
+
+
+def test_a_check_across_fields_names_the_files_line(tmp_path, capsys):
+    f, out = tmp_path / "q.yaml", tmp_path / "out"
+    f.write_text("model: {preset: tiny}\npeft:\n  quantize_base: nf4\n")  # needs --lora-rank
+    for cli in ("jaxmem.train.cli", "jaxmem.memory.cli"):
+        main_of = __import__(cli, fromlist=["main"]).main
+        with pytest.raises(SystemExit) as e:
+            main_of(["--config", str(f), "--out", str(out)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "--quantize-base nf4 needs --lora-rank" in err, err
+        assert f"({f}:3: peft.quantize_base)" in err
+    assert not out.exists()
+
+
+def test_to_dicts_layout_as_json_is_a_config_file(tmp_path):
+    cfg = RunConfig().replace({"model.preset": "small", "optim.lr": 2e-5, "peft.lora_rank": 8,
+                               "data.seq_len": 256, "run.no_progress": True})
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps(cfg.to_dict(), indent=2))
+    c = read_config(f)
+    assert not c.record and RunConfig().replace(c.values) == cfg
+    assert "model.vocab_size" not in c.values  # null (the preset's) is "not set"
+    assert c.lines["optim.lr"] == _line_of_file(f, '"lr"')
+
+
+def _line_of_file(f, text):
+    return next(i + 1 for i, line in enumerate(Path(f).read_text().splitlines()) if text in line)

@@ -131,7 +131,7 @@ def _read_sections(path: Path, body, data: dict, record: bool):
     """(values, lines, metadata) of the sections' mapping; ConfigError on an unknown key."""
     sections = RunConfig.sections()
     names = {s: [p.split(".")[1] for p in all_paths() if p.startswith(s + ".")] for s in sections}
-    values, lines, meta = {}, {}, {}
+    values, lines, meta, defaults = {}, {}, {}, RunConfig()
     for key, line, node in _pairs(body, path, "the file"):
         if key in METADATA_KEYS:
             meta[key] = _metadata(path, line, key, data[key])
@@ -151,6 +151,8 @@ def _read_sections(path: Path, body, data: dict, record: bool):
         for name, value in section_data.items():
             p = f"{key}.{name}"
             fline = next((ln for n, ln, _ in _pairs(node, path, key) if n == name), line)
+            if value is None and defaults.get(p) is None:
+                continue  # "not set" (to_dict writes every field): as if the key were absent
             values[p], lines[p] = _check_value(path, fline, p, value), fline
     return values, lines, meta
 
@@ -228,6 +230,15 @@ class Layers:
 
     def source(self, key: str) -> str:
         return self.sources.get(key, "default")
+
+    def explain(self, message: str) -> str:
+        """`message` (an error naming a flag, from checks across fields) with where that
+        flag's value came from when it was not the command line: '... (FILE:LINE: key)'."""
+        for token in re.findall(r"--[a-z][a-z0-9-]*", message):
+            key = next((p for p in self.sources if token in flag_names(p)), None)
+            if key is not None and not self.sources[key].startswith("flag "):
+                return f"{message} ({self.sources[key]}: {key})"
+        return message
 
     def add_file(self, file: ConfigFile, label: Callable[[str], str]) -> None:
         self.files.append(file)

@@ -103,13 +103,14 @@ def _resolve(parser, args):
     """Validated (spec, global batch, largest micro-batch for --fit or None); exits 2 with a
     one-line message naming the flag."""
     given = given_overrides(args)
-    if given.get("optim.in_backward"):  # it needs --clip 0, which this CLI has no flag for
+    if given.get("optim.in_backward"):  # it needs --clip 0, and --clip changes no memory
         given["optim.clip"] = 0.0
     try:
         cfg = RunConfig().replace(given)
         build_step_config(cfg)  # validates shapes, remat (offload support), precision
     except ValueError as e:  # ConfigError, RematError, PrecisionError
-        parser.error(str(e).splitlines()[0])
+        lay = getattr(args, "layers", None)  # main's: a value from a file names its line
+        parser.error(lay.explain(str(e).splitlines()[0]) if lay else str(e).splitlines()[0])
     batch_given, accum_given = "data.batch_size" in given, "data.grad_accum" in given
     if args.fit_seq is not None and not batch_given:  # the longest sequence of one, not of 16
         cfg = cfg.replace({"data.batch_size": 1})
@@ -140,6 +141,7 @@ def main(argv=None) -> int:
     except ValueError as e:  # ConfigError, HFError, DataError: one line naming file or flag
         parser.error(str(e).splitlines()[0])
     layered.say_ignored(parser.prog, ignored)
+    args.layers = lay
     if args.target is None and lay.card is not None:
         try:
             target.check_installed()

@@ -160,8 +160,10 @@ def _layers(args) -> Layers:
 
 def setup(args, parser) -> Setup:
     """Validate everything and load the data; exits 2 (parser.error) on bad input."""
+    lay = Layers()  # (empty until read: an error in a file names its own line)
     try:
-        overrides = dict(_layers(args).overrides)
+        lay = _layers(args)
+        overrides = dict(lay.overrides)
         initialize_from_args(args)  # multi-process runs: before anything touches the backend
         if "run.out" not in overrides:
             if args.resume:
@@ -240,7 +242,7 @@ def setup(args, parser) -> Setup:
     except CheckpointError as e:
         exit_after_failed_restore(parser, str(e).splitlines()[0])
     except (RunError, DataError, ValueError) as e:  # ConfigError, RematError ... are ValueErrors
-        fail(parser, str(e).splitlines()[0] if str(e) else repr(e))
+        fail(parser, lay.explain(str(e).splitlines()[0]) if str(e) else repr(e))
     return s
 
 
@@ -259,12 +261,13 @@ def dry_run(args, parser) -> int:
     reads --init-from's config.json (not its weights); makes nothing."""
     from jaxmem.memory.commands import plan_run  # noqa: PLC0415
 
+    lay = Layers()
     try:
         lay = model_inputs(_layers(args))
         cfg = RunConfig().replace(lay.overrides)
         build_step_config(cfg)  # validates shapes, remat, precision, the sections together
     except (RunError, DataError, ValueError) as e:
-        fail(parser, str(e).splitlines()[0] if str(e) else repr(e))
+        fail(parser, lay.explain(str(e).splitlines()[0]) if str(e) else repr(e))
     print(f"{parser.prog} --dry-run: nothing is trained and no run directory is made")
     if lay.description:
         print(f"description: {lay.description}")
