@@ -303,3 +303,33 @@ def test_to_dicts_layout_as_json_is_a_config_file(tmp_path):
 
 def _line_of_file(f, text):
     return next(i + 1 for i, line in enumerate(Path(f).read_text().splitlines()) if text in line)
+
+
+def test_the_files_card_is_the_planners_target(tmp_path, capsys):
+    """card: in the file is the default --target; without the deviceless compiler, the planner
+    says so on one line and plans on this machine's backend."""
+    from jaxmem import target
+    from jaxmem.memory.cli import main as plan
+    f = tmp_path / "c.yaml"
+    f.write_text("card: h100\nmodel: {preset: tiny}\ndata: {batch_size: 1, seq_len: 32}\n")
+    try:
+        target.check_installed()
+        installed = True
+    except target.TargetError:
+        installed = False
+    assert plan(["--config", str(f), "--json"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    if installed:
+        assert "H100" in report["compiler"]
+    else:
+        assert "the config's card h100 needs XLA's GPU compiler, which is not installed: " \
+               "planning on this machine's backend" in captured.err
+        assert report["backend"] == "cpu"
+
+
+def test_target_without_dry_run_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--target", "h100", "--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and "--target plans for a GPU: it needs --dry-run" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
