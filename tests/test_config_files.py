@@ -333,3 +333,21 @@ def test_target_without_dry_run_is_refused(tmp_path, capsys):
         main(["--target", "h100", "--out", str(tmp_path / "out")])
     assert e.value.code == 2 and "--target plans for a GPU: it needs --dry-run" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # a CLI run of 2 steps
+def test_dry_run_of_a_resume_shows_the_saved_config_under_the_flags(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    assert main([*SMALL, "--steps", "2", "--lr", "0.01", "--data", corpus, "--out", str(out)]) == 0
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    capsys.readouterr()
+    assert main(["--out", str(out), "--resume", "--log-every", "2", "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    line = lambda key: next(l for l in text.splitlines() if l.split()[:1] == [key])  # noqa: E731
+    assert f"continues the run in {out}" in text
+    assert "0.01" in line("optim.lr") and line("optim.lr").endswith("config.json: the run's saved config)")
+    assert line("run.log_every").endswith("(flag --log-every)")
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before  # nothing changed
+    with pytest.raises(SystemExit) as e:  # as the real resume would, before anything
+        main(["--out", str(out), "--resume", "--lr", "0.5", "--dry-run"])
+    assert e.value.code == 2 and "optim.lr" in error_line(capsys.readouterr().err)

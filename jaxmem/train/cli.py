@@ -258,17 +258,27 @@ def _resume_step(args, steps: list[int], out: Path) -> int | None:
 
 def dry_run(args, parser) -> int:
     """--dry-run: the resolved config with each value's source, then the plan (jaxmem.memory);
-    reads --init-from's config.json (not its weights); makes nothing."""
+    reads --init-from's config.json (not its weights) and, with --out of a run, its config.json
+    as a real run would (--resume: the saved config under the flags); makes nothing."""
     from jaxmem.memory.commands import plan_run  # noqa: PLC0415
 
-    lay = Layers()
+    lay, note = Layers(), "a new run"
     try:
         lay = model_inputs(_layers(args))
+        out = lay.overrides.get("run.out")
+        if args.resume and out is None:
+            raise RunError("--resume needs --out: the run directory to continue")
         cfg = RunConfig().replace(lay.overrides)
+        if out is not None and (args.resume or (Path(out) / CONFIG_FILE).exists()):
+            cfg, continuing, _, _ = _choose_config(lay.overrides, args.resume, Path(out))
+            for p in (p for p, _, _ in RunConfig().differences(cfg) if p not in lay.sources):
+                lay.sources[p] = f"{Path(out) / CONFIG_FILE}: the run's saved config"
+            note = f"continues the run in {out}" if continuing else note
         build_step_config(cfg)  # validates shapes, remat, precision, the sections together
     except (RunError, DataError, ValueError) as e:
         fail(parser, lay.explain(str(e).splitlines()[0]) if str(e) else repr(e))
-    print(f"{parser.prog} --dry-run: nothing is trained and no run directory is made")
+    print(f"{parser.prog} --dry-run ({note}): nothing is trained and no run directory is made "
+          f"or changed")
     if lay.description:
         print(f"description: {lay.description}")
     print("resolved config (value, and where it came from):")
