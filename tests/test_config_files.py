@@ -63,6 +63,7 @@ BAD = [  # (file text, line, what the message says)
     ("card: h1000\n", 1, "card 'h1000' is not a jaxmem.target card (nearest valid key: 'h100')"),
     ("optim: [1, 2]\n", 1, "section 'optim' must be a mapping"),
     ("optim: {lr: 1\n", 2, "not valid YAML or JSON"),
+    ("optim:\n  lr: 0.1\n  lr: 0.2\n", 3, "key 'lr' is given twice in section 'optim' (first on line 2)"),
 ]
 
 

@@ -89,7 +89,15 @@ def _pairs(node, path: Path, where: str):
     if not isinstance(node, yaml.MappingNode):
         raise ConfigError(f"{path}:{node.start_mark.line + 1}: {where} must be a mapping of keys "
                           f"to values")
-    return [(k.value, k.start_mark.line + 1, v) for k, v in node.value]
+    pairs, seen = [], {}
+    for k, v in node.value:
+        line = k.start_mark.line + 1
+        if k.value in seen:  # yaml would keep the last one silently
+            raise ConfigError(f"{path}:{line}: key {k.value!r} is given twice in {where} (first "
+                              f"on line {seen[k.value]})")
+        seen[k.value] = line
+        pairs.append((k.value, line, v))
+    return pairs
 
 
 def read_config(path) -> ConfigFile:
