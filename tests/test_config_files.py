@@ -352,3 +352,13 @@ def test_dry_run_of_a_resume_shows_the_saved_config_under_the_flags(tmp_path, co
     with pytest.raises(SystemExit) as e:  # as the real resume would, before anything
         main(["--out", str(out), "--resume", "--lr", "0.5", "--dry-run"])
     assert e.value.code == 2 and "optim.lr" in error_line(capsys.readouterr().err)
+
+
+def test_recipe_without_the_recipes_package_exits_2(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "jaxmem.recipes", None)  # import fails: not merged yet
+    with pytest.raises(SystemExit) as e:
+        main(["--recipe", "qlora", "--out", str(tmp_path / "out")])
+    assert e.value.code == 2
+    assert error_line(capsys.readouterr().err).endswith(
+        "--recipe qlora: this jaxmem has no recipes (jaxmem.recipes)")
+    assert not (tmp_path / "out").exists()
