@@ -272,6 +272,8 @@ def test_every_train_command_of_the_docs_is_a_planner_command(capsys):
         except SystemExit:
             refused.append(f"{where}: {argv}: {capsys.readouterr().err.splitlines()[-1]}")
             continue
+        if args.config or args.recipe:  # a file the docs name: parsed, not read here
+            continue
         lay = run_layers(args)
         if "1" not in argv:  # no placeholder: the values are the docs' own
             RunConfig().replace(lay.overrides)
