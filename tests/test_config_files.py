@@ -186,7 +186,7 @@ def test_dry_run_prints_the_plan_and_makes_no_run_directory(tmp_path, capsys):
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
-def test_dry_run_init_from_reads_config_json_only(tmp_path, capsys):
+def test_dry_run_init_from_reads_config_json_only(recipes, tmp_path, capsys):
     from hf_files import write_tokenizer
     from jaxmem.families import get_preset
     from jaxmem.io.hf import config_to_hf
@@ -200,6 +200,15 @@ def test_dry_run_init_from_reads_config_json_only(tmp_path, capsys):
     layers = next(l for l in text.splitlines() if l.startswith("  model.num_layers"))
     assert "= 3 " in layers and f"(--init-from {hf.resolve()})" in layers
     assert "phases of the run" in text and "verdict:" in text
+    # a recipe's model gives way to the checkpoint (README: --recipe NAME --init-from DIR)
+    assert main(["--recipe", "r", "--init-from", str(hf), "--lora-rank", "4", "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "the checkpoint (--init-from) sets the model in place of: model.preset (recipe r)" in text
+    layers = next(l for l in text.splitlines() if l.startswith("  model.num_layers"))
+    assert "= 3 " in layers and "seq_len" in text and "(recipe r)" in text
+    with pytest.raises(SystemExit) as e:  # a flag for the model is refused, as ever
+        main(["--recipe", "r", "--init-from", str(hf), "--num-layers", "2", "--dry-run"])
+    assert e.value.code == 2 and "--num-layers cannot be given with --init-from" in capsys.readouterr().err
 
 
 def test_the_planner_takes_every_train_flag_and_names_the_ignored(tmp_path, capsys):

@@ -235,6 +235,7 @@ class Layers:
     card: str | None = None
     description: str | None = None
     files: list[ConfigFile] = field(default_factory=list)
+    replaced: list[str] = field(default_factory=list)  # 'key (source)' that --init-from replaced
 
     def source(self, key: str) -> str:
         return self.sources.get(key, "default")

@@ -40,8 +40,17 @@ def find_recipe(name: str) -> Path:
 
 
 def run_layers(args: argparse.Namespace) -> Layers:
-    """The command line's layers (recipe, --config, flags); ConfigError on a bad file."""
-    return layers(args, given_overrides(args), find_recipe)
+    """The command line's layers (recipe, --config, flags); ConfigError on a bad file. With
+    --init-from (from any layer) the checkpoint sets the model and tokenizer: a recipe's or a
+    file's model fields and tokenizer give way to it (listed in `replaced`); flags for them are
+    refused, as ever (jaxmem.train.init_from)."""
+    lay = layers(args, given_overrides(args), find_recipe)
+    if lay.overrides.get("init.init_from"):
+        for key in [k for k in lay.overrides if (k.startswith("model.") or k == "data.tokenizer")
+                    and not lay.sources[k].startswith("flag ")]:
+            lay.replaced.append(f"{key} ({lay.sources.pop(key)})")
+            del lay.overrides[key]
+    return lay
 
 
 def model_inputs(lay: Layers) -> Layers:

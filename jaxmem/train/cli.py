@@ -281,6 +281,8 @@ def dry_run(args, parser) -> int:
           f"or changed")
     if lay.description:
         print(f"description: {lay.description}")
+    if lay.replaced:
+        print(f"the checkpoint (--init-from) sets the model in place of: {', '.join(lay.replaced)}")
     print("resolved config (value, and where it came from):")
     print("\n".join(provenance_lines(cfg, lay.sources)) + "\n", flush=True)
     return plan_run(cfg, args.target or lay.card, parser.prog)
