@@ -28,6 +28,6 @@ def planned_gib(name: str) -> float:
 @pytest.mark.parametrize("name", recipes.names())
 def test_recipe_fits_its_card_on_the_cards_compiler(name):
     p = compile_plan(name)
-    assert p.source == "compiled"
+    assert p.source.startswith("compiled")
     assert p.fits, f"{name}: {p.peak_bytes / 2**30:.2f} GiB > usable {p.usable_bytes / 2**30:.2f}"
     assert p.peak_bytes / 2**30 == pytest.approx(planned_gib(name), rel=0.05)

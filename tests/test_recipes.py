@@ -81,7 +81,8 @@ def test_listing_prints_one_line_per_recipe(capsys):
     assert [line.split()[0] for line in lines[1:]] == SHIPPED
     for name, line in zip(SHIPPED, lines[1:]):
         cfg = recipes.run_config(name)
-        tokens = cfg.data.batch_size * cfg.data.seq_len * cfg.data.grad_accum
+        pairs = 2 if cfg.objective.objective == "dpo" else 1  # a pair is two rows
+        tokens = pairs * cfg.data.batch_size * cfg.data.seq_len * cfg.data.grad_accum
         assert cfg.model.preset in line and f"{tokens:,}" in line and " fits " in line, line
     assert "2 x rtx4090" in lines[1 + SHIPPED.index("llama-3.1-70b-qlora-2x24gb-fsdp")]
 
@@ -159,5 +160,6 @@ def test_qwen3_qlora_recipe_trains_a_tiny_qwen3_on_chat_rows(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 20 and losses[-1] < losses[0] - 0.1, losses
-    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())["config"]
     assert saved["peft"]["quantize_base"] == "nf4" and saved["data"]["seq_len"] == 1024
+    assert saved["model"]["family"] == "qwen3" and saved["model"]["hidden_size"] == 64

@@ -54,11 +54,10 @@ def method(cfg) -> str:
 
 def line(name: str) -> str:
     """One recipe's listing line."""
-    from jaxmem.recipes.plan import plan  # noqa: PLC0415  (the planner: only for the listing)
+    from jaxmem.recipes.plan import plan, spec_of  # noqa: PLC0415  (the planner: the listing)
 
-    cfg, p = recipes.run_config(name), plan(name)
-    d = cfg.data
-    tokens = d.batch_size * d.seq_len * d.grad_accum
+    cfg, p, spec = recipes.run_config(name), plan(name), spec_of(name)
+    tokens = spec.rows * spec.seq_len * spec.grad_accum  # a preference pair is two rows
     devices = f"{p.devices} x " if p.devices > 1 else ""
     where = f"{devices}{p.card}" + (f" ({p.budget_bytes / GiB:g} GiB budget)"
                                      if p.budget_bytes < _card_bytes(p.card) else "")
