@@ -22,8 +22,8 @@ from jaxmem.perf import usable_bytes
 
 @dataclass(frozen=True)
 class Plan:
-    """One recipe's planned peak per device (`peak_bytes`, in `phase`; `source` "analytic" or
-    "compiled") against its budget (`budget_bytes`: the card's memory as CUDA reports it, or the
+    """One recipe's planned peak per device (`peak_bytes`, in `phase`; `source` "analytic",
+    "compiled", or "compiled, host base taken out": `_mesh_step`) against its budget (`budget_bytes`: the card's memory as CUDA reports it, or the
     smaller size the recipe's name states; `usable_bytes`: what XLA may use of it by the
     planner's rule, jaxmem.perf.usable_bytes)."""
 
@@ -47,10 +47,11 @@ def spec_of(name: str) -> StepSpec:
 
 
 def card_of(name: str) -> str:
+    """The recipe's `card`, checked against jaxmem.target's cards."""
     card = recipes.load(name)["card"]
     if card not in target.CARDS:
         raise ConfigError(f"recipe {name!r}: card {card!r} is not one of "
-                                  f"{', '.join(sorted(target.CARDS))}")
+                          f"{', '.join(sorted(target.CARDS))}")
     return card
 
 
