@@ -135,7 +135,7 @@ def recipe_flags(name: str) -> list[str]:
     return out
 
 
-@pytest.mark.slow  # 20 steps of 4 x 1024 tokens, QLoRA amp-bf16 on a tiny Qwen3: ~40 s on 2 cores
+@pytest.mark.slow  # 20 steps of 4 x 1024 tokens, QLoRA amp-bf16, tiny Qwen3: ~1 to 3 min, 2 cores
 def test_qwen3_qlora_recipe_trains_a_tiny_qwen3_on_chat_rows(tmp_path):
     """The issue's acceptance on CPU: the 24 GB QLoRA recipe with only --init-from, --data and
     --steps 20 lowers the loss of a tiny random Qwen3 checkpoint on chat rows."""
