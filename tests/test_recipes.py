@@ -44,6 +44,8 @@ def test_recipe_is_run_config_sections_plus_card_and_description(name):
     assert set(sections) <= set(RunConfig.sections())
     # the user gives the weights and the data (the pretraining quick start: built-in ones)
     assert "init_from" not in sections.get("init", {}) and "data" not in sections.get("data", {})
+    # the model section names the planned shape only: --init-from's checkpoint replaces it whole
+    assert set(sections.get("model", {})) <= {"preset"}
     cfg = RunConfig.from_dict({"schema_version": 2, **sections})
     assert cfg == recipes.run_config(name)
     for section, fields in sections.items():  # every value listed is the one the config holds
@@ -163,3 +165,30 @@ def test_qwen3_qlora_recipe_trains_a_tiny_qwen3_on_chat_rows(tmp_path):
     saved = json.loads((tmp_path / "run" / "config.json").read_text())["config"]
     assert saved["peft"]["quantize_base"] == "nf4" and saved["data"]["seq_len"] == 1024
     assert saved["model"]["family"] == "qwen3" and saved["model"]["hidden_size"] == 64
+
+
+@pytest.mark.slow  # 2 steps of the tiny preset per recipe: ~15 to 25 s each on 2 cores
+@pytest.mark.parametrize("name", SHIPPED)
+def test_the_trainer_takes_every_recipes_settings(name, tmp_path):
+    """Each recipe's settings but its model and sequence length, on the tiny preset from random
+    init: the trainer refuses none of them (in-backward with --clip 0 and the state on the host,
+    the fsdp=2 mesh with the base on the host, DPO with the adapters-off reference)."""
+    argv = [*recipe_flags(name), "--preset", "tiny", "--seq-len", "64", "--steps", "2",
+            "--out", str(tmp_path / "run"), "--no-progress", "--sample-tokens", "0",
+            "--eval-batches", "1"]
+    if recipes.run_config(name).objective.objective == "dpo":
+        rows = [{"prompt": f"Question {i}: what is {i} + 1?", "chosen": f" It is {i + 1}.",
+                 "rejected": f" No idea {i}."} for i in range(40)]
+        (tmp_path / "prefs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        argv += ["--data", str(tmp_path / "prefs.jsonl")]
+    # the fsdp=2 recipe on 2 simulated CPU devices (JAX_PLATFORMS=cpu: a GPU machine too)
+    env = subprocess_env(cpu_devices=2) if recipes.run_config(name).parallel.mesh else \
+        subprocess_env()
+    p = subprocess.run([sys.executable, "-m", "jaxmem.train", *argv], cwd=ROOT,
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())["config"]
+    for section, fields in recipes.sections(name).items():
+        for field, value in fields.items() if section != "model" else ():
+            if f"{section}.{field}" not in ("data.seq_len", "optim.total_steps"):
+                assert saved[section][field] == value, (section, field)
