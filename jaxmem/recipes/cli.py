@@ -62,7 +62,7 @@ def line(name: str) -> str:
     where = f"{devices}{p.card}" + (f" ({p.budget_bytes / GiB:g} GiB budget)"
                                      if p.budget_bytes < _card_bytes(p.card) else "")
     verdict = "fits" if p.fits else "DOES NOT FIT"
-    return (f"{name:34s} {cfg.model.preset:14s} {method(cfg):58s} {where:24s} {tokens:>9,} "
+    return (f"{name:34s} {cfg.model.preset:14s} {method(cfg):64s} {where:24s} {tokens:>9,} "
             f"{p.peak_bytes / GiB:6.2f} / {p.usable_bytes / GiB:5.2f} GiB {verdict} "
             f"({p.phase})")
 
@@ -74,7 +74,7 @@ def _card_bytes(card: str) -> int:
 
 
 def listing() -> str:
-    head = (f"{'recipe':34s} {'model':14s} {'method':58s} {'card':24s} {'tokens':>9s} "
+    head = (f"{'recipe':34s} {'model':14s} {'method':64s} {'card':24s} {'tokens':>9s} "
             f"peak / usable per device (analytic, jaxmem.memory; usable: XLA's share of the "
             f"card)")
     return "\n".join([head] + [line(n) for n in recipes.names()])
