@@ -84,7 +84,9 @@ ModelSection = dataclasses.make_dataclass(
     "ModelSection",
     [("preset", "str", option("tiny", f"model shape preset: {', '.join(PRESETS)}",
                               choices=list(PRESETS), metavar="NAME"))]
-    + [_model_override(f) for f in dataclasses.fields(ModelConfig)],
+    # the flagged fields first, in _MODEL_FLAGS' order (--help's and fit_command's), then the rest
+    + [_model_override(f) for f in sorted(dataclasses.fields(ModelConfig), key=lambda f: (
+        _MODEL_FLAGS.index(f.name) if f.name in _MODEL_FLAGS else len(_MODEL_FLAGS)))],
     frozen=True,
     namespace={"config": _section_config, "of": classmethod(_section_of),
                "__doc__": "Model shape: a named preset, with any of its fields overridden."})
