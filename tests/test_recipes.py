@@ -178,3 +178,20 @@ def test_the_trainer_takes_every_recipes_settings(name, tmp_path):
         for field, value in fields.items() if section != "model" else ():
             if f"{section}.{field}" not in ("data.seq_len", "optim.total_steps"):
                 assert saved[section][field] == value, (section, field)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_each_recipe_dry_runs(name, tmp_path, capsys, monkeypatch):
+    """`jaxmem.train --recipe NAME --dry-run` resolves the recipe (each value with its source),
+    plans every phase for the recipe's card and gives a verdict, exits 0 and makes no run
+    directory. (On CPU without the gpu-plan extra the plan is the analytic one, said on a line.)"""
+    from jaxmem.train.cli import main as train_main
+
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    assert train_main(["--recipe", name, "--dry-run", "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    text = printed.out + printed.err
+    assert f"(recipe {name})" in text and "verdict:" in text, text[-2000:]
+    assert "phases of the run" in text and "\n* " in text.split("phases of the run")[-1]
+    assert not out.exists() and not (tmp_path / "runs").exists()
