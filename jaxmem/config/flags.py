@@ -70,23 +70,46 @@ def add_run_flags(parser: argparse.ArgumentParser, sections, only: dict[str, tup
     for section in sections:
         title = SECTION_TITLES[section]
         group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
-        for f in dataclasses.fields(RunConfig.sections()[section]):
-            path = f"{section}.{f.name}"
-            md = field_metadata(path)
-            if not md["cli"] or (only and section in only and f.name not in only[section]):
-                continue
-            default = defaults.get(path)
-            kwargs = dict(dest=path, default=argparse.SUPPRESS)
-            if md["store_true"]:
-                kwargs.update(action="store_true", help=md["help"])
-            else:
-                shown = "" if default is None else f" (default: {default})"
-                metavar = md["metavar"] or (None if md["choices"] else f.name.upper())
-                kwargs.update(help=md["help"] + shown, metavar=metavar,
-                              type=TYPES.get(md["type"], md["type"]) if md["type"] else None,
-                              choices=md["choices"])
-            group.add_argument(*flag_names(path), **kwargs)
+        for path in _section_flags(section):
+            if not (only and section in only and path.split(".")[1] not in only[section]):
+                _add_flag(group, path, defaults.get(path))
     return groups
+
+
+def add_other_flags(group, sections, only: dict[str, tuple[str, ...]],
+                    defaults: RunConfig | None = None) -> list[str]:
+    """On `group`, the flags of every RunConfig section that `sections` and `only` leave out
+    (the planner's "ignored" group: jaxmem.memory takes every flag of jaxmem.train); returns
+    their paths."""
+    defaults = defaults or RunConfig()
+    added = []
+    for section in RunConfig.sections():
+        for path in _section_flags(section):
+            name = path.split(".")[1]
+            if section not in sections or (section in only and name not in only[section]):
+                _add_flag(group, path, defaults.get(path))
+                added.append(path)
+    return added
+
+
+def _section_flags(section: str) -> list[str]:
+    """The 'section.field' paths of a section's fields that are flags."""
+    return [f"{section}.{f.name}" for f in dataclasses.fields(RunConfig.sections()[section])
+            if field_metadata(f"{section}.{f.name}")["cli"]]
+
+
+def _add_flag(group, path: str, default) -> None:
+    md = field_metadata(path)
+    kwargs = dict(dest=path, default=argparse.SUPPRESS)
+    if md["store_true"]:
+        kwargs.update(action="store_true", help=md["help"])
+    else:
+        shown = "" if default is None else f" (default: {default})"
+        metavar = md["metavar"] or (None if md["choices"] else path.split(".")[1].upper())
+        kwargs.update(help=md["help"] + shown, metavar=metavar,
+                      type=TYPES.get(md["type"], md["type"]) if md["type"] else None,
+                      choices=md["choices"])
+    group.add_argument(*flag_names(path), **kwargs)
 
 
 def given_overrides(args: argparse.Namespace) -> dict:

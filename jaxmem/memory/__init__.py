@@ -4,7 +4,7 @@ jaxmem.xla: the readers of XLA's own answers, a block under the model).
 
 One module per concern (docs/architecture.md lists them), each importing only those before it:
 spec, counted, activations, analytic, compiled, phases, search, mesh, measure, report,
-commands, cli. The names below are imported on first use (module `__getattr__`), so `from
+commands, layered, cli. The names below are imported on first use (module `__getattr__`), so `from
 jaxmem.memory import analyze` loads jax and jaxmem.xla, not jaxmem's trainer.
 """
 

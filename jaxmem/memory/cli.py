@@ -13,7 +13,9 @@ the verdict, and `--fit`'s choice, are on the largest. `--fit`, `--fit --devices
 (jaxmem.memory.mesh). The modes are jaxmem.memory.commands; docs/memory.md and
 docs/distributed.md explain the numbers.
 
-Bad input exits 2 with one line naming the flag; a search where nothing fits exits 1. The
+It takes jaxmem.train's command line (every flag, `--config FILE`, `--recipe NAME`:
+jaxmem.memory.layered); the settings that change no memory are named on one stderr line and
+left out. Bad input exits 2 with one line naming the flag (or the file, line and key); a search where nothing fits exits 1. The
 hidden `--worker JSON` is the child side of `--measure`: it measures the StepSpec in the JSON
 and ignores every other flag.
 """
@@ -25,11 +27,11 @@ import json
 import sys
 
 from jaxmem import target
-from jaxmem.config.flags import (PLANNER_ONLY, PLANNER_SECTIONS, number_type, add_run_flags,
-                                 given_overrides, positive_int)
+from jaxmem.config.files import add_config_flags
+from jaxmem.config.flags import number_type, add_run_flags, given_overrides, positive_int
 from jaxmem.config.run import RunConfig
 from jaxmem.model.precision import get_precision
-from jaxmem.memory import commands, measure
+from jaxmem.memory import commands, layered, measure
 from jaxmem.memory.counted import abstract_frozen
 from jaxmem.memory.spec import StepSpec
 from jaxmem.model.fp8_compile import set_xla_flags
@@ -42,12 +44,18 @@ positive_gib = number_type(float, lambda v: 0 < v < float("inf"), "a positive nu
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jaxmem.memory",
+        usage="%(prog)s [--config FILE] [--recipe NAME] [jaxmem.train's flags ...] "
+              "[--target GPU] [--devices N] [--fit GIB | --fit-seq GIB] [--global-batch N] "
+              "[--compile] [--measure] [--json] [--plot PNG]",
         description="Where every byte of a train step goes (analytic, compiled ahead of time "
                     "with no allocation, measured on GPU), and a planner for a memory budget. "
                     "The model, precision, remat and batch flags are jaxmem.train's, with the "
                     "same defaults; with --fit, --batch-size is the largest micro-batch tried "
-                    "and --mu-dtype (when not given) tries fp32 then bf16.")
-    add_run_flags(p, PLANNER_SECTIONS, only=PLANNER_ONLY)
+                    "and --mu-dtype (when not given) tries fp32 then bf16. It takes every flag of "
+                    "jaxmem.train, and --config / --recipe as it does: those that change no "
+                    "memory are listed in their own group and named on stderr when given.")
+    add_config_flags(p.add_argument_group("config files"))
+    add_run_flags(p, layered.SECTIONS, only=layered.ONLY)
     p.add_argument("--devices", type=positive_int, metavar="N",
                    help="compile for N devices (with --mesh: the per-device breakdown): N "
                         "--target GPUs, or on the CPU backend N simulated devices of this host")
@@ -58,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile every figure with this GPU's own XLA compiler, without the GPU "
                         "(deviceless: no autotuning, workspaces or fragmentation; docs/memory.md): "
                         + ", ".join(sorted(target.CARDS))
-                        + ". Needs `pip install 'jaxmem[gpu-plan]'`")
+                        + ". Needs `pip install 'jaxmem[gpu-plan]'`. Default: the config "
+                          "file's `card:` (on this machine's backend when the compiler is not "
+                          "installed)")
     g = p.add_argument_group("planner and output")
     g.add_argument("--global-batch", type=positive_int,
                    help="sequences per optimizer step; sets --grad-accum = global / batch size")
@@ -85,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--plot", metavar="PNG",
                    help="also draw the breakdown as stacked bars (one per configuration; with "
                         "--fit, every compiled candidate and the budget line); needs matplotlib")
+    layered.add_ignored_flags(p)
     return p
 
 
@@ -92,13 +103,14 @@ def _resolve(parser, args):
     """Validated (spec, global batch, largest micro-batch for --fit or None); exits 2 with a
     one-line message naming the flag."""
     given = given_overrides(args)
-    if given.get("optim.in_backward"):  # it needs --clip 0, which this CLI has no flag for
+    if given.get("optim.in_backward"):  # it needs --clip 0, and --clip changes no memory
         given["optim.clip"] = 0.0
     try:
         cfg = RunConfig().replace(given)
         build_step_config(cfg)  # validates shapes, remat (offload support), precision
     except ValueError as e:  # ConfigError, RematError, PrecisionError
-        parser.error(str(e).splitlines()[0])
+        lay = getattr(args, "layers", None)  # main's: a value from a file names its line
+        parser.error(lay.explain(str(e).splitlines()[0]) if lay else str(e).splitlines()[0])
     batch_given, accum_given = "data.batch_size" in given, "data.grad_accum" in given
     if args.fit_seq is not None and not batch_given:  # the longest sequence of one, not of 16
         cfg = cfg.replace({"data.batch_size": 1})
@@ -124,6 +136,20 @@ def main(argv=None) -> int:
     if args.worker is not None:
         print(json.dumps(measure.measure_here(StepSpec.from_json(args.worker))))
         return 0
+    try:  # --config / --recipe / flags, layered; args then holds the planner's overrides
+        lay, ignored = layered.planner_layers(args)
+    except ValueError as e:  # ConfigError, HFError, DataError: one line naming file or flag
+        parser.error(str(e).splitlines()[0])
+    layered.say_ignored(parser.prog, ignored)
+    args.layers = lay
+    if args.target is None and lay.card is not None:
+        try:
+            target.check_installed()
+            args.target = lay.card
+        except target.TargetError:
+            print(f"{parser.prog}: the config's card {lay.card} needs XLA's GPU compiler, which "
+                  f"is not installed: planning on this machine's backend ({target.install_hint()})",
+                  file=sys.stderr, flush=True)
     if args.target is not None:  # before anything initializes the backend
         if args.measure:
             parser.error("--measure runs real steps on this machine's device; --target only "

@@ -270,3 +270,55 @@ def fit(parser, args, cfg, spec, global_batch: int, max_micro: int | None) -> in
               f"peak above); try a smaller --seq-len or --global-batch, or another --precision",
               file=sys.stderr)
     return 0 if chosen is not None else 1
+
+
+def plan_run(cfg, card: str | None, prog: str) -> int:
+    """`python -m jaxmem.train --dry-run`'s plan: the step's breakdown, every phase of the run
+    and the verdict, compiled for `card` (a jaxmem.target card: deviceless) or for the GPU here;
+    on a CPU without a card, or for a card whose compiler is not installed, the analytic plan,
+    saying so on one line. Call it before anything starts JAX's backend."""
+    from jaxmem.memory.spec import StepSpec  # noqa: PLC0415
+    from jaxmem.model.fp8_compile import set_xla_flags  # noqa: PLC0415
+
+    spec = StepSpec.from_run_config(cfg)
+    if cfg.parallel.mesh is not None:
+        print(f"(one device's plan; per device on --mesh {cfg.parallel.mesh}: python -m "
+              f"jaxmem.memory with the same flags)")
+    if cfg.precision.fp8_gemms:  # the XLA flags an fp8 run gets, before the backend starts
+        set_xla_flags()
+    if card is not None:
+        try:
+            target.check_installed()
+        except target.TargetError:
+            print(f"{prog}: card {card}: XLA's GPU compiler is not installed, so nothing is "
+                  f"compiled for it: the analytic plan ({target.install_hint()})")
+            return _analytic_plan(cfg, spec)
+        target.prepare()
+        with target.compiling_for(card) as t:
+            print(f"compiling for {t.describe()}", flush=True)
+            return _compiled_plan(cfg, spec)
+    if target.platform() != "gpu":
+        print(f"{prog}: no GPU here and no card (--target, or card: in the config file): the "
+              f"analytic plan")
+        return _analytic_plan(cfg, spec)
+    return _compiled_plan(cfg, spec)
+
+
+def _compiled_plan(cfg, spec) -> int:
+    report = step_report(spec)
+    report["phases"] = run_phases(spec, SampleShape.of(cfg), False, report["compiled"])
+    report["verdict"] = verdict(report)
+    print_report(cfg, spec, report)
+    return 0
+
+
+def _analytic_plan(cfg, spec) -> int:
+    from jaxmem.memory.transfers import transfer_plan  # noqa: PLC0415
+
+    ph = run_phases(spec, SampleShape.of(cfg))
+    report = {"phases": ph, "backend": "analytic", "precision": spec.precision.name,
+              "transfers": transfer_plan(spec)}
+    print(header_line(cfg, spec, analytic_breakdown(spec)["params"]) + "\n")
+    print(format_phases(ph, "GiB" if ph["peak_bytes"] >= GiB else "MiB"))
+    print("\n" + "\n".join(verdict(report)))
+    return 0

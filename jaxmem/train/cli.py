@@ -4,6 +4,12 @@
     python -m jaxmem.train --preset small --precision amp-bf16 --remat dots_no_batch \
         --batch-size 16 --seq-len 1024 --steps 2000 --data 'corpus/*.txt' --out runs/small
     python -m jaxmem.train --out runs/small --resume      # continue with the saved config
+    python -m jaxmem.train --config qlora.yaml --lr 1e-4 --dry-run   # the config and its plan
+
+The flags, a config file (`--config FILE`, YAML with RunConfig's sections as keys; a run's
+config.json starts a new run) and a recipe (`--recipe NAME`) are layered: default < recipe <
+file < flag (jaxmem.config.files). `--dry-run` prints every value with where it came from and
+the plan of the run's phases (jaxmem.memory), and exits without training or making a directory.
 
 The flags are generated from RunConfig (jaxmem.config.run); the run's RunConfig is stored in
 `<out>/config.json`. The run directory also holds `metrics.jsonl` and `checkpoints/` (Orbax).
@@ -34,13 +40,16 @@ import sys
 import time
 from pathlib import Path
 
-from jaxmem.config.flags import add_run_flags, given_overrides
+from jaxmem.config.files import Layers, add_config_flags, provenance_lines
+from jaxmem.config.flags import add_run_flags
 from jaxmem.config.run import RunConfig, is_mutable
+from jaxmem import target
 from jaxmem.data import DataError, load_corpus
 from jaxmem.data.tokenizers import TOKEN_NAMES, load_tokenizer, section_tokenizer
 from jaxmem.data.checks import data_warnings
 from jaxmem.data.examples import example_options
 from jaxmem.io.checkpoint import CheckpointError, Checkpointer
+from jaxmem.memory.layered import model_inputs, run_layers
 from jaxmem.train.rundir import (CKPT_DIR, CONFIG_FILE, RunError, exit_after_failed_restore, fail,
                               read_run_config, restore_hint, run_tokenizer)
 from jaxmem.parallel.distributed import add_process_flags, initialize_from_args
@@ -63,6 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "built-in corpus (the Python standard library's source, byte-level), a few "
                     "minutes on a 2-core CPU. Uses the GPU when JAX sees one. --out on a directory "
                     "that holds a run continues it (see --resume).")
+    files = p.add_argument_group("config files and dry run")
+    add_config_flags(files)
+    files.add_argument("--dry-run", action="store_true",
+                       help="print the resolved config (each value with where it came from: "
+                            "default, recipe, FILE:LINE or flag), the plan of the run's phases "
+                            "and the verdict (jaxmem.memory), and exit without training or "
+                            "making the run directory")
+    files.add_argument("--target", choices=sorted(target.CARDS), metavar="GPU",
+                       help="with --dry-run: plan for this GPU (default: the config's card:, "
+                            "else the GPU here, else the analytic plan): "
+                            + ", ".join(sorted(target.CARDS)))
     groups = add_run_flags(p, SECTIONS)
     groups["run directory"].add_argument(
         "--resume", action="store_true",
@@ -125,10 +145,25 @@ def _choose_config(overrides: dict, resume: bool, out: Path):
     return cfg, True, record, changes
 
 
+def _layers(args) -> Layers:
+    """The run's overrides: --recipe, --config, then the flags (jaxmem.config.files). A run's
+    config.json starts a new run, never its own again (that is --resume)."""
+    lay = run_layers(args)
+    out = lay.overrides.get("run.out")
+    for f in lay.files:
+        if f.record and out is not None and Path(out).resolve() == f.path.parent.resolve():
+            raise RunError(f"--config {f.path} is the config of the run in --out {out}: to "
+                           f"continue that run, pass --out {out} --resume without --config; to "
+                           f"start a new one, choose another --out (nothing was changed)")
+    return lay
+
+
 def setup(args, parser) -> Setup:
     """Validate everything and load the data; exits 2 (parser.error) on bad input."""
-    overrides = given_overrides(args)
+    lay = Layers()  # (empty until read: an error in a file names its own line)
     try:
+        lay = _layers(args)
+        overrides = dict(lay.overrides)
         initialize_from_args(args)  # multi-process runs: before anything touches the backend
         if "run.out" not in overrides:
             if args.resume:
@@ -207,7 +242,7 @@ def setup(args, parser) -> Setup:
     except CheckpointError as e:
         exit_after_failed_restore(parser, str(e).splitlines()[0])
     except (RunError, DataError, ValueError) as e:  # ConfigError, RematError ... are ValueErrors
-        fail(parser, str(e).splitlines()[0] if str(e) else repr(e))
+        fail(parser, lay.explain(str(e).splitlines()[0]) if str(e) else repr(e))
     return s
 
 
@@ -221,11 +256,47 @@ def _resume_step(args, steps: list[int], out: Path) -> int | None:
     return args.resume_step
 
 
+def dry_run(args, parser) -> int:
+    """--dry-run: the resolved config with each value's source, then the plan (jaxmem.memory);
+    reads --init-from's config.json (not its weights) and, with --out of a run, its config.json
+    as a real run would (--resume: the saved config under the flags); makes nothing."""
+    from jaxmem.memory.commands import plan_run  # noqa: PLC0415
+
+    lay, note = Layers(), "a new run"
+    try:
+        lay = model_inputs(_layers(args))
+        out = lay.overrides.get("run.out")
+        if args.resume and out is None:
+            raise RunError("--resume needs --out: the run directory to continue")
+        cfg = RunConfig().replace(lay.overrides)
+        if out is not None and (args.resume or (Path(out) / CONFIG_FILE).exists()):
+            cfg, continuing, _, _ = _choose_config(lay.overrides, args.resume, Path(out))
+            for p in (p for p, _, _ in RunConfig().differences(cfg) if p not in lay.sources):
+                lay.sources[p] = f"{Path(out) / CONFIG_FILE}: the run's saved config"
+            note = f"continues the run in {out}" if continuing else note
+        build_step_config(cfg)  # validates shapes, remat, precision, the sections together
+    except (RunError, DataError, ValueError) as e:
+        fail(parser, lay.explain(str(e).splitlines()[0]) if str(e) else repr(e))
+    print(f"{parser.prog} --dry-run ({note}): nothing is trained and no run directory is made "
+          f"or changed")
+    if lay.description:
+        print(f"description: {lay.description}")
+    if lay.replaced:
+        print(f"the checkpoint (--init-from) sets the model in place of: {', '.join(lay.replaced)}")
+    print("resolved config (value, and where it came from):")
+    print("\n".join(provenance_lines(cfg, lay.sources)) + "\n", flush=True)
+    return plan_run(cfg, args.target or lay.card, parser.prog)
+
+
 def main(argv=None) -> int:
     from jaxmem.train.loop import train
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.dry_run:
+        return dry_run(args, parser)
+    if args.target is not None:
+        parser.error("--target plans for a GPU: it needs --dry-run")
     s = setup(args, parser)
     try:
         return train(s)

@@ -1,0 +1,5 @@
+import sys
+
+from jaxmem.recipes.cli import main
+
+sys.exit(main())
