@@ -76,6 +76,7 @@ def write_rows(path, rows):
 def layouts(tmp_path_factory):
     pytest.importorskip("tokenizers")
     pytest.importorskip("jinja2")
+    pytest.importorskip("transformers")  # write_layout writes the family's config with its class
     from tokenizer_layouts import write_layout
 
     root = tmp_path_factory.mktemp("layouts")
