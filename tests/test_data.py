@@ -73,6 +73,38 @@ def test_hf_tokenizer_round_trip(tmp_path):
         HFTokenizer(tmp_path / "tok.json", bos_token="<x>")
 
 
+def test_batched_encoding_and_the_memo_give_each_files_own_ids(tmp_path, monkeypatch):
+    """A corpus of several text files, encoded in batches (`BATCH_BYTES` lowered so it takes
+    three), is the stream of each file encoded alone; loaded again it comes from the memo
+    (equal, and a copy), and a file changed on disk is read again."""
+    pytest.importorskip("tokenizers")
+    from jaxmem.data import sources
+    from hf_files import write_tokenizer
+    write_tokenizer(tmp_path / "tok", "def return import class self None for in if else " * 50)
+    tok = load_tokenizer(str(tmp_path / "tok" / "tokenizer.json"))
+    texts = ["def f(x):\n    return x if x else None\n" * (3 + i) for i in range(5)]
+    for i, t in enumerate(texts):
+        write(tmp_path / "d" / f"{i}.py", t)
+    before, after = tok.document_ids()
+    want = [i for t in texts for i in [*before, *tok.encode(t), *after]]
+    monkeypatch.setattr(sources, "BATCH_BYTES", 2 * len(texts[2]))
+    calls = []
+    monkeypatch.setattr(type(tok), "encode_arrays",
+                        lambda self, ts, f=type(tok).encode_arrays: calls.append(len(ts)) or f(self, ts))
+    sources._MEMO.clear()
+    V = tok.vocab_size
+    train, _, stats = load_corpus(str(tmp_path / "d"), tok, V, eval_fraction=0.0)
+    assert train.tolist() == want and len(calls) == 3 and sum(calls) == 5
+    again, _, stats2 = load_corpus(str(tmp_path / "d"), tok, V, eval_fraction=0.0)
+    assert again.tolist() == want and stats2 == stats and len(calls) == 3  # from the memo
+    again[0] = -1  # the memo hands out copies
+    assert load_corpus(str(tmp_path / "d"), tok, V, eval_fraction=0.0)[0].tolist() == want
+    write(tmp_path / "d" / "4.py", "class C: pass\n")  # changed: tokenized again
+    changed, _, _ = load_corpus(str(tmp_path / "d"), tok, V, eval_fraction=0.0)
+    assert len(calls) > 3 and changed.tolist()[-(len(after) + len(tok.encode("class C: pass\n"))):] \
+        == [*tok.encode("class C: pass\n"), *after]
+
+
 # ----------------------------------------------------------------------------- text sources
 
 

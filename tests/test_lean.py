@@ -108,3 +108,37 @@ def test_tiled_mlp_and_chunked_attention_under_full_remat(monkeypatch):
     assert tiled.mlp_tile(2, 20, cfg.intermediate_size) == 7
     v1, g1 = grads("full")
     assert_reordered_fp32((v1, g1), (v0, g0))  # tiled and chunked: another order
+
+
+def test_full_untiled_keeps_the_mlp_whole(monkeypatch):
+    """`--remat full+untiled` where `full` would tile (limits lowered so the tiny model tiles):
+    the step's footprint and jaxpr have no MLP tiles, and the loss and gradients are bitwise
+    those of `full` where tiling does not pay (the same untiled program)."""
+    from jaxmem.model import tiled
+    from jaxmem.model.precision import get_precision
+    from jaxmem.config.run import OptimConfig
+    from jaxmem.train import footprint, make_step_config
+    cfg = get_preset("tiny", num_layers=2)
+    params = init_params(cfg, jax.random.PRNGKey(3))
+    batch = synthetic_batch(jax.random.PRNGKey(4), 2, 20, cfg.vocab_size, pad_fraction=0.2)
+
+    def step(remat):
+        model = Decoder(cfg, RematPolicy.parse(remat))
+        f = jax.value_and_grad(lambda p: token_loss(model, p, batch, loss_chunk=None)[0])
+        return f, jax.jit(f)(params)
+
+    def mlp_tile(remat):
+        step_cfg, _ = make_step_config(cfg, get_precision("fp32"), RematPolicy.parse(remat),
+                                       OptimConfig(), 20)
+        return footprint(step_cfg, 2, 20).mlp_tile
+
+    monkeypatch.setattr(tiled, "TILE_BYTES", 2 * 7 * cfg.intermediate_size * 4)
+    monkeypatch.setattr(tiled, "TILE_MIN_TOKENS_PER_WIDTH", 0)  # tiny: tiled anyway
+    assert (mlp_tile("full"), mlp_tile("full+untiled")) == (7, 0)
+    tiled_fn, _ = step("full")
+    untiled_fn, got = step("full+untiled")
+    scans = lambda f: str(jax.make_jaxpr(f)(params)).count("custom_vjp_call")  # noqa: E731
+    assert scans(untiled_fn) < scans(tiled_fn)  # the tiled MLP's custom VJP is gone
+    monkeypatch.setattr(tiled, "TILE_MIN_TOKENS_PER_WIDTH", 10**9)  # full: untiled too
+    _, want = step("full")
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), got, want))

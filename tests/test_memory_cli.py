@@ -1,6 +1,7 @@
 """The `python -m jaxmem.memory` command line, and the `--measure` worker protocol."""
 
 import contextlib
+import dataclasses
 import io
 import json
 import subprocess
@@ -64,6 +65,19 @@ def test_spec_json_round_trip(spec):
     text = spec.to_json()
     assert StepSpec.from_json(text) == spec
     assert json.loads(text)["precision"] == spec.precision.name  # plain JSON, by name
+
+
+def test_spec_json_from_before_norm_placement():
+    """A spec JSON written before `norm_placement` replaced `sandwich_norms` (Gemma 3's sandwich
+    as a bool) reads as the same spec."""
+    spec = StepSpec.of(dataclasses.replace(get_preset("tiny"), norm_placement="sandwich"),
+                       get_precision("fp32"), RematPolicy(), 2, 64)
+    d = json.loads(spec.to_json())
+    placement = d["model"].pop("norm_placement")
+    d["model"]["sandwich_norms"] = placement == "sandwich"
+    assert StepSpec.from_json(json.dumps(d)) == spec
+    d["model"]["sandwich_norms"] = False
+    assert StepSpec.from_json(json.dumps(d)).model.norm_placement == "pre"
 
 
 @pytest.mark.parametrize("flags", [

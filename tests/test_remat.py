@@ -79,6 +79,15 @@ def test_parse_round_trip_and_errors():
     assert RematPolicy.parse(jaxmem.remat.RematPolicy.parse("offload")) == RematPolicy.parse("offload")
     with pytest.raises(RematError, match="unknown tag.*'qery'"):
         RematPolicy.parse(jaxmem.remat.RematPolicy("names", ("qery",)))
+    # `+untiled`: on a policy whose MLP could tile only, and round trips
+    for spec in ["full+untiled", "offload:block_input+untiled", "names:query,key+untiled"]:
+        p = RematPolicy.parse(spec)
+        assert str(p) == spec and not p.mlp_tiles and RematPolicy.parse(str(p)) == p
+    assert RematPolicy.parse("full") != RematPolicy.parse("full+untiled")
+    with pytest.raises(RematError, match="'dots' never runs the MLP in sequence tiles"):
+        RematPolicy.parse("dots+untiled")
+    with pytest.raises(RematError, match="'names:mlp_up' never runs the MLP"):
+        RematPolicy.parse("names:mlp_up+untiled")
 
 
 def test_offload_is_refused_on_cpu():

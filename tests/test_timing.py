@@ -65,6 +65,30 @@ def test_in_place_update_counts_the_update_not_the_buffer():
     assert k.bytes == 4096 + 4 + 4096  # the row read, the index, the row written
 
 
+def test_in_place_update_through_a_bitcast_counts_the_update():
+    """XLA's dynamic-slice fusion (kCustom) writes a layer [16, 1024] into its stack [4, 16, 1024]
+    seen as rows [64, 1024] through a bitcast (a view): the in-backward step's write of a
+    layer's updated weights. The update is read and written; the 256 KiB stack is not (counted
+    whole, it put 3.76 GB of phantom traffic per MLP weight and layer into the 8B's step)."""
+    fused = """
+%dus (p0: f32[16,1024], p1: s32[], p2: f32[4,16,1024]) -> f32[64,1024] {
+  %p2 = f32[4,16,1024]{2,1,0} parameter(2)
+  %v = f32[64,1024]{1,0} bitcast(%p2)
+  %p0 = f32[16,1024]{1,0} parameter(0)
+  %c = f32[16,1024]{1,0} copy(%p0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %u = f32[64,1024]{1,0} dynamic-update-slice(%v, %c, %p1, %z)
+}
+"""
+    text = module("""  %r = f32[16,1024]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %s = f32[4,16,1024]{2,1,0} parameter(2)
+  ROOT %w = f32[64,1024]{1,0} fusion(%r, %i, %s), kind=kCustom, calls=%dus""", fused)
+    (k,) = step_time(text, M, E).kernels
+    assert k.bytes == 65536 + 4 + 65536  # the layer read, the index, the layer written
+
+
 def test_cudnn_attention_flops():
     """4 |q| S forward, halved by the causal mask; the backward 2.5 times that."""
     cfg = ('backend_config={"cudnn_fmha_backend_config": {"intermediate_tensor_shape": '

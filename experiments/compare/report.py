@@ -69,8 +69,8 @@ def add_ratios(results: list[dict]) -> list[dict]:
 def add_mfu(results: list[dict]) -> None:
     """r["mfu"] = model FLOPs/s over the device's dense peak for the mode's compute dtype
     (jaxmem.perf); None on CPU and for fp32 runs, which are not MFU runs."""
-    from jaxmem.families.params import num_params
-    from jaxmem.perf import flops_per_token, peak_flops
+    from jaxmem.families.params import model_flops
+    from jaxmem.perf import peak_flops
     from jaxmem.model.precision import get_precision
     for r in results:
         if "error" in r:
@@ -81,7 +81,7 @@ def add_mfu(results: list[dict]) -> None:
             continue
         peak = peak_flops(r.get("device", ""), get_precision(s["mode"]).compute_dtype)
         if peak:
-            r["mfu"] = flops_per_token(model_config(s), s["seq_len"], num_params(model_config(s))) * r["tokens_per_s"] / peak
+            r["mfu"] = model_flops(model_config(s), s["seq_len"]) * r["tokens_per_s"] / peak
 
 
 def mib(x):

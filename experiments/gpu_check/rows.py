@@ -86,6 +86,10 @@ def rows(smoke: bool) -> list[Row]:
             f"full 1x{seq8[1]}", (*b8, *sr8, "--batch-size", "1", *seq8), timeout=420),
         Row("8b-4x2048", "train", f"same, 4x{seq8[1]}", (*b8, *sr8, "--batch-size", "4", *seq8),
             timeout=420),
+        # the 8B target's configuration (`--fit 80 --global-batch 8 --target h100` picks it):
+        # remat full with the MLP whole
+        Row("8b-8x2048-untiled", "train", f"same, 8x{seq8[1]}, --remat full+untiled",
+            (*b8, *sr8, "--batch-size", "8", *seq8, "--remat", "full+untiled"), timeout=480),
         *(Row(f"8b-{name}", "train", f"8b-1x2048 with --optimizer-in-backward, {what} on the "
               f"host, {bs}x{seq8[1]}", (*b8, *sr8, "--batch-size", bs, *seq8,
                                        "--optimizer-in-backward", *flags),

@@ -121,7 +121,9 @@ class RematSection:
     """Activation rematerialization (docs/remat.md)."""
 
     policy: str = option("none", "remat policy for each decoder block: none, full, dots, "
-                         "dots_no_batch, offload, names:<tag>[,<tag>...], offload:<tag>[,<tag>...]",
+                         "dots_no_batch, offload, names:<tag>[,<tag>...], offload:<tag>[,<tag>...]; "
+                         "'+untiled' after full (full+untiled) keeps the MLP whole instead of in "
+                         "sequence tiles: more memory, faster",
                          flags=("--remat",))
     loss_chunk: int | None = option(None, "fuse the LM head into the loss in chunks of N "
                                     "positions, never holding [B, T, V] logits (0: off; default: "

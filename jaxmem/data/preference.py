@@ -265,23 +265,62 @@ def load_preferences(files, tokenizer, vocab_size: int, *, seq_len: int, eval_fr
                      chat_template: str | None = None):
     """(train PreferencePairs, eval PreferencePairs, stats) of preference files (see the module
     docstring)."""
-    if style not in STYLES:
-        raise DataError(f"preference style must be one of {', '.join(STYLES)}, got {style!r}")
-    if seq_len < 1:
-        raise DataError(f"seq_len must be >= 1, got {seq_len!r}")
-    if max_prompt_length is not None and max_prompt_length < 1:
-        raise DataError(f"max_prompt_length must be >= 1, got {max_prompt_length!r}")
+    _check_options(style, seq_len, max_prompt_length)
     rows = [row for f in files for row in read_rows(f, preference=True)]
     for row in rows[1:]:  # TRL decides a dataset's shape by its first row
         if _shape(row) != _shape(rows[0]):
             raise DataError(f"{row.where}: {_shape(row)} among {_shape(rows[0])} (since "
                             f"{rows[0].where}); give preference rows of one shape")
     template = _template_for(rows, tokenizer, chat_template)
-    tokenize = Tokenize(tokenizer, template, style)
     max_length = seq_len + 1
+    pairs, left_out = _tokenized_pairs(rows, Tokenize(tokenizer, template, style), vocab_size,
+                                       seq_len=seq_len, max_prompt_length=max_prompt_length)
+    n_eval = _eval_count(len(pairs), eval_fraction)
+    n_train = len(pairs) - n_eval
+    train, evals = pairs.subset(0, n_train), pairs.subset(n_train, len(pairs))
+    completion, prompt = train.target_counts()
+    eval_completion, eval_prompt = evals.target_counts()
+    stats = {
+        "format": "preference",
+        "style": style,
+        "row_shape": _shape(rows[0]),
+        "rows": len(rows),
+        "pairs": len(pairs),
+        "train_pairs": len(train),
+        "eval_pairs": len(evals),
+        "left_out": left_out,
+        "max_length": max_length,
+        "max_prompt_length": max_prompt_length,
+        "completion_tokens": completion,
+        "prompt_tokens": prompt,
+        "eval_completion_tokens": eval_completion,
+        "eval_prompt_tokens": eval_prompt,
+        "train_tokens": completion + prompt,  # real targets, as a token stream's count
+        "eval_tokens": eval_completion + eval_prompt,
+        "tokens_sha256": _digest(pairs, style),
+    }
+    if template is not None:
+        stats["chat_template"] = {"source": template.source, "sha256": template.sha256}
+    return train, evals, stats
+
+
+def _check_options(style: str, seq_len: int, max_prompt_length: int | None) -> None:
+    """DataError naming the first of load_preferences' options that is out of range."""
+    if style not in STYLES:
+        raise DataError(f"preference style must be one of {', '.join(STYLES)}, got {style!r}")
+    if seq_len < 1:
+        raise DataError(f"seq_len must be >= 1, got {seq_len!r}")
+    if max_prompt_length is not None and max_prompt_length < 1:
+        raise DataError(f"max_prompt_length must be >= 1, got {max_prompt_length!r}")
+
+
+def _tokenized_pairs(rows, tokenize, vocab_size: int, *, seq_len: int,
+                     max_prompt_length: int | None):
+    """(PreferencePairs of the rows that survive truncation to seq_len + 1 tokens, the count of
+    rows left out per reason); DataError on an id outside the vocabulary or when none survive."""
     kept, left_out, first_left_out = [], {"prompt_too_long": 0, "no_completion_tokens": 0}, None
     for row in rows:
-        sides, why = _cut(tokenize(row.value, row.where), max_length, max_prompt_length)
+        sides, why = _cut(tokenize(row.value, row.where), seq_len + 1, max_prompt_length)
         if why is not None:
             left_out[why] += 1
             first_left_out = first_left_out or (row.where, why)
@@ -302,9 +341,11 @@ def load_preferences(files, tokenizer, vocab_size: int, *, seq_len: int, eval_fr
                         f"({reason}; {', '.join(f'{v} {k}' for k, v in left_out.items() if v)})")
     pairs = PreferencePairs([k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept],
                             np.asarray([k[3] for k in kept], np.int32).reshape(-1, 2))
-    n_eval = _eval_count(len(pairs), eval_fraction)
-    n_train = len(pairs) - n_eval
-    train, evals = pairs.subset(0, n_train), pairs.subset(n_train, len(pairs))
+    return pairs, left_out
+
+
+def _digest(pairs, style: str) -> str:
+    """sha256 hex of the style and every pair's parts (their sizes, untrained counts and ids)."""
     digest = hashlib.sha256(style.encode())
     for i in range(len(pairs)):
         parts = (pairs.prompt[i], pairs.chosen[i], pairs.rejected[i])
@@ -312,27 +353,4 @@ def load_preferences(files, tokenizer, vocab_size: int, *, seq_len: int, eval_fr
         digest.update(np.asarray(sizes, np.int64).tobytes())
         for p in parts:
             digest.update(p.tobytes())
-    completion, prompt = train.target_counts()
-    eval_completion, eval_prompt = evals.target_counts()
-    stats = {
-        "format": "preference",
-        "style": style,
-        "row_shape": _shape(rows[0]),
-        "rows": len(rows),
-        "pairs": len(pairs),
-        "train_pairs": len(train),
-        "eval_pairs": len(evals),
-        "left_out": left_out,
-        "max_length": max_length,
-        "max_prompt_length": max_prompt_length,
-        "completion_tokens": completion,
-        "prompt_tokens": prompt,
-        "eval_completion_tokens": eval_completion,
-        "eval_prompt_tokens": eval_prompt,
-        "train_tokens": completion + prompt,  # real targets, as a token stream's count
-        "eval_tokens": eval_completion + eval_prompt,
-        "tokens_sha256": digest.hexdigest(),
-    }
-    if template is not None:
-        stats["chat_template"] = {"source": template.source, "sha256": template.sha256}
-    return train, evals, stats
+    return digest.hexdigest()

@@ -302,14 +302,57 @@ class _Read(NamedTuple):
                 "binary_looking_files": dict(list(self.binary_looking.items())[:20])}
 
 
+# The last token stream made, for a process that loads the same corpus again (a resumed run
+# in the same process, the test suite's many runs): {key: (stream, read)}. A key is the files'
+# paths, sizes and modification times, the tokenizer file's, and the vocabulary size; only
+# streams up to MEMO_BYTES are kept (a large corpus is not held twice).
+_MEMO: dict = {}
+MEMO_BYTES = 256 << 20
+BATCH_BYTES = 16 << 20  # text encoded per call of a tokenizer's batch encoder, at most
+
+
+def _memo_key(files: list[Path], tokenizer, vocab_size: int):
+    """The memo's key of a stream, or None where the tokenizer has no file to stamp (the byte
+    tokenizer is fast anyway) or a file cannot be stat'ed."""
+    path = getattr(tokenizer, "path", None)
+    if path is None:
+        return None
+    try:
+        stamp = lambda f: (str(f), os.stat(f).st_size, os.stat(f).st_mtime_ns)  # noqa: E731
+        return (tuple(stamp(f) for f in files), stamp(path),
+                tuple(map(tuple, tokenizer.document_ids())), int(vocab_size))
+    except OSError:
+        return None
+
+
 def _token_stream(files: list[Path], tokenizer, vocab_size: int) -> tuple[np.ndarray, _Read]:
     """One int32 stream of every file in order: a text file as the tokenizer's document prefix
-    (BOS where the checkpoint's tokenizer adds one), its tokens, EOS; a token file as it is."""
-    pieces: list[np.ndarray] = []
+    (BOS where the checkpoint's tokenizer adds one), its tokens, EOS; a token file as it is.
+    Text is encoded in batches of up to BATCH_BYTES (a tokenizer's `encode_arrays`, which HF
+    tokenizers run on every core; the ids are those of encoding each file alone). The same
+    corpus loaded again in one process is taken from `_MEMO`."""
+    key = _memo_key(files, tokenizer, vocab_size)
+    if key is not None and key in _MEMO:
+        stream, read = _MEMO[key]
+        return stream.copy(), read
+    pieces: list = []
     before, after = (np.asarray(x, np.int32) for x in tokenizer.document_ids())
     n_bytes = n_docs = n_bad = 0
     bad_files: list[str] = []
     binary_looking: dict[str, float] = {}
+    batch: list = []  # (index into pieces, file, text) waiting to be encoded
+
+    def encode_batch():
+        texts = [t for _, _, t in batch]
+        many = getattr(tokenizer, "encode_arrays", None)
+        for (at, f, _), ids in zip(batch, many(texts) if many else map(tokenizer.encode_array,
+                                                                            texts)):
+            if ids.size and int(ids.max()) >= vocab_size:
+                raise DataError(f"tokenizing {f} gave token id {int(ids.max())} >= vocab size "
+                                f"{vocab_size}")
+            pieces[at] = ids
+        batch.clear()
+
     for f in files:
         if _is_token_file(f):
             arr = load_token_file(f, vocab_size)
@@ -323,15 +366,19 @@ def _token_stream(files: list[Path], tokenizer, vocab_size: int) -> tuple[np.nda
             bad_files.append(str(f))
             if binary_share(len(raw), bad) > BINARY_SHARE:
                 binary_looking[str(f)] = round(binary_share(len(raw), bad), 4)
-        ids = tokenizer.encode_array(text)
-        if ids.size and int(ids.max()) >= vocab_size:
-            raise DataError(f"tokenizing {f} gave token id {int(ids.max())} >= vocab size "
-                            f"{vocab_size}")
         n_bytes += len(raw)
         n_docs += 1
-        pieces.extend([before, ids, after])
+        pieces.extend([before, None, after])
+        batch.append((len(pieces) - 2, f, text))
+        if sum(len(t) for _, _, t in batch) >= BATCH_BYTES:
+            encode_batch()
+    encode_batch()
     stream = np.concatenate(pieces).astype(np.int32, copy=False)
-    return stream, _Read(n_docs, n_bytes, n_bad, bad_files, binary_looking)
+    read = _Read(n_docs, n_bytes, n_bad, bad_files, binary_looking)
+    if key is not None and stream.nbytes <= MEMO_BYTES:
+        _MEMO.clear()
+        _MEMO[key] = (stream.copy(), read)
+    return stream, read
 
 
 def train_batcher(train, batch_size: int, seq_len: int, seed: int, *, pad_id: int):

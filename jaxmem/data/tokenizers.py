@@ -190,6 +190,12 @@ class HFTokenizer:
     def encode_array(self, text: str) -> np.ndarray:
         return np.asarray(self.encode(text), dtype=np.int32)
 
+    def encode_arrays(self, texts: list[str]) -> list[np.ndarray]:
+        """`encode_array` of each text, encoded as one batch (the tokenizers library spreads a
+        batch over the machine's cores; each text's ids are those it gets alone)."""
+        return [np.asarray(e.ids, dtype=np.int32)
+                for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
     def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """(ids, [(start, end) character offsets of each id in `text`]), without special tokens
         added (special tokens written in the text, such as a chat template's, are matched)."""

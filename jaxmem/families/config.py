@@ -83,6 +83,26 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
 
     def __post_init__(self):
+        self._check_shapes()
+        self._check_rope()
+        if not isinstance(self.family, str) or not self.family:
+            raise ConfigError(f"ModelConfig.family must be a family's name, got {self.family!r}")
+        if not self.rms_norm_eps > 0:
+            raise ConfigError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if self.qk_norm_scope not in ("head", "projection"):
+            raise ConfigError(f"ModelConfig.qk_norm_scope must be 'head' or 'projection', "
+                              f"got {self.qk_norm_scope!r}")
+        if self.norm_placement not in PLACEMENTS:
+            raise ConfigError(f"ModelConfig.norm_placement must be one of "
+                              f"{', '.join(map(repr, PLACEMENTS))}, got {self.norm_placement!r}")
+        if self.mlp_activation not in ("silu", "gelu_tanh"):
+            raise ConfigError(f"ModelConfig.mlp_activation must be 'silu' or 'gelu_tanh', "
+                              f"got {self.mlp_activation!r}")
+        self._check_attention_window()
+
+    def _check_shapes(self) -> None:
+        """ConfigError unless the sizes are positive integers, the heads divide the width (or
+        head_dim is set) and the kv heads the heads, and RoPE turns an even number of dims."""
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "max_position_embeddings"):
             value = getattr(self, name)
@@ -103,6 +123,10 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.partial_rotary_factor={self.partial_rotary_factor!r} "
                               f"must be in (0, 1] and turn an even, nonzero number of the "
                               f"{self.resolved_head_dim} head dims")
+
+    def _check_rope(self) -> None:
+        """ConfigError unless rope_theta is positive and rope_type is known, with the factors
+        its scaling needs."""
         if not self.rope_theta > 0:
             raise ConfigError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}")
         if self.rope_type not in ("default", "llama3", "linear"):
@@ -117,33 +141,25 @@ class ModelConfig:
             raise ConfigError("ModelConfig llama3 RoPE needs rope_factor > 0, "
                               "rope_original_max_position_embeddings > 0 and "
                               "rope_high_freq_factor > rope_low_freq_factor > 0")
-        if not isinstance(self.family, str) or not self.family:
-            raise ConfigError(f"ModelConfig.family must be a family's name, got {self.family!r}")
-        if not self.rms_norm_eps > 0:
-            raise ConfigError(f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
-        if self.qk_norm_scope not in ("head", "projection"):
-            raise ConfigError(f"ModelConfig.qk_norm_scope must be 'head' or 'projection', "
-                              f"got {self.qk_norm_scope!r}")
-        if self.norm_placement not in PLACEMENTS:
-            raise ConfigError(f"ModelConfig.norm_placement must be one of "
-                              f"{', '.join(map(repr, PLACEMENTS))}, got {self.norm_placement!r}")
-        if self.mlp_activation not in ("silu", "gelu_tanh"):
-            raise ConfigError(f"ModelConfig.mlp_activation must be 'silu' or 'gelu_tanh', "
-                              f"got {self.mlp_activation!r}")
+
+    def _check_attention_window(self) -> None:
+        """ConfigError unless sliding_window is a positive integer or None and layer_types (made
+        a tuple) names one known kind per layer, sliding ones only with a window."""
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
                                                 or self.sliding_window <= 0):
             raise ConfigError(f"ModelConfig.sliding_window must be a positive integer or None, "
                               f"got {self.sliding_window!r}")
-        if self.layer_types is not None:
-            object.__setattr__(self, "layer_types", tuple(self.layer_types))  # a JSON list too
-            kinds = set(self.layer_types) - {"sliding_attention", "full_attention"}
-            if len(self.layer_types) != self.num_layers or kinds:
-                raise ConfigError(f"ModelConfig.layer_types must give 'sliding_attention' or "
-                                  f"'full_attention' for each of the {self.num_layers} layers, "
-                                  f"got {list(self.layer_types)!r}")
-            if "sliding_attention" in self.layer_types and self.sliding_window is None:
-                raise ConfigError("ModelConfig.layer_types names sliding_attention layers but "
-                                  "sliding_window is not set")
+        if self.layer_types is None:
+            return
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))  # a JSON list too
+        kinds = set(self.layer_types) - {"sliding_attention", "full_attention"}
+        if len(self.layer_types) != self.num_layers or kinds:
+            raise ConfigError(f"ModelConfig.layer_types must give 'sliding_attention' or "
+                              f"'full_attention' for each of the {self.num_layers} layers, "
+                              f"got {list(self.layer_types)!r}")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ConfigError("ModelConfig.layer_types names sliding_attention layers but "
+                              "sliding_window is not set")
 
     @property
     def resolved_head_dim(self) -> int:

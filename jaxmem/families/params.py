@@ -4,6 +4,8 @@ no closed-form count that must know each family's twists.
     init_params(config, rng)        the parameters (allocated): Flax's init, or in a dtype
     abstract_params(config, dtype)  their shapes and dtypes, nothing allocated
     num_params(config)              how many (cached per config)
+    model_flops(config, seq_len)    training FLOPs per token (jaxmem.perf.flops_per_token of that
+                                    count): the MFU numerator of the trainer, planner and reports
     count_params(params)            elements over a params tree's leaves
 """
 
@@ -16,6 +18,7 @@ import jax.numpy as jnp
 
 from jaxmem import families
 from jaxmem.families.config import ModelConfig
+from jaxmem.perf import flops_per_token
 
 
 def init_params(config: ModelConfig, rng: jax.Array, seq_len: int = 8, dtype=None):
@@ -57,3 +60,9 @@ def count_params(params) -> int:
 def num_params(config: ModelConfig) -> int:
     """How many parameters `config`'s family module has (its abstract init, counted)."""
     return count_params(abstract_params(config))
+
+
+def model_flops(config: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token of `config` at `seq_len` positions: `jaxmem.perf.flops_per_token`
+    with this module's own parameter count, the one MFU formula every figure uses."""
+    return flops_per_token(config, seq_len, num_params(config))

@@ -121,15 +121,10 @@ def fit_mesh(args, spec) -> int:
     return 0 if result["chosen"] else 1
 
 
-def fit_seq(parser, args, cfg, spec, mesh_text) -> int:
-    """`--fit-seq GIB`: the longest sequence that fits (search.fit_seq); on a mesh the step's
-    per-device compiled peak decides, on one device the run's largest phase. The answer says
-    what it assumed: the micro-batch (1 unless --batch-size was given: cli._resolve) and the
-    share of the card XLA may use (`xla_fraction`, the verdict's rule)."""
-    if args.fit is not None:
-        parser.error("--fit-seq searches the sequence length, --fit the batch: drop one")
+def _search_seq(parser, args, cfg, spec, mesh_text, budget: int) -> dict:
+    """search.fit_seq's result within `budget` bytes: on a mesh (--mesh, --devices N) by the
+    step's per-device compiled peak, with the mesh named; on one device by the run's phases."""
     log = progress(args, lambda e: f"  {e['seq_len']:,} tokens: {e['reason']}")
-    budget = usable_bytes(args.fit_seq)
     if mesh_text is not None or (args.devices or 1) > 1:  # per device (context=N...)
         try:
             mesh = resolve(spec, mesh_text)
@@ -139,14 +134,25 @@ def fit_seq(parser, args, cfg, spec, mesh_text) -> int:
             "peak_bytes": step["peak_bytes"], "peak_phase": f"step per device ({mesh})"},
             compile_fn=compile_step, log=log, mesh=mesh)
         result["mesh"] = str(mesh)
-    else:
-        sample, cache = SampleShape.of(cfg), {}
+        return result
+    sample, cache = SampleShape.of(cfg), {}
 
-        def run(s, step):
-            for k in [k for k in cache if k[0] == "eval"]:  # eval depends on T: not reused
-                del cache[k]
-            return run_phases(s, sample, args.compile, step, cache=cache)
-        result = search_fit_seq(spec, budget, run, log=log)
+    def run(s, step):
+        for k in [k for k in cache if k[0] == "eval"]:  # eval depends on T: not reused
+            del cache[k]
+        return run_phases(s, sample, args.compile, step, cache=cache)
+    return search_fit_seq(spec, budget, run, log=log)
+
+
+def fit_seq(parser, args, cfg, spec, mesh_text) -> int:
+    """`--fit-seq GIB`: the longest sequence that fits (search.fit_seq); on a mesh the step's
+    per-device compiled peak decides, on one device the run's largest phase. The answer says
+    what it assumed: the micro-batch (1 unless --batch-size was given: cli._resolve) and the
+    share of the card XLA may use (`xla_fraction`, the verdict's rule)."""
+    if args.fit is not None:
+        parser.error("--fit-seq searches the sequence length, --fit the batch: drop one")
+    budget = usable_bytes(args.fit_seq)
+    result = _search_seq(parser, args, cfg, spec, mesh_text, budget)
     result.pop("spec")
     result["tried"] = [{**without(t, "compiled", "phases"), "predicted_seconds":
                         predicted_seconds(t)} for t in result["tried"]]

@@ -109,13 +109,13 @@ def format_plan(result: dict, budget_gib: float, timed: bool = False) -> str:
     """One line per candidate `plan` tried, in order, with its verdict (and its predicted tok/s
     where the step's time is predicted: `timed`)."""
     if timed:
-        head = ("for each remat policy (none > dots_no_batch > names > full > offload) the "
-                "largest micro-batch that fits (then mu fp32 > bf16); the fastest predicted "
-                "is chosen")
+        head = ("for each remat policy (none > dots_no_batch > names > full+untiled > full > "
+                "offload) the largest micro-batch that fits (then mu fp32 > bf16); the fastest "
+                "predicted is chosen")
     else:
         head = ("candidates in a fixed order, the first that fits chosen (micro-batch desc, "
-                "then remat none > dots_no_batch > names > full > offload, then mu fp32 > bf16;"
-                " no predicted time without a card: --target)")
+                "then remat none > dots_no_batch > names > full+untiled > full > offload, then "
+                "mu fp32 > bf16; no predicted time without a card: --target)")
     lines = [f"planner: budget {budget_gib:g} GiB; {head}"]
     chosen = result.get("chosen")
     for t in result["tried"]:

@@ -14,6 +14,7 @@ candidate is always compiled (or said to be analytic): a wrong rule-out costs on
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from jaxmem.loss.chunked import resolve_loss_chunk
@@ -73,8 +74,9 @@ def _first_fit(cands):  # a generator that stops at the first candidate that fit
 
 
 def remat_candidates() -> list[str]:
-    """Least recompute first; offload only where the backend really offloads."""
-    out = ["none", "dots_no_batch", PLANNER_NAMES, "full"]
+    """Least recompute first; `full+untiled` (the MLP whole: more memory, no tiles' loop) before
+    `full`; offload only where the backend really offloads."""
+    out = ["none", "dots_no_batch", PLANNER_NAMES, "full+untiled", "full"]
     try:
         check_offload_supported()
         out.append("offload")
@@ -88,11 +90,18 @@ def _grid(base: StepSpec, global_batch: int, max_micro: int | None, shards: int,
     """`base` at each micro-batch (largest first; `shards` divides it) x remat (least recompute
     first; `remats`, default remat_candidates()) x each of values(micro-batch) for `field`, the
     global batch kept by accumulation."""
-    return [base.replace(batch_size=b, grad_accum=global_batch // b, remat=RematPolicy.parse(r),
-                         **{field: v})
-            for b in range(global_batch, 0, -1) if global_batch % b == 0 and b % shards == 0
-            and (max_micro is None or b <= max_micro)
-            for r in (remats or remat_candidates()) for v in values(b)]
+    out = [base.replace(batch_size=b, grad_accum=global_batch // b, remat=RematPolicy.parse(r),
+                        **{field: v})
+           for b in range(global_batch, 0, -1) if global_batch % b == 0 and b % shards == 0
+           and (max_micro is None or b <= max_micro)
+           for r in (remats or remat_candidates()) for v in values(b)]
+    return [s for s in out if s.remat.mlp_tiles or _tiles(s)]
+
+
+def _tiles(spec: StepSpec) -> bool:
+    """Whether `spec`'s policy without `+untiled` would run the MLP in tiles (else the two are
+    one program, and the `+untiled` candidate is not tried)."""
+    return spec.replace(remat=dataclasses.replace(spec.remat, mlp_tiles=True)).footprint.mlp_tile > 0
 
 
 def candidates(base: StepSpec, global_batch: int, mu_dtypes=("fp32", "bf16"),

@@ -14,9 +14,8 @@ FLOPs the kernels run (recompute included) are printed beside it.
 from __future__ import annotations
 
 from jaxmem.memory.spec import StepSpec
-from jaxmem.perf import flops_per_token
 from jaxmem.xla.timing import CLASSES, Efficiency, Machine, step_time
-from jaxmem.families.params import num_params
+from jaxmem.families.params import model_flops
 
 
 def predict(hlo: str, card, top: int = 10) -> dict:
@@ -33,7 +32,7 @@ def seconds_report(spec: StepSpec, time: dict | None) -> dict | None:
     if not time:
         return None
     tokens = spec.rows * spec.seq_len * spec.grad_accum
-    per_token = flops_per_token(spec.model, spec.seq_len, num_params(spec.model))
+    per_token = model_flops(spec.model, spec.seq_len)
     peak = time["machine"]["flops"]
     tok_s = tokens / time["seconds"]
     return {**time, "tokens": tokens, "tokens_per_s": tok_s, "flops_per_token": per_token,

@@ -11,7 +11,7 @@ import functools
 import json
 from dataclasses import dataclass, field
 
-from jaxmem.families.config import ModelConfig
+from jaxmem.families.config import ModelConfig, upgrade_fields
 from jaxmem.config.objective import ObjectiveSection
 from jaxmem.config.run import OptimConfig, PeftSection, RunConfig
 from jaxmem.objective import CausalLM, Objective, objective_of
@@ -143,11 +143,12 @@ class StepSpec:
 
     @classmethod
     def from_json(cls, text: str) -> "StepSpec":
-        """Inverse of `to_json`."""
+        """Inverse of `to_json` (a spec written before `norm_placement` replaced `sandwich_norms`
+        reads as it did: `upgrade_fields`)."""
         d = json.loads(text)
         peft = PeftSection(**{k.partition(".")[2]: v for k, v in d["trainable"].items()})
         step, loss_scale = make_step_config(
-            ModelConfig(**d["model"]), get_precision(d["precision"]),
+            ModelConfig(**upgrade_fields(d["model"])), get_precision(d["precision"]),
             RematPolicy.parse(d["remat"]), OptimConfig(**d["optim"]), d["seq_len"],
             grad_accum=d["grad_accum"], trainable=trainable_of(peft),
             loss_chunk=d["loss_chunk"], objective=objective_of(ObjectiveSection(**{

@@ -46,7 +46,10 @@ TILE_MIN_TOKENS_PER_WIDTH = 3
 def tiles_under(remat) -> bool:
     """Whether a remat policy (jaxmem.model.remat.RematPolicy) lets the MLP run in tiles: `full`,
     or a `names:` / `offload:` policy naming no MLP tag (the tags live inside the tile, where no
-    policy sees them). jaxmem.families.decoder and the analytic planner both ask this."""
+    policy sees them), unless the policy says `+untiled` (RematPolicy.mlp_tiles False).
+    jaxmem.families.decoder, the step's footprint and the analytic planner all ask this."""
+    if not getattr(remat, "mlp_tiles", True):
+        return False
     return remat.kind == "full" or (remat.kind in ("names", "offload") and not any(
         t.startswith("mlp_") for t in remat.names))
 

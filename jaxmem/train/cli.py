@@ -172,12 +172,7 @@ def setup(args, parser) -> Setup:
         out = Path(overrides["run.out"])
         overrides = init_from_overrides(overrides)  # --init-from: the checkpoint's model, tokenizer
         _check_writable(out)
-        given_tokenizer = None
-        if "data.tokenizer" in overrides and "model.vocab_size" not in overrides:
-            # the model's vocabulary is the tokenizer's (an explicit smaller one is refused below)
-            given_tokenizer = load_tokenizer(overrides["data.tokenizer"], **{
-                k: overrides.get(f"data.{k}") for k in TOKEN_NAMES})
-            overrides["model.vocab_size"] = given_tokenizer.vocab_size
+        given_tokenizer = _vocab_from_tokenizer(overrides)
         cfg, continuing, record, changes = _choose_config(overrides, args.resume, out)
         # a new run's tokenizer is the one just loaded (the same file and names); a continued
         # run's is its directory's copy
@@ -200,40 +195,13 @@ def setup(args, parser) -> Setup:
             print(line, file=sys.stderr)
         s = Setup(cfg, model_cfg, step_cfg, loss_scale, out, tokenizer, train_tokens, eval_tokens,
                   stats, continuing=continuing, record=record, changes=changes)
-        mesh = run_mesh(cfg.parallel.mesh, model_cfg, cfg.data.batch_size, seq_len=cfg.data.seq_len)
-        if mesh is not None and cfg.optim.in_backward:
-            raise RunError(f"--optimizer-in-backward runs on one device; this run has a mesh "
-                           f"({dict(mesh.shape)}): pass --mesh with one device, or drop the flag")
-        check_offload(cfg.optim)
-        s.placement = (Placement.single(cfg.optim.offload_optimizer, cfg.optim.offload_params)
-                       if mesh is None else Placement.on(mesh, cfg.peft.offload_base,
-                                                         cfg.optim.offload_optimizer))
+        s.placement = _placement(cfg, model_cfg)
         # LoRA / QLoRA: the frozen base, checked against the run's record (None: full)
         s.frozen, s.base_record = step_cfg.trainable.prepare_frozen(
             cfg, model_cfg, step_cfg, record if continuing else None, cfg.init.init_from,
             s.placement.base_shardings(step_cfg))
         if continuing:
-            if record.get("data_sha256") not in (None, stats["tokens_sha256"]):
-                raise RunError(f"--out {out}: --data differs from the run's data (token hash changed)")
-            s.ckpt = Checkpointer(out / CKPT_DIR, keep=cfg.run.keep)
-            steps = s.ckpt.all_steps()
-            step = _resume_step(args, steps, out)
-            if step is not None and step_cfg.objective.reference and s.frozen is None and \
-                    not (out / REFERENCE_FILE).is_file():
-                raise RunError(f"--out {out}: {REFERENCE_FILE} is missing, so the run's DPO "
-                               f"reference (its step-0 model's log-probs) cannot be recomputed "
-                               f"at step {step}; start a new run")
-            if step is not None:  # else: the run died before its first checkpoint; start at 0
-                # targets with the current mesh's shardings: a run saved on any mesh resumes here
-                abstract = s.placement.abstract(
-                    abstract_train_state(step_cfg, loss_scale, cfg.data.seed))
-                try:
-                    s.state, _ = s.ckpt.restore(step, abstract)  # names step and path
-                except CheckpointError as e:
-                    raise CheckpointError(str(e).splitlines()[0] + restore_hint(
-                        steps, step, str(e), cfg.optim.optimizer)) from e
-                for later in (x for x in steps if x > step):  # --resume-step: redone from here
-                    s.ckpt.delete(later)
+            _restore(args, s)
         elif args.resume_step is not None:
             raise RunError("--resume-step needs --resume (or --out of an existing run)")
         if s.state is None and cfg.init.init_from is not None:  # LoRA: None (it is the base)
@@ -244,6 +212,57 @@ def setup(args, parser) -> Setup:
     except (RunError, DataError, ValueError) as e:  # ConfigError, RematError ... are ValueErrors
         fail(parser, lay.explain(str(e).splitlines()[0]) if str(e) else repr(e))
     return s
+
+
+def _vocab_from_tokenizer(overrides: dict):
+    """The tokenizer --tokenizer names when --vocab-size is not given, its vocabulary size put
+    in `overrides` as the model's (an explicit smaller one is refused later); else None."""
+    if "data.tokenizer" not in overrides or "model.vocab_size" in overrides:
+        return None
+    tokenizer = load_tokenizer(overrides["data.tokenizer"], **{
+        k: overrides.get(f"data.{k}") for k in TOKEN_NAMES})
+    overrides["model.vocab_size"] = tokenizer.vocab_size
+    return tokenizer
+
+
+def _placement(cfg: RunConfig, model_cfg) -> Placement:
+    """Where the run's state lives: one device, or the mesh of --mesh (or of the devices here);
+    refuses --optimizer-in-backward on a mesh and an offload the device cannot hold."""
+    mesh = run_mesh(cfg.parallel.mesh, model_cfg, cfg.data.batch_size, seq_len=cfg.data.seq_len)
+    if mesh is not None and cfg.optim.in_backward:
+        raise RunError(f"--optimizer-in-backward runs on one device; this run has a mesh "
+                       f"({dict(mesh.shape)}): pass --mesh with one device, or drop the flag")
+    check_offload(cfg.optim)
+    return (Placement.single(cfg.optim.offload_optimizer, cfg.optim.offload_params)
+            if mesh is None else Placement.on(mesh, cfg.peft.offload_base,
+                                              cfg.optim.offload_optimizer))
+
+
+def _restore(args, s: Setup) -> None:
+    """A continued run: checks its data against the record, opens its checkpointer and restores
+    the step it continues from (`_resume_step`), deleting the later ones."""
+    cfg, out, step_cfg = s.cfg, s.out, s.step_cfg
+    if s.record.get("data_sha256") not in (None, s.stats["tokens_sha256"]):
+        raise RunError(f"--out {out}: --data differs from the run's data (token hash changed)")
+    s.ckpt = Checkpointer(out / CKPT_DIR, keep=cfg.run.keep)
+    steps = s.ckpt.all_steps()
+    step = _resume_step(args, steps, out)
+    if step is not None and step_cfg.objective.reference and s.frozen is None and \
+            not (out / REFERENCE_FILE).is_file():
+        raise RunError(f"--out {out}: {REFERENCE_FILE} is missing, so the run's DPO "
+                       f"reference (its step-0 model's log-probs) cannot be recomputed "
+                       f"at step {step}; start a new run")
+    if step is None:  # the run died before its first checkpoint: it starts at 0
+        return
+    # targets with the current mesh's shardings: a run saved on any mesh resumes here
+    abstract = s.placement.abstract(abstract_train_state(step_cfg, s.loss_scale, cfg.data.seed))
+    try:
+        s.state, _ = s.ckpt.restore(step, abstract)  # names step and path
+    except CheckpointError as e:
+        raise CheckpointError(str(e).splitlines()[0] + restore_hint(
+            steps, step, str(e), cfg.optim.optimizer)) from e
+    for later in (x for x in steps if x > step):  # --resume-step: redone from here
+        s.ckpt.delete(later)
 
 
 def _resume_step(args, steps: list[int], out: Path) -> int | None:

@@ -73,6 +73,7 @@ from jaxmem.families.params import abstract_params
 from jaxmem.families.names import EMBEDDING, FINAL_NORM, HEAD, LAYERS
 from jaxmem.model.fetch import in_host_memory, layer_to_device, to_device
 from jaxmem.model.precision import cast_params
+from jaxmem.model.tiled import tiles_under
 from jaxmem.objective.base import precomputed_reference
 from jaxmem.einsum import logits_einsum
 from jaxmem.optim import NoOpLossScale, NotSplittable, Parts, all_finite, row_chunks
@@ -83,6 +84,11 @@ from jaxmem.train.optim import schedule
 
 
 OFFLOAD_INPUTS = "offload:block_input"  # the one remat policy besides full: x_l on the host
+
+
+def _offloads_inputs(remat) -> bool:
+    """Whether `remat` is OFFLOAD_INPUTS (with or without `+untiled`)."""
+    return remat.kind == "offload" and remat.names == ("block_input",)
 
 
 def check(cfg, loss_scale=None) -> None:
@@ -101,7 +107,7 @@ def check(cfg, loss_scale=None) -> None:
                           f"--loss-scale): skipping an overflowing step needs every gradient "
                           f"before any update; use --loss-scale none or bf16 / bf16-sr")
     cfg.trainable.check_in_backward(flag)
-    if cfg.remat.kind != "full" and str(cfg.remat) != OFFLOAD_INPUTS:
+    if cfg.remat.kind != "full" and not _offloads_inputs(cfg.remat):
         raise ConfigError(f"{flag} recomputes each layer in the backward pass from its input "
                           f"(what --remat full does); pass --remat full, or --remat "
                           f"{OFFLOAD_INPUTS} to keep the inputs in host memory, not --remat "
@@ -181,7 +187,7 @@ class _InBackwardStep:
         # tiles' fp32 weight-gradient sums (3 x D x F x 4 bytes, 672 MiB at 8B): B x T > 3 D
         # tokens, which the MLP itself decides by the batch's shape (jaxmem.model.tiled)
         self.einsum = model.einsum
-        self.block = DecoderBlock(self.c, model.einsum, tile_mlp=True)
+        self.block = DecoderBlock(self.c, model.einsum, tile_mlp=tiles_under(cfg.remat))
         self.norm = final_norm(self.c)
         self.facts = layer_facts(self.c)  # each layer's kind where local and global mix
 
@@ -231,7 +237,7 @@ class _InBackwardStep:
         # --offload-params host: each layer's host-resident leaves copied in as the scan reaches it
         # --remat offload:block_input: each layer's input kept in pinned host memory
         keep = (lambda x: jax.device_put(x, jax.memory.Space.Host)) if \
-            str(self.cfg.remat) == OFFLOAD_INPUTS else (lambda x: x)
+            _offloads_inputs(self.cfg.remat) else (lambda x: x)
         xL, xs = jax.lax.scan(
             lambda x, lf: (self._layer(layer_to_device(lf[0]), x, a, lf[1]), keep(x)),
             x0, (params[LAYERS], self.facts))

@@ -2,7 +2,7 @@
 asked by the step and by the planner (jaxmem.memory.activations, jaxmem.memory.counted), so
 both follow one rule:
 
-    mlp_tiles(config, tokens)              the MLP in sequence tiles or untiled
+    mlp_tiles(config, tokens, remat)       the MLP in sequence tiles or untiled
     mlp_slabs(step_config, tokens, on_host)   the width of the MLP's slabs of F (0: whole)
     head_slice((D, V), block, tokens)      the vocabulary slice of the head's gradient (0: whole)
     streamed_gradients(step_config, tokens)   the params whose gradient never exists whole
@@ -17,16 +17,17 @@ import jax
 from jaxmem.families.params import abstract_params
 from jaxmem.families.names import EMBEDDING, HEAD, LAYERS
 from jaxmem.loss.chunked import AUTO_CHUNK_BYTES, resolve_loss_chunk
-from jaxmem.model.tiled import tiling_pays
+from jaxmem.model.tiled import tiles_under, tiling_pays
 from jaxmem.optim import rounding_chunk
 
 
-def mlp_tiles(c, tokens: int) -> bool:
+def mlp_tiles(c, tokens: int, remat=None) -> bool:
     """Whether the in-backward step runs the MLP in sequence tiles (jaxmem.model.tiled, where
     that saves memory at all): only at more than 3 D tokens per micro-batch, where its [B, T, F]
     activations outweigh the tiles' fp32 weight-gradient sums (3 x D x F x 4 bytes, which the
-    untiled MLP's bf16 gradients, the part's own, do not need). The planner asks this too."""
-    return tiling_pays(tokens, c.hidden_size)
+    untiled MLP's bf16 gradients, the part's own, do not need), and not under a `+untiled`
+    `remat` policy (RematPolicy.mlp_tiles). The planner asks this too."""
+    return (remat is None or tiles_under(remat)) and tiling_pays(tokens, c.hidden_size)
 
 
 SLAB = 2**22  # elements of one MLP weight's slab at most (its update's temporaries: ~25 B each)
@@ -54,7 +55,7 @@ def mlp_slabs(cfg, tokens: int, params_on_host: bool = False) -> int:
     (`mlp_tiles`), not fp8's einsum, and each MLP weight's optimizer state cut along F
     (`Parts.slab_block`); then `mlp_slab_width`."""
     c = cfg.model
-    if params_on_host or cfg.precision.fp8 or mlp_tiles(c, tokens):
+    if params_on_host or cfg.precision.fp8 or mlp_tiles(c, tokens, cfg.remat):
         return 0
     try:
         block = _mlp_block(cfg)

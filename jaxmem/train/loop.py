@@ -31,7 +31,7 @@ from jaxmem.io.checkpoint import Checkpointer
 from jaxmem.train.rundir import (CKPT_DIR, copy_tokenizer,
                               write_run_config)
 from jaxmem import target
-from jaxmem.perf import device_memory, flops_per_token
+from jaxmem.perf import device_memory
 from jaxmem.xla.timing import Machine, step_time
 from jaxmem.train import failures
 from jaxmem.train.placement import Placement
@@ -43,7 +43,7 @@ from jaxmem.train.step import create_train_state, jit_train_step
 from jaxmem.train.records import Records, fmt_bytes
 from jaxmem.train.trackers import eval_metrics, plain_progress
 from jaxmem.train.setup import Setup
-from jaxmem.families.params import num_params
+from jaxmem.families.params import model_flops, num_params
 
 
 class _Stop:
@@ -101,10 +101,8 @@ def _predicted(s, compiled, steps: int) -> str | None:
     if card is None or compiled is None:
         return None
     t = step_time(compiled.as_text(), Machine.of_card(card))
-    d = s.cfg.data
     tokens = step_tokens(s.cfg, s.step_cfg)
-    mfu = flops_per_token(s.model_cfg, d.seq_len, num_params(s.model_cfg)) * tokens / t.seconds / (
-        card.peak_tflops[0] * 1e12)
+    mfu = model_flops(s.model_cfg, s.cfg.data.seq_len) * tokens / t.seconds / (card.peak_tflops[0] * 1e12)
     return (f"predicted on the {card.name} (its compiled step, jaxmem.xla.timing; not a "
             f"measurement): {t.seconds:.3f} s/step, {tokens / t.seconds:,.0f} tokens/s, MFU "
             f"{mfu:.1%}; {steps:,} steps ~ {_duration(steps * t.seconds)}")

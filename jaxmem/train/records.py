@@ -10,12 +10,12 @@ import sys
 
 import jax
 
-from jaxmem.perf import device_memory, flops_per_token, peak_flops
+from jaxmem.perf import device_memory, peak_flops
 from jaxmem.train.placement import Placement
 from jaxmem.train.run import step_tokens
 from jaxmem.train.rundir import METRICS_FILE, truncate_metrics
 from jaxmem.train.trackers import Trackers
-from jaxmem.families.params import num_params
+from jaxmem.families.params import model_flops
 
 
 # the train step's own metrics (jaxmem.train.step); any other key is the objective's
@@ -53,7 +53,7 @@ class Records:
                         disable=self.trackers.plain or not self.main, dynamic_ncols=True)
         self.device = jax.devices()[0]
         self.peak = peak_flops(self.device, s.step_cfg.precision.compute_dtype)
-        self.flops_per_token = flops_per_token(s.model_cfg, d.seq_len, num_params(s.model_cfg))
+        self.flops_per_token = model_flops(s.model_cfg, d.seq_len)
         self.tokens_per_step = step_tokens(s.cfg, s.step_cfg)
         # a process's first two steps include compilation: not timed (the loop waits for the
         # second's result, so the first timed step starts with the device idle)

@@ -124,16 +124,23 @@ def _fused_bytes(ins: dict, instrs: dict, fused: dict | None) -> float:
     body = fused["instrs"]
     params = {name: int(i["operands"][0]) if i["operands"] else 0  # parameter(N): operand N
               for name, i in body.items() if i["op"] == "parameter"}
-    users: dict[str, list] = {n: [] for n in params}
+    users: dict[str, list] = {n: [] for n in body}
     for name, i in body.items():
         for pos, o in enumerate(i["operands"]):
             if o in users:
-                users[o].append((i, pos))
+                users[o].append((name, pos))
+
+    def uses_of(name):  # (instruction, operand position), seen through bitcasts (views)
+        out = []
+        for u, pos in users[name]:
+            out += uses_of(u) if body[u]["op"] == "bitcast" else [(body[u], pos)]
+        return out
+
     read = 0.0
     in_place_update = 0.0
     for pname, index in params.items():
         full = shape_bytes(types[index]) if index < len(types) else shape_bytes(body[pname]["type"])
-        uses = users[pname]
+        uses = uses_of(pname)
         if uses and all(u["op"] in ("dynamic-slice", "slice", "gather") and pos == 0
                         for u, pos in uses):
             read += min(full, sum(shape_bytes(u["type"]) for u, _ in uses))
