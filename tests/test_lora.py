@@ -180,3 +180,28 @@ def test_config_section_round_trips():
     spec = trainable_of(cfg.peft)
     assert spec.targets == ("q", "v") and spec.scale == 2.0
     assert trainable_of(RunConfig().peft) == FullFineTune()
+
+
+def test_a_quantized_base_whose_widths_the_block_does_not_divide_is_refused(tmp_path, capsys):
+    """--quantize-base with a --quant-block that does not divide a projection's input size: one
+    line naming the projection and the flags, exit 2, from the trainer, its --dry-run and the
+    planner alike, before anything is built (it was a traceback in --dry-run and the planner)."""
+    from jaxmem.errors import ConfigError
+    from jaxmem.families import get_preset
+    from jaxmem.memory.cli import main as memory_main
+    narrow = get_preset("tiny").replace(hidden_size=48, intermediate_size=80)
+    with pytest.raises(ConfigError, match=r"the q projection's input size 48 .* --quant-block 64"):
+        LoraSpec(4, quantize="nf4").check_model(narrow)
+    LoraSpec(4, quantize="nf4", block=16).check_model(narrow)  # 16 divides 48, 80 and N x H
+    LoraSpec(4).check_model(narrow)  # no quantized base: nothing to divide
+    flags = ["--preset", "tiny", "--hidden-size", "48", "--intermediate-size", "80",
+             "--lora-rank", "4", "--quantize-base", "nf4"]
+    for run in (lambda: main([*flags, "--out", str(tmp_path / "r")]),
+                lambda: main([*flags, "--dry-run", "--out", str(tmp_path / "r")]),
+                lambda: memory_main(flags)):
+        with pytest.raises(SystemExit) as e:
+            run()
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "the q projection's input size 48" in err and "Traceback" not in err
+    assert not (tmp_path / "r").exists()

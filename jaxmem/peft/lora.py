@@ -92,6 +92,19 @@ class LoraSpec(Trainable):
         raise ConfigError(f"{flag} is for full fine-tunes; drop --lora-rank (LoRA's adapter "
                           f"gradients are small already)")
 
+    def check_model(self, model_cfg) -> None:
+        # a quantized base's blocks run along each projection's input (jaxmem.quant): every
+        # input size must be a multiple of the block
+        if self.quantize == "none" or not self.block:
+            return
+        for name, (_, shape, n_in) in weight_axes(model_cfg).items():
+            size = int(np.prod(shape[:n_in]))
+            if size % self.block:
+                raise ConfigError(
+                    f"--quantize-base {self.quantize}: the {name} projection's input size {size} "
+                    f"(weight {shape}) is not a multiple of --quant-block {self.block}; pick a "
+                    f"block that divides every projection's input size")
+
     def run_params(self, run):
         return _export.lora_params(run)
 

@@ -60,6 +60,10 @@ class Trainable:
     def check_in_backward(self, flag: str) -> None:
         """Raise ConfigError naming `flag` where the optimizer cannot run inside the backward."""
 
+    def check_model(self, model_cfg) -> None:
+        """Raise ConfigError (one line, naming the flags) where this cannot train `model_cfg`
+        (a ModelConfig), before anything is built from it."""
+
     def describe(self, params) -> str:
         """What trains, for the run's first line ("" for a full fine-tune)."""
         return ""

@@ -65,6 +65,7 @@ def make_step_config(model_cfg: ModelConfig, precision: Precision, remat: RematP
     interval (its defaults: the precision mode's own scale)."""
     if remat.kind == "offload":
         remat.jax_policy()  # a clear error where the backend cannot offload
+    trainable.check_model(model_cfg)
     if seq_len > model_cfg.max_position_embeddings:
         raise ConfigError(f"--seq-len {seq_len} exceeds the model's "
                           f"max_position_embeddings {model_cfg.max_position_embeddings}")
