@@ -304,10 +304,7 @@ def dry_run(args, parser) -> int:
         print(f"the checkpoint (--init-from) sets the model in place of: {', '.join(lay.replaced)}")
     print("resolved config (value, and where it came from):")
     print("\n".join(provenance_lines(cfg, lay.sources)) + "\n", flush=True)
-    try:  # what the step cannot be built from (e.g. a width NF4's blocks do not divide)
-        return plan_run(cfg, args.target or lay.card, parser.prog)
-    except ValueError as e:  # ConfigError and the planner's own refusals are ValueErrors
-        fail(parser, lay.explain(str(e).splitlines()[0]) if str(e) else repr(e))
+    return plan_run(cfg, args.target or lay.card, parser.prog)
 
 
 def main(argv=None) -> int:

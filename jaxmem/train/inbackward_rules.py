@@ -21,13 +21,13 @@ from jaxmem.model.tiled import tiles_under, tiling_pays
 from jaxmem.optim import rounding_chunk
 
 
-def mlp_tiles(c, tokens: int, remat=None) -> bool:
+def mlp_tiles(c, tokens: int, remat) -> bool:
     """Whether the in-backward step runs the MLP in sequence tiles (jaxmem.model.tiled, where
     that saves memory at all): only at more than 3 D tokens per micro-batch, where its [B, T, F]
     activations outweigh the tiles' fp32 weight-gradient sums (3 x D x F x 4 bytes, which the
     untiled MLP's bf16 gradients, the part's own, do not need), and not under a `+untiled`
     `remat` policy (RematPolicy.mlp_tiles). The planner asks this too."""
-    return (remat is None or tiles_under(remat)) and tiling_pays(tokens, c.hidden_size)
+    return tiles_under(remat) and tiling_pays(tokens, c.hidden_size)
 
 
 SLAB = 2**22  # elements of one MLP weight's slab at most (its update's temporaries: ~25 B each)
