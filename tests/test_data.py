@@ -78,7 +78,7 @@ def test_batched_encoding_and_the_memo_give_each_files_own_ids(tmp_path, monkeyp
     three), is the stream of each file encoded alone; loaded again it comes from the memo
     (equal, and a copy), and a file changed on disk is read again."""
     pytest.importorskip("tokenizers")
-    from jaxmem.data import sources
+    from jaxmem.data import sources, stream_memo
     from hf_files import write_tokenizer
     write_tokenizer(tmp_path / "tok", "def return import class self None for in if else " * 50)
     tok = load_tokenizer(str(tmp_path / "tok" / "tokenizer.json"))
@@ -87,14 +87,14 @@ def test_batched_encoding_and_the_memo_give_each_files_own_ids(tmp_path, monkeyp
         write(tmp_path / "d" / f"{i}.py", t)
     before, after = tok.document_ids()
     want = [i for t in texts for i in [*before, *tok.encode(t), *after]]
-    monkeypatch.setattr(sources, "BATCH_BYTES", 2 * len(texts[2]))
+    monkeypatch.setattr(sources, "BATCH_BYTES", len(texts[4].encode()))  # 7 units: 2+2+1 files
     calls = []
     monkeypatch.setattr(type(tok), "encode_arrays",
                         lambda self, ts, f=type(tok).encode_arrays: calls.append(len(ts)) or f(self, ts))
-    sources._MEMO.clear()
+    stream_memo.forget()
     V = tok.vocab_size
     train, _, stats = load_corpus(str(tmp_path / "d"), tok, V, eval_fraction=0.0)
-    assert train.tolist() == want and len(calls) == 3 and sum(calls) == 5
+    assert train.tolist() == want and calls == [2, 2, 1]
     again, _, stats2 = load_corpus(str(tmp_path / "d"), tok, V, eval_fraction=0.0)
     assert again.tolist() == want and stats2 == stats and len(calls) == 3  # from the memo
     again[0] = -1  # the memo hands out copies

@@ -54,6 +54,7 @@ from jaxmem.data.errors import DataError
 from jaxmem.data.examples import PackedData, load_examples
 from jaxmem.data.formats import PREFERENCE_FLAG, is_example_file
 from jaxmem.data.preference import PreferencePairs, load_preferences
+from jaxmem.data.stream_memo import keep, memo_key, recall
 
 DEFAULT_CORPUS_BYTES = 8_000_000
 DEFAULT_EVAL_FRACTION = 0.05
@@ -302,27 +303,7 @@ class _Read(NamedTuple):
                 "binary_looking_files": dict(list(self.binary_looking.items())[:20])}
 
 
-# The last token stream made, for a process that loads the same corpus again (a resumed run
-# in the same process, the test suite's many runs): {key: (stream, read)}. A key is the files'
-# paths, sizes and modification times, the tokenizer file's, and the vocabulary size; only
-# streams up to MEMO_BYTES are kept (a large corpus is not held twice).
-_MEMO: dict = {}
-MEMO_BYTES = 256 << 20
 BATCH_BYTES = 16 << 20  # text encoded per call of a tokenizer's batch encoder, at most
-
-
-def _memo_key(files: list[Path], tokenizer, vocab_size: int):
-    """The memo's key of a stream, or None where the tokenizer has no file to stamp (the byte
-    tokenizer is fast anyway) or a file cannot be stat'ed."""
-    path = getattr(tokenizer, "path", None)
-    if path is None:
-        return None
-    try:
-        stamp = lambda f: (str(f), os.stat(f).st_size, os.stat(f).st_mtime_ns)  # noqa: E731
-        return (tuple(stamp(f) for f in files), stamp(path),
-                tuple(map(tuple, tokenizer.document_ids())), int(vocab_size))
-    except OSError:
-        return None
 
 
 def _token_stream(files: list[Path], tokenizer, vocab_size: int) -> tuple[np.ndarray, _Read]:
@@ -330,19 +311,21 @@ def _token_stream(files: list[Path], tokenizer, vocab_size: int) -> tuple[np.nda
     (BOS where the checkpoint's tokenizer adds one), its tokens, EOS; a token file as it is.
     Text is encoded in batches of up to BATCH_BYTES (a tokenizer's `encode_arrays`, which HF
     tokenizers run on every core; the ids are those of encoding each file alone). The same
-    corpus loaded again in one process is taken from `_MEMO`."""
-    key = _memo_key(files, tokenizer, vocab_size)
-    if key is not None and key in _MEMO:
-        stream, read = _MEMO[key]
-        return stream.copy(), read
+    corpus loaded again in one process is taken from `jaxmem.data.stream_memo`."""
+    key = memo_key(files, tokenizer, vocab_size)
+    if (kept := recall(key)) is not None:
+        return kept
     pieces: list = []
     before, after = (np.asarray(x, np.int32) for x in tokenizer.document_ids())
     n_bytes = n_docs = n_bad = 0
     bad_files: list[str] = []
     binary_looking: dict[str, float] = {}
     batch: list = []  # (index into pieces, file, text) waiting to be encoded
+    batch_bytes = 0  # their UTF-8 bytes
 
     def encode_batch():
+        if not batch:
+            return
         texts = [t for _, _, t in batch]
         many = getattr(tokenizer, "encode_arrays", None)
         for (at, f, _), ids in zip(batch, many(texts) if many else map(tokenizer.encode_array,
@@ -370,14 +353,14 @@ def _token_stream(files: list[Path], tokenizer, vocab_size: int) -> tuple[np.nda
         n_docs += 1
         pieces.extend([before, None, after])
         batch.append((len(pieces) - 2, f, text))
-        if sum(len(t) for _, _, t in batch) >= BATCH_BYTES:
+        batch_bytes += len(raw)
+        if batch_bytes >= BATCH_BYTES:
             encode_batch()
+            batch_bytes = 0
     encode_batch()
     stream = np.concatenate(pieces).astype(np.int32, copy=False)
     read = _Read(n_docs, n_bytes, n_bad, bad_files, binary_looking)
-    if key is not None and stream.nbytes <= MEMO_BYTES:
-        _MEMO.clear()
-        _MEMO[key] = (stream.copy(), read)
+    keep(key, stream, read)
     return stream, read
 
 
