@@ -193,3 +193,41 @@ def test_no_two_packages_import_each_other():
     for a in sorted(graph):
         if a not in state:
             visit(a, [a])
+
+
+def _deferred_imports(tree: ast.Module) -> list[ast.stmt]:
+    """Import statements inside a function (not at module level)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out += [n for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    return out
+
+
+def test_the_planner_asks_the_step_instead_of_importing_its_rules():
+    """Issue 51's seam: jaxmem/memory/ asks jaxmem.train for the step's footprint instead of
+    importing its rules function by function (17 imports and 27 deferred imports at 802ea89):
+    fewer than 10 of each, no planner module over 350 lines, and no mode name ("host",
+    "none", ...) compared as a string: the trainer's Placement and config answer those."""
+    planner = sorted((ROOT / "jaxmem" / "memory").glob("*.py"))
+    trees = {p.name: ast.parse(p.read_text()) for p in planner}
+    train = [f"{n}:{node.lineno}" for n, t in trees.items() for node in ast.walk(t)
+             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxmem.train")
+             or isinstance(node, ast.Import) and any(a.name.startswith("jaxmem.train")
+                                                     for a in node.names)]
+    assert len(train) < 10, train
+    deferred = [f"{n}:{node.lineno}" for n, t in trees.items() for node in _deferred_imports(t)]
+    assert len(deferred) < 10, deferred
+    long = {p.name: n for p in planner if (n := len(p.read_text().splitlines())) > 350}
+    assert not long, long
+    modes = {"host", "none", "pinned_host", "device"}
+    compared = []
+    for n, t in trees.items():
+        for node in ast.walk(t):
+            if isinstance(node, ast.Compare):
+                consts = [c for c in [node.left, *node.comparators]
+                          for c in (c.elts if isinstance(c, (ast.Tuple, ast.List, ast.Set))
+                                    else [c])]
+                if any(isinstance(c, ast.Constant) and c.value in modes for c in consts):
+                    compared.append(f"{n}:{node.lineno}")
+    assert not compared, compared

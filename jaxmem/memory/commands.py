@@ -18,10 +18,12 @@ from jaxmem.memory.search import fit_mesh as search_fit_mesh, fit_seq as search_
     mesh_candidates, plan, plan_mesh, predicted_seconds
 from jaxmem.memory.report import (format_plan, format_report, header_line, step_report,
                                   train_command)
-from jaxmem.memory.spec import GiB
+from jaxmem.memory.spec import GiB, StepSpec
+from jaxmem.memory.transfers import transfer_plan
 from jaxmem.config.flags import given_overrides
 from jaxmem.xla.verdict import COMMON_GIB, usable_bytes, verdict_lines, xla_fraction
 from jaxmem.model.remat import RematPolicy
+from jaxmem.model.fp8_compile import set_xla_flags
 
 
 def verdict(report: dict, fit: float | None = None) -> list[str]:
@@ -283,9 +285,6 @@ def plan_run(cfg, card: str | None, prog: str) -> int:
     and the verdict, compiled for `card` (a jaxmem.target card: deviceless) or for the GPU here;
     on a CPU without a card, or for a card whose compiler is not installed, the analytic plan,
     saying so on one line. Call it before anything starts JAX's backend."""
-    from jaxmem.memory.spec import StepSpec  # noqa: PLC0415
-    from jaxmem.model.fp8_compile import set_xla_flags  # noqa: PLC0415
-
     spec = StepSpec.from_run_config(cfg)
     if cfg.parallel.mesh is not None:
         print(f"(one device's plan; per device on --mesh {cfg.parallel.mesh}: python -m "
@@ -319,8 +318,6 @@ def _compiled_plan(cfg, spec) -> int:
 
 
 def _analytic_plan(cfg, spec) -> int:
-    from jaxmem.memory.transfers import transfer_plan  # noqa: PLC0415
-
     ph = run_phases(spec, SampleShape.of(cfg))
     report = {"phases": ph, "backend": "analytic", "precision": spec.precision.name,
               "transfers": transfer_plan(spec)}

@@ -22,8 +22,9 @@ from jax.sharding import PartitionSpec as P
 import jaxmem.parallel.rules as rules
 from jaxmem.memory.spec import StepSpec
 from jaxmem.model.roles import param_role
+from jaxmem.peft.offload import HOST_KIND
 from jaxmem.paths import in_layers, key_name
-from jaxmem.train import Placement, abstract_train_state, objective_batch
+from jaxmem.train import abstract_train_state, objective_batch
 
 
 class Kind(enum.Enum):
@@ -201,7 +202,7 @@ def _frozen(spec: StepSpec, sizes: tuple):
         else jax.tree.map(lambda _: P(), base)))
     return (tuple(x for x in leaves if in_layers(x[0])),
             tuple(x for x in leaves if not in_layers(x[0])),
-            Placement(None, spec.offload_base).base_on_host)
+            spec.placement.base_on_host)
 
 
 def count_frozen(spec: StepSpec, sizes: dict[str, int]) -> list[Component]:
@@ -219,12 +220,11 @@ def state_on_host(spec: StepSpec) -> set:
     """Paths (from the train state's root) of the state's leaves the placement keeps in pinned
     host memory (--offload-optimizer / --offload-params host): the one-device placement's own
     shardings say which (on a mesh each device keeps its shard of the same leaves there)."""
-    par = Placement(None, spec.offload_base, spec.offload_optimizer, spec.offload_params)
-    if not par.host_parts:
+    if not spec.placement.host_parts:
         return set()
-    placed = par.abstract(abstract_state(spec))
+    placed = spec.placement.abstract(abstract_state(spec))
     return {p for p, x in jax.tree_util.tree_leaves_with_path(placed)
-            if getattr(x.sharding, "memory_kind", None) == "pinned_host"}
+            if getattr(x.sharding, "memory_kind", None) == HOST_KIND}
 
 
 def _host_layer(spec: StepSpec) -> list[Component]:

@@ -30,7 +30,7 @@ def mesh_report(spec: StepSpec, mesh_text: str | None, compile: bool = True) -> 
                 if compile else None)
     out = {"mesh": str(mesh), "devices": target.device_count(), "backend": target.platform(),
            "compiler": target.compiler(), "analytic": analytic, "compiled": compiled}
-    if "host" in (spec.offload_base, spec.offload_optimizer):
+    if spec.placement.base_on_host or spec.placement.state_on_host:
         out["analytic_without_offload"] = analytic_breakdown(
             spec.replace(offload_base="none", offload_optimizer="none"), mesh)["total_bytes"]
     return out

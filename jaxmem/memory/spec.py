@@ -21,7 +21,7 @@ from jaxmem.optim import LossScale
 from jaxmem.peft.lora import trainable_of
 from jaxmem.peft.trainable import FullFineTune, Trainable
 from jaxmem.model.attention import attention_path, on_xla
-from jaxmem.train import Footprint, StepConfig, footprint, make_step_config
+from jaxmem.train import Footprint, Placement, StepConfig, footprint, make_step_config
 
 GiB = 2**30
 
@@ -96,6 +96,12 @@ class StepSpec:
         if unknown:
             raise TypeError(f"StepSpec.replace: unknown field(s) {sorted(unknown)}")
         return StepSpec.of(**{**parts, **changes})
+
+    @property
+    def placement(self) -> Placement:
+        """Where this step's parts live on one device (the trainer's Placement: it answers
+        `base_on_host`, `state_on_host`, `host_parts`; the planner compares no mode name)."""
+        return Placement(None, self.offload_base, self.offload_optimizer, self.offload_params)
 
     @functools.cached_property
     def footprint(self) -> Footprint:
