@@ -45,6 +45,21 @@ def test_a_gemm_costs_its_flops_over_the_waves():
     assert t3.seconds == pytest.approx(k.flops / 1e15 * (43 * 3) / 128)
 
 
+@pytest.mark.parametrize("dtype, rate", [("bf16", 1.0), ("f32", 0.5), ("f8e4m3fn", 2.0)])
+def test_a_gemm_runs_at_its_operands_rate(dtype, rate):
+    """The same GEMM with bf16 operands at the bf16 peak, with f32 operands on TF32 tensor
+    cores at half of it (jax's default f32 matmul precision on a GPU: the fused loss's
+    backward head GEMMs ran so until jaxmem.loss.chunked._head_grads), with f8 at the fp8
+    peak (`fast` has 2 PFLOP/s of it)."""
+    gemm = GEMM.replace("bf16[", f"{dtype}[")
+    text = module(f"""  %a = {dtype}[1024,512]{{1,0}} parameter(0)
+  %b = {dtype}[512,2048]{{1,0}} parameter(1)
+  ROOT %g = f32[1024,2048]{{1,0}} fusion(%a, %b), kind=kCustom, calls=%gemm""", gemm)
+    fast = Machine("fast", 1e15, 2e15, 1e14, 10e9, 0, 4)
+    (k,) = step_time(text, fast, E).kernels
+    assert k.seconds == pytest.approx(2 * 1024 * 2048 * 512 / (1e15 * rate))
+
+
 def test_in_place_update_counts_the_update_not_the_buffer():
     """A layer scan's write of one [1, 1024] f32 row into its [64, 1024] stack: the row is read
     and written (8 KiB), never the 256 KiB stack."""

@@ -34,7 +34,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxmem.einsum import logits_einsum, project
+from jaxmem.einsum import cpu_lacks, logits_einsum, project
 from jaxmem.sharding import constrain
 
 # `--loss-chunk` unset (auto): the fused loss is used when the head is wider than its input
@@ -81,6 +81,47 @@ def _chunk_logits(einsum, layout, xc, w):
     return constrain(logits, "logits").astype(jnp.float32)
 
 
+def _logsumexp(logits: jax.Array) -> jax.Array:
+    """log(sum(exp(logits))) over the last axis in one pass over the logits: a reduction of
+    (running max, sum of exp(x - max)) pairs, each pair rescaled to the larger max when two
+    meet (the online softmax's rule). jax.nn.logsumexp reads the chunk's fp32 logits twice,
+    once for the max and once for the sum: at Llama 3's vocabulary that second pass over
+    [B, Tc, V] fp32 is ~1% of a 1B step on an H100 (the time model, docs/results.md). Equal to
+    it up to fp32 rounding (-inf entries add nothing, as there)."""
+    def merge(a, b):
+        (m1, s1), (m2, s2) = a, b
+        m = jnp.maximum(m1, m2)
+        shift = jnp.where(m == -jnp.inf, 0.0, m)  # two empty pairs (the init) give (-inf, 0)
+        return m, s1 * jnp.exp(m1 - shift) + s2 * jnp.exp(m2 - shift)
+
+    ones = jnp.ones_like(logits)
+    m, total = jax.lax.reduce((logits, ones), (jnp.float32(-jnp.inf), jnp.float32(0.0)), merge,
+                              (logits.ndim - 1,))
+    return m + jnp.log(total)
+
+
+def _head_grads(einsum, layout, x, w, dlogits):
+    """(d(x) fp32, d(head) in the head's dtype) of one chunk's or slice's logits, given their
+    fp32 cotangent `dlogits` [B, T, V']: the head's two backward GEMMs.
+
+    With the library's head einsum (`logits_einsum`) and an array head, both GEMMs take
+    dlogits rounded to the compute dtype, as the forward's operands are, and accumulate in
+    fp32. Autodiff's transpose of that fp32-output dot instead upcasts its bf16 operand, so
+    both backward GEMMs ran in fp32 (TF32 on a GPU: half the bf16 rate; jaxmem.xla.kernels),
+    and d(x) was rounded to bf16 before the fp32 sum over slices; here d(x) leaves its GEMM in
+    fp32 and the caller's sum becomes that GEMM's epilogue. In an fp32 policy nothing is
+    rounded. Any other einsum, a weight object, or fp16 on XLA:CPU: jax.vjp of the forward."""
+    if einsum is logits_einsum and isinstance(w, jax.Array) and not cpu_lacks(x.dtype):
+        dl, wc = dlogits.astype(x.dtype), w.astype(x.dtype)
+        head = "VD" if layout == "VD" else "DV"
+        dx = jnp.einsum(f"BTV,{head}->BTD", dl, wc, preferred_element_type=jnp.float32)
+        dw = jnp.einsum(f"BTV,BTD->{head}", dl, x, preferred_element_type=jnp.float32)
+        return dx, dw.astype(w.dtype)
+    _, vjp = jax.vjp(lambda x, w: _chunk_logits(einsum, layout, x, w), x, w)
+    dx, dw = vjp(dlogits)
+    return dx.astype(jnp.float32), dw
+
+
 def forward(chunk, einsum, layout, x, w, targets, weights):
     """(sum of weighted token losses, logsumexp [n, B, Tc]): the fused loss's forward, with
     what `over_vocab` needs (weights fp32)."""
@@ -89,7 +130,7 @@ def forward(chunk, einsum, layout, x, w, targets, weights):
     def body(total, c):
         xc, tc, wc = c  # [B, Tc, D], [B, Tc], [B, Tc]
         logits = _chunk_logits(einsum, layout, xc, w)  # [B, Tc, V]
-        lse = jax.nn.logsumexp(logits, axis=-1)  # [B, Tc]
+        lse = _logsumexp(logits)  # [B, Tc]
         picked = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]  # [B, Tc]
         return total + jnp.sum((lse - picked) * wc), lse
 
@@ -131,12 +172,11 @@ def over_vocab(einsum, layout, x, targets, weights, lse, g, vc: int, vocab: int,
 
     def body(state, start):
         dx, carry = state
-        logits, vjp = jax.vjp(lambda x, wc: _chunk_logits(einsum, layout, x, wc), x,
-                              read(carry, start))
-        probs = jnp.exp(logits - lse[..., None])  # [B, T, Vc]
+        wc = read(carry, start)
+        probs = jnp.exp(_chunk_logits(einsum, layout, x, wc) - lse[..., None])  # [B, T, Vc]
         onehot = (targets[..., None] == start + jnp.arange(vc)).astype(jnp.float32)
-        dxc, dwc = vjp((probs - onehot) * wg[..., None])  # [B, T, D], like the slice
-        return (dx + dxc.astype(jnp.float32), write(carry, start, dwc)), None
+        dxc, dwc = _head_grads(einsum, layout, x, wc, (probs - onehot) * wg[..., None])
+        return (dx + dxc, write(carry, start, dwc)), None  # [B, T, D] fp32, like the slice
 
     init = (jnp.zeros(x.shape, jnp.float32), carry)
     (dx, carry), _ = jax.lax.scan(body, init, jnp.arange(0, vocab, vc))
@@ -170,14 +210,14 @@ def _fused_sum_bwd(chunk, einsum, layout, res, g):
 
     def body(dw, c):
         xc, tc, wc, lc = c  # [B, Tc, D], [B, Tc], [B, Tc], [B, Tc]
-        logits, vjp = jax.vjp(lambda xc, w: _chunk_logits(einsum, layout, xc, w), xc, w)
+        logits = _chunk_logits(einsum, layout, xc, w)  # [B, Tc, V]
         probs = jnp.exp(logits - lc[..., None])  # softmax [B, Tc, V]
         onehot = jax.nn.one_hot(tc, logits.shape[-1], dtype=jnp.float32)  # [B, Tc, V]
         dlogits = (probs - onehot) * (wc * g)[..., None]  # [B, Tc, V]
-        dxc, dwc = vjp(dlogits)
+        dxc, dwc = _head_grads(einsum, layout, xc, w, dlogits)
         dw = jax.tree_util.tree_map(lambda acc, d, f: acc + d.astype(jnp.float32) if f else acc,
                                     dw, dwc, w_float)
-        return dw, dxc
+        return dw, dxc.astype(xc.dtype)
 
     dw0 = jax.tree_util.tree_map(lambda a, f: jnp.zeros(a.shape, jnp.float32 if f else a.dtype),
                                  w, w_float)
@@ -202,7 +242,7 @@ def _fused_tokens_fwd(chunk, einsum, layout, x, w, targets):
     def body(_, c):
         xc, tc = c  # [B, Tc, D], [B, Tc]
         logits = _chunk_logits(einsum, layout, xc, w)  # [B, Tc, V]
-        lse = jax.nn.logsumexp(logits, axis=-1)  # [B, Tc]
+        lse = _logsumexp(logits)  # [B, Tc]
         picked = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]  # [B, Tc]
         return None, (picked - lse, lse)
 

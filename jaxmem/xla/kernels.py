@@ -84,22 +84,42 @@ def _ints(text: str | None) -> list[int]:
     return [int(x) for x in re.findall(r"\d+", text or "")]
 
 
-def _dot_flops(ins: dict, instrs: dict) -> tuple[float, bool]:
-    """(FLOPs, fp8) of a dot: 2 x |result| x the lhs's contracted sizes."""
-    lhs = instrs.get(ins["operands"][0], {}).get("type", "") if ins["operands"] else ""
+# An fp32 GEMM (both operands f32) runs on TF32 tensor cores: jax's default matmul precision
+# on NVIDIA GPUs since Ampere (docs.jax.dev, "Matmul precision": float32 dots use TF32 on
+# recent GPUs), at half the dense bf16 rate on every such card (A100 156 / 312, H100 SXM
+# 495 / 989, RTX 4090 83 / 165 TFLOP/s): a card fact's ratio, not a fitted number.
+TF32_RATE = 0.5
+
+
+def _operand_kind(lhs: str, rhs: str) -> str:
+    """The GEMM's rate class by its operands' dtypes: "fp8" (an f8 operand), "tf32" (both f32),
+    else "bf16" (bf16 / fp16 tensor cores)."""
+    if _dtype(lhs).startswith("f8") or _dtype(rhs).startswith("f8"):
+        return "fp8"
+    return "tf32" if _dtype(lhs) == "f32" and _dtype(rhs) == "f32" else "bf16"
+
+
+def _operands(ins: dict, instrs: dict) -> tuple[str, str]:
+    types = [instrs.get(o, {}).get("type", "") for o in ins["operands"][:2]]
+    return tuple(types + [""] * (2 - len(types)))
+
+
+def _dot_flops(ins: dict, instrs: dict) -> tuple[float, str]:
+    """(FLOPs, rate class) of a dot: 2 x |result| x the lhs's contracted sizes."""
+    lhs, rhs = _operands(ins, instrs)
     contracted = math.prod(_dims(lhs)[i] for i in _ints(attr(ins["attrs"], "lhs_contracting_dims"))
                            if i < len(_dims(lhs)))
-    return 2.0 * math.prod(_dims(ins["type"])) * contracted, _dtype(lhs).startswith("f8")
+    return 2.0 * math.prod(_dims(ins["type"])) * contracted, _operand_kind(lhs, rhs)
 
 
-def _gemm_call_flops(ins: dict, instrs: dict) -> tuple[float, bool]:
+def _gemm_call_flops(ins: dict, instrs: dict) -> tuple[float, str]:
     """A cuBLAS custom call's FLOPs from its backend_config's dot_dimension_numbers."""
     m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins["attrs"])
-    lhs = instrs.get(ins["operands"][0], {}).get("type", "") if ins["operands"] else ""
+    lhs, rhs = _operands(ins, instrs)
     dims = _dims(lhs)
     contracted = math.prod(dims[i] for i in _ints(m.group(1) if m else "") if i < len(dims))
     out = tuple_elements(ins["type"])[0]
-    return 2.0 * math.prod(_dims(out)) * contracted, _dtype(lhs).startswith("f8")
+    return 2.0 * math.prod(_dims(out)) * contracted, _operand_kind(lhs, rhs)
 
 
 def _attention_flops(ins: dict, instrs: dict) -> float:
@@ -155,21 +175,22 @@ def _fused_bytes(ins: dict, instrs: dict, fused: dict | None) -> float:
     return read + written
 
 
-def _fusion_cost(ins: dict, instrs: dict, comps: dict) -> tuple[str, float, float, bool]:
-    """(class, FLOPs, bytes, fp8) of a fusion: a GEMM where it holds a dot or a convolution,
-    else a memory-bound kernel (rng where jax's random bits made it)."""
+def _fusion_cost(ins: dict, instrs: dict, comps: dict) -> tuple[str, float, float, str]:
+    """(class, FLOPs, bytes, rate class) of a fusion: a GEMM where it holds a dot or a
+    convolution (its rate that of its dot's operands, as the fusion converts them), else a
+    memory-bound kernel (rng where jax's random bits made it)."""
     callee = next((c for k, c in called(ins["attrs"]) if k == "calls"), None)
     fused = comps.get(callee)
-    flops, fp8 = 0.0, False
+    flops, rate = 0.0, "bf16"
     if fused:
         for i in fused["instrs"].values():
             if i["op"] == "dot":
-                f, f8 = _dot_flops(i, fused["instrs"])
-                flops, fp8 = flops + f, fp8 or f8
+                f, rate = _dot_flops(i, fused["instrs"])
+                flops += f
     nbytes = _fused_bytes(ins, instrs, fused)
     name = attr(ins["attrs"], "op_name") or ""
     klass = "gemm" if flops else "rng" if re.search(r"random|threefry|rng", name) else "fusion"
-    return klass, flops, nbytes, fp8
+    return klass, flops, nbytes, rate
 
 
 def _gemm_waves(ins_type: str, sms: int) -> float:
@@ -186,18 +207,18 @@ def kernel(ins: dict, instrs: dict, comps: dict, m: Machine, eff: Efficiency
     """(class, seconds, FLOPs, bytes) of one synchronous kernel."""
     op = ins["op"]
     target = attr(ins["attrs"], "custom_call_target") or ""
-    fp8 = False
+    rate = "bf16"
     if op == "fusion":
-        klass, flops, nbytes, fp8 = _fusion_cost(ins, instrs, comps)
+        klass, flops, nbytes, rate = _fusion_cost(ins, instrs, comps)
     elif op == "custom-call" and "fmha" in target:
         klass, flops = "attention", _attention_flops(ins, instrs)
         nbytes = _fused_bytes(ins, instrs, None)
     elif op == "custom-call" and ("gemm" in target or "matmul" in target):
-        (flops, fp8), klass = _gemm_call_flops(ins, instrs), "gemm"
+        (flops, rate), klass = _gemm_call_flops(ins, instrs), "gemm"
         nbytes = sum(shape_bytes(instrs.get(o, {}).get("type", "")) for o in ins["operands"]) \
             + shape_bytes(tuple_elements(ins["type"])[0])
     elif op == "dot":
-        (flops, fp8), klass = _dot_flops(ins, instrs), "gemm"
+        (flops, rate), klass = _dot_flops(ins, instrs), "gemm"
         nbytes = _fused_bytes(ins, instrs, None)
     elif op in ("rng-bit-generator", "rng"):
         klass, flops, nbytes = "rng", 0.0, shape_bytes(ins["type"])
@@ -206,7 +227,8 @@ def kernel(ins: dict, instrs: dict, comps: dict, m: Machine, eff: Efficiency
                                  "concatenate", "transpose", "pad") else "fusion"
         flops, nbytes = 0.0, _fused_bytes(ins, instrs, None) if op != "dynamic-update-slice" \
             else 2 * shape_bytes(instrs.get(ins["operands"][1], {}).get("type", ""))
-    peak = (m.fp8_flops if fp8 and m.fp8_flops else m.flops) * (
+    peak = (m.fp8_flops if rate == "fp8" and m.fp8_flops else
+            m.flops * TF32_RATE if rate == "tf32" else m.flops) * (
         eff.attention if klass == "attention" else eff.gemm)
     if klass == "gemm":
         peak *= _gemm_waves(ins["type"], m.sms)
