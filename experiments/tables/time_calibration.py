@@ -2,12 +2,16 @@
 "Predicted against measured".
 
     python -m experiments.tables.time_calibration [--rows NAME ...] [--timeout 900]
+        [--at COMMIT]
 
 Each row is `python -m jaxmem.memory <the row's flags> --target CARD --json` in a process of its
 own (the gpu-plan extra): the step compiled by the card's own XLA compiler, deviceless, and its
 predicted tok/s (jaxmem.memory.seconds, one set of constants for every row), set beside the
 tok/s measured on that card. The programs compiled are TODAY's: a row measured at an older commit
 ran an older program (the commit is printed with it), which the table says rather than hides.
+`--at COMMIT` compiles each row with that commit's own planner instead (a git worktree of it,
+XLA dumping the optimized step), and runs today's time model on the program that commit made:
+the program a row measured at COMMIT ran (the planner needs `--target` there: 4a55a87 or later).
 
 Measured rows (docs/results.md, experiments/results/gpu_check_h200_2026-11-27*.md):
 - H100 80GB HBM3, 2026-11-23, commit 25ec38c, jax 0.11.2: the first GPU session (DESIGN.md);
@@ -20,8 +24,14 @@ Prints markdown and writes experiments/results/time_calibration_<date>.json.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from experiments.common.resultfiles import new_result_file
 from experiments.tables.what_fits import run_memory
@@ -70,6 +80,47 @@ ROWS = [
 ]
 
 
+def _worktree(commit: str) -> Path:
+    """A git worktree of `commit` under the temporary directory (made once, reused)."""
+    root = Path(__file__).resolve().parents[2]
+    path = Path(tempfile.gettempdir()) / f"jaxmem-at-{commit}"
+    if not path.exists():
+        subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(path), commit],
+                       check=True, capture_output=True)
+    return path
+
+
+def run_at(commit: str, flags: list[str], card: str, timeout: float) -> dict:
+    """`python -m jaxmem.memory FLAGS --target CARD` by `commit`'s own code, its optimized step
+    dumped by XLA, and today's time model (jaxmem.memory.seconds) on that program: predict()'s
+    dict with tokens_per_s and mfu, or {"error": ...}."""
+    from jaxmem.memory.seconds import predict
+    from jaxmem.families import get_preset
+    from jaxmem.families.params import model_flops
+    from jaxmem.target import CARDS
+
+    tree = _worktree(commit)
+    with tempfile.TemporaryDirectory(prefix="jaxmem-at-dump-") as dump:
+        env = {**os.environ, "PYTHONPATH": str(tree),
+               "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} "
+                            "--xla_dump_hlo_as_text --xla_dump_hlo_pass_re=NONE".strip()}
+        try:
+            p = subprocess.run([sys.executable, "-m", "jaxmem.memory", *flags, "--target", card],
+                               cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timeout after {timeout:g} s"}
+        # the step is the largest optimized module the planner compiled
+        hlo = sorted(glob.glob(f"{dump}/*after_optimizations.txt"), key=os.path.getsize)
+        if p.returncode != 0 or not hlo:
+            return {"error": (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1][:300]}
+        t = predict(Path(hlo[-1]).read_text(), CARDS[card])
+    value = lambda flag: flags[flags.index(flag) + 1]  # noqa: E731
+    seq = int(value("--seq-len"))
+    tok_s = int(value("--batch-size")) * seq / t["seconds"]
+    mfu = model_flops(get_preset(value("--preset")), seq) * tok_s / t["machine"]["flops"]
+    return {**t, "tokens_per_s": tok_s, "mfu": mfu}
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| row | card | measured tok/s (commit) | predicted tok/s | predicted / measured | "
              "predicted MFU | busy s: gemm / attention / fusion / copy / host | costliest class |",
@@ -93,15 +144,21 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", nargs="+", help="row names (default: every row)")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--at", metavar="COMMIT",
+                    help="compile each row with this commit's planner (today's time model)")
     args = ap.parse_args(argv)
     rows = []
     for name, card, measured, commit, source, flags in ROWS:
         if args.rows and name not in args.rows:
             continue
         t0 = time.time()
-        r = run_memory([*flags, "--target", card], args.timeout)
+        if args.at:
+            r = run_at(args.at, list(flags), card, args.timeout)
+            r = r if "error" in r else {"time": r, "compiler": f"the planner at {args.at}"}
+        else:
+            r = run_memory([*flags, "--target", card], args.timeout)
         row = {"row": name, "card": card, "measured": measured, "commit": commit,
-               "source": source, "flags": list(flags)}
+               "source": source, "flags": list(flags), "compiled_at": args.at or "today"}
         if "error" in r or not r.get("time"):
             row["error"] = r.get("error", "no predicted time")
         else:
@@ -121,7 +178,7 @@ def main(argv=None) -> int:
     if ok:
         within = sum(0.8 <= r["ratio"] <= 1.2 for r in ok)
         print(f"\n{within} of {len(ok)} rows within +-20% of their measured tok/s")
-    path = new_result_file("time_calibration")
+    path = new_result_file("time_calibration" + (f"_at_{args.at}" if args.at else ""))
     path.write_text(json.dumps({"rows": rows, "markdown": table}, indent=2))
     print(f"wrote {path}")
     return 0

@@ -14,6 +14,7 @@ The knobs (NVIDIA JAX-Toolbox docs/GPU_performance.md, MaxText's GPU scripts; sh
     --xla_disable_hlo_passes=rematerialization XLA's own remat pass off (every MaxText GPU script)
     --xla_gpu_enable_latency_hiding_scheduler=true  the scheduler of jax_optimization_level O1
     --xla_gpu_enable_command_buffer=           CUDA graphs off (run time only: not visible here)
+    JAX_OPTIMIZATION_LEVEL=O1                  jax's own level (the anchors' jax_optimization_level)
 Prints markdown and writes experiments/results/time_knobs_<date>.json.
 """
 
@@ -34,11 +35,14 @@ CONFIGS = {
         "--preset", "llama-3-8b", "--precision", "bf16-sr", "--optimizer", "adamw8bit",
         "--remat", "full", "--batch-size", "8", "--seq-len", "2048"),
 }
+# knob -> (XLA_FLAGS, other environment variables): jax's own optimization level is a jax
+# option (jax 0.10.2 has it too: `jax_optimization_level`), set through its variable
 KNOBS = {
-    "default": "",
-    "cuBLAS GEMMs": "--xla_gpu_enable_triton_gemm=false",
-    "XLA remat pass off": "--xla_disable_hlo_passes=rematerialization",
-    "latency-hiding scheduler": "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "default": ("", {}),
+    "cuBLAS GEMMs": ("--xla_gpu_enable_triton_gemm=false", {}),
+    "XLA remat pass off": ("--xla_disable_hlo_passes=rematerialization", {}),
+    "latency-hiding scheduler": ("--xla_gpu_enable_latency_hiding_scheduler=true", {}),
+    "jax_optimization_level O1": ("", {"JAX_OPTIMIZATION_LEVEL": "O1"}),
 }
 
 
@@ -49,11 +53,21 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rows, base = [], os.environ.get("XLA_FLAGS", "")
     for name, flags in CONFIGS.items():
-        for knob, xla in KNOBS.items():
+        for knob, (xla, env) in KNOBS.items():
             os.environ["XLA_FLAGS"] = f"{base} {xla}".strip()
-            r = run_memory([*flags, "--target", args.card], args.timeout)
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                r = run_memory([*flags, "--target", args.card], args.timeout)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
             t = r.get("time") or {}
-            row = {"config": name, "knob": knob, "xla_flags": xla, "error": r.get("error"),
+            row = {"config": name, "knob": knob, "xla_flags": xla, "env": env,
+                   "error": r.get("error"),
                    "tokens_per_s": t.get("tokens_per_s"), "mfu": t.get("mfu"),
                    "busy": t.get("busy_seconds"), "kernels": t.get("kernels"),
                    "peak_bytes": (r.get("compiled") or {}).get("peak_bytes")}
