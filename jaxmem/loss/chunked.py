@@ -116,7 +116,8 @@ def _head_grads(einsum, layout, x, w, dlogits):
         head = "VD" if layout == "VD" else "DV"
         dx = jnp.einsum(f"BTV,{head}->BTD", dl, wc, preferred_element_type=jnp.float32)
         dw = jnp.einsum(f"BTV,BTD->{head}", dl, x, preferred_element_type=jnp.float32)
-        return dx, dw.astype(w.dtype)
+        # d(head) as autodiff gives it: the cotangent of w.astype(x.dtype), in the compute dtype
+        return dx, dw.astype(x.dtype).astype(w.dtype)
     _, vjp = jax.vjp(lambda x, w: _chunk_logits(einsum, layout, x, w), x, w)
     dx, dw = vjp(dlogits)
     return dx.astype(jnp.float32), dw
