@@ -198,6 +198,9 @@ class _Walker:
                 moved = transfer(ins, ins["type"], instrs[done]["type"] if done else None,
                                  instrs, self.devices, self.comps, self.m, self.eff)
                 if moved is None:  # an async wrapper of compute: run it on the stream
+                    if op == "fusion-start" and done:  # jax 0.11's XLA: a fusion made async,
+                        # its result the done's (the start's tuple also holds the operands)
+                        ins = {**ins, "op": "fusion", "type": instrs[done]["type"]}
                     now += self._compute(name, ins, instrs, runs)
                     continue
                 klass, engine, secs, nbytes = moved
