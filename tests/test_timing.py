@@ -60,10 +60,8 @@ def test_a_gemm_runs_at_its_operands_rate(dtype, rate):
     assert k.seconds == pytest.approx(2 * 1024 * 2048 * 512 / (1e15 * rate))
 
 
-def test_in_place_update_counts_the_update_not_the_buffer():
-    """A layer scan's write of one [1, 1024] f32 row into its [64, 1024] stack: the row is read
-    and written (8 KiB), never the 256 KiB stack."""
-    fused = """
+# a layer scan's in-place write of one [1, 1024] f32 row into its [64, 1024] stack
+ROW_INTO_STACK = """
 %dus (p0: f32[64,1024], p1: f32[1,1024], p2: s32[]) -> f32[64,1024] {
   %p0 = f32[64,1024]{1,0} parameter(0)
   %p1 = f32[1,1024]{1,0} parameter(1)
@@ -72,10 +70,15 @@ def test_in_place_update_counts_the_update_not_the_buffer():
   ROOT %u = f32[64,1024]{1,0} dynamic-update-slice(%p0, %p1, %p2, %z)
 }
 """
+
+
+def test_in_place_update_counts_the_update_not_the_buffer():
+    """A layer scan's write of one [1, 1024] f32 row into its [64, 1024] stack: the row is read
+    and written (8 KiB), never the 256 KiB stack."""
     text = module("""  %s = f32[64,1024]{1,0} parameter(0)
   %r = f32[1,1024]{1,0} parameter(1)
   %i = s32[] parameter(2)
-  ROOT %w = f32[64,1024]{1,0} fusion(%s, %r, %i), kind=kLoop, calls=%dus""", fused)
+  ROOT %w = f32[64,1024]{1,0} fusion(%s, %r, %i), kind=kLoop, calls=%dus""", ROW_INTO_STACK)
     (k,) = step_time(text, M, E).kernels
     assert k.bytes == 4096 + 4 + 4096  # the row read, the index, the row written
 
@@ -86,20 +89,11 @@ def test_an_async_fusion_costs_its_fused_computation():
     plain fusion above, not the start's tuple (two whole stacks) read as one unfused op. Seen
     on the 1B's 16x2048 step compiled by jax 0.11.2: 1.054 s predicted before, 0.540 after,
     as jax 0.10.2's program."""
-    fused = """
-%dus (p0: f32[64,1024], p1: f32[1,1024], p2: s32[]) -> f32[64,1024] {
-  %p0 = f32[64,1024]{1,0} parameter(0)
-  %p1 = f32[1,1024]{1,0} parameter(1)
-  %p2 = s32[] parameter(2)
-  %z = s32[] constant(0)
-  ROOT %u = f32[64,1024]{1,0} dynamic-update-slice(%p0, %p1, %p2, %z)
-}
-"""
     text = module("""  %s = f32[64,1024]{1,0} parameter(0)
   %r = f32[1,1024]{1,0} parameter(1)
   %i = s32[] parameter(2)
   %f = ((f32[64,1024]{1,0}, f32[1,1024]{1,0}, s32[]), f32[64,1024]{1,0}, u32[]) fusion-start(%s, %r, %i), kind=kLoop, calls=%dus
-  ROOT %w = f32[64,1024]{1,0} fusion-done(%f)""", fused)
+  ROOT %w = f32[64,1024]{1,0} fusion-done(%f)""", ROW_INTO_STACK)
     (k,) = step_time(text, M, E).kernels
     assert k.klass == "fusion" and k.bytes == 4096 + 4 + 4096
 
