@@ -6,7 +6,9 @@
 - Markers (pyproject.toml): `gpu` and `torch` skip where there is no GPU / no PyTorch;
   `cpu_only(reason=...)` skips a check of a fact of the CPU backend (bf16 emulated, no cuDNN,
   no allocator stats) on any other backend, with its reason; `slow` is left out of the default
-  selection (`-m "not slow"` in addopts; `-m "slow or not slow"` runs everything, as CI does);
+  selection (`-m "not slow"` in addopts; `-m "slow or not slow"` runs everything, as
+  .ci/nightly does); `nightly` (a costlier repeat of a claim a cheaper test checks) is slow too,
+  and CI (.ci/run, `-m "not nightly"`) leaves it out;
   `reordered` is added at collection to the tests that compare fp32 results in another
   summation order or run torch (tests/kernel_sweep.sh).
 """
@@ -67,7 +69,10 @@ def pytest_itemcollected(item):
     """`reordered`: a test that compares two fp32 computations adding in different orders
     (tests/numerics.py's assert_reordered_fp32, called by the test or a helper of its module) or
     runs torch's kernels; tests/kernel_sweep.sh runs these under other kernels. Marked here, at
-    collection, so that `-m reordered` selects them."""
+    collection, so that `-m reordered` selects them. A `nightly` test is `slow` too: the
+    README's default selection leaves it out as CI does."""
+    if "nightly" in item.keywords and "slow" not in item.keywords:
+        item.add_marker(pytest.mark.slow)
     module = getattr(item, "module", None)
     function = getattr(item, "function", None)
     if "torch" in item.keywords or (

@@ -75,8 +75,15 @@ def test_qlora_fine_tune_lowers_the_eval_loss(qlora):
     assert tuned < base - 0.3, (base, tuned)
 
 
-@pytest.mark.slow  # two 6-step LoRA runs per family
-@pytest.mark.parametrize("family", list(CONFIGS))
+# CI resumes the two families whose layouts differ most from Llama's (Gemma 3: sandwich norms, a
+# sliding window, tied head; Phi-3: fused qkv / gate_up files, partial RoPE); the others' resumes
+# are the same trainer code on another module (nightly; each family's QLoRA run is in CI above).
+RESUMED_IN_CI = ("gemma3", "phi3")
+
+
+@pytest.mark.slow  # two 6-step LoRA runs per family: 30-60 s each on 2 cores
+@pytest.mark.parametrize("family", [
+    f if f in RESUMED_IN_CI else pytest.param(f, marks=pytest.mark.nightly) for f in CONFIGS])
 def test_lora_stop_and_resume_is_bitwise_and_lowers_the_eval_loss(family, tmp_path):
     cfg = CONFIGS[family]
     write_tokenizer(tmp_path / "tok", "def return import class self None for in if else " * 200)

@@ -82,7 +82,28 @@ def test_plan_card_is_checked_and_auto_follows_the_plugin(tmp_path, monkeypatch)
         assert gpu_check.parse_args(["--out", str(tmp_path)]).plan == want
 
 
-@pytest.mark.slow  # every row at tiny size: several minutes on 2 cores
+@pytest.mark.slow  # one row of each kind the driver runs: ~100 s on 2 cores
+def test_smoke_one_row_of_each_kind(tmp_path):
+    """pytest, a train row on a random HF checkpoint, the costliest train flags (in-backward with
+    the state and the weights on the host), the compare driver (torch's when installed). The
+    other train rows are other flags of the same path: test_smoke_every_row (nightly)."""
+    out = tmp_path / "g"
+    rows = ["gpu-tests", "8b-both-host-4x", "qlora-nf4", "compare-full"]
+    rc = gpu_check.main(["--smoke", "--out", str(out), "--plan", "off", "--rows", *rows])
+    doc = _doc(out)
+    status = {r["name"]: r["status"] for r in doc["rows"]}
+    assert rc == 0, [(r["name"], r.get("error")) for r in doc["rows"] if r["status"] == "FAILED"]
+    assert list(status) == rows
+    assert status["8b-both-host-4x"] == status["qlora-nf4"] == "ok", status
+    rows = {r["name"]: r for r in doc["rows"]}
+    assert rows["qlora-nf4"]["tokens_per_s"] > 0 and rows["8b-both-host-4x"]["tokens_per_s"] > 0
+    assert status["gpu-tests"] == "ok" and rows["gpu-tests"]["tests"]["counts"].get("skipped")
+    if status["compare-full"] != "skipped":  # torch installed
+        assert rows["compare-full"]["tokens_per_s"] > 0
+        assert "torch eager" in rows["compare-full"]["note"]
+
+
+@pytest.mark.nightly  # every row at tiny size: several minutes on 2 cores
 def test_smoke_every_row(tmp_path):
     out = tmp_path / "g"
     rc = gpu_check.main(["--smoke", "--out", str(out), "--plan", "off"])

@@ -72,9 +72,12 @@ def _both(ordinary, oib, steps: int, vocab: int):
 @pytest.mark.slow  # two tiny steps compiled per case, 10 steps each
 @pytest.mark.parametrize("optimizer,tie,family", [
     ("adamw", False, "llama"), ("adamw8bit", False, "llama"), ("lion", True, "llama"),
-    ("adamw", True, "qwen3"), ("adamw8bit", False, "qwen2"), ("adamw", True, "gemma3"),
-    ("adamw", True, "phi3"),
-    ("adamw8bit", False, "olmo2")])
+    # qwen3, qwen2 and olmo2 nightly: the in-backward update is the same per-layer code for every
+    # family; gemma3 and phi3, the layouts furthest from Llama's, run in CI
+    pytest.param("adamw", True, "qwen3", marks=pytest.mark.nightly),
+    pytest.param("adamw8bit", False, "qwen2", marks=pytest.mark.nightly),
+    ("adamw", True, "gemma3"), ("adamw", True, "phi3"),
+    pytest.param("adamw8bit", False, "olmo2", marks=pytest.mark.nightly)])
 def test_fp32_losses_equal_the_ordinary_step_for_10_steps(optimizer, tie, family):
     """Each family's block through the in-backward step, built on the model's parts (Qwen3's
     QK-norm, Qwen2's biases, Gemma 3's scaled embedding, sandwich norms and local and global
