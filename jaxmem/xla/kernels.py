@@ -161,14 +161,21 @@ def _fused_bytes(ins: dict, instrs: dict, fused: dict | None) -> float:
     for pname, index in params.items():
         full = shape_bytes(types[index]) if index < len(types) else shape_bytes(body[pname]["type"])
         uses = uses_of(pname)
-        if uses and all(u["op"] in ("dynamic-slice", "slice", "gather") and pos == 0
-                        for u, pos in uses):
-            read += min(full, sum(shape_bytes(u["type"]) for u, _ in uses))
-        elif uses and all(u["op"] == "dynamic-update-slice" and pos == 0 for u, pos in uses):
-            in_place_update += sum(shape_bytes(body[u["operands"][1]]["type"])
-                                   for u, _ in uses if len(u["operands"]) > 1)
-        else:
+        sliced = [u for u, pos in uses if u["op"] in ("dynamic-slice", "slice", "gather")
+                  and pos == 0]
+        updated = [u for u, pos in uses if u["op"] == "dynamic-update-slice" and pos == 0]
+        starts = {tuple(u["operands"][2:]) for u in updated}
+        if not uses or len(sliced) + len(updated) < len(uses) or (updated and any(
+                u["op"] != "dynamic-slice" or tuple(u["operands"][1:]) not in starts
+                for u in sliced)):
             read += full
+            continue
+        # read through its slices; updated in place (the buffer is the result's), where the
+        # fusion also reads the old slice it overwrites (XLA's in-place emitter allows a
+        # dynamic-slice of the updated operand at the update's own indices)
+        read += min(full, sum(shape_bytes(u["type"]) for u in sliced))
+        in_place_update += sum(shape_bytes(body[u["operands"][1]]["type"])
+                               for u in updated if len(u["operands"]) > 1)
     root = body.get(fused["root"], {})
     written = in_place_update if root.get("op") in ("dynamic-update-slice", "tuple", "bitcast") \
         and in_place_update else shape_bytes(ins["type"])
