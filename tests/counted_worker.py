@@ -20,6 +20,6 @@ from test_counted import COMPILED, MESH, measure  # noqa: E402  (after the envir
 
 if __name__ == "__main__":
     assert jax.device_count() == 4, jax.devices()
+    compiled = tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else COMPILED
     with open(sys.argv[1], "w") as f:
-        compiled = tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else COMPILED
         json.dump(measure(MESH, compiled=compiled), f)

@@ -43,6 +43,7 @@ import sys
 import pytest
 
 from testenv import ROOT, subprocess_env
+from tiers import nightly_except
 
 PRESETS = ("tiny", "small", "llama-3.2-1b", "llama-3-8b")
 COMPILED = ("tiny", "small")  # the presets the suite compiles; the others are placed only
@@ -180,8 +181,7 @@ def test_one_device_counts_equal_the_placed_arguments():
 
 
 @pytest.mark.slow  # 6 compiles per preset: ~25 s of CPU each
-@pytest.mark.parametrize("preset", [
-    p if p == "tiny" else pytest.param(p, marks=pytest.mark.nightly) for p in COMPILED])
+@pytest.mark.parametrize("preset", nightly_except(COMPILED, ("tiny",)))
 def test_one_device_counts_equal_the_compiled_arguments(preset):
     """tiny and small on one device, every mode: counted == XLA's argument bytes (device +
     host; host == the entry layout's host arguments) == placed."""

@@ -21,6 +21,7 @@ from jaxmem.train.rundir import load_run
 from hf_files import random_params, run_eval_losses, write_tokenizer  # noqa: E402
 from numerics import assert_reordered_fp32, model_terms  # noqa: E402
 from runs import losses, params_of  # noqa: E402
+from tiers import nightly_except  # noqa: E402
 
 pytest.importorskip("tokenizers")
 
@@ -82,8 +83,7 @@ RESUMED_IN_CI = ("gemma3", "phi3")
 
 
 @pytest.mark.slow  # two 6-step LoRA runs per family: 30-60 s each on 2 cores
-@pytest.mark.parametrize("family", [
-    f if f in RESUMED_IN_CI else pytest.param(f, marks=pytest.mark.nightly) for f in CONFIGS])
+@pytest.mark.parametrize("family", nightly_except(CONFIGS, RESUMED_IN_CI))
 def test_lora_stop_and_resume_is_bitwise_and_lowers_the_eval_loss(family, tmp_path):
     cfg = CONFIGS[family]
     write_tokenizer(tmp_path / "tok", "def return import class self None for in if else " * 200)

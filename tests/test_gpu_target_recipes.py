@@ -14,6 +14,8 @@ import pytest
 from jaxmem import recipes
 from jaxmem.recipes.plan import compile_plan
 
+from tiers import RECIPES_IN_CI, nightly_except
+
 pytestmark = [pytest.mark.gpu_target, pytest.mark.slow]
 
 
@@ -25,16 +27,10 @@ def planned_gib(name: str) -> float:
     return float(m.group(1))
 
 
-# CI compiles the recipes whose runs CI trains (tests/test_recipes.py's TRAINED_IN_CI: the
-# Gemma 3 one, the 70B FSDP one, the 8B one with everything on the host, DPO, the quick start);
-# the other four (Qwen3 QLoRA at three sizes, the 8B on 80 GB) are nightly, about 3 minutes of
-# compiles on 2 cores.
-NIGHTLY = ("llama-3.1-8b-full-80gb", "qwen3-8b-qlora-12gb", "qwen3-8b-qlora-24gb",
-           "qwen3-8b-qlora-long-80gb")
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.nightly) if n in NIGHTLY else n for n in recipes.names()])
+# CI compiles the recipes whose runs CI trains (tiers.RECIPES_IN_CI: the Gemma 3 one, the 70B
+# FSDP one, the 8B one with everything on the host, DPO, the quick start); the other four (Qwen3
+# QLoRA at three sizes, the 8B on 80 GB) are nightly, about 3 minutes of compiles on 2 cores.
+@pytest.mark.parametrize("name", nightly_except(recipes.names(), RECIPES_IN_CI))
 def test_recipe_fits_its_card_on_the_cards_compiler(name):
     p = compile_plan(name)
     assert p.source.startswith("compiled")

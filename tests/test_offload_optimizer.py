@@ -105,12 +105,13 @@ def test_other_optimizers_without_in_backward_exit_2_with_one_line(tmp_path, cap
 
 
 # the whole-tree resume is nightly: the whole-tree update on the host is bitwise the device's
-# in CI (10 steps, clipping, 2 micro-batches: test_host_state_is_bitwise_the_device_run_for_10_steps)
-# and the in-backward resume runs in CI
+# in CI (10 steps, clipping, 2 micro-batches: test_host_state_is_bitwise_the_device_run_for_10_
+# steps) and the in-backward resume runs in CI
 @pytest.mark.slow  # three CLI runs each
 @pytest.mark.parametrize("mode", [
     pytest.param(OIB, id="in-backward"),
-    pytest.param(["--clip", "1.0", "--grad-accum", "2"], id="whole-tree", marks=pytest.mark.nightly)])
+    pytest.param(["--clip", "1.0", "--grad-accum", "2"], id="whole-tree",
+                 marks=pytest.mark.nightly)])
 def test_resume_is_bitwise_the_device_run(tmp_path, corpus, mode):
     args = [*SMALL, "--data", corpus, "--steps", "6", "--precision", "bf16-sr",
             "--optimizer", "adamw8bit", *mode]

@@ -53,9 +53,9 @@ def _arrays(tree):
             if x.ndim}
 
 
-# adamw8bit (37 s on 2 cores) is `slow`: CI runs it, the README's command runs adamw (25 s)
-# adamw8bit's 10 steps are nightly: its host-params path (bf16-sr, adamw8bit, in-backward) runs
-# bitwise against the device run in CI's test_resume_is_bitwise_the_device_run below
+# the README's command and CI run adamw (25 s on 2 cores); adamw8bit's 10 steps (37 s) are
+# nightly: its host-params path (bf16-sr, adamw8bit, in-backward) runs bitwise against the device
+# run in CI's test_resume_is_bitwise_the_device_run below
 @pytest.mark.parametrize("optimizer", [pytest.param("adamw8bit", marks=pytest.mark.nightly),
                                        "adamw"])
 def test_host_params_are_bitwise_the_device_run_for_10_steps(optimizer):

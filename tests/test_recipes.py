@@ -23,6 +23,7 @@ from jaxmem.recipes.cli import main
 from jaxmem.recipes.plan import plan
 
 from testenv import subprocess_env
+from tiers import RECIPES_IN_CI, nightly_except
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ["gemma-3-12b-qlora-24gb", "llama-3.1-70b-qlora-2x24gb-fsdp",
@@ -153,18 +154,10 @@ def test_qwen3_qlora_recipe_trains_a_tiny_qwen3_on_chat_rows(tmp_path):
     assert saved["model"]["family"] == "qwen3" and saved["model"]["hidden_size"] == 64
 
 
-# The recipes whose settings CI's trainer runs take: together every setting a recipe file uses
-# (QLoRA with dropout and accumulation, the base on the host on an fsdp=2 mesh, in-backward with
-# the state and the weights on the host and --clip 0, DPO, the quick start's defaults). The
-# other recipes' settings are subsets of these (their dry runs above resolve every one of them);
-# their 2-step runs are nightly.
-TRAINED_IN_CI = ("gemma-3-12b-qlora-24gb", "llama-3.1-70b-qlora-2x24gb-fsdp",
-                 "llama-3.1-8b-full-24gb-host", "qwen3-8b-dpo-qlora-24gb", "tiny-pretrain-cpu")
-
-
+# CI trains tiers.RECIPES_IN_CI: the other recipes' settings are subsets of theirs (checked
+# below; their dry runs above resolve every one of them), and their 2-step runs are nightly.
 @pytest.mark.slow  # 2 steps of the tiny preset per recipe: ~15 to 25 s each on 2 cores
-@pytest.mark.parametrize("name", [
-    n if n in TRAINED_IN_CI else pytest.param(n, marks=pytest.mark.nightly) for n in SHIPPED])
+@pytest.mark.parametrize("name", nightly_except(SHIPPED, RECIPES_IN_CI))
 def test_the_trainer_takes_every_recipes_settings(name, tmp_path):
     """Each recipe's settings but its model and sequence length, on the tiny preset from random
     init: the trainer refuses none of them (in-backward with --clip 0 and the state on the host,
@@ -197,9 +190,9 @@ def test_the_recipes_trained_in_ci_hold_every_other_recipes_settings():
         return {(section, field, v if isinstance(v, (str, bool)) else "number")
                 for section, fields in recipes.sections(name).items() if section != "model"
                 for field, v in fields.items()}
-    covered = set().union(*(settings(n) for n in TRAINED_IN_CI))
-    assert set(TRAINED_IN_CI) < set(SHIPPED)
-    for name in set(SHIPPED) - set(TRAINED_IN_CI):
+    covered = set().union(*(settings(n) for n in RECIPES_IN_CI))
+    assert set(RECIPES_IN_CI) < set(SHIPPED)
+    for name in set(SHIPPED) - set(RECIPES_IN_CI):
         assert settings(name) <= covered, (name, settings(name) - covered)
 
 

@@ -9,9 +9,8 @@ step compiled deviceless by the card's compiler (jax's CUDA plugin, the gpu-plan
 predicted tok/s (jaxmem.memory.seconds: the kernels' times and the host transfers' overlap read
 from the program's own schedule) and its compiled peak. The ratio is a row's predicted tok/s
 over the ordinary on-card step's (no in-backward, no offload) at the same tokens per step on the
-same card. Where the
-on-card step does not fit the card (the 8B on a 24 GB card), its predicted time is still the
-card's compute for that step, and the table says it does not fit. All figures are predictions,
+same card. Where the on-card step does not fit the card (the 8B on a 24 GB card), its predicted
+time is still the card's compute for that step, and the table says it does not fit. All figures are predictions,
 not measurements. Prints markdown and writes experiments/results/offload_speed_<date>.json.
 """
 

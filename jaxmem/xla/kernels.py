@@ -164,15 +164,15 @@ def _fused_bytes(ins: dict, instrs: dict, fused: dict | None) -> float:
         sliced = [u for u, pos in uses if u["op"] in ("dynamic-slice", "slice", "gather")
                   and pos == 0]
         updated = [u for u, pos in uses if u["op"] == "dynamic-update-slice" and pos == 0]
-        starts = {tuple(u["operands"][2:]) for u in updated}
-        if not uses or len(sliced) + len(updated) < len(uses) or (updated and any(
-                u["op"] != "dynamic-slice" or tuple(u["operands"][1:]) not in starts
-                for u in sliced)):
-            read += full
+        starts = {tuple(u["operands"][2:]) for u in updated}  # the updates' indices
+        # updated in place (the buffer is the result's) even where the fusion also reads the old
+        # slice it overwrites: XLA's in-place emitter allows a dynamic-slice of the updated
+        # operand at the update's own indices
+        reads_other_slices = updated and any(
+            u["op"] != "dynamic-slice" or tuple(u["operands"][1:]) not in starts for u in sliced)
+        if not uses or len(sliced) + len(updated) < len(uses) or reads_other_slices:
+            read += full  # read whole (and, updated, written whole: the result's bytes below)
             continue
-        # read through its slices; updated in place (the buffer is the result's), where the
-        # fusion also reads the old slice it overwrites (XLA's in-place emitter allows a
-        # dynamic-slice of the updated operand at the update's own indices)
         read += min(full, sum(shape_bytes(u["type"]) for u in sliced))
         in_place_update += sum(shape_bytes(body[u["operands"][1]]["type"])
                                for u in updated if len(u["operands"]) > 1)
