@@ -32,15 +32,16 @@ PER_LAYER = PROJECTIONS + (PROJECTIONS - 1) + 2 * PROJECTIONS
 _PROJECTION = re.compile(r"/layers/(self_attn|mlp)/Projection_\d+/")
 
 
-def compile_fp8_step(options: dict | None = None) -> str:
-    """The optimized HLO text of the fp8 step compiled for a deviceless H100: `jit_train_step`
-    as a library user calls it (options None), or the bare jitted step with `options`."""
+def compile_fp8_step(options: dict | None = None, mode: str = "fp8") -> str:
+    """The optimized HLO text of the fp8 step (`mode`: fp8 or fp8-sr) compiled for a deviceless
+    H100: `jit_train_step` as a library user calls it (options None), or the bare jitted step
+    with `options`."""
     import jax
     from jaxmem.train.run import abstract_step_args
     from jaxmem.train.step import jit_train_step, make_train_step
     target.prepare()  # a no-op here (JAX started on the CPU): per-compile options carry the flags
     cfg = RunConfig().replace({
-        "model.preset": "small", "model.num_layers": LAYERS, "precision.mode": "fp8",
+        "model.preset": "small", "model.num_layers": LAYERS, "precision.mode": mode,
         "remat.policy": "full", "data.batch_size": 1, "data.seq_len": 256})
     sp = StepSpec.from_run_config(cfg)
     with target.compiling_for("h100"):
@@ -78,9 +79,11 @@ def fp8_step():
     return compile_fp8_step(COMPILER_OPTIONS_FP8)
 
 
-def test_jit_train_step_alone_compiles_fp8_gemms():
-    # a library user's jit_train_step, with no XLA_FLAGS and no options of its own
-    gemms = projection_gemms(compile_fp8_step())
+@pytest.mark.parametrize("mode", ["fp8", "fp8-sr"])
+def test_jit_train_step_alone_compiles_fp8_gemms(mode):
+    # a library user's jit_train_step, with no XLA_FLAGS and no options of its own; fp8-sr
+    # (bf16 weights, no fp32 master) takes the same fp8 GEMMs
+    gemms = projection_gemms(compile_fp8_step(mode=mode))
     assert len(gemms) == PER_LAYER and all(f8 for _, f8 in gemms)
 
 

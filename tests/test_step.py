@@ -162,7 +162,8 @@ def test_no_weight_decay_on_norms_and_embeddings():
 @pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow),
                                        pytest.param("amp-bf16", marks=pytest.mark.slow),
                                        pytest.param("amp-fp16", marks=pytest.mark.slow),
-                                       pytest.param("fp8", marks=pytest.mark.slow)])
+                                       pytest.param("fp8", marks=pytest.mark.slow),
+                                       pytest.param("fp8-sr", marks=pytest.mark.slow)])
 @pytest.mark.slow  # 3.2 s cold on 2 cores (default run kept under 5 min)
 def test_every_mode_lowers_the_loss(precision):
     cfg, state = state_for(precision)

@@ -18,6 +18,8 @@ flags. Rows (`--rows` picks some; experiments.gpu_check.rows has the exact flags
     8b-1x2048     llama-3-8b bf16-sr + adamw8bit remat full, 1x2048 and 4x2048, and 8x2048
     8b-4x2048     with --remat full+untiled (what --fit 80 picks for a global batch of 8: the
     8b-8x2048-untiled  issue 51 target, 46.1% MFU predicted on the H100)
+    8b-fp8-sr-4x2048   8b-4x2048 with --precision fp8-sr (fp8 GEMMs on bf16-sr's weights: the
+                  fp8 target, 1.35x 8b-4x2048 predicted on the H100)
     8b-opt-host   8b-1x2048 with --optimizer-in-backward and --offload-optimizer host; both-host:
     8b-both-host  + --offload-params host; both-host-4x: the same at 4x2048 (docs/memory.md's
     8b-both-host-4x  full fine-tune on one card, measured)

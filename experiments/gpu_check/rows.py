@@ -86,6 +86,9 @@ def rows(smoke: bool) -> list[Row]:
             f"full 1x{seq8[1]}", (*b8, *sr8, "--batch-size", "1", *seq8), timeout=420),
         Row("8b-4x2048", "train", f"same, 4x{seq8[1]}", (*b8, *sr8, "--batch-size", "4", *seq8),
             timeout=420),
+        # issue 51's fp8 target: fp8's GEMMs on bf16-sr's weights, against 8b-4x2048
+        Row("8b-fp8-sr-4x2048", "train", "8b-4x2048 with --precision fp8-sr",
+            (*b8, "--precision", "fp8-sr", *sr8[2:], "--batch-size", "4", *seq8), timeout=420),
         # the 8B target's configuration (`--fit 80 --global-batch 8 --target h100` picks it):
         # remat full with the MLP whole
         Row("8b-8x2048-untiled", "train", f"same, 8x{seq8[1]}, --remat full+untiled",

@@ -97,9 +97,10 @@ ModelSection.__module__ = __name__  # (make_dataclass's `module=` is Python 3.12
 class PrecisionSection:
     """Precision mode and loss scaling (docs/precision.md)."""
 
-    mode: str = option("fp32", "precision mode: fp32, bf16, amp-bf16, amp-fp16, fp8, bf16-sr "
-                       "(docs/precision.md)", flags=("--precision",), metavar="MODE",
-                       choices=["fp32", "bf16", "amp-bf16", "amp-fp16", "fp8", "bf16-sr"])
+    mode: str = option("fp32", "precision mode: fp32, bf16, amp-bf16, amp-fp16, fp8, bf16-sr, "
+                       "fp8-sr (docs/precision.md)", flags=("--precision",), metavar="MODE",
+                       choices=["fp32", "bf16", "amp-bf16", "amp-fp16", "fp8", "bf16-sr",
+                                "fp8-sr"])
     loss_scale: str | None = option(None, "dynamic | static:VALUE | none (default: dynamic for "
                                     "amp-fp16, else none)")
     loss_scale_init: float = option(2.0**16, "initial dynamic loss scale (torch GradScaler's default)",
@@ -113,7 +114,7 @@ class PrecisionSection:
     def fp8_gemms(self) -> bool:
         """The mode's GEMMs are fp8: XLA's flags for them are set before the backend starts
         (jaxmem.model.fp8_compile.set_xla_flags)."""
-        return self.mode == "fp8"
+        return self.mode in ("fp8", "fp8-sr")
 
 
 @dataclass(frozen=True)

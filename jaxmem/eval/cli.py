@@ -73,7 +73,7 @@ HELP = {  # this command's meaning of the shared flags
                      "with --hf)",
     "data.data_field": "example rows: evaluate this string field as plain text (default: the "
                        "run's with --run)",
-    "precision.mode": "precision mode: fp32, bf16, amp-bf16, amp-fp16, fp8, bf16-sr "
+    "precision.mode": "precision mode: fp32, bf16, amp-bf16, amp-fp16, fp8, bf16-sr, fp8-sr "
                       "(docs/precision.md; default: the run's with --run, fp32 with --hf)",
     "peft.quantize_base": "with --hf: the checkpoint's block projections in int8 or NF4, as a "
                           "QLoRA run stores its base (default: none)",

@@ -9,6 +9,8 @@
     bf16-sr    bf16 params, fp32 optimizer bf16               none   (updated weights rounded
                state (8-bit: see optim8bit)                           stochastically to bf16,
                                                                       jaxmem.optim.apply_updates_sr)
+    fp8-sr     as bf16-sr                  bf16, fp8 matmuls  none   (fp8's GEMMs on bf16-sr's
+                                                                      weights: no fp32 master)
 
 In the amp modes the train state holds fp32 params; the loss casts them to the compute dtype
 *inside* the differentiated function, so the gradients come back in fp32 for the fp32 master copy.
@@ -59,6 +61,7 @@ PRECISIONS: dict[str, Precision] = {
     "amp-fp16": Precision("amp-fp16", jnp.float32, jnp.float16, loss_scale="dynamic"),
     "fp8": Precision("fp8", jnp.float32, jnp.bfloat16, fp8=True),
     "bf16-sr": Precision("bf16-sr", jnp.bfloat16, jnp.bfloat16, stochastic_rounding=True),
+    "fp8-sr": Precision("fp8-sr", jnp.bfloat16, jnp.bfloat16, fp8=True, stochastic_rounding=True),
 }
 
 
