@@ -6,6 +6,8 @@ Marked `gpu_target` (the gpu-plan extra; .ci/run installs it)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from jaxmem import target
@@ -27,6 +29,11 @@ def spec(remat: str, batch: int = 2, **overrides) -> StepSpec:
 
 
 def predicted(s: StepSpec, card: str = "h100") -> dict:
+    return _predicted_for(s, card)
+
+
+@functools.lru_cache(maxsize=None)  # the same spec and card compile the same program: once
+def _predicted_for(s: StepSpec, card: str) -> dict:
     with target.compiling_for(card):
         return step_report(s, compile_step(s))["time"]
 
