@@ -19,9 +19,10 @@ import argparse
 import json
 
 from experiments.common.resultfiles import new_result_file
-from experiments.tables.what_fits import run_memory
+from experiments.tables.what_fits import predicted, run_memory
 
-MODES = ("amp-bf16", "fp8", "bf16-sr", "fp8-sr")
+MODES = {"amp-bf16": "fp32 master", "fp8": "fp32 master", "bf16-sr": "bf16 (SR)",
+         "fp8-sr": "bf16 (SR)"}  # each mode and the weights it keeps
 PAIRS = (("fp8", "amp-bf16"), ("fp8-sr", "bf16-sr"), ("fp8-sr", "amp-bf16"))
 
 
@@ -38,27 +39,21 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rows = {}
     for mode in MODES:
-        r = run_memory([*config(mode, args.batch_size), "--target", args.card], args.timeout)
-        t = r.get("time") or {}
-        busy = t.get("busy_seconds") or {}
-        rows[mode] = {"mode": mode, "argv": list(config(mode, args.batch_size)),
-                      "error": r.get("error"), "tokens_per_s": t.get("tokens_per_s"),
-                      "mfu": t.get("mfu"), "step_s": t.get("seconds"), "busy": busy,
-                      "peak_bytes": (r.get("compiled") or {}).get("peak_bytes")}
+        argv = config(mode, args.batch_size)
+        rows[mode] = {"mode": mode, "argv": list(argv),
+                      **predicted(run_memory([*argv, "--target", args.card], args.timeout))}
         print(json.dumps({k: rows[mode][k] for k in ("mode", "tokens_per_s", "mfu",
                                                      "peak_bytes", "error")}), flush=True)
     lines = [f"llama-3-8b adamw8bit remat full {args.batch_size}x2048, {args.card} (deviceless, "
              "predicted)", "",
              "| mode | weights kept | predicted tok/s | MFU | busy s: gemm / fusion | "
              "compiled peak GiB |", "|---|---|---|---|---|---|"]
-    kept = {"amp-bf16": "fp32 master", "fp8": "fp32 master", "bf16-sr": "bf16 (SR)",
-            "fp8-sr": "bf16 (SR)"}
     for mode, r in rows.items():
         if r["error"] or r["tokens_per_s"] is None:
-            lines.append(f"| {mode} | {kept[mode]} | error: {r['error']} | | | |")
+            lines.append(f"| {mode} | {MODES[mode]} | error: {r['error']} | | | |")
             continue
-        b = r["busy"]
-        lines.append(f"| {mode} | {kept[mode]} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
+        b = r["busy"] or {}
+        lines.append(f"| {mode} | {MODES[mode]} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
                      f"{b.get('gemm', 0):.3f} / {b.get('fusion', 0):.3f} | "
                      f"{r['peak_bytes'] / 2**30:.2f} |")
     lines.append("")

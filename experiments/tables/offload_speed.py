@@ -20,7 +20,7 @@ import argparse
 import json
 
 from experiments.common.resultfiles import new_result_file
-from experiments.tables.what_fits import run_memory, verdict
+from experiments.tables.what_fits import predicted, run_memory, verdict
 
 BASE = ("--preset", "llama-3-8b", "--precision", "bf16-sr", "--optimizer", "adamw8bit",
         "--remat", "full", "--seq-len", "2048")
@@ -39,12 +39,10 @@ def cell(card: str, batch: int, mode: str, timeout: float) -> dict:
     """One configuration's step on `card`: predicted tok/s and MFU, the step's compiled peak and
     whether it fits (what_fits.verdict: yes at XLA's default 75% of the card, pre-off at 95%)."""
     from jaxmem.target import CARDS
-    r = run_memory([*BASE, *MODES[mode], "--batch-size", str(batch), "--target", card], timeout)
-    t = r.get("time") or {}
-    peak = (r.get("compiled") or {}).get("peak_bytes")
-    return {"card": card, "batch": batch, "tokens": batch * 2048, "mode": mode,
-            "error": r.get("error"), "tokens_per_s": t.get("tokens_per_s"),
-            "mfu": t.get("mfu"), "peak_bytes": peak,
+    p = predicted(run_memory([*BASE, *MODES[mode], "--batch-size", str(batch), "--target", card],
+                             timeout))
+    peak = p["peak_bytes"]
+    return {"card": card, "batch": batch, "tokens": batch * 2048, "mode": mode, **p,
             "fits": verdict(peak, CARDS[card].memory_gib) if peak else None}
 
 

@@ -25,7 +25,7 @@ import json
 import os
 
 from experiments.common.resultfiles import new_result_file
-from experiments.tables.what_fits import run_memory
+from experiments.tables.what_fits import predicted, run_memory
 
 CONFIGS = {
     "1b amp-bf16 dots_no_batch 16x2048 AdamW": (
@@ -65,12 +65,7 @@ def main(argv=None) -> int:
                         os.environ.pop(k, None)
                     else:
                         os.environ[k] = v
-            t = r.get("time") or {}
-            row = {"config": name, "knob": knob, "xla_flags": xla, "env": env,
-                   "error": r.get("error"),
-                   "tokens_per_s": t.get("tokens_per_s"), "mfu": t.get("mfu"),
-                   "busy": t.get("busy_seconds"), "kernels": t.get("kernels"),
-                   "peak_bytes": (r.get("compiled") or {}).get("peak_bytes")}
+            row = {"config": name, "knob": knob, "xla_flags": xla, "env": env, **predicted(r)}
             rows.append(row)
             print(json.dumps({k: row[k] for k in ("config", "knob", "tokens_per_s", "mfu",
                                                    "peak_bytes", "error")}), flush=True)

@@ -73,6 +73,15 @@ def run_memory(flags: list[str], timeout: float) -> dict:
     return out
 
 
+def predicted(r: dict) -> dict:
+    """A `run_memory` answer's predicted time (jaxmem.memory.seconds, under "time") and compiled
+    peak, the fields the speed tables print; None where the answer has none (an error)."""
+    t = r.get("time") or {}
+    return {"error": r.get("error"), "tokens_per_s": t.get("tokens_per_s"), "mfu": t.get("mfu"),
+            "step_s": t.get("seconds"), "busy": t.get("busy_seconds"),
+            "kernels": t.get("kernels"), "peak_bytes": (r.get("compiled") or {}).get("peak_bytes")}
+
+
 def verdict(peak: int, card_gib: float) -> str:
     from jaxmem.xla.verdict import usable_bytes
     if peak <= usable_bytes(card_gib, 0.75):
