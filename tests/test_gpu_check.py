@@ -110,10 +110,10 @@ def test_smoke_every_row(tmp_path):
     doc = _doc(out)
     status = {r["name"]: r["status"] for r in doc["rows"]}
     assert rc == 0, [(r["name"], r.get("error")) for r in doc["rows"] if r["status"] == "FAILED"]
-    assert "suite" not in status and len(status) == 16
+    assert "suite" not in status and len(status) == 17
     assert status["fp8-diag"] == "skipped"
     for name in ("1b-adamw", "1b-adamw8bit", "1b-fp8", "8b-1x2048", "8b-4x2048",
-                 "8b-fp8-sr-4x2048", "8b-8x2048-untiled", "8b-opt-host",
+                 "8b-1x2048-pallas", "8b-fp8-sr-4x2048", "8b-8x2048-untiled", "8b-opt-host",
                  "8b-both-host", "8b-both-host-4x", "qlora-nf4", "lora-bf16"):
         assert status[name] == "ok", name
     rows = {r["name"]: r for r in doc["rows"]}

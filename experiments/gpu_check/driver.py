@@ -18,6 +18,9 @@ flags. Rows (`--rows` picks some; experiments.gpu_check.rows has the exact flags
     8b-1x2048     llama-3-8b bf16-sr + adamw8bit remat full, 1x2048 and 4x2048, and 8x2048
     8b-4x2048     with --remat full+untiled (what --fit 80 picks for a global batch of 8: the
     8b-8x2048-untiled  issue 51 target, 46.1% MFU predicted on the H100)
+    8b-1x2048-pallas   8b-1x2048 with --update-kernel pallas (the 8-bit update as one Triton
+                  kernel per leaf: the 1x2048 target, 34.8% MFU predicted on the H100; its
+                  numbers against XLA's loop are a gpu-tests test)
     8b-fp8-sr-4x2048   8b-4x2048 with --precision fp8-sr (fp8 GEMMs on bf16-sr's weights: the
                   fp8 target, 1.35x 8b-4x2048 predicted on the H100)
     8b-opt-host   8b-1x2048 with --optimizer-in-backward and --offload-optimizer host; both-host:

@@ -86,6 +86,10 @@ def rows(smoke: bool) -> list[Row]:
             f"full 1x{seq8[1]}", (*b8, *sr8, "--batch-size", "1", *seq8), timeout=420),
         Row("8b-4x2048", "train", f"same, 4x{seq8[1]}", (*b8, *sr8, "--batch-size", "4", *seq8),
             timeout=420),
+        # issue 51's 1x2048 target with the update as one Pallas kernel per leaf (its numbers
+        # against XLA's loop: tests/test_update_kernel.py's gpu test, in the gpu-tests row)
+        Row("8b-1x2048-pallas", "train", "8b-1x2048 with --update-kernel pallas",
+            (*b8, *sr8, "--batch-size", "1", *seq8, "--update-kernel", "pallas"), timeout=420),
         # issue 51's fp8 target: fp8's GEMMs on bf16-sr's weights, against 8b-4x2048
         Row("8b-fp8-sr-4x2048", "train", "8b-4x2048 with --precision fp8-sr",
             (*b8, "--precision", "fp8-sr", *sr8[2:], "--batch-size", "4", *seq8), timeout=420),

@@ -45,7 +45,7 @@ PLANNER_SECTIONS = ("model", "precision", "remat", "optim", "data", "peft", "par
                     "objective")
 PLANNER_ONLY = {"precision": ("mode",), "data": ("batch_size", "seq_len", "grad_accum"),
                 "optim": ("mu_dtype", "optimizer", "in_backward", "offload_optimizer",
-                          "offload_params"),
+                          "offload_params", "update_kernel"),
                 "parallel": ("mesh",),
                 "sample": ("max_new_tokens", "temperature", "top_k")}
 

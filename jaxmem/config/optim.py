@@ -22,6 +22,7 @@ class OptimConfig:
     mu_dtype: dtype of Adam's first moment (None: the params' dtype).
     clip: max global gradient norm (0 disables clipping).
     moment_rounding: adamw8bit's rounding of its moments ("stochastic" or "nearest").
+    update_kernel: adamw8bit's update kernels ("xla" or "pallas": jaxmem.optim._kernel).
     """
 
     lr: float = option(3e-3, "peak learning rate", type="nonneg_float")
@@ -47,6 +48,14 @@ class OptimConfig:
         "stochastic", "adamw8bit: how its 8-bit moments are rounded each step: stochastic "
         "(unbiased, ends closer to fp32 AdamW) or nearest (bitsandbytes' rule; "
         "docs/optimizers.md)", choices=["stochastic", "nearest"], mutable=True)
+    # Changes no state, only which kernels run adamw8bit's update: a run may resume with either.
+    update_kernel: str = option(
+        "xla", "adamw8bit with bf16 weights and stochastic rounding (bf16-sr, fp8-sr): xla = "
+        "each large leaf's update in row pieces, XLA's kernels; pallas = one Pallas kernel per "
+        "leaf that reads and writes each element once (the same numbers; on CPU Pallas' slow "
+        "interpreter, for tests; on a GPU a "
+        "Triton kernel whose equality with xla is not yet measured; docs/optimizers.md)",
+        choices=["xla", "pallas"], mutable=True)
     # Changes no state, only where the update happens: a run may resume with it (or without).
     in_backward: bool = option(False, "apply each layer's optimizer update inside the backward "
                                "pass, as soon as its gradients exist, so the gradient tree never "
@@ -91,6 +100,9 @@ class OptimConfig:
         if self.moment_rounding not in ("stochastic", "nearest"):
             raise ConfigError(f"--moment-rounding {self.moment_rounding!r} is invalid; choose "
                               "stochastic or nearest")
+        if self.update_kernel not in ("xla", "pallas"):
+            raise ConfigError(f"--update-kernel {self.update_kernel!r} is invalid; choose xla "
+                              "or pallas")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer {self.optimizer!r} is invalid; choose one of: "
                               f"{', '.join(OPTIMIZERS)}")

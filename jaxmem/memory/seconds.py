@@ -54,6 +54,10 @@ def format_seconds(r: dict) -> list[str]:
              "them):"]
     lines += [f"    {c:<32}{r['busy_seconds'][c]:10.3f} s" for c in CLASSES
               if r["busy_seconds"][c]]
+    beyond = r.get("arithmetic_beyond_seconds", 0.0)
+    if beyond > 1e-4:
+        lines.append(f"    {'arithmetic beyond these (floor)':<32}{beyond:10.3f} s   not in the "
+                     "step: counted lane cycles (jaxmem.xla.alu), unmeasured")
     if r["exposed_transfer_seconds"] > 1e-4:
         lines.append(f"    {'step beyond compute (waiting)':<32}"
                      f"{r['exposed_transfer_seconds']:10.3f} s")

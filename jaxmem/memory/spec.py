@@ -27,7 +27,8 @@ GiB = 2**30
 
 # the StepConfig's fields and the optimizer config's that the planner varies by name
 _STEP = ("model", "precision", "remat", "grad_accum", "trainable", "loss_chunk", "objective")
-_OPTIM = ("optimizer", "mu_dtype", "in_backward", "offload_optimizer", "offload_params")
+_OPTIM = ("optimizer", "mu_dtype", "in_backward", "offload_optimizer", "offload_params",
+          "update_kernel")
 
 
 @dataclass(frozen=True)
@@ -57,13 +58,14 @@ class StepSpec:
            attention: str | None = None, trainable: Trainable = FullFineTune(),
            loss_chunk: int | None = None, optimizer: str = "adamw", offload_base: str = "none",
            in_backward: bool = False, offload_optimizer: str = "none",
-           offload_params: str = "none", objective: Objective = CausalLM()) -> "StepSpec":
+           offload_params: str = "none", objective: Objective = CausalLM(),
+           update_kernel: str = "xla") -> "StepSpec":
         """A spec from its parts (the optimizer's config: the defaults but for `optimizer`,
         `mu_dtype`, `in_backward`, which plans with --clip 0, as it needs, and where the state
-        lives, `offload_optimizer` and `offload_params`)."""
+        lives, `offload_optimizer` and `offload_params`, and adamw8bit's `update_kernel`)."""
         optim = dataclasses.replace(OptimConfig(), optimizer=optimizer, mu_dtype=mu_dtype,
                                     in_backward=in_backward, offload_optimizer=offload_optimizer,
-                                    offload_params=offload_params,
+                                    offload_params=offload_params, update_kernel=update_kernel,
                                     **({"clip": 0.0} if in_backward else {}))
         step, loss_scale = make_step_config(model, precision, remat, optim, seq_len,
                                             grad_accum=grad_accum, trainable=trainable,
@@ -79,7 +81,7 @@ class StepSpec:
                       cfg.optim.mu_dtype, attention, trainable_of(cfg.peft), cfg.remat.loss_chunk,
                       cfg.optim.optimizer, cfg.peft.offload_base, cfg.optim.in_backward,
                       cfg.optim.offload_optimizer, cfg.optim.offload_params,
-                      objective_of(cfg.objective))
+                      objective_of(cfg.objective), cfg.optim.update_kernel)
 
     def __getattr__(self, name):  # the StepConfig's parts, and its optimizer config's
         if name in _STEP:

@@ -41,7 +41,7 @@ import optax
 from jaxmem.bits import from_bits, to_bits
 from jaxmem.optim._blockwise import (BLOCK, SIGNED_MAP, UNSIGNED_MAP, Quantized, _axes,
                                      _fmix32, block_axes, dequantize, moment_view, _num_blocks,
-                                     quantize, quantized_zeros, step_salt)
+                                     quantize, quantized_zeros, step_salt, take_constant)
 from jaxmem.optim._stochastic import row_chunks
 
 MIN_8BIT_SIZE = 4096  # smaller tensors keep fp32 states (bitsandbytes' min_8bit_size)
@@ -120,21 +120,22 @@ def bias_corrections(count: jax.Array, b1: float, b2: float) -> tuple[jax.Array,
     return 1 - jnp.asarray(b1, jnp.float32) ** count, 1 - jnp.asarray(b2, jnp.float32) ** count
 
 
-def adam_piece(g, m, v, c1, c2, b1: float, b2: float, eps: float, salt=None):
+def adam_piece(g, m, v, c1, c2, b1: float, b2: float, eps: float, salt=None,
+               take=take_constant):
     """One Adam step on (a piece of) a leaf: g any float dtype; m, v Quantized or fp32 arrays of
     g's shape; `salt` (`step_salt`) rounds the new 8-bit moments stochastically, None to the
     nearest. Returns (update in promote(g.dtype, bf16), new m, new v); fp32 math throughout.
     Shared by `scale_by_adam_8bit` and in-place updates built on it (jaxmem's trainer), so the
-    two give bitwise the same moments and updates."""
+    two give bitwise the same moments and updates. `take`: how the maps are read (`quantize`)."""
     g32 = g.astype(jnp.float32)
-    m32 = dequantize(m, SIGNED_MAP) if _is_q(m) else m
-    v32 = dequantize(v, UNSIGNED_MAP) if _is_q(v) else v
+    m32 = dequantize(m, SIGNED_MAP, take) if _is_q(m) else m
+    v32 = dequantize(v, UNSIGNED_MAP, take) if _is_q(v) else v
     m32 = b1 * m32 + (1 - b1) * g32
     v32 = b2 * v32 + (1 - b2) * g32 * g32
     u = (m32 / c1) / (jnp.sqrt(v32 / c2) + eps)
     salt_v = None if salt is None else _fmix32(salt + np.uint32(1))
-    new_m = quantize(m32, SIGNED_MAP, m.block, _axes(m), salt) if _is_q(m) else m32
-    new_v = quantize(v32, UNSIGNED_MAP, v.block, _axes(v), salt_v) if _is_q(v) else v32
+    new_m = quantize(m32, SIGNED_MAP, m.block, _axes(m), salt, take) if _is_q(m) else m32
+    new_v = quantize(v32, UNSIGNED_MAP, v.block, _axes(v), salt_v, take) if _is_q(v) else v32
     return u.astype(jnp.promote_types(g.dtype, jnp.bfloat16)), new_m, new_v
 
 

@@ -188,17 +188,25 @@ def _interval_table(edges: np.ndarray, below) -> tuple[np.ndarray, int]:
     return np.where(nan, 0, lo).astype(np.uint8), int(np.max(np.where(nan, 0, hi - lo)))
 
 
+def take_constant(table: np.ndarray, idx: jax.Array) -> jax.Array:
+    """`table[idx]` with `table` a constant of the program: how this module reads its maps and
+    code tables unless a caller gives another `take` (the fused update kernel, jaxmem.optim.
+    _kernel, reads the same tables from its operands: a kernel captures no array constant)."""
+    return jnp.asarray(table)[idx]
+
+
 def _tabled(normed: jax.Array, table: tuple[np.ndarray, int], edges: np.ndarray,
-            step) -> jax.Array:
+            step, take=take_constant) -> jax.Array:
     """The table's answer for each value's interval, then its refinement steps (`step(idx,
     edges)`: the next index), all in one fusion: one gather from a 64 KiB constant, where a
     binary search over the 256 entries chained 8 gathers that XLA's GPU fusion would not merge
-    (each step's index is read twice), materializing an int32 index array per step."""
+    (each step's index is read twice), materializing an int32 index array per step. `step(idx,
+    at)` reads edge i as at(i)."""
     codes, steps = table
     top = (jax.lax.bitcast_convert_type(normed, jnp.uint32) >> 16).astype(jnp.int32)
-    idx = jnp.asarray(codes)[top].astype(jnp.int32)
+    idx = take(codes, top).astype(jnp.int32)
     for _ in range(steps):
-        idx = step(idx, jnp.asarray(edges, jnp.float32))
+        idx = step(idx, lambda i: take(edges, i))
     return idx
 
 
@@ -228,7 +236,7 @@ def _map_name(qmap: np.ndarray) -> str | None:
     return None
 
 
-def _nearest_code(normed: jax.Array, qmap: np.ndarray) -> jax.Array:
+def _nearest_code(normed: jax.Array, qmap: np.ndarray, take=take_constant) -> jax.Array:
     """Index of the nearest value of the sorted 256-entry `qmap` (`_boundaries` says the one
     exception): the number of decision boundaries below each value. For the two maps of this
     module a 64 KiB table of the fp32 values' top 16 bits answers it in one gather and one
@@ -239,7 +247,7 @@ def _nearest_code(normed: jax.Array, qmap: np.ndarray) -> jax.Array:
     if name is not None:
         t = _tables(name)
         return _tabled(normed, t["nearest"], t["mids"],
-                       lambda idx, mids: idx + (mids[idx] < normed))  # mids[255] = inf
+                       lambda idx, mids: idx + (mids(idx) < normed), take)  # mids[255] = inf
     mids = jnp.asarray(_boundaries(qmap), jnp.float32)  # [256]
     idx = jnp.where(mids[127] < normed, 128, 0)  # the first step compares with one constant
     for step in (64, 32, 16, 8, 4, 2, 1):
@@ -265,25 +273,28 @@ def step_salt(count: jax.Array) -> jax.Array:
                    + np.uint32(0x7F4A7C15))
 
 
-def _stochastic_code(normed: jax.Array, qmap: np.ndarray, salt: jax.Array) -> jax.Array:
+def _stochastic_code(normed: jax.Array, qmap: np.ndarray, salt: jax.Array,
+                     take=take_constant) -> jax.Array:
     """Index of one of the two values of the sorted `qmap` around each value, the upper one with
     probability (value - lower) / (upper - lower), so that E[qmap[code]] = value (clamped to the
     map's range). The uniform number is a hash of the value's fp32 bits and `salt`: a function
     of what is rounded, not of where it lies, so an update in row pieces, on shards or layer by
     layer rounds every element as the whole-leaf update does. The lower value is found as in
     `_nearest_code`: a table and one refinement for this module's maps, else a binary search."""
-    vals = jnp.asarray(qmap, jnp.float32)
     name = _map_name(qmap)
     if name is not None:  # the table of `_nearest_code`, of the values themselves
+        vals = lambda i: take(qmap, i)  # noqa: E731
         lo = _tabled(normed, _tables(name)["lower"], qmap, lambda lo, v: jnp.where(
-            v[jnp.minimum(lo + 1, 255)] <= normed, jnp.minimum(lo + 1, 255), lo))
+            v(jnp.minimum(lo + 1, 255)) <= normed, jnp.minimum(lo + 1, 255), lo), take)
     else:
-        lo = jnp.where(vals[128] <= normed, 128, 0)
+        table = jnp.asarray(qmap, jnp.float32)
+        vals = lambda i: table[i]  # noqa: E731
+        lo = jnp.where(vals(128) <= normed, 128, 0)
         for step in (64, 32, 16, 8, 4, 2, 1):
-            lo = jnp.where(vals[lo + step] <= normed, lo + step, lo)
+            lo = jnp.where(vals(lo + step) <= normed, lo + step, lo)
     hi = jnp.minimum(lo + 1, 255)
-    gap = vals[hi] - vals[lo]
-    frac = jnp.where(gap > 0, (normed - vals[lo]) / jnp.where(gap > 0, gap, 1.0), 0.0)
+    gap = vals(hi) - vals(lo)
+    frac = jnp.where(gap > 0, (normed - vals(lo)) / jnp.where(gap > 0, gap, 1.0), 0.0)
     bits = _fmix32(jax.lax.bitcast_convert_type(normed, jnp.uint32) ^ salt)
     uniform = (bits >> 8).astype(jnp.float32) * np.float32(2.0**-24)  # [0, 1)
     idx = jnp.where(uniform < frac, hi, lo)
@@ -293,7 +304,8 @@ def _stochastic_code(normed: jax.Array, qmap: np.ndarray, salt: jax.Array) -> ja
 
 
 def quantize(x: jax.Array, qmap: np.ndarray, block: int = BLOCK,
-             axes: int | None = None, salt: jax.Array | None = None) -> Quantized:
+             axes: int | None = None, salt: jax.Array | None = None,
+             take=take_constant) -> Quantized:
     """Block-wise absmax + nearest value of `qmap` (sorted, 256 values; with UNSIGNED_MAP a
     positive value rounds to at least the least positive map value, never to 0: `_boundaries`),
     or with `salt` one of the two neighbouring map values, drawn so that the rounding is
@@ -307,6 +319,7 @@ def quantize(x: jax.Array, qmap: np.ndarray, block: int = BLOCK,
         `block_axes(x.shape, block)`.
       salt: None: round to the nearest map value (bitsandbytes' rule). A uint32 scalar
         (`step_salt`): stochastic rounding, its random numbers hashed from the values and salt.
+      take: `(table, idx) -> table[idx]` for the maps and code tables (`take_constant`).
 
     Returns:
       Quantized(codes uint8 x.shape, scale fp32 x.shape[:-axes] + (nblocks,), block).
@@ -317,8 +330,8 @@ def quantize(x: jax.Array, qmap: np.ndarray, block: int = BLOCK,
     xb, pad = _blocks(x.astype(jnp.float32).reshape(view), b)       # [..., nb, b]
     scale = jnp.max(jnp.abs(xb), axis=-1)                            # [..., nb]
     normed = xb / jnp.where(scale == 0, 1.0, scale)[..., None]       # in [-1, 1]
-    idx = (_nearest_code(normed, qmap) if salt is None
-           else _stochastic_code(normed, qmap, salt)).astype(jnp.uint8)
+    idx = (_nearest_code(normed, qmap, take) if salt is None
+           else _stochastic_code(normed, qmap, salt, take)).astype(jnp.uint8)
     codes = idx.reshape(idx.shape[:-2] + (-1,))
     if pad:
         codes = codes[..., : view[-1]]
@@ -337,12 +350,12 @@ def quantized_zeros(shape, qmap: np.ndarray, block: int = BLOCK,
                      scale=jnp.zeros(view[:-1] + (nb,), jnp.float32), block=block)
 
 
-def dequantize(q: Quantized, qmap: np.ndarray) -> jax.Array:
+def dequantize(q: Quantized, qmap: np.ndarray, take=take_constant) -> jax.Array:
     """fp32 values of `q`, shape q.codes.shape (the inverse of `quantize` up to the map's
     resolution: within half a map gap times the block's absmax)."""
     view = block_view(q.codes.shape, _axes(q))
     b = _block_size(view, q.block)
-    values = jnp.asarray(qmap, jnp.float32)[q.codes.astype(jnp.int32)].reshape(view)
+    values = take(np.asarray(qmap, np.float32), q.codes.astype(jnp.int32)).reshape(view)
     vb, pad = _blocks(values, b)                                     # [..., nb, b]
     out = (vb * q.scale[..., None]).reshape(vb.shape[:-2] + (-1,))
     return (out[..., : view[-1]] if pad else out).reshape(q.codes.shape)

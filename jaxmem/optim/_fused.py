@@ -27,7 +27,7 @@ leaves and the counts pick new or old with jnp.where.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,15 +37,29 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmem.bits import from_bits, to_bits, tree_norm
 import jaxmem.optim._stochastic as sr
+from jaxmem.optim import _kernel
 from jaxmem.optim._adamw8bit import (BLOCK, KeepFp32, LayerAxes, Quantized, ScaleByAdam8bitState,
                                      adam_piece, adamw_8bit, as_rows, bias_corrections,
                                      moment_pieces, step_salt)
-from jaxmem.optim._blockwise import _axes
+from jaxmem.optim._blockwise import _axes, take_constant
 from jaxmem.optim._cuts import in_host_memory, to_device, to_host
 from jaxmem.optim._partwise import Parts, layer_rows
 
 # (path, leaf shape) -> the leaf's NamedSharding on a mesh, or None where it is not split
 Placement = Callable[[Any, tuple], Any]
+
+
+class StepScalars(NamedTuple):
+    """The numbers one step of `AdamW8bitInPlace` shares across its leaves (`pieces`): the bias
+    corrections, the moments' rounding salt (None: nearest), -lr, and with clipping the global
+    gradient norm and whether it is under the clip (None without)."""
+
+    c1: Any
+    c2: Any
+    salt: Any
+    step_size: Any
+    g_norm: Any
+    trigger: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +90,10 @@ class AdamW8bitInPlace:
       placement: `(path, shape) -> NamedSharding | None` for the leaves of params on a mesh;
         a leaf with a sharding is updated shard by shard inside a `shard_map` (`apply_placed`),
         so the update never gathers it. None: every leaf updated as one array.
+      update_kernel: "xla" (row pieces in a loop, XLA's kernels) or "pallas": a large 8-bit
+        bf16 leaf updated on the device without a sharding is one Pallas kernel
+        (jaxmem.optim._kernel: the same piece function, its numbers the loop's on CPU; a
+        Triton kernel on a GPU, where its bitwise equality is not yet measured).
 
     Guarantees: `init` is `tx.init`, so states move between the two freely; `update_and_apply`
     gives the codes, scales and counts of `tx.update` bitwise, and, without stochastic
@@ -112,6 +130,7 @@ class AdamW8bitInPlace:
     stochastic_moments: bool = True
     stochastic_rounding: bool = False
     placement: Placement | None = None
+    update_kernel: str = "xla"
 
     @property
     def tx(self) -> optax.GradientTransformation:
@@ -155,15 +174,24 @@ class AdamW8bitInPlace:
         if self.stochastic_rounding and key is None:
             raise ValueError("AdamW8bitInPlace(stochastic_rounding=True) needs a key")
         key = key if self.stochastic_rounding else None
+        if self.update_kernel not in ("xla", "pallas"):
+            raise ValueError(f"update_kernel {self.update_kernel!r}: choose xla or pallas")
         finite = jnp.asarray(where)
-        piece, finish = self.pieces(state, tree_norm(grads) if self.clip_norm > 0 else None)
+        scalars, finish = self.step_scalars(
+            state, tree_norm(grads) if self.clip_norm > 0 else None)
+        piece = self.piece_of(scalars)
         adam = self.moments(state)
         paths, treedef = jax.tree_util.tree_flatten_with_path(params)
         cols = [treedef.flatten_up_to(t) for t in (grads, adam.mu, adam.nu, self.decays(params))]
         new = []
         for i, ((path, p), g, m, v, decays) in enumerate(zip(paths, *cols)):
-            new.append(self.apply_placed(path, piece, g, m, v, p, decays,
-                                         sr.pieces(key, p, leaf=i).key, finite))
+            leaf_key = sr.pieces(key, p, leaf=i).key
+            if self.update_kernel == "pallas" and self._unplaced(path, p) and \
+                    _kernel.eligible(g, m, v, p, leaf_key):
+                new.append(_kernel.update_leaf(self, scalars, g, m, v, p, decays, leaf_key,
+                                               finite))
+                continue
+            new.append(self.apply_placed(path, piece, g, m, v, p, decays, leaf_key, finite))
         new_p, new_m, new_v = (treedef.unflatten(list(col)) for col in zip(*new))
         return new_p, finish(new_m, new_v, finite)
 
@@ -196,30 +224,21 @@ class AdamW8bitInPlace:
             finish(new mu tree, new nu tree, finite) -> the new state (counts advanced where
                 `finite`, a bool scalar)
         """
+        scalars, finish = self.step_scalars(state, g_norm)
+        return self.piece_of(scalars), finish
+
+    def step_scalars(self, state, g_norm: jax.Array | None = None):
+        """(StepScalars, finish) of one step from `state`: `pieces` before its piece function
+        is made from the scalars (`piece_of`)."""
         clip_state, adam, decay, sched = self._split(state)
         count = optax.safe_int32_increment(adam.count)
         c1, c2 = bias_corrections(count, self.b1, self.b2)
-        salt = step_salt(count) if self.stochastic_moments else None
         lr = self.learning_rate
-        step_size = -1 * (lr(sched.count) if callable(lr) else lr)  # scale_by_learning_rate
-        wd, clip, rounds = self.weight_decay, self.clip_norm, self.stochastic_rounding
-        trigger = None if g_norm is None else jnp.squeeze(g_norm < clip)
-
-        def piece(g, m, v, p, decays, pkey, bits=None):
-            if clip > 0:  # clip_by_global_norm
-                g = jax.lax.select(trigger, g, (g / g_norm.astype(g.dtype)) * clip)
-            u, m, v = adam_piece(g, m, v, c1, c2, self.b1, self.b2, self.eps, salt)
-            if decays and wd != 0.0:  # add_decayed_weights (masked)
-                u = u + wd * p
-            u = jnp.array(step_size, dtype=u.dtype) * u
-            if pkey is None and bits is None:
-                if rounds:  # apply_updates_sr's non-bf16 leaves
-                    return (p.astype(jnp.float32) + u.astype(jnp.float32)).astype(p.dtype), m, v
-                return jnp.asarray(p + u).astype(p.dtype), m, v  # optax.apply_updates
-            total = p.astype(jnp.float32) + u.astype(jnp.float32)
-            if bits is not None:
-                return sr.round_bf16_bits(total, bits), m, v
-            return sr.round_bf16(total, pkey), m, v
+        trigger = None if g_norm is None else jnp.squeeze(g_norm < self.clip_norm)
+        scalars = StepScalars(c1=c1, c2=c2,
+                              salt=step_salt(count) if self.stochastic_moments else None,
+                              step_size=-1 * (lr(sched.count) if callable(lr) else lr),
+                              g_norm=g_norm, trigger=trigger)
 
         def finish(mu, nu, finite):
             new_adam = ScaleByAdam8bitState(count=jnp.where(finite, count, adam.count),
@@ -229,9 +248,38 @@ class AdamW8bitInPlace:
                 new_sched = sched._replace(count=jnp.where(
                     finite, optax.safe_int32_increment(sched.count), sched.count))
             inner = (new_adam, decay, new_sched)
-            return (clip_state, inner) if clip > 0 else inner
+            return (clip_state, inner) if self.clip_norm > 0 else inner
 
-        return piece, finish
+        return scalars, finish
+
+    def piece_of(self, s: "StepScalars", take=take_constant):
+        """`pieces`' piece function on the step's scalars `s` (`take`: how the 8-bit maps are
+        read, `quantize`'s; the fused kernel, jaxmem.optim._kernel, builds it inside itself)."""
+        wd, clip, rounds = self.weight_decay, self.clip_norm, self.stochastic_rounding
+
+        def piece(g, m, v, p, decays, pkey, bits=None):
+            if clip > 0:  # clip_by_global_norm, its bf16 division written as XLA runs it (in
+                # fp32, rounded back), which Triton's lowering (jaxmem.optim._kernel) needs
+                q = (g.astype(jnp.float32) / s.g_norm.astype(g.dtype).astype(jnp.float32))
+                g = jax.lax.select(s.trigger, g, q.astype(g.dtype) * clip)
+            u, m, v = adam_piece(g, m, v, s.c1, s.c2, self.b1, self.b2, self.eps, s.salt, take)
+            if decays and wd != 0.0:  # add_decayed_weights (masked)
+                u = u + wd * p
+            u = jnp.asarray(s.step_size, dtype=u.dtype) * u  # no copy: a kernel has none
+            if pkey is None and bits is None:
+                if rounds:  # apply_updates_sr's non-bf16 leaves
+                    return (p.astype(jnp.float32) + u.astype(jnp.float32)).astype(p.dtype), m, v
+                return jnp.asarray(p + u).astype(p.dtype), m, v  # optax.apply_updates
+            total = p.astype(jnp.float32) + u.astype(jnp.float32)
+            if bits is not None:
+                return sr.round_bf16_bits(total, bits), m, v
+            return sr.round_bf16(total, pkey), m, v
+
+        return piece
+
+    def _unplaced(self, path, p) -> bool:
+        """The leaf has no sharding of its own (`placement`): updated as one array."""
+        return self.placement is None or self.placement(path, p.shape) is None
 
     def apply_placed(self, path, piece, g, m, v, p, decays, leaf_key, finite):
         """`apply_leaf_in_place` where the leaf lives: with `placement` giving it a sharding,

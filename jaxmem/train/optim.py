@@ -96,7 +96,8 @@ def adamw8bit_in_place(cfg: OptimConfig, stochastic_rounding: bool = False) -> A
                             mask=lambda p: decay_mask(p, cfg.decay_embeddings),
                             clip_norm=cfg.clip, keep_fp32=keeps_fp32, layer_axes=layer_axes,
                             stochastic_moments=cfg.moment_rounding == "stochastic",
-                            stochastic_rounding=stochastic_rounding, placement=_placement)
+                            stochastic_rounding=stochastic_rounding, placement=_placement,
+                            update_kernel=cfg.update_kernel)
 
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:

@@ -10,6 +10,7 @@ import dataclasses
 import math
 import re
 
+from jaxmem.xla.alu import elements, fused_cycles, kernel_name, tagged
 from jaxmem.xla.collectives import data_bytes, group_size, kind_of, ring_bytes, wrapped_collective
 from jaxmem.xla.hlo import attr, called, direction, shape_bytes, tuple_elements
 
@@ -29,6 +30,7 @@ class Machine:
     host_link: float
     interconnect: float
     sms: int
+    lane_cycles: float = 0.0  # fp32 lanes x SMs x boost clock per second (0: not bounded)
 
     @classmethod
     def of_card(cls, card) -> "Machine":
@@ -36,7 +38,8 @@ class Machine:
         list); the interconnect is NVLink where the card has it, else its PCIe link."""
         return cls(card.name, card.peak_tflops[0] * 1e12, card.peak_tflops[1] * 1e12,
                    card.bandwidth, card.host_link.bandwidth,
-                   card.nvlink or card.host_link.bandwidth, card.sms)
+                   card.nvlink or card.host_link.bandwidth, card.sms,
+                   card.sms * card.fp32_per_sm * card.clock_ghz * 1e9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,10 +185,10 @@ def _fused_bytes(ins: dict, instrs: dict, fused: dict | None) -> float:
     return read + written
 
 
-def _fusion_cost(ins: dict, instrs: dict, comps: dict) -> tuple[str, float, float, str]:
-    """(class, FLOPs, bytes, rate class) of a fusion: a GEMM where it holds a dot or a
-    convolution (its rate that of its dot's operands, as the fusion converts them), else a
-    memory-bound kernel (rng where jax's random bits made it)."""
+def _fusion_cost(ins: dict, instrs: dict, comps: dict) -> tuple[str, float, float, str, float]:
+    """(class, FLOPs, bytes, rate class, lane cycles) of a fusion: a GEMM where it holds a dot or
+    a convolution (its rate that of its dot's operands, as the fusion converts them), else a
+    memory- or arithmetic-bound kernel (rng where jax's random bits made it)."""
     callee = next((c for k, c in called(ins["attrs"]) if k == "calls"), None)
     fused = comps.get(callee)
     flops, rate = 0.0, "bf16"
@@ -197,7 +200,7 @@ def _fusion_cost(ins: dict, instrs: dict, comps: dict) -> tuple[str, float, floa
     nbytes = _fused_bytes(ins, instrs, fused)
     name = attr(ins["attrs"], "op_name") or ""
     klass = "gemm" if flops else "rng" if re.search(r"random|threefry|rng", name) else "fusion"
-    return klass, flops, nbytes, rate
+    return klass, flops, nbytes, rate, fused_cycles(fused)
 
 
 def _gemm_waves(ins_type: str, sms: int) -> float:
@@ -210,13 +213,17 @@ def _gemm_waves(ins_type: str, sms: int) -> float:
 
 
 def kernel(ins: dict, instrs: dict, comps: dict, m: Machine, eff: Efficiency
-            ) -> tuple[str, float, float, float]:
-    """(class, seconds, FLOPs, bytes) of one synchronous kernel."""
+            ) -> tuple[str, float, float, float, float]:
+    """(class, seconds, FLOPs, bytes, arithmetic seconds) of one synchronous kernel. The
+    arithmetic (jaxmem.xla.alu's lane cycles at the card's full issue rate) is reported beside
+    the time, not in it: with it as a third bound the calibration's 8B rows at 1x2048 ran 20-22%
+    slow against their measured tok/s (docs/results.md), so the counts overstate what a GPU
+    issues."""
     op = ins["op"]
     target = attr(ins["attrs"], "custom_call_target") or ""
-    rate = "bf16"
+    rate, cycles = "bf16", 0.0
     if op == "fusion":
-        klass, flops, nbytes, rate = _fusion_cost(ins, instrs, comps)
+        klass, flops, nbytes, rate, cycles = _fusion_cost(ins, instrs, comps)
     elif op == "custom-call" and "fmha" in target:
         klass, flops = "attention", _attention_flops(ins, instrs)
         nbytes = _fused_bytes(ins, instrs, None)
@@ -234,13 +241,16 @@ def kernel(ins: dict, instrs: dict, comps: dict, m: Machine, eff: Efficiency
                                  "concatenate", "transpose", "pad") else "fusion"
         flops, nbytes = 0.0, _fused_bytes(ins, instrs, None) if op != "dynamic-update-slice" \
             else 2 * shape_bytes(instrs.get(ins["operands"][1], {}).get("type", ""))
+        if op == "custom-call":  # a Pallas (Triton) kernel states its cycles in its name
+            per = tagged(kernel_name(ins["attrs"]))
+            cycles = per * elements(tuple_elements(ins["type"])[0]) if per else 0.0
     peak = (m.fp8_flops if rate == "fp8" and m.fp8_flops else
             m.flops * TF32_RATE if rate == "tf32" else m.flops) * (
         eff.attention if klass == "attention" else eff.gemm)
     if klass == "gemm":
         peak *= _gemm_waves(ins["type"], m.sms)
     seconds = eff.launch_s + max(flops / peak if flops else 0.0, nbytes / (m.hbm * eff.memory))
-    return klass, seconds, flops, nbytes
+    return klass, seconds, flops, nbytes, cycles / m.lane_cycles if m.lane_cycles else 0.0
 
 
 def transfer(ins: dict, start_type: str, done_type: str | None, instrs: dict, devices: int,

@@ -69,6 +69,12 @@ class Kernel:
     flops: float      # one run
     bytes: float      # one run (device memory, or the link / interconnect)
     op_name: str      # jax's op_name: where in the program it comes from
+    arithmetic: float = 0.0  # one run's lane cycles at the full issue rate, s (jaxmem.xla.alu)
+
+    @property
+    def arithmetic_beyond(self) -> float:
+        """Seconds per step its counted arithmetic would add, were it the kernel's bound."""
+        return max(0.0, self.arithmetic - self.seconds) * self.runs
 
     @property
     def total(self) -> float:
@@ -101,6 +107,7 @@ class StepTime:
                 "machine": dataclasses.asdict(self.machine),
                 "efficiency": dataclasses.asdict(self.efficiency),
                 "unknown_loops": list(self.unknown_loops),
+                "arithmetic_beyond_seconds": sum(k.arithmetic_beyond for k in self.kernels),
                 "costliest": [dataclasses.asdict(k) | {"total_seconds": k.total}
                               for k in self.costliest(top)]}
 
@@ -234,9 +241,9 @@ class _Walker:
         return best[0]
 
     def _compute(self, name: str, ins: dict, instrs: dict, runs: int) -> float:
-        klass, secs, flops, nbytes = kernel(ins, instrs, self.comps, self.m, self.eff)
+        klass, secs, flops, nbytes, arith = kernel(ins, instrs, self.comps, self.m, self.eff)
         self.kernels.append(Kernel(name, klass, secs, runs, flops, nbytes,
-                                   attr(ins["attrs"], "op_name") or ""))
+                                   attr(ins["attrs"], "op_name") or "", arith))
         return secs
 
 

@@ -1,0 +1,217 @@
+"""`AdamW8bitInPlace`'s update of a large 8-bit leaf as one kernel (`--update-kernel pallas`).
+
+    eligible(g, m, v, p, leaf_key) -> bool     the leaves this kernel updates (else the XLA loop)
+    update_leaf(opt, scalars, g, m, v, p, decays, leaf_key, finite) -> (new p, new m, new v)
+    threefry_bits(k0, k1, index) -> uint32     jax.random.bits(key)'s element `index`, computed
+
+Why: XLA makes each row piece of the in-place update six kernels (the block absmax, the code
+search, the weight's and the two codes' in-place updates, copies of the old code and weight
+slices between them), ~40 bytes moved per element where the update reads and writes ~10
+(docs/results.md, "The issue's targets"). Here one Pallas kernel per leaf reads the gradient, the
+weight and both moments' codes and scales once, and writes the weight, the codes and the scales
+in place (the operands aliased to the results): each program holds R blocks of 256 elements.
+
+The numbers are the XLA loop's by construction: the kernel runs `AdamW8bitInPlace.piece_of`'s
+own piece function on its tile, with the maps and code tables read from its operands (`take`),
+and draws the weight's stochastic-rounding bits with threefry-2x32 on the element's index in its
+row piece, as `jax.random.bits(fold_in(leaf key, piece))` does (jax_threefry_partitionable's
+layout; the kernel is not used without it).
+
+Where it runs: compiled for a GPU (jaxmem.target.platform() == "gpu") it is a Triton kernel;
+anywhere else it runs in Pallas' interpreter, the same jax operations tile by tile (the CPU
+tests compare it with the XLA loop bitwise there). On a GPU its numbers are Triton's lowering
+of the same operations (fp32 division and square root through libdevice / LLVM): that they equal
+XLA's bitwise has not been measured (docs/optimizers.md); until it is, the default stays XLA's.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmem import target
+from jaxmem.bits import key_data
+from jaxmem.optim import _stochastic as sr
+from jaxmem.optim._adamw8bit import moment_pieces
+from jaxmem.optim._blockwise import (BLOCK, SIGNED_MAP, UNSIGNED_MAP, Quantized, _axes,
+                                     _tables, take_constant)
+from jaxmem.xla import alu
+from jaxmem.optim._cuts import in_host_memory
+
+R = 16  # blocks of 256 elements per program: 4096 elements, a Triton tile of 16 x 256
+
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def _rotl(x, r: int):
+    return (x << np.uint32(r)) | (x >> np.uint32(32 - r))
+
+
+def threefry2x32(k0, k1, x0, x1):
+    """Threefry-2x32 (20 rounds) of the counter words (x0, x1) under key (k0, k1), in uint32
+    jax operations: jax's own `threefry2x32_p` written out, so a kernel can run it."""
+    ks = (k0, k1, k0 ^ k1 ^ np.uint32(0x1BD11BDA))
+    x0, x1 = x0 + ks[0], x1 + ks[1]
+    for i in range(5):
+        for r in _ROTATIONS[i % 2]:
+            x0 = x0 + x1
+            x1 = _rotl(x1, r) ^ x0
+        x0 = x0 + ks[(i + 1) % 3]
+        x1 = x1 + ks[(i + 2) % 3] + np.uint32(i + 1)
+    return x0, x1
+
+
+def threefry_bits(k0, k1, index):
+    """uint32 bits of element `index` (< 2^32) of `jax.random.bits(key, shape, jnp.uint32)`,
+    key data (k0, k1), under jax_threefry_partitionable: the element's flat index is the counter
+    (high word 0), and its two output words xor-ed."""
+    b0, b1 = threefry2x32(k0, k1, jnp.zeros_like(index), index)
+    return b0 ^ b1
+
+
+def _tile_rows(n_blocks: int, blocks_per_piece: int) -> int:
+    """R where it divides both the leaf's blocks and a row piece's, else 0."""
+    return R if n_blocks % R == 0 and blocks_per_piece % R == 0 else 0
+
+
+def _width(p, m) -> int:
+    """Elements per block of the leaf: 256, or a last axis of 128 (or less) whole, as
+    `quantize` cuts them (`_block_size`); 0 where that is not a power of two of 16 or more
+    (Triton's tiles)."""
+    w = min(m.block, p.shape[-1])
+    return w if w >= 16 and w & (w - 1) == 0 and p.shape[-1] % w == 0 else 0
+
+
+def eligible(g, m, v, p, leaf_key) -> bool:
+    """Whether `update_leaf` takes this leaf: bf16 weights rounded stochastically (a key) with a
+    bf16 gradient array, both moments 8-bit in blocks of 256 along the last axis (or the whole
+    last axis where it is 128 or 64 wide: `_width`), on the device (not host memory), a row
+    piece of R blocks or more, and jax's partitionable threefry (the bits' layout the kernel
+    computes)."""
+    if leaf_key is None or callable(g) or p.dtype != jnp.bfloat16 or g.dtype != jnp.bfloat16:
+        return False
+    if not (isinstance(m, Quantized) and isinstance(v, Quantized)):
+        return False
+    if (_axes(m), _axes(v), m.block, v.block) != (1, 1, BLOCK, BLOCK) or p.ndim < 1 \
+            or not _width(p, m) or not jax.config.jax_threefry_partitionable:
+        return False
+    if any(in_host_memory(x) for x in (p, m.codes, v.codes, g)):
+        return False
+    _, n, same = moment_pieces(p.shape, m)
+    w = _width(p, m)
+    return same and _tile_rows(p.size // w, p.size // n // w) > 0
+
+
+def _tables_in_order() -> list[np.ndarray]:
+    """Every map and code table `quantize` / `dequantize` may read for the two 8-bit maps, in
+    the order the kernel takes them as operands."""
+    out = [SIGNED_MAP, UNSIGNED_MAP]
+    for name in ("signed", "unsigned"):
+        t = _tables(name)
+        out += [t["mids"], t["nearest"][0], t["lower"][0]]
+    return out
+
+
+def update_leaf(opt, scalars, g, m, v, p, decays, leaf_key, finite):
+    """One `eligible` leaf through `opt.piece_of(scalars)` in one kernel, its row pieces' keys
+    `sr.pieces(leaf_key, p, n)`'s: (new p, new m, new v) in the leaf's buffers (aliased).
+    `finite` False writes the old values back (bitwise the inputs)."""
+    from jax.experimental import pallas as pl  # noqa: PLC0415  (only where the kernel runs)
+
+    triton = target.platform() == "gpu"
+    _, n, _ = moment_pieces(p.shape, m)
+    width = _width(p, m)
+    blocks = p.size // width
+    per_piece = blocks // n
+    rows = _tile_rows(blocks, per_piece)
+    keys = sr.pieces(leaf_key, p, n=n)
+    kdata = key_data(keys(0)) if n == 1 else jax.vmap(lambda j: key_data(keys(j)))(jnp.arange(n))
+    kdata = kdata.reshape(-1, 2).astype(jnp.uint32)
+    # the step's traced scalars become operands; Python numbers stay constants of the kernel
+    leaves, tree = jax.tree_util.tree_flatten(scalars)
+    traced = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    scalar_ops = [jnp.asarray(leaves[i]).reshape(1) for i in traced]
+    scalar_ops = [x.astype(jnp.uint32) if x.dtype == jnp.bool_ else x for x in scalar_ops]
+    tables = _tables_in_order()
+    flat = lambda x: x.reshape(blocks, width)  # noqa: E731  blocks as rows
+    ins = [flat(g), flat(p), flat(m.codes), m.scale.reshape(blocks),
+           flat(v.codes), v.scale.reshape(blocks), kdata[:, 0], kdata[:, 1],
+           jnp.asarray(finite).astype(jnp.uint32).reshape(1), *scalar_ops,
+           *[jnp.asarray(t) for t in tables]]
+    tile, one = pl.BlockSpec((rows, width), lambda i: (i, 0)), pl.BlockSpec((rows,), lambda i: (i,))
+    whole = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)  # noqa: E731
+    in_specs = [tile, tile, tile, one, tile, one] + [whole(x) for x in ins[6:]]
+    load = (lambda ref, idx: ref[idx]) if not triton else _triton_load()
+
+    def tile_update(g, p, mc, ms, vc, vs, k0, k1, local, ok, vals, take):
+        """One program's tile: (new p, codes, scales of m, codes, scales of v), or the old ones
+        where not `ok`; `local`: the tile's first element in its row piece."""
+        piece = opt.piece_of(jax.tree_util.tree_unflatten(tree, vals), take)
+        index = (local + jax.lax.broadcasted_iota(jnp.int32, (rows, width), 0) * width
+                 + jax.lax.broadcasted_iota(jnp.int32, (rows, width), 1)).astype(jnp.uint32)
+        old_m = Quantized(codes=mc, scale=ms[:, None], block=m.block)
+        old_v = Quantized(codes=vc, scale=vs[:, None], block=v.block)
+        new_p, new_m, new_v = piece(g, old_m, old_v, p, decays, None, threefry_bits(k0, k1, index))
+        return tuple(jnp.where(ok, a, b) for a, b in (
+            (new_p, p), (new_m.codes, mc), (new_m.scale[:, 0], ms), (new_v.codes, vc),
+            (new_v.scale[:, 0], vs)))
+
+    def kernel(g_ref, p_ref, mc_ref, ms_ref, vc_ref, vs_ref, k0_ref, k1_ref, fin_ref, *rest):
+        scalar_refs, rest = rest[:len(scalar_ops)], rest[len(scalar_ops):]
+        table_refs, outs = rest[:len(tables)], rest[len(tables):]
+        vals = list(leaves)
+        for i, ref in zip(traced, scalar_refs):
+            x = ref[0]
+            vals[i] = x != 0 if leaves[i].dtype == jnp.bool_ else x
+        by_id = {id(t): ref for t, ref in zip(tables, table_refs)}
+        first = pl.program_id(0) * rows  # the tile's first block
+        j = first // per_piece  # its row piece
+        new = tile_update(g_ref[...], p_ref[...], mc_ref[...], ms_ref[...], vc_ref[...], vs_ref[...],
+                   k0_ref[j], k1_ref[j], (first - j * per_piece) * width, fin_ref[0] != 0, vals,
+                   lambda table, idx: load(by_id[id(table)], idx))
+        for out, x in zip(outs, new):
+            out[...] = x
+
+    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in ins[1:6]]
+    params = {}
+    if triton:
+        from jax.experimental.pallas import triton as plt  # noqa: PLC0415
+        params["compiler_params"] = plt.CompilerParams(num_warps=4)
+    new = pl.pallas_call(kernel, grid=(blocks // rows,), in_specs=in_specs,
+                         name=alu.tag("adamw8bit_update", _cycles(tile_update, ins, scalar_ops, leaves,
+                                                                  traced, rows, width)),
+                         out_specs=[tile, tile, one, tile, one], out_shape=out_shape,
+                         input_output_aliases={1: 0, 2: 1, 3: 2, 4: 3, 5: 4},
+                         interpret=not triton, **params)(*ins)
+    new_p, mc, ms, vc, vs = new
+    return (new_p.reshape(p.shape),
+            Quantized(codes=mc.reshape(m.codes.shape), scale=ms.reshape(m.scale.shape),
+                      block=m.block),
+            Quantized(codes=vc.reshape(v.codes.shape), scale=vs.reshape(v.scale.shape),
+                      block=v.block))
+
+
+def _cycles(tile_update, ins, scalar_ops, leaves, traced, rows: int, width: int) -> int:
+    """The tile function's lane cycles per element (jaxmem.xla.alu), from its HLO with the maps
+    as constants: what the Triton kernel's name tells the time model."""
+    spec = lambda x, shape: jax.ShapeDtypeStruct(shape, x.dtype)  # noqa: E731
+    tiles = [spec(x, (rows, width)) for x in (ins[0], ins[1], ins[2])] + [spec(ins[3], (rows,))] \
+        + [spec(ins[4], (rows, width)), spec(ins[5], (rows,))]
+    scalars = [spec(x, ()) for x in scalar_ops]
+
+    def f(g, p, mc, ms, vc, vs, k0, k1, *traced_vals):
+        vals = list(leaves)
+        for i, x in zip(traced, traced_vals):
+            vals[i] = x != 0 if leaves[i].dtype == jnp.bool_ else x
+        return tile_update(g, p, mc, ms, vc, vs, k0, k1, 0, True, vals, take_constant)
+
+    u32 = jax.ShapeDtypeStruct((), jnp.uint32)
+    with jax.default_device(jax.devices("cpu")[0]):  # XLA:CPU's simplified program of the tile
+        text = jax.jit(f).lower(*tiles, u32, u32, *scalars).compile().as_text()
+    return alu.cycles_per_element(text, rows * width)
+
+
+def _triton_load():
+    from jax.experimental.pallas import triton as plt  # noqa: PLC0415
+    return lambda ref, idx: plt.load(ref.at[idx])

@@ -1,0 +1,150 @@
+"""`--update-kernel pallas` (jaxmem.optim._kernel): the 8-bit AdamW update of a large bf16 leaf
+as one Pallas kernel. On CPU it runs in Pallas' interpreter, so these tests hold it to the XLA
+loop it replaces bitwise (weights, codes, scales, counts), and its random bits to jax's own
+`jax.random.bits`. That a GPU's Triton kernel gives the same numbers is not tested here (no GPU):
+experiments.gpu_check's `update-kernel` row checks it where one is lent."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxmem.optim._stochastic as sr
+from jaxmem.bits import key_data
+from jaxmem.optim import AdamW8bitInPlace
+from jaxmem.optim._kernel import eligible, threefry_bits
+from jaxmem.xla import alu
+from jaxmem.xla.hlo import parse_hlo
+
+
+@pytest.mark.parametrize("shape", [(64, 300), (5000,)])
+def test_threefry_bits_are_jax_random_bits(shape):
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(3), 7), 2)
+    k = key_data(key)
+    index = jnp.arange(int(np.prod(shape)), dtype=jnp.uint32).reshape(shape)
+    assert bool((threefry_bits(k[0], k[1], index) == jax.random.bits(key, shape, jnp.uint32))
+                .all())
+
+
+def _params(rng):
+    return {"mlp": jnp.asarray(rng.standard_normal((4, 64, 512)) * 0.02, jnp.bfloat16),
+            "heads": jnp.asarray(rng.standard_normal((2, 64, 4, 128)) * 0.02, jnp.bfloat16),
+            "head": jnp.asarray(rng.standard_normal((1024, 256)) * 0.02, jnp.bfloat16),
+            "norm": jnp.ones((512,), jnp.bfloat16),
+            "fp32": jnp.asarray(rng.standard_normal((128, 256)), jnp.float32)}
+
+
+def _layers(path, x):
+    return 1 if x.ndim >= 3 else 0
+
+
+def _steps(opt, params, n, where=True, seed=0):
+    """n steps of `opt` and of the same optimizer with update_kernel="pallas", from the same
+    state and gradients: the list of (xla, pallas) results."""
+    rng = np.random.default_rng(seed)
+    kopt = dataclasses.replace(opt, update_kernel="pallas")
+    state, out = opt.init(params), []
+    for step in range(n):
+        grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape) * 3, p.dtype),
+                             params)
+        key = jax.random.fold_in(jax.random.PRNGKey(1), step)
+        run = lambda o: jax.jit(lambda g, s, p: o.update_and_apply(  # noqa: E731
+            g, s, p, key=key, where=where))(grads, state, params)
+        a, b = run(opt), run(kopt)
+        out.append((a, b))
+        params, state = a
+    return out, kopt, grads, state, params
+
+
+@pytest.mark.parametrize("moments, clip", [("stochastic", 1.0), ("nearest", 0.0)])
+def test_the_kernel_gives_the_xla_loops_numbers_bitwise(monkeypatch, moments, clip):
+    monkeypatch.setattr(sr, "CHUNK", 2**14)  # several row pieces per leaf, and several tiles each
+    rng = np.random.default_rng(0)
+    schedule = optax.linear_schedule(1e-2, 1e-3, 10)  # a traced learning rate
+    opt = AdamW8bitInPlace(schedule, weight_decay=0.1, clip_norm=clip, layer_axes=_layers,
+                           stochastic_rounding=True,
+                           stochastic_moments=moments == "stochastic")
+    results, kopt, grads, state, params = _steps(opt, _params(rng), 3)
+    for a, b in results:
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            assert x.dtype == y.dtype and bool((x == y).all())
+    # the kernel ran: one per 8-bit bf16 leaf ("mlp", "heads" with its 128-wide blocks, "head";
+    # "norm" is under 4096 elements, so fp32 moments, and "fp32" has fp32 weights)
+    jaxpr = str(jax.make_jaxpr(lambda g, s, p: kopt.update_and_apply(
+        g, s, p, key=jax.random.PRNGKey(0)))(grads, state, params))
+    assert jaxpr.count("pallas_call") == 3
+
+
+def test_a_skipped_step_leaves_every_buffer_as_it_was(monkeypatch):
+    monkeypatch.setattr(sr, "CHUNK", 2**14)
+    params = _params(np.random.default_rng(1))
+    opt = AdamW8bitInPlace(1e-2, clip_norm=1.0, layer_axes=_layers, stochastic_rounding=True)
+    results, *_ = _steps(opt, params, 1, where=False)
+    (new, state), _ = results[0][1], None
+    for x, y in zip(jax.tree.leaves((new, state)), jax.tree.leaves((params, opt.init(params)))):
+        assert bool((x == y).all())
+
+
+def test_what_the_kernel_does_not_take_goes_through_the_loop():
+    rng = np.random.default_rng(2)
+    p = jnp.asarray(rng.standard_normal((64, 512)), jnp.bfloat16)
+    opt = AdamW8bitInPlace(1e-2, stochastic_rounding=True)
+    m, v = opt.moments(opt.init({"w": p})).mu["w"], opt.moments(opt.init({"w": p})).nu["w"]
+    key = jax.random.PRNGKey(0)
+    assert eligible(p, m, v, p, key)
+    assert not eligible(p, m, v, p, None)                       # no stochastic rounding
+    assert not eligible(p.astype(jnp.float32), m, v, p, key)    # an fp32 gradient
+    assert not eligible(p, m, v, p.astype(jnp.float32), key)    # fp32 weights
+    odd = jnp.zeros((64, 200), jnp.bfloat16)                    # blocks across rows
+    mo = opt.moments(opt.init({"w": odd})).mu["w"]
+    assert not eligible(odd, mo, mo, odd, key)
+    with pytest.raises(ValueError, match="update_kernel 'cuda'"):
+        dataclasses.replace(opt, update_kernel="cuda").update_and_apply(
+            {"w": p}, opt.init({"w": p}), {"w": p}, key=key)
+
+
+def test_lane_cycles_count_threefry_as_integer_work():
+    """jaxmem.xla.alu on XLA's optimized program of the kernel's threefry-2x32: 20 rounds of an
+    add, a rotate (one funnel shift) and an xor, and the key injections: ~75 integer operations
+    per element at 2 lane cycles each; a float add is one."""
+    u32 = jax.ShapeDtypeStruct((), jnp.uint32)
+    bits = jax.jit(lambda k0, k1: threefry_bits(k0, k1, jnp.arange(4096, dtype=jnp.uint32))
+                   ).lower(u32, u32).compile().as_text()
+    per = alu.cycles_per_element(bits, 4096)
+    assert 120 <= per <= 200, per
+    add = jax.jit(lambda x: x + 1.0).lower(jnp.zeros(4096)).compile().as_text()
+    assert alu.cycles_per_element(add, 4096) == 1
+    assert alu.tagged(alu.tag("adamw8bit_update", 613)) == 613 and alu.tagged("kernel") is None
+    comps = parse_hlo(add)
+    assert sum(alu.fused_cycles(c) for c in comps.values()) == 4096
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_triton_kernel_gives_the_xla_loops_numbers():
+    """On a GPU: one llama-3-8b MLP leaf's update, Triton kernel against XLA's loop, two steps
+    (clipping on, stochastic moments and rounding). Counts how many weights, codes and scales
+    differ, so a miss says how far: the rounding of Triton's fp32 division and square root and of
+    bf16 arithmetic may differ from XLA's (jaxmem.optim._kernel)."""
+    shape = (32, 14336, 4096)
+    rng = jax.random.PRNGKey(0)
+    p = (jax.random.normal(rng, shape, jnp.float32) * 0.02).astype(jnp.bfloat16)
+    opt = AdamW8bitInPlace(3e-4, weight_decay=0.1, clip_norm=1.0, layer_axes=_layers,
+                           stochastic_rounding=True)
+    kopt = dataclasses.replace(opt, update_kernel="pallas")
+    state = opt.init({"w": p})
+    params, differ = {"w": p}, []
+    for step in range(2):
+        g = {"w": (jax.random.normal(jax.random.fold_in(rng, step + 1), shape, jnp.float32)
+                   * 1e-3).astype(jnp.bfloat16)}
+        key = jax.random.fold_in(rng, 100 + step)
+        a = jax.jit(lambda g, s, p: opt.update_and_apply(g, s, p, key=key))(g, state, params)
+        b = jax.jit(lambda g, s, p: kopt.update_and_apply(g, s, p, key=key))(g, state, params)
+        differ.append([int((x != y).sum()) for x, y in zip(jax.tree.leaves(a),
+                                                            jax.tree.leaves(b))])
+        params, state = a
+    assert all(n == 0 for row in differ for n in row), differ
