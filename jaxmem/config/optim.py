@@ -52,9 +52,9 @@ class OptimConfig:
     update_kernel: str = option(
         "xla", "adamw8bit with bf16 weights and stochastic rounding (bf16-sr, fp8-sr): xla = "
         "each large leaf's update in row pieces, XLA's kernels; pallas = one Pallas kernel per "
-        "leaf that reads and writes each element once (the same numbers; on CPU Pallas' slow "
-        "interpreter, for tests; on a GPU a "
-        "Triton kernel whose equality with xla is not yet measured; docs/optimizers.md)",
+        "leaf that reads and writes each element once (the same update up to bf16 rounding; "
+        "on CPU Pallas' slow interpreter, for tests; on a GPU a Triton kernel whose equality "
+        "with xla is not yet measured; docs/optimizers.md)",
         choices=["xla", "pallas"], mutable=True)
     # Changes no state, only where the update happens: a run may resume with it (or without).
     in_backward: bool = option(False, "apply each layer's optimizer update inside the backward "

@@ -92,8 +92,8 @@ class AdamW8bitInPlace:
         so the update never gathers it. None: every leaf updated as one array.
       update_kernel: "xla" (row pieces in a loop, XLA's kernels) or "pallas": a large 8-bit
         bf16 leaf updated on the device without a sharding is one Pallas kernel
-        (jaxmem.optim._kernel: the same piece function, its numbers the loop's on CPU; a
-        Triton kernel on a GPU, where its bitwise equality is not yet measured).
+        (jaxmem.optim._kernel: the same piece function, its numbers the loop's on CPU up to
+        XLA's excess precision; a Triton kernel on a GPU, its equality not yet measured).
 
     Guarantees: `init` is `tx.init`, so states move between the two freely; `update_and_apply`
     gives the codes, scales and counts of `tx.update` bitwise, and, without stochastic
@@ -252,16 +252,15 @@ class AdamW8bitInPlace:
 
         return scalars, finish
 
-    def piece_of(self, s: "StepScalars", take=take_constant):
-        """`pieces`' piece function on the step's scalars `s` (`take`: how the 8-bit maps are
-        read, `quantize`'s; the fused kernel, jaxmem.optim._kernel, builds it inside itself)."""
+    def piece_of(self, s: "StepScalars", take=take_constant, divide=jnp.divide):
+        """`pieces`' piece function on the step's scalars `s`; the fused kernel (jaxmem.optim.
+        _kernel) builds it inside itself with its own `take` (how the 8-bit maps are read,
+        `quantize`'s) and, for Triton, which has no bf16 division, its own `divide`."""
         wd, clip, rounds = self.weight_decay, self.clip_norm, self.stochastic_rounding
 
         def piece(g, m, v, p, decays, pkey, bits=None):
-            if clip > 0:  # clip_by_global_norm, its bf16 division written as XLA runs it (in
-                # fp32, rounded back), which Triton's lowering (jaxmem.optim._kernel) needs
-                q = (g.astype(jnp.float32) / s.g_norm.astype(g.dtype).astype(jnp.float32))
-                g = jax.lax.select(s.trigger, g, q.astype(g.dtype) * clip)
+            if clip > 0:  # clip_by_global_norm
+                g = jax.lax.select(s.trigger, g, divide(g, s.g_norm.astype(g.dtype)) * clip)
             u, m, v = adam_piece(g, m, v, s.c1, s.c2, self.b1, self.b2, self.eps, s.salt, take)
             if decays and wd != 0.0:  # add_decayed_weights (masked)
                 u = u + wd * p

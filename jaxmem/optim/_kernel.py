@@ -17,11 +17,14 @@ and draws the weight's stochastic-rounding bits with threefry-2x32 on the elemen
 row piece, as `jax.random.bits(fold_in(leaf key, piece))` does (jax_threefry_partitionable's
 layout; the kernel is not used without it).
 
-Where it runs: compiled for a GPU (jaxmem.target.platform() == "gpu") it is a Triton kernel;
-anywhere else it runs in Pallas' interpreter, the same jax operations tile by tile (the CPU
-tests compare it with the XLA loop bitwise there). On a GPU its numbers are Triton's lowering
-of the same operations (fp32 division and square root through libdevice / LLVM): that they equal
-XLA's bitwise has not been measured (docs/optimizers.md); until it is, the default stays XLA's.
+Where it runs: compiled for a GPU (jaxmem.target.platform() == "gpu") it is a Triton kernel
+(its bf16 division written as XLA computes one, in fp32: Triton has none); anywhere else it
+runs in Pallas' interpreter, the same jax operations tile by tile. The CPU tests compare it with
+the XLA loop bitwise where both programs round bf16 at every operation, and within a bf16 ulp
+under XLA's default excess precision, which each program applies to other intermediates. On a
+GPU its numbers are Triton's lowering of the same operations (FMA contraction, fp32 division and
+square root through libdevice / LLVM): how close they come to XLA's has not been measured
+(docs/optimizers.md); until it is, the default stays XLA's.
 """
 
 from __future__ import annotations
@@ -143,11 +146,12 @@ def update_leaf(opt, scalars, g, m, v, p, decays, leaf_key, finite):
     whole = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)  # noqa: E731
     in_specs = [tile, tile, tile, one, tile, one] + [whole(x) for x in ins[6:]]
     load = (lambda ref, idx: ref[idx]) if not triton else _triton_load()
+    divide = _divide_in_fp32 if triton else jnp.divide
 
     def tile_update(g, p, mc, ms, vc, vs, k0, k1, local, ok, vals, take):
         """One program's tile: (new p, codes, scales of m, codes, scales of v), or the old ones
         where not `ok`; `local`: the tile's first element in its row piece."""
-        piece = opt.piece_of(jax.tree_util.tree_unflatten(tree, vals), take)
+        piece = opt.piece_of(jax.tree_util.tree_unflatten(tree, vals), take, divide)
         index = (local + jax.lax.broadcasted_iota(jnp.int32, (rows, width), 0) * width
                  + jax.lax.broadcasted_iota(jnp.int32, (rows, width), 1)).astype(jnp.uint32)
         old_m = Quantized(codes=mc, scale=ms[:, None], block=m.block)
@@ -210,6 +214,12 @@ def _cycles(tile_update, ins, scalar_ops, leaves, traced, rows: int, width: int)
     with jax.default_device(jax.devices("cpu")[0]):  # XLA:CPU's simplified program of the tile
         text = jax.jit(f).lower(*tiles, u32, u32, *scalars).compile().as_text()
     return alu.cycles_per_element(text, rows * width)
+
+
+def _divide_in_fp32(a, b):
+    """a / b as XLA computes a bf16 division (in fp32, rounded back to a's dtype): Triton's
+    lowering has no bf16 division."""
+    return (a.astype(jnp.float32) / b.astype(jnp.float32)).astype(a.dtype)
 
 
 def _triton_load():

@@ -16,12 +16,14 @@ gather from a table a load through L1, 32 per clock (4); a rotate (two shifts an
 funnel shift. Views, broadcasts and data movement cost nothing here (their bytes are the memory
 bound's). These are throughputs with every issue slot filled: a floor, were they right.
 
-Why beside the time and not in it: as a third bound (at 60% of the issue rate) it made the
-calibration's two 8B rows at 1x2048 predict 20-22% slower than measured (docs/results.md), where
-the bytes alone predict them within 5-10%: the counts overstate what the GPU issues (XLA's
-emitters vectorize and merge integer operations: IADD3, LOP3), by how much no profile has said
-yet. Elementwise kernels with a few operations per element are far from it; random bits
-(threefry-2x32: ~75 integer operations per element) and 8-bit code searches are not.
+Why beside the time and not in it: the counts are HLO operations, not the instructions a GPU
+issues (the code generators merge integer operations: IADD3, LOP3), and the issue rate a kernel
+reaches is unknown until a profile. At the full issue rate the calibration rows stay within
++-20% (the 8B rows move by 2-7%, docs/results.md); at 60% of it the two 8B rows at 1x2048 fell
+to 0.80x / 0.78x of their measured tok/s. So the planner's step time is the bytes' bound and
+this is the pessimistic side, printed beside it. Elementwise kernels with a few operations per
+element are far from it; random bits (threefry-2x32: ~75 integer operations per element) and
+8-bit code searches are not.
 
 A Pallas kernel is a Triton custom call whose program XLA keeps as MLIR bytecode; its builder
 counts its body's cycles per element from the body's HLO (`cycles_per_element`) and puts the

@@ -216,9 +216,7 @@ def kernel(ins: dict, instrs: dict, comps: dict, m: Machine, eff: Efficiency
             ) -> tuple[str, float, float, float, float]:
     """(class, seconds, FLOPs, bytes, arithmetic seconds) of one synchronous kernel. The
     arithmetic (jaxmem.xla.alu's lane cycles at the card's full issue rate) is reported beside
-    the time, not in it: with it as a third bound the calibration's 8B rows at 1x2048 ran 20-22%
-    slow against their measured tok/s (docs/results.md), so the counts overstate what a GPU
-    issues."""
+    the time, not in it (jaxmem.xla.alu says why)."""
     op = ins["op"]
     target = attr(ins["attrs"], "custom_call_target") or ""
     rate, cycles = "bf16", 0.0
