@@ -1,9 +1,9 @@
 """`--update-kernel pallas` (jaxmem.optim._kernel): the 8-bit AdamW update of a large bf16 leaf
 as one Pallas kernel. On CPU it runs in Pallas' interpreter, so these tests hold it to the XLA
-loop it replaces bitwise (weights, codes, scales, counts) where both programs round bf16 at every
-operation, to a stated bound under XLA's default excess precision, and its random bits to jax's
-own `jax.random.bits`. That a GPU's Triton kernel gives the same numbers is not tested here (no GPU):
-experiments.gpu_check's `update-kernel` row checks it where one is lent."""
+loop it replaces: bitwise (weights, codes, scales, counts) where both programs round bf16 at
+every operation, to a stated bound under XLA's default excess precision; and its random bits to
+jax's own `jax.random.bits`. On a GPU (Triton) the last test states its bound; experiments.
+gpu_check runs it in its `gpu-tests` row and times the kernel in its `8b-1x2048-pallas` row."""
 
 from __future__ import annotations
 

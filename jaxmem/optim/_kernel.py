@@ -116,6 +116,64 @@ def _tables_in_order() -> list[np.ndarray]:
     return out
 
 
+class _Tile:
+    """One program's work, a function of its tile's arrays: `opt.piece_of`'s piece on the tile
+    with the step's scalars (`vals`, the flattened StepScalars with traced leaves filled in),
+    the weights' threefry bits of the tile's elements, and the old values kept where not `ok`."""
+
+    def __init__(self, opt, scalars, m, v, decays, rows: int, width: int, divide):
+        self.opt, self.m_block, self.v_block, self.decays = opt, m.block, v.block, decays
+        self.leaves, self.tree = jax.tree_util.tree_flatten(scalars)
+        # the step's traced scalars become operands; Python numbers stay constants of the kernel
+        self.traced = [i for i, x in enumerate(self.leaves) if isinstance(x, jax.Array)]
+        self.rows, self.width, self.divide = rows, width, divide
+
+    def scalar_operands(self) -> list:
+        ops = [jnp.asarray(self.leaves[i]).reshape(1) for i in self.traced]
+        return [x.astype(jnp.uint32) if x.dtype == jnp.bool_ else x for x in ops]
+
+    def scalars(self, traced_values) -> list:
+        """The flattened StepScalars with `traced_values` (operand dtypes) in place."""
+        vals = list(self.leaves)
+        for i, x in zip(self.traced, traced_values):
+            vals[i] = x != 0 if self.leaves[i].dtype == jnp.bool_ else x
+        return vals
+
+    def __call__(self, g, p, mc, ms, vc, vs, k0, k1, local, ok, vals, take):
+        """(new p, codes, scales of m, codes, scales of v) of the tile; `local`: its first
+        element's index in its row piece."""
+        piece = self.opt.piece_of(jax.tree_util.tree_unflatten(self.tree, vals), take,
+                                  self.divide)
+        shape = (self.rows, self.width)
+        index = (local + jax.lax.broadcasted_iota(jnp.int32, shape, 0) * self.width
+                 + jax.lax.broadcasted_iota(jnp.int32, shape, 1)).astype(jnp.uint32)
+        old_m = Quantized(codes=mc, scale=ms[:, None], block=self.m_block)
+        old_v = Quantized(codes=vc, scale=vs[:, None], block=self.v_block)
+        new_p, new_m, new_v = piece(g, old_m, old_v, p, self.decays, None,
+                                    threefry_bits(k0, k1, index))
+        return tuple(jnp.where(ok, a, b) for a, b in (
+            (new_p, p), (new_m.codes, mc), (new_m.scale[:, 0], ms), (new_v.codes, vc),
+            (new_v.scale[:, 0], vs)))
+
+    def cycles(self, ins: list) -> int:
+        """Lane cycles per element (jaxmem.xla.alu) of XLA:CPU's compiled program of one tile,
+        the maps as constants: what the Triton kernel's name tells the time model."""
+        spec = lambda x, *shape: jax.ShapeDtypeStruct(shape, x.dtype)  # noqa: E731
+        r, w = self.rows, self.width
+        tiles = [spec(ins[0], r, w), spec(ins[1], r, w), spec(ins[2], r, w), spec(ins[3], r),
+                 spec(ins[4], r, w), spec(ins[5], r)]
+        u32 = jax.ShapeDtypeStruct((), jnp.uint32)
+        scalars = [spec(x) for x in self.scalar_operands()]
+
+        def f(g, p, mc, ms, vc, vs, k0, k1, *traced):
+            return self(g, p, mc, ms, vc, vs, k0, k1, 0, True, self.scalars(traced),
+                        take_constant)
+
+        with jax.default_device(jax.devices("cpu")[0]):
+            text = jax.jit(f).lower(*tiles, u32, u32, *scalars).compile().as_text()
+        return alu.cycles_per_element(text, r * w)
+
+
 def update_leaf(opt, scalars, g, m, v, p, decays, leaf_key, finite):
     """One `eligible` leaf through `opt.piece_of(scalars)` in one kernel, its row pieces' keys
     `sr.pieces(leaf_key, p, n)`'s: (new p, new m, new v) in the leaf's buffers (aliased).
@@ -128,92 +186,47 @@ def update_leaf(opt, scalars, g, m, v, p, decays, leaf_key, finite):
     blocks = p.size // width
     per_piece = blocks // n
     rows = _tile_rows(blocks, per_piece)
+    tile = _Tile(opt, scalars, m, v, decays, rows, width,
+                 _divide_in_fp32 if triton else jnp.divide)
     keys = sr.pieces(leaf_key, p, n=n)
     kdata = key_data(keys(0)) if n == 1 else jax.vmap(lambda j: key_data(keys(j)))(jnp.arange(n))
     kdata = kdata.reshape(-1, 2).astype(jnp.uint32)
-    # the step's traced scalars become operands; Python numbers stay constants of the kernel
-    leaves, tree = jax.tree_util.tree_flatten(scalars)
-    traced = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
-    scalar_ops = [jnp.asarray(leaves[i]).reshape(1) for i in traced]
-    scalar_ops = [x.astype(jnp.uint32) if x.dtype == jnp.bool_ else x for x in scalar_ops]
-    tables = _tables_in_order()
+    scalar_ops, tables = tile.scalar_operands(), _tables_in_order()
     flat = lambda x: x.reshape(blocks, width)  # noqa: E731  blocks as rows
     ins = [flat(g), flat(p), flat(m.codes), m.scale.reshape(blocks),
            flat(v.codes), v.scale.reshape(blocks), kdata[:, 0], kdata[:, 1],
            jnp.asarray(finite).astype(jnp.uint32).reshape(1), *scalar_ops,
            *[jnp.asarray(t) for t in tables]]
-    tile, one = pl.BlockSpec((rows, width), lambda i: (i, 0)), pl.BlockSpec((rows,), lambda i: (i,))
-    whole = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)  # noqa: E731
-    in_specs = [tile, tile, tile, one, tile, one] + [whole(x) for x in ins[6:]]
-    load = (lambda ref, idx: ref[idx]) if not triton else _triton_load()
-    divide = _divide_in_fp32 if triton else jnp.divide
-
-    def tile_update(g, p, mc, ms, vc, vs, k0, k1, local, ok, vals, take):
-        """One program's tile: (new p, codes, scales of m, codes, scales of v), or the old ones
-        where not `ok`; `local`: the tile's first element in its row piece."""
-        piece = opt.piece_of(jax.tree_util.tree_unflatten(tree, vals), take, divide)
-        index = (local + jax.lax.broadcasted_iota(jnp.int32, (rows, width), 0) * width
-                 + jax.lax.broadcasted_iota(jnp.int32, (rows, width), 1)).astype(jnp.uint32)
-        old_m = Quantized(codes=mc, scale=ms[:, None], block=m.block)
-        old_v = Quantized(codes=vc, scale=vs[:, None], block=v.block)
-        new_p, new_m, new_v = piece(g, old_m, old_v, p, decays, None, threefry_bits(k0, k1, index))
-        return tuple(jnp.where(ok, a, b) for a, b in (
-            (new_p, p), (new_m.codes, mc), (new_m.scale[:, 0], ms), (new_v.codes, vc),
-            (new_v.scale[:, 0], vs)))
+    load = _triton_load() if triton else (lambda ref, idx: ref[idx])
 
     def kernel(g_ref, p_ref, mc_ref, ms_ref, vc_ref, vs_ref, k0_ref, k1_ref, fin_ref, *rest):
         scalar_refs, rest = rest[:len(scalar_ops)], rest[len(scalar_ops):]
         table_refs, outs = rest[:len(tables)], rest[len(tables):]
-        vals = list(leaves)
-        for i, ref in zip(traced, scalar_refs):
-            x = ref[0]
-            vals[i] = x != 0 if leaves[i].dtype == jnp.bool_ else x
         by_id = {id(t): ref for t, ref in zip(tables, table_refs)}
         first = pl.program_id(0) * rows  # the tile's first block
         j = first // per_piece  # its row piece
-        new = tile_update(g_ref[...], p_ref[...], mc_ref[...], ms_ref[...], vc_ref[...], vs_ref[...],
-                   k0_ref[j], k1_ref[j], (first - j * per_piece) * width, fin_ref[0] != 0, vals,
+        new = tile(g_ref[...], p_ref[...], mc_ref[...], ms_ref[...], vc_ref[...], vs_ref[...],
+                   k0_ref[j], k1_ref[j], (first - j * per_piece) * width, fin_ref[0] != 0,
+                   tile.scalars([ref[0] for ref in scalar_refs]),
                    lambda table, idx: load(by_id[id(table)], idx))
         for out, x in zip(outs, new):
             out[...] = x
 
-    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in ins[1:6]]
-    params = {}
-    if triton:
-        from jax.experimental.pallas import triton as plt  # noqa: PLC0415
-        params["compiler_params"] = plt.CompilerParams(num_warps=4)
-    new = pl.pallas_call(kernel, grid=(blocks // rows,), in_specs=in_specs,
-                         name=alu.tag("adamw8bit_update", _cycles(tile_update, ins, scalar_ops, leaves,
-                                                                  traced, rows, width)),
-                         out_specs=[tile, tile, one, tile, one], out_shape=out_shape,
-                         input_output_aliases={1: 0, 2: 1, 3: 2, 4: 3, 5: 4},
-                         interpret=not triton, **params)(*ins)
-    new_p, mc, ms, vc, vs = new
+    block = pl.BlockSpec((rows, width), lambda i: (i, 0))
+    one = pl.BlockSpec((rows,), lambda i: (i,))
+    whole = [pl.BlockSpec(x.shape, lambda i, d=x.ndim: (0,) * d) for x in ins[6:]]
+    params = {"compiler_params": _triton_params()} if triton else {}
+    new_p, mc, ms, vc, vs = pl.pallas_call(
+        kernel, grid=(blocks // rows,), in_specs=[block, block, block, one, block, one, *whole],
+        out_specs=[block, block, one, block, one],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in ins[1:6]],
+        input_output_aliases={1: 0, 2: 1, 3: 2, 4: 3, 5: 4}, interpret=not triton,
+        name=alu.tag("adamw8bit_update", tile.cycles(ins)), **params)(*ins)
     return (new_p.reshape(p.shape),
             Quantized(codes=mc.reshape(m.codes.shape), scale=ms.reshape(m.scale.shape),
                       block=m.block),
             Quantized(codes=vc.reshape(v.codes.shape), scale=vs.reshape(v.scale.shape),
                       block=v.block))
-
-
-def _cycles(tile_update, ins, scalar_ops, leaves, traced, rows: int, width: int) -> int:
-    """The tile function's lane cycles per element (jaxmem.xla.alu), from its HLO with the maps
-    as constants: what the Triton kernel's name tells the time model."""
-    spec = lambda x, shape: jax.ShapeDtypeStruct(shape, x.dtype)  # noqa: E731
-    tiles = [spec(x, (rows, width)) for x in (ins[0], ins[1], ins[2])] + [spec(ins[3], (rows,))] \
-        + [spec(ins[4], (rows, width)), spec(ins[5], (rows,))]
-    scalars = [spec(x, ()) for x in scalar_ops]
-
-    def f(g, p, mc, ms, vc, vs, k0, k1, *traced_vals):
-        vals = list(leaves)
-        for i, x in zip(traced, traced_vals):
-            vals[i] = x != 0 if leaves[i].dtype == jnp.bool_ else x
-        return tile_update(g, p, mc, ms, vc, vs, k0, k1, 0, True, vals, take_constant)
-
-    u32 = jax.ShapeDtypeStruct((), jnp.uint32)
-    with jax.default_device(jax.devices("cpu")[0]):  # XLA:CPU's simplified program of the tile
-        text = jax.jit(f).lower(*tiles, u32, u32, *scalars).compile().as_text()
-    return alu.cycles_per_element(text, rows * width)
 
 
 def _divide_in_fp32(a, b):
@@ -225,3 +238,8 @@ def _divide_in_fp32(a, b):
 def _triton_load():
     from jax.experimental.pallas import triton as plt  # noqa: PLC0415
     return lambda ref, idx: plt.load(ref.at[idx])
+
+
+def _triton_params():
+    from jax.experimental.pallas import triton as plt  # noqa: PLC0415
+    return plt.CompilerParams(num_warps=4)
