@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmem.bits import from_bits, to_bits, tree_norm
 import jaxmem.optim._stochastic as sr
-from jaxmem.optim import _kernel
+import jaxmem.optim._kernel as _kernel
 from jaxmem.optim._adamw8bit import (BLOCK, KeepFp32, LayerAxes, Quantized, ScaleByAdam8bitState,
                                      adam_piece, adamw_8bit, as_rows, bias_corrections,
                                      moment_pieces, step_salt)

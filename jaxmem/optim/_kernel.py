@@ -35,7 +35,7 @@ import numpy as np
 
 from jaxmem import target
 from jaxmem.bits import key_data
-from jaxmem.optim import _stochastic as sr
+import jaxmem.optim._stochastic as sr
 from jaxmem.optim._adamw8bit import moment_pieces
 from jaxmem.optim._blockwise import (BLOCK, SIGNED_MAP, UNSIGNED_MAP, Quantized, _axes,
                                      _tables, take_constant)
