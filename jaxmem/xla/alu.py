@@ -33,9 +33,10 @@ count in the kernel's name (`tag`), which the compiled program keeps and the tim
 
 from __future__ import annotations
 
+import math
 import re
 
-from jaxmem.xla.hlo import parse_hlo
+from jaxmem.xla.hlo import dims, dtype, parse_hlo
 
 _FREE = {"parameter", "constant", "bitcast", "broadcast", "reshape", "tuple", "get-tuple-element",
          "slice", "dynamic-slice", "dynamic-update-slice", "concatenate", "pad", "copy",
@@ -46,23 +47,11 @@ _SLOW = {"divide": 16, "sqrt": 16, "rsqrt": 8, "exponential": 8, "log": 8, "tanh
          "log-plus-one": 8, "cbrt": 16, "atan2": 32, "erf": 16, "remainder": 32}
 _FLOAT = ("f16", "bf16", "f32", "f64", "f8")
 _TAG = re.compile(r"_(\d+)cyc$")
-_ELEMENTS = re.compile(r"\b[a-z][a-z0-9]*\[([^\]]*)\]")
 
 
 def elements(type_: str) -> int:
     """Elements of an instruction's (first) array result."""
-    m = _ELEMENTS.search(re.sub(r"\{[^{}]*\}", "", type_))
-    if not m:
-        return 1
-    n = 1
-    for d in m.group(1).split(","):
-        d = d.strip().lstrip("<=")
-        n *= int(d) if d.isdigit() else 1
-    return n
-
-
-def _dtype(type_: str) -> str:
-    return type_.strip("( ").split("[", 1)[0]
+    return math.prod(dims(type_))
 
 
 def instruction_cycles(ins: dict, instrs: dict) -> float:
@@ -71,14 +60,14 @@ def instruction_cycles(ins: dict, instrs: dict) -> float:
     if op in _FREE:
         return 0.0
     if op == "convert":
-        src = _dtype(instrs.get(ins["operands"][0], {}).get("type", "")) if ins["operands"] else ""
-        dst = _dtype(ins["type"])
+        src = dtype(instrs.get(ins["operands"][0], {}).get("type", "")) if ins["operands"] else ""
+        dst = dtype(ins["type"])
         # float <-> float of other widths is a shift or a repack (1); int <-> float 8
         per = 1 if src.startswith(_FLOAT) == dst.startswith(_FLOAT) else 8
         return per * elements(ins["type"])
     if op in ("reduce", "reduce-window"):  # the reducer's operation per element read
         src = instrs.get(ins["operands"][0], {}).get("type", "") if ins["operands"] else ""
-        return (1 if _dtype(src).startswith(_FLOAT) else 2) * elements(src)
+        return (1 if dtype(src).startswith(_FLOAT) else 2) * elements(src)
     if op == "gather":
         return 4 * elements(ins["type"])
     if op in _SLOW:
@@ -87,7 +76,7 @@ def instruction_cycles(ins: dict, instrs: dict) -> float:
     kind = ins["type"]
     if op in ("compare", "select") and len(ins["operands"]) > 1:
         kind = instrs.get(ins["operands"][-1], {}).get("type", kind)
-    return (1 if _dtype(kind).startswith(_FLOAT) else 2) * elements(ins["type"])
+    return (1 if dtype(kind).startswith(_FLOAT) else 2) * elements(ins["type"])
 
 
 def _rotates(instrs: dict) -> set[str]:

@@ -93,6 +93,17 @@ def tuple_elements(type_: str) -> list[str]:
     return _top_level(type_[1:-1])[0] if type_.startswith("(") else [type_]
 
 
+def dims(type_: str) -> list[int]:
+    """The dimensions of a shape's first array (dynamic bounds <=N as N; [] for a scalar)."""
+    m = re.search(r"\[([^\]]*)\]", re.sub(r"\{[^{}]*\}", "", type_))
+    return [int(d.lstrip("<=")) for d in m.group(1).split(",") if d.strip()] if m else []
+
+
+def dtype(type_: str) -> str:
+    """The element type of a shape's first array ('f32[2,3]{1,0}' -> 'f32')."""
+    return type_.strip("( ").split("[", 1)[0]
+
+
 def shape_bytes(type_: str) -> int:
     """Bytes of every array in a shape (a tuple's summed), from dtypes and dimensions; layouts,
     tiling and memory spaces in {...} are ignored, dynamic bounds (<=N) count at N. An unknown

@@ -12,9 +12,8 @@ import re
 
 from jaxmem.xla.alu import elements, fused_cycles, kernel_name, tagged
 from jaxmem.xla.collectives import data_bytes, group_size, kind_of, ring_bytes, wrapped_collective
-from jaxmem.xla.hlo import attr, called, direction, shape_bytes, tuple_elements
+from jaxmem.xla.hlo import attr, called, dims, direction, dtype, shape_bytes, tuple_elements
 
-_DIMS = re.compile(r"\[([^\]]*)\]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,15 +73,6 @@ class Efficiency:
     interconnect: float = 0.80
 
 
-def _dims(type_: str) -> list[int]:
-    m = _DIMS.search(re.sub(r"\{[^{}]*\}", "", type_))
-    return [int(d.lstrip("<=")) for d in m.group(1).split(",") if d.strip()] if m else []
-
-
-def _dtype(type_: str) -> str:
-    return type_.strip("( ").split("[", 1)[0]
-
-
 def _ints(text: str | None) -> list[int]:
     return [int(x) for x in re.findall(r"\d+", text or "")]
 
@@ -97,9 +87,9 @@ TF32_RATE = 0.5
 def _operand_kind(lhs: str, rhs: str) -> str:
     """The GEMM's rate class by its operands' dtypes: "fp8" (an f8 operand), "tf32" (both f32),
     else "bf16" (bf16 / fp16 tensor cores)."""
-    if _dtype(lhs).startswith("f8") or _dtype(rhs).startswith("f8"):
+    if dtype(lhs).startswith("f8") or dtype(rhs).startswith("f8"):
         return "fp8"
-    return "tf32" if _dtype(lhs) == "f32" and _dtype(rhs) == "f32" else "bf16"
+    return "tf32" if dtype(lhs) == "f32" and dtype(rhs) == "f32" else "bf16"
 
 
 def _operands(ins: dict, instrs: dict) -> tuple[str, str]:
@@ -110,19 +100,19 @@ def _operands(ins: dict, instrs: dict) -> tuple[str, str]:
 def _dot_flops(ins: dict, instrs: dict) -> tuple[float, str]:
     """(FLOPs, rate class) of a dot: 2 x |result| x the lhs's contracted sizes."""
     lhs, rhs = _operands(ins, instrs)
-    contracted = math.prod(_dims(lhs)[i] for i in _ints(attr(ins["attrs"], "lhs_contracting_dims"))
-                           if i < len(_dims(lhs)))
-    return 2.0 * math.prod(_dims(ins["type"])) * contracted, _operand_kind(lhs, rhs)
+    contracted = math.prod(dims(lhs)[i] for i in _ints(attr(ins["attrs"], "lhs_contracting_dims"))
+                           if i < len(dims(lhs)))
+    return 2.0 * math.prod(dims(ins["type"])) * contracted, _operand_kind(lhs, rhs)
 
 
 def _gemm_call_flops(ins: dict, instrs: dict) -> tuple[float, str]:
     """A cuBLAS custom call's FLOPs from its backend_config's dot_dimension_numbers."""
     m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins["attrs"])
     lhs, rhs = _operands(ins, instrs)
-    dims = _dims(lhs)
-    contracted = math.prod(dims[i] for i in _ints(m.group(1) if m else "") if i < len(dims))
+    shape = dims(lhs)
+    contracted = math.prod(shape[i] for i in _ints(m.group(1) if m else "") if i < len(shape))
     out = tuple_elements(ins["type"])[0]
-    return 2.0 * math.prod(_dims(out)) * contracted, _operand_kind(lhs, rhs)
+    return 2.0 * math.prod(dims(out)) * contracted, _operand_kind(lhs, rhs)
 
 
 def _attention_flops(ins: dict, instrs: dict) -> float:
@@ -131,7 +121,7 @@ def _attention_flops(ins: dict, instrs: dict) -> float:
     m = re.search(r'"intermediate_tensor_shape":\s*\{[^}]*?"dimensions":\s*\[([^\]]*)\]',
                   ins["attrs"])
     s = _ints(m.group(1))[-1] if m and _ints(m.group(1)) else 0
-    q = _dims(instrs.get(ins["operands"][0], {}).get("type", "")) if ins["operands"] else []
+    q = dims(instrs.get(ins["operands"][0], {}).get("type", "")) if ins["operands"] else []
     flops = 4.0 * math.prod(q) * s if q else 0.0
     flops *= 2.5 if "Backward" in (attr(ins["attrs"], "custom_call_target") or "") else 1
     return flops / 2 if re.search(r'"mask_type":\s*"CAUSAL"', ins["attrs"]) else flops
@@ -205,10 +195,10 @@ def _fusion_cost(ins: dict, instrs: dict, comps: dict) -> tuple[str, float, floa
 
 def _gemm_waves(ins_type: str, sms: int) -> float:
     """The share of the card's SMs a GEMM's 128 x 128 output tiles keep busy over its waves."""
-    dims = _dims(tuple_elements(ins_type)[0])
-    if len(dims) < 2:
+    shape = dims(tuple_elements(ins_type)[0])
+    if len(shape) < 2:
         return 1.0
-    tiles = math.prod(dims[:-2]) * math.ceil(dims[-2] / 128) * math.ceil(dims[-1] / 128)
+    tiles = math.prod(shape[:-2]) * math.ceil(shape[-2] / 128) * math.ceil(shape[-1] / 128)
     return tiles / (math.ceil(tiles / sms) * sms)
 
 
