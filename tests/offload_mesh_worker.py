@@ -18,7 +18,7 @@ from testenv import worker_jax
 jax = worker_jax(2)
 import numpy as np  # noqa: E402
 
-import jaxmem.optim._fused as fused  # noqa: E402
+import jaxmem.optim._inplace as fused  # noqa: E402  (where a leaf is walked in place)
 from jaxmem.families import get_preset  # noqa: E402
 from jaxmem.model.precision import get_precision  # noqa: E402
 from jaxmem.model.remat import RematPolicy  # noqa: E402

@@ -66,7 +66,8 @@ from jaxmem.optim._apply import (
 from jaxmem.optim._partwise import NotSplittable, Parts, split
 
 # 8-bit AdamW updated and applied in place (the same kernel and state as adamw_8bit)
-from jaxmem.optim._fused import AdamW8bitInPlace, apply_leaf_in_place
+from jaxmem.optim._fused import AdamW8bitInPlace
+from jaxmem.optim._inplace import apply_leaf_in_place
 from jaxmem.optim._cuts import cols, in_host_memory, slab_at, to_device
 
 __all__ = [
