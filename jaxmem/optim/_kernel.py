@@ -45,6 +45,7 @@ from jaxmem.optim._cuts import in_host_memory
 R = 16  # blocks of 256 elements per program: 4096 elements, a Triton tile of 16 x 256
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+_CYCLES: dict = {}  # a tile program's signature -> its lane cycles per element (`_Tile.cycles`)
 
 
 def _rotl(x, r: int):
@@ -96,13 +97,13 @@ def eligible(g, m, v, p, leaf_key) -> bool:
         return False
     if not (isinstance(m, Quantized) and isinstance(v, Quantized)):
         return False
-    if (_axes(m), _axes(v), m.block, v.block) != (1, 1, BLOCK, BLOCK) or p.ndim < 1 \
-            or not _width(p, m) or not jax.config.jax_threefry_partitionable:
+    w = _width(p, m) if p.ndim else 0
+    if (_axes(m), _axes(v), m.block, v.block) != (1, 1, BLOCK, BLOCK) or not w \
+            or not jax.config.jax_threefry_partitionable:
         return False
     if any(in_host_memory(x) for x in (p, m.codes, v.codes, g)):
         return False
     _, n, same = moment_pieces(p.shape, m)
-    w = _width(p, m)
     return same and _tile_rows(p.size // w, p.size // n // w) > 0
 
 
@@ -157,7 +158,19 @@ class _Tile:
 
     def cycles(self, ins: list) -> int:
         """Lane cycles per element (jaxmem.xla.alu) of XLA:CPU's compiled program of one tile,
-        the maps as constants: what the Triton kernel's name tells the time model."""
+        the maps as constants: what the Triton kernel's name tells the time model. Counted once
+        per distinct tile program (the leaves of a layer stack share theirs)."""
+        static = tuple(None if i in self.traced else x for i, x in enumerate(self.leaves))
+        o = self.opt  # what its piece function reads of it (a mask may be an unhashable tree)
+        key = ((o.b1, o.b2, o.eps, o.weight_decay, o.clip_norm, o.stochastic_rounding),
+               self.tree, static, tuple(self.leaves[i].dtype for i in self.traced),
+               self.decays, self.rows, self.width, self.divide, self.m_block, self.v_block,
+               tuple(x.dtype for x in ins[:6]))
+        if key not in _CYCLES:
+            _CYCLES[key] = self._count(ins)
+        return _CYCLES[key]
+
+    def _count(self, ins: list) -> int:
         spec = lambda x, *shape: jax.ShapeDtypeStruct(shape, x.dtype)  # noqa: E731
         r, w = self.rows, self.width
         tiles = [spec(ins[0], r, w), spec(ins[1], r, w), spec(ins[2], r, w), spec(ins[3], r),
