@@ -11,7 +11,10 @@ tok/s measured on that card. The programs compiled are TODAY's: a row measured a
 ran an older program (the commit is printed with it), which the table says rather than hides.
 `--at COMMIT` compiles each row with that commit's own planner instead (a git worktree of it,
 XLA dumping the optimized step), and runs today's time model on the program that commit made:
-the program a row measured at COMMIT ran (the planner needs `--target` there: 4a55a87 or later).
+the program a row measured at COMMIT ran. A commit whose planner has no `--target` (before
+4a55a87, e.g. 25ec38c, the first GPU session's) is run through old_planner_on_card.py, which
+compiles its planner's programs for the deviceless card as `--target` does today.
+`--at own` compiles each row at the commit it was measured at.
 
 Measured rows (docs/results.md, experiments/results/gpu_check_h200_2026-11-27*.md):
 - H100 80GB HBM3, 2026-11-23, commit 25ec38c, jax 0.11.2: the first GPU session (DESIGN.md);
@@ -99,14 +102,24 @@ def run_at(commit: str, flags: list[str], card: str, timeout: float) -> dict:
     from jaxmem.families.params import model_flops
     from jaxmem.target import CARDS
 
+    from jaxmem.target import target_config
+
     tree = _worktree(commit)
     with tempfile.TemporaryDirectory(prefix="jaxmem-at-dump-") as dump:
         env = {**os.environ, "PYTHONPATH": str(tree),
                "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} "
                             "--xla_dump_hlo_as_text --xla_dump_hlo_pass_re=NONE".strip()}
+        if (tree / "jaxmem" / "target").exists():
+            command = [sys.executable, "-m", "jaxmem.memory", *flags, "--target", card]
+        else:  # no --target at that commit: its planner inside a deviceless card's compile
+            config = Path(dump) / "card.txtpb"
+            config.write_text(target_config(CARDS[card]))
+            env["JAXMEM_CARD_CONFIG"] = str(config)
+            command = [sys.executable, str(Path(__file__).with_name("old_planner_on_card.py")),
+                       *flags]
         try:
-            p = subprocess.run([sys.executable, "-m", "jaxmem.memory", *flags, "--target", card],
-                               cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+            p = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True,
+                               timeout=timeout)
         except subprocess.TimeoutExpired:
             return {"error": f"timeout after {timeout:g} s"}
         # the step is the largest optimized module the planner compiled
@@ -147,20 +160,24 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", nargs="+", help="row names (default: every row)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--at", metavar="COMMIT",
-                    help="compile each row with this commit's planner (today's time model)")
+                    help="compile each row with this commit's planner (today's time model); "
+                         "'own': each row at the commit it was measured at")
     args = ap.parse_args(argv)
+    from jaxmem import target
+    target.prepare()  # this process compiles nothing: JAX on the CPU, not probing for a GPU
     rows = []
     for name, card, measured, commit, source, flags in ROWS:
         if args.rows and name not in args.rows:
             continue
         t0 = time.time()
-        if args.at:
-            r = run_at(args.at, list(flags), card, args.timeout)
-            r = r if "error" in r else {"time": r, "compiler": f"the planner at {args.at}"}
+        at = commit if args.at == "own" else args.at
+        if at:
+            r = run_at(at, list(flags), card, args.timeout)
+            r = r if "error" in r else {"time": r, "compiler": f"the planner at {at}"}
         else:
             r = run_memory([*flags, "--target", card], args.timeout)
         row = {"row": name, "card": card, "measured": measured, "commit": commit,
-               "source": source, "flags": list(flags), "compiled_at": args.at or "today"}
+               "source": source, "flags": list(flags), "compiled_at": at or "today"}
         if "error" in r or not r.get("time"):
             row["error"] = r.get("error", "no predicted time")
         else:
