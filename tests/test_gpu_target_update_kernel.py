@@ -23,11 +23,16 @@ pytestmark = pytest.mark.gpu_target
 SHAPE = (4, 14336, 4096)  # four layers of llama-3-8b's MLP down projection
 
 
+EMBED = (128256, 4096)  # llama-3-8b's embedding: fp32 moments (the trainer's keeps_fp32)
+
+
 @functools.lru_cache(maxsize=None)  # each program compiles once
-def _compiled(kernel: str) -> str:
+def _compiled(kernel: str, shape=SHAPE, fp32_moments: bool = False) -> str:
     opt = AdamW8bitInPlace(3e-4, weight_decay=0.1, clip_norm=1.0, stochastic_rounding=True,
-                           layer_axes=lambda path, x: 1, update_kernel=kernel)
-    params = {"w": jax.ShapeDtypeStruct(SHAPE, jnp.bfloat16)}
+                           layer_axes=lambda path, x: 1 if x.ndim == 3 else 0,
+                           keep_fp32=(lambda path, x: True) if fp32_moments else None,
+                           update_kernel=kernel)
+    params = {"w": jax.ShapeDtypeStruct(shape, jnp.bfloat16)}
     state = jax.eval_shape(opt.init, params)
     key = jax.ShapeDtypeStruct((2,), jnp.uint32)
     step = jax.jit(lambda g, s, p, k: opt.update_and_apply(g, s, p, key=k), donate_argnums=(1, 2))
@@ -51,6 +56,21 @@ def test_the_update_is_one_triton_kernel_that_moves_each_byte_once():
     assert cycles is not None and 300 < cycles < 900, cycles  # threefry alone is ~155
     kernel = next(k for k in times["pallas"].kernels if "pallas" in k.name)
     assert kernel.arithmetic == pytest.approx(cycles * elements / machine.lane_cycles)
+
+
+def test_an_fp32_moment_leaf_is_one_triton_kernel_too():
+    """The embedding's update: the gradient read twice (the clip's norm, then the update: 4 B),
+    the weight read and written (4 B), each fp32 moment read and written (16 B): 24 B per
+    element, 22 of them the kernel's; XLA's loop 48."""
+    elements = EMBED[0] * EMBED[1]
+    machine = Machine.of_card(target.card("h100"))
+    moved = {k: sum(x.bytes * x.runs for x in step_time(
+        _compiled(k, EMBED, True), machine, Efficiency()).kernels) / elements
+        for k in ("xla", "pallas")}
+    assert 23.5 < moved["pallas"] < 25 and moved["xla"] > 40, moved
+    calls = [i for c in parse_hlo(_compiled("pallas", EMBED, True)).values()
+             for i in c["instrs"].values() if i["op"] == "custom-call" and "triton" in i["attrs"]]
+    assert len(calls) == 1
 
 
 def test_a_leaf_the_kernel_does_not_take_compiles_as_before():

@@ -17,7 +17,7 @@ import pytest
 
 import jaxmem.optim._stochastic as sr
 from jaxmem.bits import key_data
-from jaxmem.optim import AdamW8bitInPlace
+from jaxmem.optim import AdamW8bitInPlace, keep_small_fp32
 from jaxmem.optim._kernel import eligible, threefry_bits
 from jaxmem.xla import alu
 from jaxmem.xla.hlo import parse_hlo
@@ -37,11 +37,17 @@ def _params(rng):
             "heads": jnp.asarray(rng.standard_normal((2, 64, 4, 128)) * 0.02, jnp.bfloat16),
             "head": jnp.asarray(rng.standard_normal((1024, 256)) * 0.02, jnp.bfloat16),
             "norm": jnp.ones((512,), jnp.bfloat16),
+            "embed": jnp.asarray(rng.standard_normal((512, 192)) * 0.02, jnp.bfloat16),
             "fp32": jnp.asarray(rng.standard_normal((128, 256)), jnp.float32)}
 
 
 def _layers(path, x):
     return 1 if x.ndim >= 3 else 0
+
+
+def _keeps_fp32(path, x):
+    """The trainer's rule (jaxmem.train.optim.keeps_fp32): small leaves, and the embedding."""
+    return keep_small_fp32(path, x) or "embed" in jax.tree_util.keystr(path)
 
 
 # bf16 arithmetic rounded at every operation, in both programs: XLA's default lets each program
@@ -81,17 +87,19 @@ def test_the_kernel_gives_the_xla_loops_numbers_bitwise(monkeypatch, moments, cl
     rng = np.random.default_rng(0)
     schedule = optax.linear_schedule(1e-2, 1e-3, 10)  # a traced learning rate
     opt = AdamW8bitInPlace(schedule, weight_decay=0.1, clip_norm=clip, layer_axes=_layers,
-                           stochastic_rounding=True,
+                           keep_fp32=_keeps_fp32, stochastic_rounding=True,
                            stochastic_moments=moments == "stochastic")
     results, kopt, grads, state, params = _steps(opt, _params(rng), 3)
     for a, b in results:
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
             assert x.dtype == y.dtype and bool((x == y).all())
-    # the kernel ran: one per 8-bit bf16 leaf ("mlp", "heads" with its 128-wide blocks, "head";
-    # "norm" is under 4096 elements, so fp32 moments, and "fp32" has fp32 weights)
+    # the kernel ran: one per 8-bit bf16 leaf ("mlp", "heads" with its 128-wide blocks, "head")
+    # and for "embed", fp32 moments on a 192-wide last axis (tiles 64 wide); "norm" is 2 tile
+    # rows of 256, fewer than a tile's 16, and "fp32" has fp32 weights
     jaxpr = str(jax.make_jaxpr(lambda g, s, p: kopt.update_and_apply(
         g, s, p, key=jax.random.PRNGKey(0)))(grads, state, params))
-    assert jaxpr.count("pallas_call") == 3
+    assert jaxpr.count("pallas_call") == 4
+    assert not hasattr(kopt.moments(state).mu["embed"], "codes")
 
 
 def test_with_xlas_excess_precision_the_two_programs_differ_by_rounding_only():
@@ -99,7 +107,8 @@ def test_with_xlas_excess_precision_the_two_programs_differ_by_rounding_only():
     intermediates (the clipped gradient, the update) in fp32. The weights then differ by at
     most one bf16 ulp, the block scales by bf16's rounding, and a block whose scale moved draws
     its stochastic codes again (the hash of each value's bits): neighbouring codes."""
-    opt = AdamW8bitInPlace(1e-3, clip_norm=1.0, layer_axes=_layers, stochastic_rounding=True)
+    opt = AdamW8bitInPlace(1e-3, clip_norm=1.0, layer_axes=_layers, keep_fp32=_keeps_fp32,
+                           stochastic_rounding=True)
     results, *_ = _steps(opt, _params(np.random.default_rng(3)), 1, options=None)
     (new_a, state_a), (new_b, state_b) = results[0]
     for x, y in zip(jax.tree.leaves(new_a), jax.tree.leaves(new_b)):
@@ -119,7 +128,8 @@ def test_with_xlas_excess_precision_the_two_programs_differ_by_rounding_only():
 def test_a_skipped_step_leaves_every_buffer_as_it_was(monkeypatch):
     monkeypatch.setattr(sr, "CHUNK", 2**14)
     params = _params(np.random.default_rng(1))
-    opt = AdamW8bitInPlace(1e-2, clip_norm=1.0, layer_axes=_layers, stochastic_rounding=True)
+    opt = AdamW8bitInPlace(1e-2, clip_norm=1.0, layer_axes=_layers, keep_fp32=_keeps_fp32,
+                           stochastic_rounding=True)
     results, *_ = _steps(opt, params, 1, where=False)
     new, state = results[0][1]
     for x, y in zip(jax.tree.leaves((new, state)), jax.tree.leaves((params, opt.init(params)))):
@@ -139,6 +149,12 @@ def test_what_the_kernel_does_not_take_goes_through_the_loop():
     odd = jnp.zeros((64, 200), jnp.bfloat16)                    # blocks across rows
     mo = opt.moments(opt.init({"w": odd})).mu["w"]
     assert not eligible(odd, mo, mo, odd, key)
+    m32 = jnp.zeros(p.shape, jnp.float32)                       # fp32 moments: taken
+    assert eligible(p, m32, m32, p, key)
+    assert not eligible(p, m32, m, p, key)                      # one fp32, one 8-bit
+    assert not eligible(p, m32.astype(jnp.bfloat16), m32, p, key)   # bf16 moments
+    narrow = jnp.zeros((4096, 8), jnp.bfloat16)                 # tiles under 16 wide
+    assert not eligible(narrow, *(jnp.zeros(narrow.shape, jnp.float32),) * 2, narrow, key)
     with pytest.raises(ValueError, match="update_kernel 'cuda'"):
         dataclasses.replace(opt, update_kernel="cuda").update_and_apply(
             {"w": p}, opt.init({"w": p}), {"w": p}, key=key)

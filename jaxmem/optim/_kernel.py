@@ -1,4 +1,4 @@
-"""`AdamW8bitInPlace`'s update of a large 8-bit leaf as one kernel (`--update-kernel pallas`).
+"""`AdamW8bitInPlace`'s update of a large leaf as one kernel (`--update-kernel pallas`).
 
     eligible(g, m, v, p, leaf_key) -> bool     the leaves this kernel updates (else the XLA loop)
     update_leaf(opt, scalars, g, m, v, p, decays, leaf_key, finite) -> (new p, new m, new v)
@@ -10,6 +10,10 @@ slices between them), ~40 bytes moved per element where the update reads and wri
 (docs/results.md, "The issue's targets"). Here one Pallas kernel per leaf reads the gradient, the
 weight and both moments' codes and scales once, and writes the weight, the codes and the scales
 in place (the operands aliased to the results): each program holds R blocks of 256 elements.
+A leaf whose moments are fp32 (the embedding: the trainer's `keeps_fp32`) goes through the same
+kernel with fp32 moment tiles in place of codes and scales: the 8B's [128256, 4096] embedding,
+46 bytes per element in XLA's loop, 22 here (the gradient read; the weight and both moments
+read and written).
 
 The numbers are the XLA loop's by construction: the kernel runs `AdamW8bitInPlace.piece_of`'s
 own piece function on its tile, with the maps and code tables read from its operands (`take`),
@@ -80,28 +84,47 @@ def _tile_rows(n_blocks: int, blocks_per_piece: int) -> int:
 
 
 def _width(p, m) -> int:
-    """Elements per block of the leaf: 256, or a last axis of 128 (or less) whole, as
-    `quantize` cuts them (`_block_size`); 0 where that is not a power of two of 16 or more
-    (Triton's tiles)."""
+    """Elements per tile row: for 8-bit moments a block, 256 or a last axis of 128 (or less)
+    whole, as `quantize` cuts them (`_block_size`), 0 where that is not a power of two of 16 or
+    more (Triton's tiles); for fp32 moments the largest power of two up to 256 that divides the
+    last axis (0 below 16)."""
+    if not isinstance(m, Quantized):
+        w = BLOCK
+        while w >= 16 and p.shape[-1] % w:
+            w //= 2
+        return w if w >= 16 else 0
     w = min(m.block, p.shape[-1])
     return w if w >= 16 and w & (w - 1) == 0 and p.shape[-1] % w == 0 else 0
 
 
+def _fp32_moments(m, v, p) -> bool:
+    return all(not isinstance(x, Quantized) and not callable(x) and x.dtype == jnp.float32
+               and x.shape == p.shape for x in (m, v))
+
+
+def _parts(x, blocks: int, width: int) -> list:
+    """A moment as the kernel's operands: 8-bit codes [blocks, width] and scales [blocks], or
+    the fp32 moment [blocks, width]."""
+    if isinstance(x, Quantized):
+        return [x.codes.reshape(blocks, width), x.scale.reshape(blocks)]
+    return [x.reshape(blocks, width)]
+
+
 def eligible(g, m, v, p, leaf_key) -> bool:
     """Whether `update_leaf` takes this leaf: bf16 weights rounded stochastically (a key) with a
-    bf16 gradient array, both moments 8-bit in blocks of 256 along the last axis (or the whole
-    last axis where it is 128 or 64 wide: `_width`), on the device (not host memory), a row
-    piece of R blocks or more, and jax's partitionable threefry (the bits' layout the kernel
-    computes)."""
+    bf16 gradient array; both moments 8-bit in blocks of 256 along the last axis (or the whole
+    last axis where it is 128 or 64 wide: `_width`), or both fp32 with a last axis of 16 or more
+    (a power of two divides it); on the device (not host memory), a row piece of R tile rows or
+    more, and jax's partitionable threefry (the bits' layout the kernel computes)."""
     if leaf_key is None or callable(g) or p.dtype != jnp.bfloat16 or g.dtype != jnp.bfloat16:
         return False
-    if not (isinstance(m, Quantized) and isinstance(v, Quantized)):
+    quantized = isinstance(m, Quantized) and isinstance(v, Quantized)
+    if not (quantized or _fp32_moments(m, v, p)) or not jax.config.jax_threefry_partitionable:
         return False
     w = _width(p, m) if p.ndim else 0
-    if (_axes(m), _axes(v), m.block, v.block) != (1, 1, BLOCK, BLOCK) or not w \
-            or not jax.config.jax_threefry_partitionable:
+    if not w or quantized and (_axes(m), _axes(v), m.block, v.block) != (1, 1, BLOCK, BLOCK):
         return False
-    if any(in_host_memory(x) for x in (p, m.codes, v.codes, g)):
+    if any(in_host_memory(x) for x in (p, g, *jax.tree.leaves((m, v)))):
         return False
     _, n, same = moment_pieces(p.shape, m)
     return same and _tile_rows(p.size // w, p.size // n // w) > 0
@@ -123,7 +146,9 @@ class _Tile:
     the weights' threefry bits of the tile's elements, and the old values kept where not `ok`."""
 
     def __init__(self, opt, scalars, m, v, decays, rows: int, width: int, divide):
-        self.opt, self.m_block, self.v_block, self.decays = opt, m.block, v.block, decays
+        # a moment's block (8-bit: its codes and scales are two operands), or None (fp32: one)
+        self.blocks = tuple(x.block if isinstance(x, Quantized) else None for x in (m, v))
+        self.opt, self.decays = opt, decays
         self.leaves, self.tree = jax.tree_util.tree_flatten(scalars)
         # the step's traced scalars become operands; Python numbers stay constants of the kernel
         self.traced = [i for i, x in enumerate(self.leaves) if isinstance(x, jax.Array)]
@@ -140,21 +165,30 @@ class _Tile:
             vals[i] = x != 0 if self.leaves[i].dtype == jnp.bool_ else x
         return vals
 
-    def __call__(self, g, p, mc, ms, vc, vs, k0, k1, local, ok, vals, take):
-        """(new p, codes, scales of m, codes, scales of v) of the tile; `local`: its first
-        element's index in its row piece."""
+    def arrays(self) -> int:
+        """How many of the kernel's first operands are tiles: g, p and the moments' parts."""
+        return 2 + sum(1 if b is None else 2 for b in self.blocks)
+
+    def __call__(self, g, p, moments, k0, k1, local, ok, vals, take):
+        """(new p, *the new moments' parts) of the tile, `moments` the old ones' parts (`_parts`:
+        codes and scales, or the fp32 moment, of m then of v); `local`: its first element's
+        index in its row piece."""
         piece = self.opt.piece_of(jax.tree_util.tree_unflatten(self.tree, vals), take,
                                   self.divide)
         shape = (self.rows, self.width)
         index = (local + jax.lax.broadcasted_iota(jnp.int32, shape, 0) * self.width
                  + jax.lax.broadcasted_iota(jnp.int32, shape, 1)).astype(jnp.uint32)
-        old_m = Quantized(codes=mc, scale=ms[:, None], block=self.m_block)
-        old_v = Quantized(codes=vc, scale=vs[:, None], block=self.v_block)
-        new_p, new_m, new_v = piece(g, old_m, old_v, p, self.decays, None,
-                                    threefry_bits(k0, k1, index))
-        return tuple(jnp.where(ok, a, b) for a, b in (
-            (new_p, p), (new_m.codes, mc), (new_m.scale[:, 0], ms), (new_v.codes, vc),
-            (new_v.scale[:, 0], vs)))
+        old, rest = [], list(moments)
+        for block in self.blocks:
+            if block is None:
+                old.append(rest.pop(0))
+            else:
+                codes, scale, rest = rest[0], rest[1], rest[2:]
+                old.append(Quantized(codes=codes, scale=scale[:, None], block=block))
+        new_p, new_m, new_v = piece(g, *old, p, self.decays, None, threefry_bits(k0, k1, index))
+        new = [new_p] + [y for x in (new_m, new_v) for y in (
+            [x.codes, x.scale[:, 0]] if isinstance(x, Quantized) else [x])]
+        return tuple(jnp.where(ok, a, b) for a, b in zip(new, (p, *moments)))
 
     def cycles(self, ins: list) -> int:
         """Lane cycles per element (jaxmem.xla.alu) of XLA:CPU's compiled program of one tile,
@@ -164,22 +198,22 @@ class _Tile:
         o = self.opt  # what its piece function reads of it (a mask may be an unhashable tree)
         key = ((o.b1, o.b2, o.eps, o.weight_decay, o.clip_norm, o.stochastic_rounding),
                self.tree, static, tuple(self.leaves[i].dtype for i in self.traced),
-               self.decays, self.rows, self.width, self.divide, self.m_block, self.v_block,
-               tuple(x.dtype for x in ins[:6]))
+               self.decays, self.rows, self.width, self.divide, self.blocks,
+               tuple(x.dtype for x in ins[:self.arrays()]))
         if key not in _CYCLES:
             _CYCLES[key] = self._count(ins)
         return _CYCLES[key]
 
     def _count(self, ins: list) -> int:
         spec = lambda x, *shape: jax.ShapeDtypeStruct(shape, x.dtype)  # noqa: E731
-        r, w = self.rows, self.width
-        tiles = [spec(ins[0], r, w), spec(ins[1], r, w), spec(ins[2], r, w), spec(ins[3], r),
-                 spec(ins[4], r, w), spec(ins[5], r)]
+        r, w, n = self.rows, self.width, self.arrays()
+        tiles = [spec(x, r, w) if x.ndim == 2 else spec(x, r) for x in ins[:n]]
         u32 = jax.ShapeDtypeStruct((), jnp.uint32)
         scalars = [spec(x) for x in self.scalar_operands()]
 
-        def f(g, p, mc, ms, vc, vs, k0, k1, *traced):
-            return self(g, p, mc, ms, vc, vs, k0, k1, 0, True, self.scalars(traced),
+        def f(*args):
+            tiled, (k0, k1), traced = args[:n], args[n:n + 2], args[n + 2:]
+            return self(*tiled[:2], tiled[2:], k0, k1, 0, True, self.scalars(traced),
                         take_constant)
 
         with jax.default_device(jax.devices("cpu")[0]):
@@ -206,19 +240,21 @@ def update_leaf(opt, scalars, g, m, v, p, decays, leaf_key, finite):
     kdata = kdata.reshape(-1, 2).astype(jnp.uint32)
     scalar_ops, tables = tile.scalar_operands(), _tables_in_order()
     flat = lambda x: x.reshape(blocks, width)  # noqa: E731  blocks as rows
-    ins = [flat(g), flat(p), flat(m.codes), m.scale.reshape(blocks),
-           flat(v.codes), v.scale.reshape(blocks), kdata[:, 0], kdata[:, 1],
-           jnp.asarray(finite).astype(jnp.uint32).reshape(1), *scalar_ops,
-           *[jnp.asarray(t) for t in tables]]
+    n_tiles = tile.arrays()  # g, p, then the moments' parts (`_parts`)
+    ins = [flat(g), flat(p), *_parts(m, blocks, width), *_parts(v, blocks, width),
+           kdata[:, 0], kdata[:, 1], jnp.asarray(finite).astype(jnp.uint32).reshape(1),
+           *scalar_ops, *[jnp.asarray(t) for t in tables]]
     load = _triton_load() if triton else (lambda ref, idx: ref[idx])
 
-    def kernel(g_ref, p_ref, mc_ref, ms_ref, vc_ref, vs_ref, k0_ref, k1_ref, fin_ref, *rest):
+    def kernel(*refs):
+        tiled, (k0_ref, k1_ref, fin_ref), rest = (refs[:n_tiles], refs[n_tiles:n_tiles + 3],
+                                                  refs[n_tiles + 3:])
         scalar_refs, rest = rest[:len(scalar_ops)], rest[len(scalar_ops):]
         table_refs, outs = rest[:len(tables)], rest[len(tables):]
         by_id = {id(t): ref for t, ref in zip(tables, table_refs)}
         first = pl.program_id(0) * rows  # the tile's first block
         j = first // per_piece  # its row piece
-        new = tile(g_ref[...], p_ref[...], mc_ref[...], ms_ref[...], vc_ref[...], vs_ref[...],
+        new = tile(tiled[0][...], tiled[1][...], [ref[...] for ref in tiled[2:]],
                    k0_ref[j], k1_ref[j], (first - j * per_piece) * width, fin_ref[0] != 0,
                    tile.scalars([ref[0] for ref in scalar_refs]),
                    lambda table, idx: load(by_id[id(table)], idx))
@@ -227,19 +263,23 @@ def update_leaf(opt, scalars, g, m, v, p, decays, leaf_key, finite):
 
     block = pl.BlockSpec((rows, width), lambda i: (i, 0))
     one = pl.BlockSpec((rows,), lambda i: (i,))
-    whole = [pl.BlockSpec(x.shape, lambda i, d=x.ndim: (0,) * d) for x in ins[6:]]
+    spec = [block if x.ndim == 2 else one for x in ins[:n_tiles]]
+    whole = [pl.BlockSpec(x.shape, lambda i, d=x.ndim: (0,) * d) for x in ins[n_tiles:]]
     params = {"compiler_params": _triton_params()} if triton else {}
-    new_p, mc, ms, vc, vs = pl.pallas_call(
-        kernel, grid=(blocks // rows,), in_specs=[block, block, block, one, block, one, *whole],
-        out_specs=[block, block, one, block, one],
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in ins[1:6]],
-        input_output_aliases={1: 0, 2: 1, 3: 2, 4: 3, 5: 4}, interpret=not triton,
+    new_p, *parts = pl.pallas_call(
+        kernel, grid=(blocks // rows,), in_specs=[*spec, *whole], out_specs=spec[1:],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in ins[1:n_tiles]],
+        input_output_aliases={i: i - 1 for i in range(1, n_tiles)}, interpret=not triton,
         name=alu.tag("adamw8bit_update", tile.cycles(ins)), **params)(*ins)
-    return (new_p.reshape(p.shape),
-            Quantized(codes=mc.reshape(m.codes.shape), scale=ms.reshape(m.scale.shape),
-                      block=m.block),
-            Quantized(codes=vc.reshape(v.codes.shape), scale=vs.reshape(v.scale.shape),
-                      block=v.block))
+    new = []
+    for x in (m, v):
+        if isinstance(x, Quantized):
+            codes, scale, parts = parts[0], parts[1], parts[2:]
+            new.append(Quantized(codes=codes.reshape(x.codes.shape),
+                                 scale=scale.reshape(x.scale.shape), block=x.block))
+        else:
+            new.append(parts.pop(0).reshape(x.shape))
+    return new_p.reshape(p.shape), *new
 
 
 def _divide_in_fp32(a, b):
