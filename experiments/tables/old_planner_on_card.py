@@ -13,7 +13,9 @@ card. It imports only the old tree's jaxmem, never today's. Not covered: host of
 (that commit's rows had neither).
 """
 
+import importlib
 import os
+import runpy
 import sys
 
 
@@ -29,13 +31,11 @@ def main(argv: list[str]) -> int:
     config = open(os.environ["JAXMEM_CARD_CONFIG"]).read()
     gpu = topologies.get_topology_desc(platform="cuda", target_config=config,
                                        topology="1x1x1").devices[0]
-    import importlib  # noqa: PLC0415
     importlib.import_module("jaxmem.model.attention")._on_gpu = lambda: True
     for name in ("jaxmem.model.layers", "jaxmem.model.attention", "jaxmem.model.projection"):
         module = importlib.import_module(name)
         if hasattr(module, "cpu_lacks"):
             module.cpu_lacks = lambda dtype: False
-    import runpy  # noqa: PLC0415
     jax.config.update("jax_enable_compilation_cache", False)
     print(f"old_planner_on_card: compiling for {gpu.device_kind} (deviceless, jax "
           f"{jax.__version__})", file=sys.stderr)

@@ -100,9 +100,7 @@ def run_at(commit: str, flags: list[str], card: str, timeout: float) -> dict:
     from jaxmem.memory.seconds import predict
     from jaxmem.families import get_preset
     from jaxmem.families.params import model_flops
-    from jaxmem.target import CARDS
-
-    from jaxmem.target import target_config
+    from jaxmem.target import CARDS, target_config
 
     tree = _worktree(commit)
     with tempfile.TemporaryDirectory(prefix="jaxmem-at-dump-") as dump:

@@ -98,16 +98,8 @@ def _width(p, m) -> int:
 
 
 def _fp32_moments(m, v, p) -> bool:
-    return all(not isinstance(x, Quantized) and not callable(x) and x.dtype == jnp.float32
-               and x.shape == p.shape for x in (m, v))
-
-
-def _parts(x, blocks: int, width: int) -> list:
-    """A moment as the kernel's operands: 8-bit codes [blocks, width] and scales [blocks], or
-    the fp32 moment [blocks, width]."""
-    if isinstance(x, Quantized):
-        return [x.codes.reshape(blocks, width), x.scale.reshape(blocks)]
-    return [x.reshape(blocks, width)]
+    return all(not isinstance(x, Quantized) and x.dtype == jnp.float32 and x.shape == p.shape
+               for x in (m, v))
 
 
 def eligible(g, m, v, p, leaf_key) -> bool:
@@ -146,8 +138,9 @@ class _Tile:
     the weights' threefry bits of the tile's elements, and the old values kept where not `ok`."""
 
     def __init__(self, opt, scalars, m, v, decays, rows: int, width: int, divide):
-        # a moment's block (8-bit: its codes and scales are two operands), or None (fp32: one)
-        self.blocks = tuple(x.block if isinstance(x, Quantized) else None for x in (m, v))
+        # (m, v)'s pytree: an 8-bit moment's leaves are its codes and scales (its block static),
+        # an fp32 moment is one leaf; the kernel takes the leaves as tiles, in this order
+        self.moments = jax.tree.structure((m, v))
         self.opt, self.decays = opt, decays
         self.leaves, self.tree = jax.tree_util.tree_flatten(scalars)
         # the step's traced scalars become operands; Python numbers stay constants of the kernel
@@ -166,28 +159,24 @@ class _Tile:
         return vals
 
     def arrays(self) -> int:
-        """How many of the kernel's first operands are tiles: g, p and the moments' parts."""
-        return 2 + sum(1 if b is None else 2 for b in self.blocks)
+        """How many of the kernel's first operands are tiles: g, p and the moments' leaves."""
+        return 2 + self.moments.num_leaves
 
     def __call__(self, g, p, moments, k0, k1, local, ok, vals, take):
-        """(new p, *the new moments' parts) of the tile, `moments` the old ones' parts (`_parts`:
-        codes and scales, or the fp32 moment, of m then of v); `local`: its first element's
-        index in its row piece."""
+        """(new p, *the new moments' leaves) of the tile, `moments` the old ones' leaves as
+        tiles (an 8-bit moment's codes [rows, width] and scales [rows], an fp32 moment
+        [rows, width]); `local`: its first element's index in its row piece."""
         piece = self.opt.piece_of(jax.tree_util.tree_unflatten(self.tree, vals), take,
                                   self.divide)
         shape = (self.rows, self.width)
         index = (local + jax.lax.broadcasted_iota(jnp.int32, shape, 0) * self.width
                  + jax.lax.broadcasted_iota(jnp.int32, shape, 1)).astype(jnp.uint32)
-        old, rest = [], list(moments)
-        for block in self.blocks:
-            if block is None:
-                old.append(rest.pop(0))
-            else:
-                codes, scale, rest = rest[0], rest[1], rest[2:]
-                old.append(Quantized(codes=codes, scale=scale[:, None], block=block))
-        new_p, new_m, new_v = piece(g, *old, p, self.decays, None, threefry_bits(k0, k1, index))
-        new = [new_p] + [y for x in (new_m, new_v) for y in (
-            [x.codes, x.scale[:, 0]] if isinstance(x, Quantized) else [x])]
+        old_m, old_v = jax.tree.unflatten(self.moments,
+                                          [x[:, None] if x.ndim == 1 else x for x in moments])
+        new_p, new_m, new_v = piece(g, old_m, old_v, p, self.decays, None,
+                                    threefry_bits(k0, k1, index))
+        new = [new_p, *(y.reshape(x.shape)
+                        for y, x in zip(jax.tree.leaves((new_m, new_v)), moments))]
         return tuple(jnp.where(ok, a, b) for a, b in zip(new, (p, *moments)))
 
     def cycles(self, ins: list) -> int:
@@ -198,7 +187,7 @@ class _Tile:
         o = self.opt  # what its piece function reads of it (a mask may be an unhashable tree)
         key = ((o.b1, o.b2, o.eps, o.weight_decay, o.clip_norm, o.stochastic_rounding),
                self.tree, static, tuple(self.leaves[i].dtype for i in self.traced),
-               self.decays, self.rows, self.width, self.divide, self.blocks,
+               self.decays, self.rows, self.width, self.divide, self.moments,
                tuple(x.dtype for x in ins[:self.arrays()]))
         if key not in _CYCLES:
             _CYCLES[key] = self._count(ins)
@@ -240,8 +229,10 @@ def update_leaf(opt, scalars, g, m, v, p, decays, leaf_key, finite):
     kdata = kdata.reshape(-1, 2).astype(jnp.uint32)
     scalar_ops, tables = tile.scalar_operands(), _tables_in_order()
     flat = lambda x: x.reshape(blocks, width)  # noqa: E731  blocks as rows
-    n_tiles = tile.arrays()  # g, p, then the moments' parts (`_parts`)
-    ins = [flat(g), flat(p), *_parts(m, blocks, width), *_parts(v, blocks, width),
+    n_tiles = tile.arrays()  # g, p, then the moments' leaves (scales: one per tile row)
+    moments = jax.tree.leaves((m, v))
+    ins = [flat(g), flat(p), *(flat(x) if x.size == p.size else x.reshape(blocks)
+                               for x in moments),
            kdata[:, 0], kdata[:, 1], jnp.asarray(finite).astype(jnp.uint32).reshape(1),
            *scalar_ops, *[jnp.asarray(t) for t in tables]]
     load = _triton_load() if triton else (lambda ref, idx: ref[idx])
@@ -271,15 +262,9 @@ def update_leaf(opt, scalars, g, m, v, p, decays, leaf_key, finite):
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in ins[1:n_tiles]],
         input_output_aliases={i: i - 1 for i in range(1, n_tiles)}, interpret=not triton,
         name=alu.tag("adamw8bit_update", tile.cycles(ins)), **params)(*ins)
-    new = []
-    for x in (m, v):
-        if isinstance(x, Quantized):
-            codes, scale, parts = parts[0], parts[1], parts[2:]
-            new.append(Quantized(codes=codes.reshape(x.codes.shape),
-                                 scale=scale.reshape(x.scale.shape), block=x.block))
-        else:
-            new.append(parts.pop(0).reshape(x.shape))
-    return new_p.reshape(p.shape), *new
+    new_m, new_v = jax.tree.unflatten(tile.moments,
+                                      [y.reshape(x.shape) for y, x in zip(parts, moments)])
+    return new_p.reshape(p.shape), new_m, new_v
 
 
 def _divide_in_fp32(a, b):
